@@ -1,0 +1,3 @@
+from cubefs_fuse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,251 @@
+"""The remote volume: the Backend interface and the directory-path backend.
+
+Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
+blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
+hung remote ties up worker threads, never the trio thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+import trio
+
+from cubefs_fuse.cache.keys import FileVersion
+from cubefs_fuse.errors import StaleVersion
+from cubefs_fuse.stats import HistogramSnapshot, LatencyHistogram
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Distinct files whose errors are logged individually; past this many the log says so
+# once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
+MAX_LOGGED_ERROR_FILES = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    """The attributes of a source file, as the backend saw them."""
+
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    rdev: int
+    size: int
+    blocks: int
+    blksize: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> Attr:
+        return cls(
+            st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_size,
+            st.st_blocks, st.st_blksize, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
+        )
+
+    @property
+    def version(self) -> FileVersion:
+        return FileVersion(self.size, self.mtime_ns, self.ino, self.ctime_ns)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+    @property
+    def is_symlink(self) -> bool:
+        return stat.S_ISLNK(self.mode)
+
+
+@dataclass(frozen=True, slots=True)
+class FsStats:
+    block_size: int
+    fragment_size: int
+    blocks: int
+    blocks_free: int
+    blocks_available: int
+    files: int
+    files_free: int
+    name_max: int
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStatistics:
+    operations: dict[str, int]
+    errors: dict[tuple[str, int], int]
+    bytes_read: int
+    latency: dict[str, HistogramSnapshot]
+    threads_busy: int
+    threads_total: int
+
+
+class Backend(Protocol):
+    async def stat(self, path: str) -> Attr: ...
+    async def listdir(self, path: str) -> list[tuple[str, Attr]]: ...
+    async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes: ...
+    async def readlink(self, path: str) -> str: ...
+    async def statfs(self) -> FsStats: ...
+    def statistics(self) -> BackendStatistics: ...
+
+
+@dataclass
+class _Counters:
+    operations: dict[str, int] = field(default_factory=dict)
+    errors: dict[tuple[str, int], int] = field(default_factory=dict)
+    bytes_read: int = 0
+    latency: dict[str, LatencyHistogram] = field(default_factory=dict)
+
+
+class ErrorLog:
+    """Logs a backend error once per file, counts every one."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._saturated = False
+
+    def report(self, op: str, path: str, exc: OSError) -> None:
+        if path in self._seen or self._saturated:
+            return
+        if len(self._seen) >= MAX_LOGGED_ERROR_FILES:
+            self._saturated = True
+            log.warning("backend errors on more than %d files; further files are not logged "
+                        "individually (see cubefs_fuse_backend_errors_total)", MAX_LOGGED_ERROR_FILES)
+            return
+        self._seen.add(path)
+        log.warning("backend %s of %r failed: %s (logged once per file)", op, path, os.strerror(exc.errno or errno.EIO))
+
+
+class LocalDirBackend:
+    """A directory path as the remote volume (an NFS/CubeFS/Lustre mount point)."""
+
+    def __init__(self, root: str, threads: int) -> None:
+        self.root = root
+        self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._limiter = trio.CapacityLimiter(threads)
+        self._counters = _Counters()
+        self._errors = ErrorLog()
+
+    def close(self) -> None:
+        os.close(self._root_fd)
+
+    @staticmethod
+    def _rel(path: str) -> str:
+        return path or "."
+
+    async def _run(self, op: str, path: str, fn: Callable[[], T], *, expected: tuple[int, ...] = ()) -> T:
+        """Run ``fn`` in a worker thread; time it, count it, log its error once per file."""
+        counters = self._counters
+        counters.operations[op] = counters.operations.get(op, 0) + 1
+
+        def timed() -> tuple[T, float]:
+            start = time.perf_counter()
+            try:
+                return fn(), time.perf_counter() - start
+            except OSError as exc:
+                exc.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
+                raise
+
+        histogram = counters.latency.get(op)
+        if histogram is None:
+            histogram = counters.latency[op] = LatencyHistogram()
+        try:
+            result, elapsed = await trio.to_thread.run_sync(timed, limiter=self._limiter)
+        except OSError as exc:
+            histogram.observe(getattr(exc, "elapsed", 0.0))
+            code = exc.errno or errno.EIO
+            if code not in expected:
+                key = (op, code)
+                counters.errors[key] = counters.errors.get(key, 0) + 1
+                self._errors.report(op, path, exc)
+            raise
+        histogram.observe(elapsed)
+        return result
+
+    async def stat(self, path: str) -> Attr:
+        rel = self._rel(path)
+        st = await self._run(
+            "stat", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False),
+            expected=(errno.ENOENT, errno.ENOTDIR),  # a lookup of a missing name is no error
+        )
+        return Attr.from_stat(st)
+
+    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
+        rel = self._rel(path)
+
+        def scan() -> list[tuple[str, Attr]]:
+            fd = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+            try:
+                entries = []
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        try:
+                            entries.append((entry.name, Attr.from_stat(entry.stat(follow_symlinks=False))))
+                        except FileNotFoundError:
+                            continue  # removed between readdir and stat
+                return entries
+            finally:
+                os.close(fd)
+
+        return await self._run("listdir", path, scan)
+
+    async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
+        rel = self._rel(path)
+
+        def read() -> bytes:
+            fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
+            try:
+                if Attr.from_stat(os.fstat(fd)).version != version:
+                    raise StaleVersion(path)
+                chunks = []
+                done = 0
+                while done < size:
+                    chunk = os.pread(fd, size - done, offset + done)
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    done += len(chunk)
+                # Checked again after the read: an in-place rewrite during pread would
+                # otherwise hand out a block mixing two versions.
+                if done != size or Attr.from_stat(os.fstat(fd)).version != version:
+                    raise StaleVersion(path)
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            finally:
+                os.close(fd)
+
+        data = await self._run("read", path, read)
+        self._counters.bytes_read += len(data)
+        return data
+
+    async def readlink(self, path: str) -> str:
+        rel = self._rel(path)
+        return await self._run("readlink", path, lambda: os.readlink(rel, dir_fd=self._root_fd))
+
+    async def statfs(self) -> FsStats:
+        st = await self._run("statfs", "", lambda: os.statvfs(self._root_fd))
+        return FsStats(st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail,
+                       st.f_files, st.f_ffree, st.f_namemax)
+
+    def statistics(self) -> BackendStatistics:
+        c = self._counters
+        return BackendStatistics(
+            operations=dict(c.operations),
+            errors=dict(c.errors),
+            bytes_read=c.bytes_read,
+            latency={op: h.snapshot() for op, h in c.latency.items()},
+            threads_busy=self._limiter.borrowed_tokens,
+            threads_total=int(self._limiter.total_tokens),
+        )

@@ -1,0 +1,309 @@
+"""BlockCache: the tiers composed, single-flight fetches, foreground before prefetch.
+
+The cache knows nothing of the remote: callers pass a ``fetch`` coroutine function
+that produces the block's bytes.  A lookup tries RAM, then NVMe (a hit is promoted to
+RAM), then runs ``fetch`` under a fetch slot.  Concurrency invariants:
+
+* At most one fetch per key is in flight; later callers wait for it (single flight).
+  Flights run in the cache's own nursery, so a caller that is cancelled (an
+  interrupted FUSE request) never cancels the work other callers wait on.
+* Fetch slots are shared by foreground reads and prefetch.  Prefetch may hold at most
+  ``background_max`` slots (< total), so foreground reads always have slots of their
+  own, and a waiting foreground fetch is served before any waiting prefetch.  A
+  foreground read that joins a queued prefetch flight promotes it.
+* Blocks fetched from the backend go to RAM at once and to NVMe in the background;
+  pending NVMe writes are capped in bytes (``max_pending_disk_bytes``) so a slow disk
+  cannot turn into unbounded memory: past the cap a block simply is not written.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import trio
+
+from cubefs_fuse.cache.disk import DiskStatistics, DiskTier
+from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
+from cubefs_fuse.errors import FsError
+
+log = logging.getLogger(__name__)
+
+Fetcher = Callable[[], Awaitable[bytes]]
+
+# NVMe writes that may be queued at once, in bytes.  256 MiB absorbs a burst of misses
+# at 10 Gbit/s for ~0.2 s while an NVMe drive catches up, and bounds the RAM it can pin.
+DEFAULT_MAX_PENDING_DISK_BYTES = 256 * 1024 * 1024
+# Prefetch flights accepted at once; callers (the prefetch scheduler) keep far fewer.
+MAX_PREFETCH_FLIGHTS = 4096
+
+
+class Source(Enum):
+    RAM = "ram"
+    DISK = "disk"
+    BACKEND = "backend"
+
+
+class _Waiter:
+    __slots__ = ("event", "foreground", "granted")
+
+    def __init__(self, foreground: bool) -> None:
+        self.event = trio.Event()
+        self.foreground = foreground
+        self.granted = False
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStatistics:
+    total: int
+    background_max: int
+    busy_foreground: int
+    busy_background: int
+    waiting_foreground: int
+    waiting_background: int
+
+
+class PrioritySlots:
+    """``total`` slots; background holders never exceed ``background_max``; foreground first."""
+
+    def __init__(self, total: int, background_max: int) -> None:
+        if not 1 <= background_max <= total:
+            raise ValueError("need 1 <= background_max <= total")
+        self.total = total
+        self.background_max = background_max
+        self._busy_fg = 0
+        self._busy_bg = 0
+        self._fg: deque[_Waiter] = deque()
+        self._bg: deque[_Waiter] = deque()
+
+    def _can_grant(self, foreground: bool) -> bool:
+        if self._busy_fg + self._busy_bg >= self.total:
+            return False
+        return foreground or (self._busy_bg < self.background_max and not self._fg)
+
+    def _grant(self, waiter: _Waiter) -> None:
+        if waiter.foreground:
+            self._busy_fg += 1
+        else:
+            self._busy_bg += 1
+        waiter.granted = True
+
+    async def acquire(self, waiter: _Waiter) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._can_grant(waiter.foreground):
+            self._grant(waiter)
+            return
+        (self._fg if waiter.foreground else self._bg).append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.granted:
+                self.release(waiter)
+            else:
+                (self._fg if waiter.foreground else self._bg).remove(waiter)
+            raise
+
+    def release(self, waiter: _Waiter) -> None:
+        if waiter.foreground:
+            self._busy_fg -= 1
+        else:
+            self._busy_bg -= 1
+        waiter.granted = False
+        while self._fg and self._can_grant(True):
+            self._wake(self._fg.popleft())
+        while self._bg and self._can_grant(False):
+            self._wake(self._bg.popleft())
+
+    def _wake(self, waiter: _Waiter) -> None:
+        self._grant(waiter)
+        waiter.event.set()
+
+    def promote(self, waiter: _Waiter) -> None:
+        """Make a background waiter a foreground one (queued or not yet queued)."""
+        if waiter.foreground or waiter.granted:
+            return
+        waiter.foreground = True
+        if waiter not in self._bg:
+            return  # not queued yet (still reading the disk tier): it will queue as foreground
+        self._bg.remove(waiter)
+        if self._can_grant(True):
+            self._wake(waiter)
+        else:
+            self._fg.append(waiter)
+
+    def statistics(self) -> SlotStatistics:
+        return SlotStatistics(self.total, self.background_max, self._busy_fg, self._busy_bg,
+                              len(self._fg), len(self._bg))
+
+
+class _Flight:
+    __slots__ = ("done", "waiter", "data", "source", "error")
+
+    def __init__(self, foreground: bool) -> None:
+        self.done = trio.Event()
+        self.waiter = _Waiter(foreground)
+        self.data: bytes | None = None
+        self.source = Source.BACKEND
+        self.error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCacheStatistics:
+    ram: TierStatistics
+    disk: DiskStatistics | None
+    hits_ram: int
+    hits_disk: int
+    misses: int  # foreground gets that waited on the backend
+    joined: int  # foreground gets that waited on a flight another caller started
+    fetch_errors: int
+    prefetch_issued: int
+    prefetch_completed: int
+    prefetch_failed: int
+    disk_writes_skipped: int
+    pending_disk_bytes: int
+    flights: int
+    slots: SlotStatistics
+
+
+class BlockCache:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        memory: MemoryTier,
+        disk: DiskTier | None,
+        *,
+        fetch_slots: int,
+        prefetch_slots: int,
+        max_pending_disk_bytes: int = DEFAULT_MAX_PENDING_DISK_BYTES,
+    ) -> None:
+        self._nursery = nursery
+        self.memory = memory
+        self.disk = disk
+        self.slots = PrioritySlots(fetch_slots, max(1, min(prefetch_slots, fetch_slots - 1)))
+        self._flights: dict[bytes, _Flight] = {}
+        self._max_pending_disk = max_pending_disk_bytes
+        self._pending_disk = 0
+        self._hits_ram = self._hits_disk = self._misses = self._joined = self._fetch_errors = 0
+        self._prefetch_issued = self._prefetch_completed = self._prefetch_failed = 0
+        self._prefetch_flights = 0
+        self._disk_writes_skipped = 0
+
+    async def get(self, key: bytes, fetch: Fetcher) -> tuple[bytes, Source]:
+        """The block's bytes and where they came from (an application read)."""
+        data = self.memory.get(key)
+        if data is not None:
+            self._hits_ram += 1
+            return data, Source.RAM
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = self._start(key, fetch, foreground=True)
+        else:
+            self._joined += 1
+            if not flight.waiter.foreground:
+                self.slots.promote(flight.waiter)
+        await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        assert flight.data is not None
+        if flight.source is Source.DISK:
+            self._hits_disk += 1
+        else:
+            self._misses += 1
+        return flight.data, flight.source
+
+    def prefetch(self, key: bytes, fetch: Fetcher) -> bool:
+        """Bring a block into RAM in the background; False if already there or too busy."""
+        if key in self.memory or key in self._flights or self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
+            return False
+        self._prefetch_issued += 1
+        self._start(key, fetch, foreground=False)
+        return True
+
+    def contains(self, key: bytes) -> bool:
+        return key in self.memory or (self.disk is not None and key in self.disk)
+
+    async def clear(self) -> None:
+        self.memory.clear()
+        if self.disk is not None:
+            await self.disk.clear()
+
+    async def drain(self) -> None:
+        """Wait until every queued NVMe write has finished (used at shutdown)."""
+        while self._pending_disk:
+            await trio.sleep(0.01)
+
+    def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool) -> _Flight:
+        flight = _Flight(foreground)
+        self._flights[key] = flight
+        if not foreground:
+            self._prefetch_flights += 1
+        self._nursery.start_soon(self._fly, key, fetch, flight)
+        return flight
+
+    async def _fly(self, key: bytes, fetch: Fetcher, flight: _Flight) -> None:
+        prefetch = not flight.waiter.foreground
+        try:
+            data = await self.disk.get(key) if self.disk is not None and key in self.disk else None
+            if data is not None:
+                flight.source = Source.DISK
+            else:
+                await self.slots.acquire(flight.waiter)
+                try:
+                    data = await fetch()
+                finally:
+                    self.slots.release(flight.waiter)
+                self._write_behind(key, data)
+            self.memory.put(key, data)
+            flight.data = data
+            if prefetch:
+                self._prefetch_completed += 1
+        except BaseException as exc:
+            self._fetch_errors += 1
+            if prefetch:
+                self._prefetch_failed += 1
+            flight.error = exc if isinstance(exc, Exception) else FsError(errno.EIO, "cache shutting down")
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            del self._flights[key]
+            if prefetch:
+                self._prefetch_flights -= 1
+            flight.done.set()
+
+    def _write_behind(self, key: bytes, data: bytes) -> None:
+        if self.disk is None:
+            return
+        if self._pending_disk + len(data) > self._max_pending_disk:
+            self._disk_writes_skipped += 1
+            return
+        self._pending_disk += len(data)
+        self._nursery.start_soon(self._write_to_disk, key, data)
+
+    async def _write_to_disk(self, key: bytes, data: bytes) -> None:
+        assert self.disk is not None
+        try:
+            await self.disk.put(key, data)
+        finally:
+            self._pending_disk -= len(data)
+
+    def statistics(self) -> BlockCacheStatistics:
+        return BlockCacheStatistics(
+            ram=self.memory.statistics(),
+            disk=self.disk.statistics() if self.disk is not None else None,
+            hits_ram=self._hits_ram,
+            hits_disk=self._hits_disk,
+            misses=self._misses,
+            joined=self._joined,
+            fetch_errors=self._fetch_errors,
+            prefetch_issued=self._prefetch_issued,
+            prefetch_completed=self._prefetch_completed,
+            prefetch_failed=self._prefetch_failed,
+            disk_writes_skipped=self._disk_writes_skipped,
+            pending_disk_bytes=self._pending_disk,
+            flights=len(self._flights),
+            slots=self.slots.statistics(),
+        )

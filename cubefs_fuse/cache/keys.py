@@ -1,0 +1,36 @@
+"""Cache keys: a block of one version of one file.
+
+A key is the 128-bit xxh3 of (path, version, block index).  The version is everything
+that changes when a file's content may have changed: size, mtime, inode number and
+ctime.  mtime alone is not enough: ``rsync -a``/``cp -p`` preserve mtime and often
+size, but replace the file (new inode) or touch ctime.  A changed file therefore gets
+new keys and its old blocks are never served again; they age out of the tiers.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+KEY_BYTES = 16
+_VERSION = struct.Struct("<QqQqQ")  # size, mtime_ns, ino, ctime_ns, block index
+
+
+@dataclass(frozen=True, slots=True)
+class FileVersion:
+    size: int
+    mtime_ns: int
+    ino: int
+    ctime_ns: int
+
+
+def block_key(path: str, version: FileVersion, index: int) -> bytes:
+    """The cache key of block ``index`` of ``path`` at ``version`` (16 bytes)."""
+    digest = xxhash.xxh3_128()
+    digest.update(path.encode("utf-8", "surrogateescape"))
+    # The fixed-width tail makes the encoding unambiguous whatever the path holds.
+    digest.update(b"\0")
+    digest.update(_VERSION.pack(version.size, version.mtime_ns, version.ino, version.ctime_ns, index))
+    return digest.digest()

@@ -1,0 +1,222 @@
+"""The ``cubefs-fuse`` command line.
+
+Exit codes: 0 success, 1 a runtime failure, 2 a user mistake (bad config or arguments).
+A user mistake is one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from cubefs_fuse import __version__, mounts
+from cubefs_fuse.config import ClientConfig, check_environment, load_config
+from cubefs_fuse.errors import ConfigError
+
+log = logging.getLogger("cubefs_fuse")
+PROG = "cubefs-fuse"
+# How long `mount` waits for the daemon to report a live mount.  Start-up is normally
+# well under 2 s; a crash-recovery scan of a very large NVMe cache can take longer.
+READY_TIMEOUT = 120.0
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class UserError(Exception):
+    """A mistake in the command line; printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Mount a remote/NFS dataset volume through a local RAM + NVMe block cache.",
+        epilog="Run 'cubefs-fuse COMMAND --help' for the options of a command.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    mount = sub.add_parser(
+        "mount",
+        help="mount a volume described by a JSON client config",
+        description="Mount the volume described by CONFIG (see configs/ for examples). "
+        "Without --foreground the daemon detaches and the command returns once the mount "
+        "is live, or fails with the reason.",
+    )
+    mount.add_argument("-c", "--config", required=True, metavar="CONFIG", help="JSON client config file")
+    mount.add_argument("-f", "--foreground", action="store_true",
+                       help="stay in the foreground and log to stderr (for systemd and Kubernetes)")
+    mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+
+    umount = sub.add_parser(
+        "umount",
+        help="unmount a cubefs-fuse mount and wait for its daemon to finish",
+        description="Unmount MOUNTPOINT and wait until its daemon has saved the cache index.",
+    )
+    umount.add_argument("mount_point", metavar="MOUNTPOINT")
+    umount.add_argument("-l", "--lazy", action="store_true",
+                        help="detach now even if files are open (they keep working until closed)")
+    umount.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="how long to wait for the daemon to exit (default: 60)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "mount":
+            return cmd_mount(args)
+        if args.command == "umount":
+            return cmd_umount(args)
+    except (ConfigError, UserError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    raise AssertionError(args.command)
+
+
+# -- mount ---------------------------------------------------------------------------
+
+
+def _load_and_check(path: str) -> ClientConfig:
+    config = load_config(path)
+    mounts.prepare_mount_point(config.mount_point)
+    check_environment(config)
+    return config
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    if args.foreground:
+        return _mount_foreground(args.config, args.ready_fd)
+    config = _load_and_check(args.config)
+    return _mount_background(args.config, config)
+
+
+def _log_file(config: ClientConfig) -> str:
+    if config.log_dir:
+        directory = config.log_dir
+    elif os.geteuid() == 0:
+        directory = "/var/log/cubefs-fuse"
+    else:
+        directory = os.path.join(os.path.expanduser("~"), ".cache", "cubefs-fuse")
+    os.makedirs(directory, exist_ok=True)
+    return os.path.join(directory, f"{config.vol_name}.log")
+
+
+def _mount_background(config_path: str, config: ClientConfig) -> int:
+    log_path = _log_file(config)
+    read_fd, write_fd = os.pipe()
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cubefs_fuse", "mount", "-c", os.path.abspath(config_path),
+             "--foreground", f"--ready-fd={write_fd}"],
+            pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True, cwd="/",
+        )
+    os.close(write_fd)
+    message = _read_ready(read_fd, proc)
+    if message == "ok":
+        print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {proc.pid}, log {log_path})")
+        return 0
+    if message is None:
+        proc.kill()
+        print(f"{PROG}: error: the daemon did not report a mount within {READY_TIMEOUT:.0f} s (log: {log_path})",
+              file=sys.stderr)
+        return 1
+    code = proc.wait()
+    print(f"{PROG}: error: {message.removeprefix('error: ') if message else f'the daemon exited with status {code}'}"
+          f" (log: {log_path})", file=sys.stderr)
+    return 2 if code == 2 else 1
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str | None:
+    """The daemon's one-line report; "" if it exited silently, None on timeout."""
+    deadline = time.monotonic() + READY_TIMEOUT
+    data = b""
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    return data.decode(errors="replace").strip()
+                data += chunk
+                if data.endswith(b"\n"):
+                    return data.decode(errors="replace").strip()
+            elif proc.poll() is not None and not data:
+                return ""
+        return None
+    finally:
+        os.close(fd)
+
+
+def _setup_logging(config: ClientConfig, *, detached: bool) -> None:
+    level = {"warn": "WARNING"}.get(config.log_level, config.log_level.upper())
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    # Detached, stderr already is the log file the parent opened.
+    if config.log_dir and not detached:
+        handlers.append(logging.FileHandler(os.path.join(config.log_dir, f"{config.vol_name}.log")))
+    logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
+
+
+def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
+    import trio  # imported here so that `--help` stays fast
+
+    from cubefs_fuse import daemon
+
+    def report(message: str) -> None:
+        nonlocal ready_fd
+        if ready_fd is not None:
+            os.write(ready_fd, (message + "\n").encode())
+            os.close(ready_fd)
+            ready_fd = None
+
+    try:
+        config = _load_and_check(config_path)
+        _setup_logging(config, detached=ready_fd is not None)
+        trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda: report("ok")))
+    except ConfigError as exc:
+        report(f"error: {exc}")
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # report why the mount failed instead of a silent exit
+        report(f"error: {exc}")
+        log.exception("daemon failed")
+        return 1
+    return 0
+
+
+# -- umount --------------------------------------------------------------------------
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mount_point = os.path.abspath(args.mount_point)
+    entry = mounts.find_mount(mount_point)
+    if entry is None:
+        raise UserError(f"{mount_point} is not mounted")
+    if entry.fstype != f"fuse.{mounts.FUSE_SUBTYPE}":
+        raise UserError(f"{mount_point} is not a cubefs-fuse mount ({entry.fstype})")
+    info = mounts.registered(mount_point)
+    command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mount_point]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        reason = result.stderr.strip().removeprefix("fusermount3: ") or f"fusermount3 exited {result.returncode}"
+        hint = " (files are open: close them or use --lazy)" if "busy" in reason else ""
+        print(f"{PROG}: error: {reason}{hint}", file=sys.stderr)
+        return 1
+    pid = info.get("pid") if info else None
+    if isinstance(pid, int) and not mounts.wait_for_exit(pid, args.timeout):
+        print(f"{PROG}: warning: unmounted, but daemon pid {pid} is still running after {args.timeout:.0f} s",
+              file=sys.stderr)
+        return 1
+    print(f"{PROG}: unmounted {mount_point}")
+    return 0

@@ -1,0 +1,305 @@
+"""The JSON client config: parsing and validation (DESIGN.md 2.1).
+
+Parsing (:func:`parse_config`) is pure: it turns a JSON object into a frozen
+:class:`ClientConfig` or raises :class:`ConfigError` with one line naming the key.
+:func:`check_environment` then checks what the config points at (source, mount point,
+cache dir); it is separate so tests and tools can parse configs of other machines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import humanfriendly
+
+from cubefs_fuse.errors import ConfigError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# Keys of CubeFS's own client config that have no meaning here.  They are accepted so
+# an existing CubeFS config keeps working, and reported once at start-up as unused.
+CUBEFS_UNUSED_KEYS = frozenset(
+    {
+        "masterAddr", "consulAddr", "accessKey", "secretKey", "rdonly", "writecache",
+        "keepcache", "icacheTimeout", "enSyncWrite", "autoInvalData", "maxcpus",
+        "enablePosixACL", "subdir", "fsyncOnClose", "followerRead", "authenticate",
+        "ticketHost", "enableHTTPS", "token", "readRate", "writeRate", "enableXattr",
+        "nearRead", "bcacheDir", "bcacheCheckIntervalS", "bcacheFilterFiles",
+        "bcacheBatchCnt", "enableBcache", "maxStreamerLimit", "buffersTotalLimit",
+        "enableAudit", "lookupValid_ms", "warnLogDir", "pidFile", "clientKey", "allowOther",
+        "readThreads", "writeThreads", "mountOptions", "metaAddr",
+    }
+)
+
+PROFILES = ("", "default", "ai_prefetch")
+LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
+
+# Block size bounds: below 4 KiB a block is smaller than a page and costs more in
+# per-block bookkeeping than it saves; above 64 MiB one miss would pin too much RAM.
+MIN_BLOCK_SIZE = 4 * KiB
+MAX_BLOCK_SIZE = 64 * MiB
+# 1 MiB: a ~110 KB image is one block, and a large file is read in units that amortise a
+# remote round trip (a 1 MiB read at 1 GB/s costs ~1 ms, comparable to the latency).
+DEFAULT_BLOCK_SIZE = 1 * MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ClientConfig:
+    mount_point: str
+    vol_name: str
+    source: str
+    owner: str = ""
+    log_dir: str = ""
+    log_level: str = "info"
+    exporter_port: int | None = None
+    exporter_addr: str = "127.0.0.1"
+    prof_port: int | None = None
+    profile: str = ""
+    mem_cache_size: int = 1 * GiB
+    disk_cache_dir: str = ""
+    disk_cache_size: int = 10 * GiB
+    disk_free_ratio: float = 0.10
+    block_size: int = DEFAULT_BLOCK_SIZE
+    lookup_valid: float = 30.0
+    attr_valid: float = 30.0
+    prefetch_threads: int = 16
+    backend_threads: int = 32
+    meta_cache_entries: int = 1_000_000
+    control_socket: str = ""
+    config_dir: str = "/tmp"
+    unused_keys: tuple[str, ...] = ()
+
+    @property
+    def cache_dir(self) -> str:
+        """The NVMe tier directory; defaults to a per-volume directory."""
+        return self.disk_cache_dir or f"/var/cache/cubefs-fuse/{self.vol_name}"
+
+
+# -- value parsers: each takes (key, raw value) and returns the typed value ------------
+
+
+def _type_name(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _string(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"key {key!r}: expected a string, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _nonempty_string(key: str, value: Any) -> str:
+    text = _string(key, value)
+    if not text.strip():
+        raise ConfigError(f"key {key!r}: must not be empty")
+    return text
+
+
+def _port(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    number = _integer(key, value)
+    if not 0 < number < 65536:
+        raise ConfigError(f"key {key!r}: port {number} is outside 1..65535")
+    return number
+
+
+def _integer(key: str, value: Any) -> int:
+    # CubeFS configs often quote numbers ("exporterPort": "9500"); accept digit strings.
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"key {key!r}: expected an integer, got {_type_name(value)} {value!r}")
+    return value
+
+
+def _positive_int(key: str, value: Any) -> int:
+    number = _integer(key, value)
+    if number < 1:
+        raise ConfigError(f"key {key!r}: must be at least 1, got {number}")
+    return number
+
+
+def _seconds(key: str, value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"key {key!r}: expected a number of seconds, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"key {key!r}: expected a number of seconds, got {_type_name(value)} {value!r}")
+    if value < 0:
+        raise ConfigError(f"key {key!r}: must not be negative, got {value}")
+    return float(value)
+
+
+def _ratio(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ConfigError(f"key {key!r}: expected a fraction in [0, 1), got {value!r}")
+    return float(value)
+
+
+def parse_size(key: str, value: Any) -> int:
+    """Bytes from an integer or a ``"512MiB"``/``"8GiB"`` string (KB/MB/GB are decimal)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {value!r}")
+    if isinstance(value, int):
+        size = value
+    elif isinstance(value, str):
+        try:
+            size = int(humanfriendly.parse_size(value))
+        except humanfriendly.InvalidSize:
+            raise ConfigError(f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")") from None
+    else:
+        raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {_type_name(value)} {value!r}")
+    if size < 0:
+        raise ConfigError(f"key {key!r}: size must not be negative, got {value!r}")
+    return size
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
+    def parse(key: str, value: Any) -> str:
+        text = _string(key, value)
+        if text not in choices:
+            raise ConfigError(f"key {key!r}: {text!r} is not one of {', '.join(repr(c) for c in choices if c)}")
+        return text
+
+    return parse
+
+
+# JSON key -> (ClientConfig field, parser).  The key names are the contract (DESIGN.md 2.1).
+_KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
+    "mountPoint": ("mount_point", _nonempty_string),
+    "volName": ("vol_name", _nonempty_string),
+    "source": ("source", _nonempty_string),
+    "owner": ("owner", _string),
+    "logDir": ("log_dir", _string),
+    "logLevel": ("log_level", _choice(LOG_LEVELS)),
+    "exporterPort": ("exporter_port", _port),
+    "exporterAddr": ("exporter_addr", _nonempty_string),
+    "profPort": ("prof_port", _port),
+    "profile": ("profile", _choice(PROFILES)),
+    "memCacheSize": ("mem_cache_size", parse_size),
+    "diskCacheDir": ("disk_cache_dir", _string),
+    "diskCacheSize": ("disk_cache_size", parse_size),
+    "diskFreeRatio": ("disk_free_ratio", _ratio),
+    "blockSize": ("block_size", parse_size),
+    "lookupValid": ("lookup_valid", _seconds),
+    "attrValid": ("attr_valid", _seconds),
+    "prefetchThreads": ("prefetch_threads", _positive_int),
+    "backendThreads": ("backend_threads", _positive_int),
+    "metaCacheEntries": ("meta_cache_entries", _positive_int),
+    "controlSocket": ("control_socket", _string),
+    "configDir": ("config_dir", _nonempty_string),
+}
+REQUIRED_KEYS = ("mountPoint", "volName", "source")
+KNOWN_KEYS = frozenset(_KEYS)
+
+
+def parse_config(raw: Mapping[str, Any]) -> ClientConfig:
+    """Validate a decoded JSON object and build the config; raises ConfigError."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"the config must be a JSON object, got {_type_name(raw)}")
+    values: dict[str, Any] = {}
+    unused: list[str] = []
+    for key, value in raw.items():
+        if key in _KEYS:
+            field, parser = _KEYS[key]
+            values[field] = parser(key, value)
+        elif key in CUBEFS_UNUSED_KEYS:
+            unused.append(key)
+        else:
+            close = difflib.get_close_matches(key, sorted(KNOWN_KEYS | CUBEFS_UNUSED_KEYS), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown key {key!r}{hint}")
+    for key in REQUIRED_KEYS:
+        if _KEYS[key][0] not in values:
+            raise ConfigError(f"missing required key {key!r}")
+    block = values.get("block_size", DEFAULT_BLOCK_SIZE)
+    if not MIN_BLOCK_SIZE <= block <= MAX_BLOCK_SIZE or block % MIN_BLOCK_SIZE:
+        raise ConfigError(
+            f"key 'blockSize': {block} bytes is not a multiple of 4KiB between 4KiB and 64MiB"
+        )
+    for key in ("mountPoint", "source"):
+        if not os.path.isabs(values[_KEYS[key][0]]):
+            raise ConfigError(f"key {key!r}: {values[_KEYS[key][0]]!r} is not an absolute path")
+    values["unused_keys"] = tuple(sorted(unused))
+    return ClientConfig(**values)
+
+
+def load_config(path: str) -> ClientConfig:
+    """Read and parse a config file; every failure is a one-line ConfigError."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not UTF-8 text") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    try:
+        return parse_config(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"config file {path!r}: {exc}") from None
+
+
+def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = False) -> None:
+    """Check that source, mount point and cache dir are usable; raises ConfigError."""
+    source = config.source
+    if not os.path.exists(source):
+        raise ConfigError(f"key 'source': {source!r} does not exist")
+    if not os.path.isdir(source):
+        raise ConfigError(f"key 'source': {source!r} is not a directory")
+    if not os.access(source, os.R_OK | os.X_OK):
+        raise ConfigError(f"key 'source': {source!r} is not readable")
+    mount_point = config.mount_point
+    if os.path.realpath(mount_point) == os.path.realpath(source):
+        raise ConfigError("key 'mountPoint': must differ from 'source'")
+    if not mount_point_may_be_stale:
+        if not os.path.isdir(mount_point):
+            raise ConfigError(f"key 'mountPoint': {mount_point!r} does not exist or is not a directory")
+        try:
+            if any(os.scandir(mount_point)):
+                raise ConfigError(f"key 'mountPoint': {mount_point!r} is not empty")
+        except PermissionError:
+            raise ConfigError(f"key 'mountPoint': {mount_point!r} is not readable") from None
+    cache_dir = config.cache_dir
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"key 'diskCacheDir': cannot create {cache_dir!r}: {exc.strerror}") from None
+    _check_writable("diskCacheDir", cache_dir)
+    if config.log_dir:
+        try:
+            os.makedirs(config.log_dir, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"key 'logDir': cannot create {config.log_dir!r}: {exc.strerror}") from None
+        _check_writable("logDir", config.log_dir)
+
+
+def _check_writable(key: str, directory: str) -> None:
+    # os.access() says yes to root even on a read-only filesystem: try a real write.
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"key {key!r}: {directory!r} is not writable: {exc.strerror}") from None
+
+
+def to_json_dict(config: ClientConfig) -> dict[str, Any]:
+    """The config back in its JSON key names (for status output and tests)."""
+    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    return {key: fields[field] for key, (field, _) in _KEYS.items()}

@@ -1,0 +1,280 @@
+"""The filesystem without FUSE: inodes, handles, reads assembled from cached blocks.
+
+Everything here is testable without a kernel; ``fuse_ops`` only translates.  The
+volume is read-only: every write fails with EROFS.  Failures are raised as exceptions
+and mapped to errno in ``errors.errno_of`` (one place).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from itertools import count
+
+from cubefs_fuse.backend import Attr, Backend, FsStats
+from cubefs_fuse.cache.blockcache import BlockCache, Fetcher, Source
+from cubefs_fuse.cache.keys import FileVersion, block_key
+from cubefs_fuse.errors import FsError, StaleVersion
+from cubefs_fuse.meta import MetadataCache
+
+ROOT_INODE = 1
+# Blocks fetched ahead of a sequential reader of a large file.  Two keep one block in
+# flight while the reader consumes the next, which hides one remote round trip per
+# block without spending the cache on blocks a random reader never asks for.
+READAHEAD_BLOCKS = 2
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    inode: int
+    attr: Attr
+
+
+@dataclass(slots=True)
+class _Node:
+    path: str
+    lookups: int = 0
+    last_version: FileVersion | None = None  # the version the kernel page cache may hold
+
+
+@dataclass(slots=True)
+class OpenFile:
+    inode: int
+    path: str
+    version: FileVersion
+    next_block: int = 0  # the block a sequential reader asks for next
+
+
+@dataclass(frozen=True, slots=True)
+class FilesystemStatistics:
+    lookups: int
+    opens: int
+    open_files: int
+    open_dirs: int
+    reads: int
+    read_bytes: int
+    blocks_by_source: dict[str, int]  # block lookups by the tier that answered
+    bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
+    stale_reads: int
+    inodes: int
+
+
+@dataclass(slots=True)
+class _Counters:
+    lookups: int = 0
+    opens: int = 0
+    reads: int = 0
+    read_bytes: int = 0
+    stale_reads: int = 0
+    blocks_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
+    bytes_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
+
+
+class InodeTable:
+    """Inode numbers for paths, with the kernel's lookup counts (freed at zero)."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, _Node] = {ROOT_INODE: _Node("", lookups=1)}
+        self._by_path: dict[str, int] = {"": ROOT_INODE}
+        self._numbers = count(ROOT_INODE + 1)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def node(self, inode: int) -> _Node:
+        try:
+            return self._nodes[inode]
+        except KeyError:
+            raise FsError(errno.ESTALE, f"unknown inode {inode}") from None
+
+    def remember(self, path: str) -> int:
+        """The inode of ``path``, its lookup count raised by one."""
+        inode = self._by_path.get(path)
+        if inode is None:
+            inode = next(self._numbers)
+            self._by_path[path] = inode
+            self._nodes[inode] = _Node(path)
+        self._nodes[inode].lookups += 1
+        return inode
+
+    def forget(self, inode: int, n: int) -> None:
+        node = self._nodes.get(inode)
+        if node is None or inode == ROOT_INODE:
+            return
+        node.lookups -= n
+        if node.lookups <= 0:
+            del self._nodes[inode]
+            if self._by_path.get(node.path) == inode:
+                del self._by_path[node.path]
+
+
+def child_path(parent: str, name: str) -> str:
+    if not name or "/" in name or "\0" in name:
+        raise FsError(errno.EINVAL, f"bad name {name!r}")
+    return f"{parent}/{name}" if parent else name
+
+
+class Filesystem:
+    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int) -> None:
+        self.meta = meta
+        self.cache = cache
+        self.backend = backend
+        self.block_size = block_size
+        self.inodes = InodeTable()
+        self._files: dict[int, OpenFile] = {}
+        self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
+        self._handles = count(1)
+        self._c = _Counters()
+
+    # -- names and attributes --------------------------------------------------------
+
+    async def lookup(self, parent_inode: int, name: str) -> Entry:
+        parent = self.inodes.node(parent_inode).path
+        self._c.lookups += 1
+        if name == ".":
+            path = parent
+        elif name == "..":
+            path = parent.rpartition("/")[0]
+        else:
+            path = child_path(parent, name)
+        attr = await self.meta.stat(path)
+        return self.entry(path, attr)
+
+    def entry(self, path: str, attr: Attr) -> Entry:
+        """An entry handed to the kernel (raises the path's lookup count)."""
+        return Entry(self.inodes.remember(path), attr)
+
+    def forget(self, inode: int, n: int) -> None:
+        self.inodes.forget(inode, n)
+
+    async def getattr(self, inode: int) -> Entry:
+        path = self.inodes.node(inode).path
+        return Entry(inode, await self.meta.stat(path))
+
+    async def readlink(self, inode: int) -> str:
+        path = self.inodes.node(inode).path
+        attr = await self.meta.stat(path)
+        if not attr.is_symlink:
+            raise FsError(errno.EINVAL)
+        return await self.backend.readlink(path)
+
+    async def statfs(self) -> FsStats:
+        return await self.backend.statfs()
+
+    # -- directories -----------------------------------------------------------------
+
+    async def opendir(self, inode: int) -> int:
+        path = self.inodes.node(inode).path
+        entries = sorted(await self.meta.listdir(path))
+        fh = next(self._handles)
+        self._dirs[fh] = (path, entries)
+        return fh
+
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[int, str, str, Attr]]:
+        """(next offset, name, path, attributes) from offset ``start`` on, lazily."""
+        try:
+            path, entries = self._dirs[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+        for i in range(start, len(entries)):
+            name, attr = entries[i]
+            yield i + 1, name, child_path(path, name), attr
+
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    # -- files -----------------------------------------------------------------------
+
+    async def open(self, inode: int, flags: int) -> tuple[int, bool]:
+        """A handle and whether the kernel may keep its page cache for the file."""
+        if flags & _WRITE_FLAGS:
+            raise FsError(errno.EROFS)
+        node = self.inodes.node(inode)
+        attr = await self.meta.stat(node.path)
+        if attr.is_dir:
+            raise FsError(errno.EISDIR)
+        if not attr.is_file:
+            raise FsError(errno.EINVAL, "only regular files can be opened")
+        version = attr.version
+        # The page cache holds data of the version served before; keep it only if unchanged.
+        keep_cache = node.last_version is None or node.last_version == version
+        node.last_version = version
+        fh = next(self._handles)
+        self._files[fh] = OpenFile(inode, node.path, version)
+        self._c.opens += 1
+        return fh, keep_cache
+
+    def release(self, fh: int) -> None:
+        self._files.pop(fh, None)
+
+    def open_file(self, fh: int) -> OpenFile:
+        try:
+            return self._files[fh]
+        except KeyError:
+            raise FsError(errno.EBADF) from None
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+        f = self.open_file(fh)
+        end = min(offset + size, f.version.size)
+        self._c.reads += 1
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        try:
+            if first == last:
+                block = await self._block(f, first, end - offset)
+                result: bytes | memoryview = block if (offset - first * bs, end - first * bs) == (0, len(block)) else memoryview(block)[offset - first * bs : end - first * bs]
+            else:
+                # Start every block's fetch, then collect them in order: each get() joins
+                # (and promotes to foreground) the flight its prefetch started.
+                for index in range(first + 1, last + 1):
+                    self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f, index))
+                parts = []
+                for index in range(first, last + 1):
+                    served = min(end, (index + 1) * bs) - max(offset, index * bs)
+                    parts.append(await self._block(f, index, served))
+                joined = b"".join(parts)
+                result = memoryview(joined)[offset - first * bs : end - first * bs]
+        except StaleVersion:
+            self._c.stale_reads += 1
+            self.meta.invalidate(f.path)  # the next open sees the new version
+            raise
+        self._readahead(f, first, last)
+        self._c.read_bytes += len(result)
+        return result
+
+    async def _block(self, f: OpenFile, index: int, served: int) -> bytes:
+        """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
+        data, source = await self.cache.get(block_key(f.path, f.version, index), self._fetcher(f, index))
+        self._c.blocks_by_source[source.value] += 1
+        self._c.bytes_by_source[source.value] += served
+        return data
+
+    def _fetcher(self, f: OpenFile, index: int) -> Fetcher:
+        bs = self.block_size
+        path, version = f.path, f.version
+        length = min(bs, version.size - index * bs)
+
+        async def fetch() -> bytes:
+            return await self.backend.read_block(path, version, index * bs, length)
+
+        return fetch
+
+    def _readahead(self, f: OpenFile, first: int, last: int) -> None:
+        sequential = first == f.next_block or first == f.next_block - 1
+        f.next_block = last + 1
+        if not sequential:
+            return
+        blocks = -(-f.version.size // self.block_size)
+        for index in range(last + 1, min(last + 1 + READAHEAD_BLOCKS, blocks)):
+            self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f, index))
+
+    def statistics(self) -> FilesystemStatistics:
+        c = self._c
+        return FilesystemStatistics(c.lookups, c.opens, len(self._files), len(self._dirs), c.reads,
+                                    c.read_bytes, dict(c.blocks_by_source), dict(c.bytes_by_source),
+                                    c.stale_reads, len(self.inodes))

@@ -1,0 +1,145 @@
+"""The daemon: builds the components inside one nursery, mounts, serves, tears down.
+
+Start-up order: backend, disk tier (lock + block list), RAM tier, block cache,
+metadata cache, filesystem, then the kernel mount and the metrics exporter; only then
+is readiness reported.  Shutdown (``umount``, SIGINT/SIGTERM) runs in reverse: the FUSE
+loop ends, the mount is removed, pending NVMe writes drain (bounded), and the disk
+tier writes its index for a fast restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from cubefs_fuse import __version__, mounts
+from cubefs_fuse.backend import LocalDirBackend
+from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.disk import DiskTier
+from cubefs_fuse.cache.memory import MemoryTier
+from cubefs_fuse.config import ClientConfig
+from cubefs_fuse.core import Filesystem
+from cubefs_fuse.fuse_ops import FuseOperations
+from cubefs_fuse.meta import MetadataCache
+from cubefs_fuse.metrics import DaemonCollector, Snapshot, start_exporter
+
+log = logging.getLogger(__name__)
+
+# pyfuse3 request tasks: each in-flight FUSE request is one task.  256 covers the kernel's
+# max_background (64) plus synchronous requests of a few hundred reader threads.
+MAX_FUSE_TASKS = 256
+# How long shutdown waits for queued NVMe writes before giving up on them (the next
+# start then rescans the directory instead of reading the index).
+DRAIN_SECONDS = 10.0
+
+
+@dataclass
+class Daemon:
+    config: ClientConfig
+    backend: LocalDirBackend
+    disk: DiskTier
+    cache: BlockCache
+    meta: MetadataCache
+    fs: Filesystem
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
+                        self.meta.statistics())
+
+
+def mount_options(config: ClientConfig) -> set[str]:
+    options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
+    options |= {"ro", "noatime", f"fsname=cubefs-fuse:{config.vol_name}", f"subtype={mounts.FUSE_SUBTYPE}"}
+    if os.geteuid() == 0 or _user_allow_other():
+        options.add("allow_other")  # training jobs run as other users than the daemon
+    else:
+        log.info("mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
+                 "only uid %d can read the mount", os.geteuid())
+    return options
+
+
+def _user_allow_other() -> bool:
+    try:
+        with open("/etc/fuse.conf") as f:
+            return any(line.strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False
+
+
+async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
+    """Serve the mount until it is unmounted or a signal arrives."""
+    backend = LocalDirBackend(config.source, config.backend_threads)
+    try:
+        disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
+        write_index = False
+        try:
+            async with trio.open_nursery() as nursery:
+                cache = BlockCache(nursery, MemoryTier(config.mem_cache_size), disk,
+                                   fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
+                meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
+                                     max_entries=config.meta_cache_entries)
+                fs = Filesystem(meta, cache, backend, block_size=config.block_size)
+                daemon = Daemon(config, backend, disk, cache, meta, fs)
+                write_index = await _serve(daemon, config_path, on_ready)
+                nursery.cancel_scope.cancel()
+        finally:
+            await _close_disk(disk, write_index)
+    finally:
+        backend.close()
+
+
+async def _close_disk(disk: DiskTier, write_index: bool) -> None:
+    with trio.CancelScope(shield=True):
+        if write_index:
+            await disk.close()
+        else:
+            disk.release()
+
+
+async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None]) -> bool:
+    """Mount, serve, unmount; True if every NVMe write finished (the index is exact)."""
+    config = daemon.config
+    ops = FuseOperations(daemon.fs, entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid)
+    pyfuse3.init(ops, config.mount_point, mount_options(config))
+    stop_exporter: Callable[[], None] | None = None
+    try:
+        mounts.tune_connection(config.mount_point)
+        if config.exporter_port:
+            collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
+            stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
+        mounts.register(config.mount_point, {"volName": config.vol_name, "source": config.source,
+                                             "config": os.path.abspath(config_path), "version": __version__})
+        for key in config.unused_keys:
+            log.info("config key %r is a CubeFS setting with no effect here", key)
+        log.info("mounted %s on %s (volume %s, pid %d)", config.source, config.mount_point,
+                 config.vol_name, os.getpid())
+        on_ready()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_terminate_on_signal)
+            await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
+            nursery.cancel_scope.cancel()
+    finally:
+        pyfuse3.close(unmount=True)
+        mounts.unregister(config.mount_point)
+        if stop_exporter is not None:
+            await trio.to_thread.run_sync(stop_exporter)
+        log.info("unmounted %s", config.mount_point)
+    with trio.move_on_after(DRAIN_SECONDS):
+        await daemon.cache.drain()
+        return True
+    log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
+    return False
+
+
+async def _terminate_on_signal() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("%s received: unmounting", signal.Signals(signum).name)
+            pyfuse3.terminate()
+            return

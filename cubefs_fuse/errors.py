@@ -1,0 +1,49 @@
+"""The one place where failures become errno values.
+
+Every layer below the FUSE adapter raises ordinary exceptions: ``OSError`` from the
+backend (already carrying an errno), :class:`FsError` for conditions the core detects
+itself, :class:`StaleVersion` when the source changed under a read.  The adapter calls
+:func:`errno_of` and nothing else decides which errno an application sees.
+"""
+
+from __future__ import annotations
+
+import errno
+
+
+class FsError(Exception):
+    """A filesystem-level failure with a definite errno (e.g. EROFS for writes)."""
+
+    def __init__(self, err: int, message: str = "") -> None:
+        super().__init__(err, message or errno.errorcode.get(err, str(err)))
+        self.errno = err
+
+
+class StaleVersion(FsError):
+    """The source file no longer has the version a block was requested for.
+
+    Serving the bytes would mix two versions of the file in one handle, so the read
+    fails with ESTALE; the next open sees the new version.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ESTALE, f"{path!r} changed at the source during the read")
+        self.path = path
+
+
+class ConfigError(Exception):
+    """A user mistake in the client config or the mount environment.
+
+    The CLI prints ``str(error)`` as one line and exits with status 2.
+    """
+
+
+def errno_of(exc: BaseException) -> int:
+    """Map any exception raised below the FUSE adapter to the errno the kernel gets."""
+    if isinstance(exc, FsError):
+        return exc.errno
+    if isinstance(exc, OSError) and exc.errno:
+        return exc.errno
+    # Anything else is a bug or an unexpected failure: the application sees EIO and the
+    # adapter logs the traceback.
+    return errno.EIO

@@ -1,0 +1,112 @@
+"""Metadata cache: attributes, negative lookups and directory listings with TTLs.
+
+``attrValid`` bounds how long attributes (and so a file's version) are trusted;
+``lookupValid`` how long a name is known to be absent.  A listing fills the attribute
+cache of its children, so ``ls -l`` or a dataset scan costs one backend call per
+directory, not one per file.  Both maps are bounded (``metaCacheEntries``) and drop
+their oldest entries first.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import trio
+
+from cubefs_fuse.backend import Attr, Backend
+from cubefs_fuse.errors import FsError
+
+
+@dataclass(frozen=True, slots=True)
+class MetadataStatistics:
+    attr_hits: int
+    attr_misses: int
+    negative_hits: int
+    listing_hits: int
+    listing_misses: int
+    attr_entries: int
+    listing_names: int
+
+
+class MetadataCache:
+    def __init__(self, backend: Backend, *, attr_ttl: float, lookup_ttl: float, max_entries: int) -> None:
+        self.backend = backend
+        self.attr_ttl = attr_ttl
+        self.lookup_ttl = lookup_ttl
+        self.max_entries = max_entries
+        self._attrs: OrderedDict[str, tuple[float, Attr | None]] = OrderedDict()
+        self._listings: OrderedDict[str, tuple[float, list[tuple[str, Attr]]]] = OrderedDict()
+        self._listing_names = 0
+        self._attr_hits = self._attr_misses = self._negative_hits = 0
+        self._listing_hits = self._listing_misses = 0
+
+    async def stat(self, path: str) -> Attr:
+        """Attributes of ``path``; FsError(ENOENT) if it does not exist."""
+        now = trio.current_time()
+        cached = self._attrs.get(path)
+        if cached is not None and cached[0] > now:
+            attr = cached[1]
+            if attr is None:
+                self._negative_hits += 1
+                raise FsError(errno.ENOENT)
+            self._attr_hits += 1
+            return attr
+        self._attr_misses += 1
+        try:
+            attr = await self.backend.stat(path)
+        except FileNotFoundError:
+            self._remember(path, None, now + self.lookup_ttl if self.lookup_ttl else 0.0)
+            raise FsError(errno.ENOENT) from None
+        self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
+        return attr
+
+    async def fresh_stat(self, path: str) -> Attr:
+        """Attributes straight from the backend (and cached for the next caller)."""
+        self._attrs.pop(path, None)
+        return await self.stat(path)
+
+    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
+        now = trio.current_time()
+        cached = self._listings.get(path)
+        if cached is not None and cached[0] > now:
+            self._listing_hits += 1
+            return cached[1]
+        self._listing_misses += 1
+        entries = await self.backend.listdir(path)
+        expires = now + self.attr_ttl if self.attr_ttl else 0.0
+        prefix = f"{path}/" if path else ""
+        for name, attr in entries:
+            self._remember(prefix + name, attr, expires)
+        if self.attr_ttl and len(entries) <= self.max_entries:
+            old = self._listings.pop(path, None)
+            if old is not None:
+                self._listing_names -= len(old[1])
+            self._listings[path] = (expires, entries)
+            self._listing_names += len(entries)
+            while self._listing_names > self.max_entries:
+                _, (_, dropped) = self._listings.popitem(last=False)
+                self._listing_names -= len(dropped)
+        return entries
+
+    def invalidate(self, path: str) -> None:
+        self._attrs.pop(path, None)
+
+    def clear(self) -> None:
+        self._attrs.clear()
+        self._listings.clear()
+        self._listing_names = 0
+
+    def _remember(self, path: str, attr: Attr | None, expires: float) -> None:
+        if not expires:
+            return
+        self._attrs[path] = (expires, attr)
+        self._attrs.move_to_end(path)
+        while len(self._attrs) > self.max_entries:
+            self._attrs.popitem(last=False)
+
+    def statistics(self) -> MetadataStatistics:
+        return MetadataStatistics(self._attr_hits, self._attr_misses, self._negative_hits,
+                                  self._listing_hits, self._listing_misses, len(self._attrs),
+                                  self._listing_names)

@@ -1,0 +1,185 @@
+"""Prometheus metrics: every name in one table, values pulled from ``statistics()``.
+
+Components count with plain integers on the trio thread.  At scrape time the exporter
+thread asks the trio thread (``trio.from_thread.run_sync``) for one consistent
+snapshot of every component's statistics and turns it into metric families, so the
+FUSE hot path never takes a lock and never calls into prometheus_client.
+
+``docs/metrics.md`` documents the same table; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from cubefs_fuse.backend import BackendStatistics
+from cubefs_fuse.cache.blockcache import BlockCacheStatistics
+from cubefs_fuse.core import FilesystemStatistics
+from cubefs_fuse.meta import MetadataStatistics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+
+
+METRICS: dict[str, MetricSpec] = {
+    spec.name: spec
+    for spec in (
+        MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests from applications that reached the daemon."),
+        MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications by the daemon."),
+        MetricSpec("cubefs_fuse_opens_total", "counter", "Files opened through the mount."),
+        MetricSpec("cubefs_fuse_open_files", "gauge", "File handles currently open."),
+        MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
+        MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
+        MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications, by the tier that held them (ram, disk, backend).", ("source",)),
+        MetricSpec("cubefs_fuse_cache_used_bytes", "gauge", "Bytes held by a cache tier (disk: allocated bytes).", ("tier",)),
+        MetricSpec("cubefs_fuse_cache_limit_bytes", "gauge", "Configured byte limit of a cache tier (disk: after the free-space floor).", ("tier",)),
+        MetricSpec("cubefs_fuse_cache_blocks", "gauge", "Blocks held by a cache tier.", ("tier",)),
+        MetricSpec("cubefs_fuse_cache_evictions_total", "counter", "Blocks evicted from a cache tier to make room.", ("tier",)),
+        MetricSpec("cubefs_fuse_checksum_failures_total", "counter", "Disk blocks whose checksum did not match (discarded and refetched)."),
+        MetricSpec("cubefs_fuse_disk_write_errors_total", "counter", "Disk tier block writes that failed."),
+        MetricSpec("cubefs_fuse_disk_writes_skipped_total", "counter", "Blocks not written to disk because too many writes were pending."),
+        MetricSpec("cubefs_fuse_disk_startup_seconds", "gauge", "Seconds the disk tier took to load its block list at start-up."),
+        MetricSpec("cubefs_fuse_stale_reads_total", "counter", "Reads refused (ESTALE) because the file changed at the source while open."),
+        MetricSpec("cubefs_fuse_prefetch_issued_total", "counter", "Blocks the daemon started fetching ahead of readers."),
+        MetricSpec("cubefs_fuse_prefetch_completed_total", "counter", "Prefetched blocks that arrived."),
+        MetricSpec("cubefs_fuse_prefetch_failed_total", "counter", "Prefetches that failed."),
+        MetricSpec("cubefs_fuse_fetch_slots_busy", "gauge", "Backend fetch slots in use.", ("priority",)),
+        MetricSpec("cubefs_fuse_fetch_slots_waiting", "gauge", "Fetches waiting for a backend slot.", ("priority",)),
+        MetricSpec("cubefs_fuse_backend_operations_total", "counter", "Operations sent to the backend (the remote volume).", ("op",)),
+        MetricSpec("cubefs_fuse_backend_errors_total", "counter", "Backend operations that failed, by errno name.", ("op", "errno")),
+        MetricSpec("cubefs_fuse_backend_read_bytes_total", "counter", "Bytes read from the backend."),
+        MetricSpec("cubefs_fuse_backend_latency_seconds", "histogram", "Backend operation latency.", ("op",)),
+        MetricSpec("cubefs_fuse_metadata_cache_hits_total", "counter", "Metadata answered from the daemon's cache.", ("kind",)),
+        MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
+        MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
+    )
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    fs: FilesystemStatistics
+    cache: BlockCacheStatistics
+    backend: BackendStatistics
+    meta: MetadataStatistics
+
+
+class _Families:
+    """Builds a family per spec on first use, so every emitted name is in METRICS."""
+
+    def __init__(self) -> None:
+        self.families: dict[str, Metric] = {}
+
+    def add(self, name: str, value: float, *labels: str) -> None:
+        spec = METRICS[name]
+        family = self.families.get(name)
+        if family is None:
+            cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
+            family = self.families[name] = cls(name, spec.help, labels=list(spec.labels))
+        family.add_metric(list(labels), value)  # type: ignore[attr-defined]
+
+
+def families(s: Snapshot) -> Iterator[Metric]:
+    f = _Families()
+    f.add("cubefs_fuse_reads_total", s.fs.reads)
+    f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
+    f.add("cubefs_fuse_opens_total", s.fs.opens)
+    f.add("cubefs_fuse_open_files", s.fs.open_files)
+    f.add("cubefs_fuse_inodes", s.fs.inodes)
+    c = s.cache
+    f.add("cubefs_fuse_cache_hits_total", c.hits_ram, "ram")
+    f.add("cubefs_fuse_cache_hits_total", c.hits_disk, "disk")
+    f.add("cubefs_fuse_cache_misses_total", c.misses)
+    for source, value in s.fs.bytes_by_source.items():
+        f.add("cubefs_fuse_served_bytes_total", value, source)
+    tiers: list[tuple[str, Any]] = [("ram", c.ram)] + ([("disk", c.disk)] if c.disk is not None else [])
+    for tier, t in tiers:
+        f.add("cubefs_fuse_cache_used_bytes", t.used_bytes, tier)
+        f.add("cubefs_fuse_cache_limit_bytes", getattr(t, "effective_limit_bytes", t.limit_bytes), tier)
+        f.add("cubefs_fuse_cache_blocks", t.blocks, tier)
+        f.add("cubefs_fuse_cache_evictions_total", t.evictions, tier)
+    d = c.disk
+    f.add("cubefs_fuse_checksum_failures_total", d.checksum_failures if d else 0)
+    f.add("cubefs_fuse_disk_write_errors_total", d.write_errors if d else 0)
+    f.add("cubefs_fuse_disk_startup_seconds", d.startup_seconds if d else 0.0)
+    f.add("cubefs_fuse_disk_writes_skipped_total", c.disk_writes_skipped)
+    f.add("cubefs_fuse_stale_reads_total", s.fs.stale_reads)
+    f.add("cubefs_fuse_prefetch_issued_total", c.prefetch_issued)
+    f.add("cubefs_fuse_prefetch_completed_total", c.prefetch_completed)
+    f.add("cubefs_fuse_prefetch_failed_total", c.prefetch_failed)
+    f.add("cubefs_fuse_fetch_slots_busy", c.slots.busy_foreground, "foreground")
+    f.add("cubefs_fuse_fetch_slots_busy", c.slots.busy_background, "prefetch")
+    f.add("cubefs_fuse_fetch_slots_waiting", c.slots.waiting_foreground, "foreground")
+    f.add("cubefs_fuse_fetch_slots_waiting", c.slots.waiting_background, "prefetch")
+    b = s.backend
+    for op, n in sorted(b.operations.items()):
+        f.add("cubefs_fuse_backend_operations_total", n, op)
+    for (op, code), n in sorted(b.errors.items()):
+        f.add("cubefs_fuse_backend_errors_total", n, op, _errno_name(code))
+    f.add("cubefs_fuse_backend_read_bytes_total", b.bytes_read)
+    m = s.meta
+    f.add("cubefs_fuse_metadata_cache_hits_total", m.attr_hits, "attr")
+    f.add("cubefs_fuse_metadata_cache_hits_total", m.negative_hits, "negative")
+    f.add("cubefs_fuse_metadata_cache_hits_total", m.listing_hits, "listing")
+    f.add("cubefs_fuse_metadata_cache_misses_total", m.attr_misses, "attr")
+    f.add("cubefs_fuse_metadata_cache_misses_total", m.listing_misses, "listing")
+    yield from f.families.values()
+    spec = METRICS["cubefs_fuse_backend_latency_seconds"]
+    histogram = HistogramMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+    for op, snap in sorted(b.latency.items()):
+        buckets = [(repr(bound), count) for bound, count in zip(snap.bounds, snap.cumulative_counts)]
+        buckets.append(("+Inf", snap.count))
+        histogram.add_metric([op], buckets, snap.total)
+    yield histogram
+
+
+def _errno_name(code: int) -> str:
+    return errno.errorcode.get(code, str(code))
+
+
+class DaemonCollector(Collector):
+    """Collects from the daemon's components by running ``snapshot`` on the trio thread."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot], trio_token: trio.lowlevel.TrioToken) -> None:
+        self._snapshot = snapshot
+        self._token = trio_token
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            snap = trio.from_thread.run_sync(self._snapshot, trio_token=self._token)
+        except trio.RunFinishedError:
+            return
+        yield from families(snap)
+
+
+def start_exporter(addr: str, port: int, collector: Collector) -> Callable[[], None]:
+    """Serve ``/metrics`` on ``addr:port`` in a thread; returns the function that stops it."""
+    from prometheus_client import start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    server, thread = start_http_server(port, addr=addr, registry=registry)
+    log.info("Prometheus metrics on http://%s:%d/metrics (pid %d)", addr, port, os.getpid())
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+    return stop

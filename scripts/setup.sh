@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs everything cubefs-fuse needs on a fresh Debian 12 machine, idempotently:
+# the FUSE 3 packages (apt), a virtual environment in .venv and the Python packages.
+# Usage: scripts/setup.sh            (runtime + test dependencies)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
+dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
+command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+if [ ${#need_apt[@]} -gt 0 ]; then
+    echo "setup: installing ${need_apt[*]} with apt-get" >&2
+    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv" >&2
+    python3 -m venv .venv
+fi
+# The constraints file pins torch to the local CPU build: an unpinned torch would pull GBs of CUDA wheels.
+stamp=.venv/.setup-stamp
+want="$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    echo "setup: installing Python packages into .venv" >&2
+    .venv/bin/python -m pip install -q --upgrade pip
+    .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
+    echo "$want" > "$stamp"
+fi

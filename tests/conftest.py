@@ -1,0 +1,131 @@
+"""Shared fixtures: real daemons on real FUSE mounts, metrics scraped over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from cubefs_fuse import mounts
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``cubefs-fuse ARGS`` as a real subprocess."""
+    return subprocess.run([sys.executable, "-m", "cubefs_fuse", *args], capture_output=True, text=True,
+                          timeout=timeout, check=check, cwd=REPO)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+@dataclass
+class Mount:
+    """A daemon started with ``cubefs-fuse mount`` on a real FUSE mount point."""
+
+    base: Path
+    source: Path
+    mount_point: Path
+    cache_dir: Path
+    config_path: Path
+    port: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    mounted: bool = False
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "mountPoint": str(self.mount_point),
+            "volName": f"test{self.port}",
+            "source": str(self.source),
+            "diskCacheDir": str(self.cache_dir),
+            "exporterPort": self.port,
+            "logDir": str(self.base / "log"),
+            "logLevel": "debug",
+            **self.overrides,
+        }
+
+    def mount(self) -> None:
+        self.config_path.write_text(json.dumps(self.config()))
+        result = cli("mount", "-c", str(self.config_path))
+        assert result.returncode == 0, f"mount failed: {result.stderr}\n{self.log()}"
+        self.mounted = True
+
+    def umount(self) -> None:
+        if self.mounted:
+            result = cli("umount", str(self.mount_point))
+            assert result.returncode == 0, f"umount failed: {result.stderr}\n{self.log()}"
+            self.mounted = False
+
+    def pid(self) -> int:
+        info = mounts.registered(str(self.mount_point))
+        assert info is not None, "daemon not registered"
+        return int(info["pid"])
+
+    def log(self) -> str:
+        logs = list((self.base / "log").glob("*.log"))
+        return "\n".join(p.read_text(errors="replace")[-20000:] for p in logs)
+
+    def scrape(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v",...}': value}."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        samples: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return samples
+
+    def path(self, relative: str) -> Path:
+        return self.mount_point / relative
+
+
+@pytest.fixture
+def make_mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
+    """Factory: ``make_mount(**config_overrides)`` returns an unmounted Mount whose
+    ``source`` directory the test fills before calling ``mount()``."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail("mounted tests need root and /dev/fuse (run scripts/test.sh as root)")
+    created: list[Mount] = []
+
+    def factory(**overrides: Any) -> Mount:
+        base = tmp_path / f"m{len(created)}"
+        m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", free_port(), overrides)
+        for d in (m.source, m.mount_point):
+            d.mkdir(parents=True)
+        created.append(m)
+        return m
+
+    yield factory
+    for m in created:
+        if mounts.find_mount(str(m.mount_point)) is not None:
+            info = mounts.registered(str(m.mount_point))
+            subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+            if info:
+                try:
+                    os.kill(int(info["pid"]), 9)
+                except ProcessLookupError:
+                    pass
