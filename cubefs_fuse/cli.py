@@ -184,15 +184,23 @@ def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
         config = _load_and_check(config_path)
         _setup_logging(config, detached=ready_fd is not None)
         trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda: report("ok")))
-    except ConfigError as exc:
-        report(f"error: {exc}")
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
     except Exception as exc:  # report why the mount failed instead of a silent exit
-        report(f"error: {exc}")
+        # Errors raised inside the daemon's nurseries arrive wrapped in exception groups.
+        cause = _sole_exception(exc)
+        report(f"error: {cause}")
+        if isinstance(cause, ConfigError):
+            print(f"{PROG}: error: {cause}", file=sys.stderr)
+            return 2
         log.exception("daemon failed")
         return 1
     return 0
+
+
+def _sole_exception(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups, else ``exc`` itself."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 # -- umount --------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import difflib
 import json
 import math
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -77,6 +78,8 @@ class ClientConfig:
     backend_threads: int = 32
     meta_cache_entries: int = 1_000_000
     control_socket: str = ""
+    control_allow_uids: tuple[int, ...] = ()
+    control_allow_gids: tuple[int, ...] = ()
     config_dir: str = "/tmp"
     unused_keys: tuple[str, ...] = ()
 
@@ -103,6 +106,19 @@ def _nonempty_string(key: str, value: Any) -> str:
     text = _string(key, value)
     if not text.strip():
         raise ConfigError(f"key {key!r}: must not be empty")
+    return text
+
+
+# Volume names as CubeFS allows them (letters, digits, '_', '.', '-'; starting with a
+# letter or digit; at most 63).  The name goes into file names and the fsname= mount
+# option, so '/', ',' and whitespace must never get through.
+_VOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+
+
+def _vol_name(key: str, value: Any) -> str:
+    text = _string(key, value)
+    if not _VOL_NAME.fullmatch(text):
+        raise ConfigError(f"key {key!r}: {text!r} is not a volume name (1-63 letters, digits, '_', '.', '-')")
     return text
 
 
@@ -168,6 +184,12 @@ def parse_size(key: str, value: Any) -> int:
     return size
 
 
+def _id_list(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ConfigError(f"key {key!r}: expected a list of non-negative integer ids, got {value!r}")
+    return tuple(value)
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def parse(key: str, value: Any) -> str:
         text = _string(key, value)
@@ -181,7 +203,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
 # JSON key -> (ClientConfig field, parser).  The key names are the contract (DESIGN.md 2.1).
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "mountPoint": ("mount_point", _nonempty_string),
-    "volName": ("vol_name", _nonempty_string),
+    "volName": ("vol_name", _vol_name),
     "source": ("source", _nonempty_string),
     "owner": ("owner", _string),
     "logDir": ("log_dir", _string),
@@ -201,6 +223,8 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "backendThreads": ("backend_threads", _positive_int),
     "metaCacheEntries": ("meta_cache_entries", _positive_int),
     "controlSocket": ("control_socket", _string),
+    "controlAllowUids": ("control_allow_uids", _id_list),
+    "controlAllowGids": ("control_allow_gids", _id_list),
     "configDir": ("config_dir", _nonempty_string),
 }
 REQUIRED_KEYS = ("mountPoint", "volName", "source")
@@ -231,9 +255,11 @@ def parse_config(raw: Mapping[str, Any]) -> ClientConfig:
         raise ConfigError(
             f"key 'blockSize': {block} bytes is not a multiple of 4KiB between 4KiB and 64MiB"
         )
-    for key in ("mountPoint", "source"):
-        if not os.path.isabs(values[_KEYS[key][0]]):
-            raise ConfigError(f"key {key!r}: {values[_KEYS[key][0]]!r} is not an absolute path")
+    # The daemon runs with cwd "/", so a relative path would mean something else there.
+    for key in ("mountPoint", "source", "diskCacheDir", "logDir", "controlSocket", "configDir"):
+        path = values.get(_KEYS[key][0], "")
+        if path and not os.path.isabs(path):
+            raise ConfigError(f"key {key!r}: {path!r} is not an absolute path")
     values["unused_keys"] = tuple(sorted(unused))
     return ClientConfig(**values)
 
@@ -282,12 +308,39 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
     except OSError as exc:
         raise ConfigError(f"key 'diskCacheDir': cannot create {cache_dir!r}: {exc.strerror}") from None
     _check_writable("diskCacheDir", cache_dir)
+    _check_block_size(config)
     if config.log_dir:
         try:
             os.makedirs(config.log_dir, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"key 'logDir': cannot create {config.log_dir!r}: {exc.strerror}") from None
         _check_writable("logDir", config.log_dir)
+
+
+# Records the block size the NVMe cache was filled with.  Cache keys name a block by its
+# index, so after a blockSize change block i of a file would be other bytes: refuse.
+BLOCK_SIZE_FILE = "block_size"
+
+
+def _check_block_size(config: ClientConfig) -> None:
+    try:
+        with open(os.path.join(config.cache_dir, BLOCK_SIZE_FILE), encoding="ascii") as f:
+            recorded = int(f.read().strip())
+    except (OSError, ValueError):
+        return  # a new cache directory (or one from before the marker existed)
+    if recorded != config.block_size:
+        raise ConfigError(
+            f"key 'blockSize': {config.block_size} differs from the {recorded} bytes the cache in "
+            f"{config.cache_dir!r} was filled with; restore it or use an empty 'diskCacheDir'"
+        )
+
+
+def record_block_size(config: ClientConfig) -> None:
+    """Remember the cache's block size (call while holding the cache directory lock)."""
+    path = os.path.join(config.cache_dir, BLOCK_SIZE_FILE)
+    with open(f"{path}.tmp", "w", encoding="ascii") as f:
+        f.write(f"{config.block_size}\n")
+    os.replace(f"{path}.tmp", path)
 
 
 def _check_writable(key: str, directory: str) -> None:

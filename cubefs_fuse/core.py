@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 from itertools import count
 
 from cubefs_fuse.backend import Attr, Backend, FsStats
@@ -46,6 +48,17 @@ class OpenFile:
     path: str
     version: FileVersion
     next_block: int = 0  # the block a sequential reader asks for next
+    owner: object = None  # the observer's context for the opening process
+    waited: bool = False  # a read of this handle waited on the backend
+    stall: float = 0.0  # seconds reads of this handle waited on the backend
+
+
+class AccessObserver(Protocol):
+    """Sees every application open and release (hit accounting, plan cursors)."""
+
+    def opened(self, pid: int, path: str) -> object: ...
+
+    def released(self, owner: object, path: str, waited: bool, stall: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +141,7 @@ class Filesystem:
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
         self._c = _Counters()
+        self.observer: AccessObserver | None = None
 
     # -- names and attributes --------------------------------------------------------
 
@@ -188,7 +202,7 @@ class Filesystem:
 
     # -- files -----------------------------------------------------------------------
 
-    async def open(self, inode: int, flags: int) -> tuple[int, bool]:
+    async def open(self, inode: int, flags: int, pid: int = 0) -> tuple[int, bool]:
         """A handle and whether the kernel may keep its page cache for the file."""
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
@@ -203,12 +217,15 @@ class Filesystem:
         keep_cache = node.last_version is None or node.last_version == version
         node.last_version = version
         fh = next(self._handles)
-        self._files[fh] = OpenFile(inode, node.path, version)
+        owner = self.observer.opened(pid, node.path) if self.observer is not None else None
+        self._files[fh] = OpenFile(inode, node.path, version, owner=owner)
         self._c.opens += 1
         return fh, keep_cache
 
     def release(self, fh: int) -> None:
-        self._files.pop(fh, None)
+        f = self._files.pop(fh, None)
+        if f is not None and self.observer is not None:
+            self.observer.released(f.owner, f.path, f.waited, f.stall)
 
     def open_file(self, fh: int) -> OpenFile:
         try:
@@ -232,7 +249,7 @@ class Filesystem:
                 # Start every block's fetch, then collect them in order: each get() joins
                 # (and promotes to foreground) the flight its prefetch started.
                 for index in range(first + 1, last + 1):
-                    self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f, index))
+                    self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
                 parts = []
                 for index in range(first, last + 1):
                     served = min(end, (index + 1) * bs) - max(offset, index * bs)
@@ -249,14 +266,18 @@ class Filesystem:
 
     async def _block(self, f: OpenFile, index: int, served: int) -> bytes:
         """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
-        data, source = await self.cache.get(block_key(f.path, f.version, index), self._fetcher(f, index))
+        start = time.perf_counter()
+        data, source = await self.cache.get(block_key(f.path, f.version, index),
+                                            self._fetcher(f.path, f.version, index))
+        if source is Source.BACKEND:
+            f.waited = True
+            f.stall += time.perf_counter() - start
         self._c.blocks_by_source[source.value] += 1
         self._c.bytes_by_source[source.value] += served
         return data
 
-    def _fetcher(self, f: OpenFile, index: int) -> Fetcher:
+    def _fetcher(self, path: str, version: FileVersion, index: int) -> Fetcher:
         bs = self.block_size
-        path, version = f.path, f.version
         length = min(bs, version.size - index * bs)
 
         async def fetch() -> bytes:
@@ -271,7 +292,35 @@ class Filesystem:
             return
         blocks = -(-f.version.size // self.block_size)
         for index in range(last + 1, min(last + 1 + READAHEAD_BLOCKS, blocks)):
-            self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f, index))
+            self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
+
+    async def prefetch_file(self, path: str) -> int:
+        """Start bringing every block of ``path`` into RAM; its size (0 if not a file)."""
+        attr = await self.meta.stat(path)
+        if not attr.is_file:
+            return 0
+        version = attr.version
+        for index in range(-(-attr.size // self.block_size)):
+            self.cache.prefetch(block_key(path, version, index), self._fetcher(path, version, index))
+        return attr.size
+
+    async def warm_file(self, path: str) -> int:
+        """Bring every block of ``path`` into the cache and wait; its size (0 if not a file)."""
+        attr = await self.meta.stat(path)
+        if not attr.is_file:
+            return 0
+        version = attr.version
+        for index in range(-(-attr.size // self.block_size)):
+            await self.cache.warm(block_key(path, version, index), self._fetcher(path, version, index))
+        return attr.size
+
+    def cached_fraction(self, path: str, attr: Attr) -> float:
+        """The fraction of ``path``'s blocks (at version ``attr``) held by a cache tier."""
+        blocks = -(-attr.size // self.block_size)
+        if not blocks:
+            return 1.0
+        held = sum(self.cache.contains(block_key(path, attr.version, i)) for i in range(blocks))
+        return held / blocks
 
     def statistics(self) -> FilesystemStatistics:
         c = self._c

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,12 @@ from cubefs_fuse.backend import LocalDirBackend
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig
+from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.control import AccessPolicy, ControlServer
+from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.prefetch import volconfig
+from cubefs_fuse.prefetch.service import PrefetchService
+from cubefs_fuse.protocol import VolumeConfig
 from cubefs_fuse.core import Filesystem
 from cubefs_fuse.fuse_ops import FuseOperations
 from cubefs_fuse.meta import MetadataCache
@@ -77,6 +83,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
     backend = LocalDirBackend(config.source, config.backend_threads)
     try:
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
+        record_block_size(config)
         write_index = False
         try:
             async with trio.open_nursery() as nursery:
@@ -86,6 +93,11 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
                                      max_entries=config.meta_cache_entries)
                 fs = Filesystem(meta, cache, backend, block_size=config.block_size)
                 daemon = Daemon(config, backend, disk, cache, meta, fs)
+                if config.profile == "ai_prefetch":
+                    volconfig.claim(config.vol_name, config.config_dir)
+                    service = PrefetchService(nursery, fs, config)
+                    fs.observer = service
+                    await _start_control(nursery, service, config)
                 write_index = await _serve(daemon, config_path, on_ready)
                 nursery.cancel_scope.cancel()
         finally:
@@ -114,7 +126,15 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
         mounts.register(config.mount_point, {"volName": config.vol_name, "source": config.source,
-                                             "config": os.path.abspath(config_path), "version": __version__})
+                                             "config": os.path.abspath(config_path), "version": __version__,
+                                             "controlSocket": control_socket_path(config)
+                                             if config.profile == "ai_prefetch" else ""})
+        if config.profile == "ai_prefetch":
+            written = volconfig.write(VolumeConfig(
+                prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
+                local_ip=volconfig.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
+                token_file=token_file_path(config) if config.prof_port else ""), config.config_dir)
+            log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
         for key in config.unused_keys:
             log.info("config key %r is a CubeFS setting with no effect here", key)
         log.info("mounted %s on %s (volume %s, pid %d)", config.source, config.mount_point,
@@ -127,6 +147,8 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
     finally:
         pyfuse3.close(unmount=True)
         mounts.unregister(config.mount_point)
+        if config.profile == "ai_prefetch":
+            volconfig.remove(config.vol_name, config.config_dir)
         if stop_exporter is not None:
             await trio.to_thread.run_sync(stop_exporter)
         log.info("unmounted %s", config.mount_point)
@@ -135,6 +157,42 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         return True
     log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
     return False
+
+
+def control_socket_path(config: ClientConfig) -> str:
+    return config.control_socket or os.path.join(mounts.runtime_dir(), f"{config.vol_name}.sock")
+
+
+def token_file_path(config: ClientConfig) -> str:
+    return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
+
+
+async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig) -> None:
+    """Open the control API (Unix socket, and the loopback port with a token if configured)."""
+    token = None
+    if config.prof_port:
+        token = secrets.token_urlsafe(32)
+        path = token_file_path(config)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        os.rename(f"{path}.tmp", path)
+    server = ControlServer(AccessPolicy(frozenset(config.control_allow_uids),
+                                        frozenset(config.control_allow_gids)), token)
+    service.install(server)
+    socket_path = control_socket_path(config)
+    os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+    try:
+        await nursery.start(server.serve_unix, socket_path)
+        if config.prof_port:
+            await nursery.start(server.serve_tcp, config.prof_port)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the control API ({socket_path}, profPort {config.prof_port}): "
+                          f"{exc.strerror or exc}") from None
 
 
 async def _terminate_on_signal() -> None:

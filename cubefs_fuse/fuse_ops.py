@@ -113,7 +113,7 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translating
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:  # type: ignore[override]
-        fh, keep_cache = await self.fs.open(inode, flags)
+        fh, keep_cache = await self.fs.open(inode, flags, ctx.pid)
         return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), keep_cache=keep_cache)
 
     @_translating

@@ -62,6 +62,13 @@ class MetadataCache:
         self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
         return attr
 
+    def peek(self, path: str) -> Attr | None:
+        """Cached, unexpired attributes of ``path`` without asking the backend."""
+        cached = self._attrs.get(path)
+        if cached is None or cached[0] <= trio.current_time():
+            return None
+        return cached[1]
+
     async def fresh_stat(self, path: str) -> Attr:
         """Attributes straight from the backend (and cached for the next caller)."""
         self._attrs.pop(path, None)

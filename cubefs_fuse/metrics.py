@@ -24,6 +24,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from cubefs_fuse.backend import BackendStatistics
 from cubefs_fuse.cache.blockcache import BlockCacheStatistics
 from cubefs_fuse.core import FilesystemStatistics
+from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.meta import MetadataStatistics
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,10 @@ def start_exporter(addr: str, port: int, collector: Collector) -> Callable[[], N
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    server, thread = start_http_server(port, addr=addr, registry=registry)
+    try:
+        server, thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:  # port in use, address not local: the user's config to fix
+        raise ConfigError(f"key 'exporterPort': cannot listen on {addr}:{port}: {exc.strerror or exc}") from None
     log.info("Prometheus metrics on http://%s:%d/metrics (pid %d)", addr, port, os.getpid())
 
     def stop() -> None:

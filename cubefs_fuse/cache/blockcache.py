@@ -223,6 +223,20 @@ class BlockCache:
         self._start(key, fetch, foreground=False)
         return True
 
+    async def warm(self, key: bytes, fetch: Fetcher) -> None:
+        """Bring a block into the cache at prefetch priority and wait for it.
+
+        Not an application read: it counts as neither hit nor miss."""
+        if self.contains(key):
+            return
+        flight = self._flights.get(key)
+        if flight is None:
+            self._prefetch_issued += 1
+            flight = self._start(key, fetch, foreground=False)
+        await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+
     def contains(self, key: bytes) -> bool:
         return key in self.memory or (self.disk is not None and key in self.disk)
 

@@ -84,7 +84,12 @@ class DiskTier:
         self._tmp_dir = os.path.join(directory, "tmp")
         self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> allocated bytes, LRU first
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
-        self.used_bytes = 0  # allocated bytes of stored blocks plus reservations of writes in progress
+        # Allocated bytes of stored blocks plus reservations of writes in progress.  A put
+        # reserves max(its block, the victims it evicts) until its worker has unlinked the
+        # victims and written the block, so a concurrent put can never reuse the space of
+        # a file that is still on disk; dropped blocks likewise stay counted until unlinked.
+        self.used_bytes = 0
+        self._reserved = 0  # the in-flight part of used_bytes
         self._headroom = limit_bytes  # used_bytes may grow to this before the free-space floor is hit
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
@@ -181,8 +186,11 @@ class DiskTier:
         except _Corrupt as exc:
             self._checksum_failures += 1
             log.warning("disk cache block %s is damaged (%s): discarded, will refetch", path, exc)
-            self._forget(key)
-            await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
+            size = self._entries.pop(key, 0)  # its bytes stay counted until the file is gone
+            try:
+                await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
+            finally:
+                self.used_bytes -= size
             data = None
         except OSError as exc:
             self._read_errors += 1
@@ -202,14 +210,19 @@ class DiskTier:
         need = allocated_bytes(len(data))
         limit = self.effective_limit_bytes
         victims: list[bytes] = []
-        while self.used_bytes + need > limit and self._entries:
+        freed = 0
+        while self.used_bytes - freed + need > limit and self._entries:
             victim, size = self._entries.popitem(last=False)
-            self.used_bytes -= size
+            freed += size
             self._evictions += 1
             victims.append(victim)
-        fits = self.used_bytes + need <= limit
+        fits = self.used_bytes - freed + need <= limit
+        # The victims' files and the new one are never on disk together (the worker
+        # unlinks first), so max() of the two bounds what this put has on disk.
+        reserved = max(need, freed) if fits else freed
+        self.used_bytes += reserved - freed
+        self._reserved += reserved
         if fits:
-            self.used_bytes += need
             self._writing[key] = need
         else:
             self._rejected += 1
@@ -222,13 +235,14 @@ class DiskTier:
                 limiter=self._limiter,
             )
         except OSError as exc:
-            if fits:
-                self.used_bytes -= need
             self._write_errors += 1
             log.warning("disk cache write failed: %s", exc)
+            fits = False
             return False
         finally:
             self._writing.pop(key, None)
+            self._reserved -= reserved
+            self.used_bytes -= reserved - (need if fits else 0)
         self._set_headroom(avail)
         if fits:
             self._entries[key] = need
@@ -238,9 +252,12 @@ class DiskTier:
     async def clear(self) -> None:
         """Drop every stored block and its file (writes in progress still land)."""
         paths = [self._path(k) for k in self._entries]
+        freed = sum(self._entries.values())
         self._entries.clear()
-        self.used_bytes = sum(self._writing.values())
-        await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._limiter)
+        try:
+            await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._limiter)
+        finally:
+            self.used_bytes -= freed  # counted until the files are gone
 
     @property
     def effective_limit_bytes(self) -> int:
@@ -269,7 +286,11 @@ class DiskTier:
         available, total = avail_bytes
         floor = int(self.free_ratio * total)
         # What we hold now plus what the filesystem can still give before the floor.
-        self._headroom = self.used_bytes + available - floor
+        # In-flight reservations are left out: their files may not have reached the
+        # filesystem yet (``available`` still counts their space) or their victims may be
+        # gone already (their space is back in ``available``); counting them would let
+        # concurrent writes overshoot the floor.
+        self._headroom = self.used_bytes - self._reserved + available - floor
 
     async def _refresh_headroom(self) -> None:
         st = await trio.to_thread.run_sync(os.statvfs, self.directory)

@@ -1,0 +1,1 @@
+"""ai_prefetch: datasets, jobs, epoch plans, the prefetch scheduler and hit accounting."""

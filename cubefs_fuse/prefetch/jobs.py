@@ -1,0 +1,156 @@
+"""Jobs, the processes that belong to them, and per-job hit accounting.
+
+A training job registers its main process per rank.  FUSE requests carry the pid of
+the calling thread; DataLoader workers are children of the registered process, so a
+pid is attributed to a job by walking its ancestry in /proc (a few in-memory reads,
+cached for ``RESOLVE_TTL`` seconds so a pid reused by an unrelated process is not
+credited to the job for long).
+
+A *request* is one open of a regular file by an application; it is a *hit* if none of
+its reads waited on the backend.  Reads answered by the kernel page cache never reach
+the daemon, so a re-read file held there counts as a hit through its open (open and
+release still reach us).  The daemon's own prefetch never counts.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Cached pid -> job attributions expire after this many seconds (pid reuse safety).
+RESOLVE_TTL = 10.0
+# Bound on cached attributions (each a few dozen bytes); cleared wholesale when full.
+MAX_RESOLVED = 65536
+# Ancestors walked from a reading thread up to a registered process (thread -> worker ->
+# launcher -> trainer is 4; 16 leaves room for wrappers such as torchrun and shells).
+MAX_ANCESTRY = 16
+
+JobKey = tuple[str, int]  # (job, rank)
+
+
+@dataclass
+class HitCounters:
+    requests: int = 0
+    hits: int = 0
+    misses: int = 0
+    stall_seconds: float = 0.0
+
+    def record(self, waited: bool, stall: float) -> None:
+        self.requests += 1
+        if waited:
+            self.misses += 1
+            self.stall_seconds += stall
+        else:
+            self.hits += 1
+
+    def minus(self, other: HitCounters) -> HitCounters:
+        return HitCounters(self.requests - other.requests, self.hits - other.hits,
+                           self.misses - other.misses, self.stall_seconds - other.stall_seconds)
+
+    def copy(self) -> HitCounters:
+        return HitCounters(self.requests, self.hits, self.misses, self.stall_seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["hit_rate"] = self.hits / self.requests if self.requests else 0.0
+        return data
+
+
+@dataclass
+class Job:
+    name: str
+    rank: int
+    pid: int
+    registered_at: float = field(default_factory=time.time)
+    counters: HitCounters = field(default_factory=HitCounters)
+    last_reported: HitCounters = field(default_factory=HitCounters)
+
+
+def _status_fields(pid: int) -> tuple[int, int] | None:
+    """(tgid, ppid) of a thread or process, None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    tgid = ppid = -1
+    for line in text.splitlines():
+        if line.startswith(b"Tgid:"):
+            tgid = int(line.split()[1])
+        elif line.startswith(b"PPid:"):
+            ppid = int(line.split()[1])
+            break  # PPid follows Tgid in /proc/<pid>/status
+    return (tgid, ppid) if tgid > 0 else None
+
+
+class JobRegistry:
+    def __init__(self) -> None:
+        self.jobs: dict[JobKey, Job] = {}
+        self._by_pid: dict[int, JobKey] = {}
+        self._resolved: dict[int, tuple[float, JobKey | None]] = {}
+        self.total = HitCounters()
+        self._total_reported = HitCounters()
+
+    def register(self, name: str, rank: int, pid: int) -> Job:
+        key = (name, rank)
+        job = self.jobs.get(key)
+        if job is None or job.pid != pid:
+            old = self.jobs.get(key)
+            job = Job(name, rank, pid)
+            if old is not None:
+                job.counters, job.last_reported = old.counters, old.last_reported
+                self._by_pid.pop(old.pid, None)
+            self.jobs[key] = job
+        self._by_pid[pid] = key
+        self._resolved.clear()
+        return job
+
+    def resolve(self, pid: int) -> JobKey | None:
+        """The (job, rank) a thread/process belongs to, or None."""
+        now = time.monotonic()
+        cached = self._resolved.get(pid)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        found: JobKey | None = None
+        current = pid
+        for _ in range(MAX_ANCESTRY):
+            if current in self._by_pid:
+                found = self._by_pid[current]
+                break
+            fields = _status_fields(current)
+            if fields is None:
+                break
+            tgid, ppid = fields
+            if tgid in self._by_pid:
+                found = self._by_pid[tgid]
+                break
+            if ppid <= 1:
+                break
+            current = ppid
+        if len(self._resolved) >= MAX_RESOLVED:
+            self._resolved.clear()
+        self._resolved[pid] = (now + RESOLVE_TTL, found)
+        return found
+
+    def record(self, key: JobKey | None, waited: bool, stall: float) -> None:
+        self.total.record(waited, stall)
+        if key is not None:
+            job = self.jobs.get(key)
+            if job is not None:
+                job.counters.record(waited, stall)
+
+    def report(self, name: str | None) -> dict[str, Any]:
+        """Cumulative and since-last-call counters, per job (or one job) and in total."""
+        jobs = []
+        for job in self.jobs.values():
+            if name is not None and job.name != name:
+                continue
+            since = job.counters.minus(job.last_reported)
+            job.last_reported = job.counters.copy()
+            jobs.append({"job": job.name, "rank": job.rank, "pid": job.pid,
+                         "cumulative": job.counters.as_dict(), "since_last": since.as_dict()})
+        since_total = self.total.minus(self._total_reported)
+        if name is None:
+            self._total_reported = self.total.copy()
+        return {"jobs": jobs, "global": {"cumulative": self.total.as_dict(), "since_last": since_total.as_dict()}}

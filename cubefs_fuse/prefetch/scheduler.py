@@ -1,0 +1,219 @@
+"""Plan-driven prefetch: one lookahead window per (job, rank), ahead of its read cursor.
+
+A plan is an epoch's sample order over a registered dataset.  Its cursor is the first
+position not yet read; it advances as the daemon sees the job's processes open the
+plan's files.  A task per plan keeps the files from the cursor up to a byte budget
+(and ``MAX_WINDOW_FILES``) in flight or cached, nearest first: metadata of the
+window's directories is listed in bulk first, then each file's blocks are handed to
+``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
+foreground reads always go first).  A new plan for the same (job, rank) cancels the
+old one's task; its outstanding prefetches finish but nothing new is issued.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import trio
+
+from cubefs_fuse.core import Filesystem
+from cubefs_fuse.errors import FsError
+from cubefs_fuse.prefetch.datasets import Dataset
+from cubefs_fuse.prefetch.jobs import JobKey
+
+log = logging.getLogger(__name__)
+
+# Files the window may hold ahead of the cursor.  DataLoader workers read up to
+# num_workers x prefetch_factor x batch_size samples ahead (8 x 2 x 256 = 4096 for a
+# large job), so the window must cover that; its bytes are bounded separately.
+MAX_WINDOW_FILES = 4096
+# Positions ahead of the cursor indexed for matching opens (path -> position).  Larger
+# than the window so that a reader that runs ahead of the prefetch is still recognised
+# and the window jumps forward to it instead of prefetching what was already read.
+MATCH_AHEAD = 4 * MAX_WINDOW_FILES
+# Concurrent files being stat'ed and issued by one plan's window task.
+ISSUE_CONCURRENCY = 32
+# Positions whose directories are listed together before their data is issued.
+WARM_CHUNK = 256
+# Size assumed for a file whose attributes are not cached (an ImageNet JPEG averages ~110 KB).
+AVERAGE_FILE_GUESS = 128 * 1024
+
+
+@dataclass
+class PlanCounters:
+    issued: int = 0  # files whose blocks were handed to the cache
+    used: int = 0  # planned files opened by the job
+    skipped: int = 0  # positions the reader passed without opening
+    errors: int = 0
+
+
+@dataclass
+class Plan:
+    key: JobKey
+    epoch: int
+    dataset: Dataset
+    order: np.ndarray  # sample indices, int64
+    cursor: int = 0  # first position not yet consumed
+    issued_upto: int = 0  # positions below this have been issued (or consumed)
+    indexed_upto: int = 0  # positions below this are in ``index``
+    consumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    index: dict[str, list[int]] = field(default_factory=dict)
+    window_bytes: int = 0
+    bytes_at: dict[int, int] = field(default_factory=dict)  # position -> bytes issued for it
+    listed_dirs: set[str] = field(default_factory=set)
+    wake: trio.Event = field(default_factory=trio.Event)
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    counters: PlanCounters = field(default_factory=PlanCounters)
+
+    @property
+    def length(self) -> int:
+        return len(self.order)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "job": self.key[0], "rank": self.key[1], "epoch": self.epoch, "dataset": self.dataset.id,
+            "samples": self.length, "cursor": self.cursor, "lookahead_files": self.issued_upto - self.cursor,
+            "lookahead_bytes": self.window_bytes, "issued": self.counters.issued, "used": self.counters.used,
+            "skipped": self.counters.skipped, "errors": self.counters.errors,
+        }
+
+
+class Scheduler:
+    def __init__(self, nursery: trio.Nursery, fs: Filesystem, *, window_bytes: int) -> None:
+        self._nursery = nursery
+        self.fs = fs
+        self.window_budget = window_bytes
+        self.plans: dict[JobKey, Plan] = {}
+
+    def submit(self, key: JobKey, epoch: int, dataset: Dataset, order: np.ndarray) -> Plan:
+        old = self.plans.get(key)
+        if old is not None:
+            old.scope.cancel()
+        plan = Plan(key, epoch, dataset, order, consumed=np.zeros(len(order), dtype=bool))
+        self.plans[key] = plan
+        self._nursery.start_soon(self._run, plan)
+        return plan
+
+    def observe_open(self, key: JobKey, path: str) -> bool:
+        """A process of ``key`` opened ``path``; True if it was a planned file."""
+        plan = self.plans.get(key)
+        if plan is None:
+            return False
+        positions = plan.index.get(path)
+        if not positions:
+            return False
+        position = positions.pop(0)
+        if not positions:
+            del plan.index[path]
+        if plan.consumed[position]:
+            return True
+        plan.consumed[position] = True
+        plan.counters.used += 1
+        plan.window_bytes -= plan.bytes_at.pop(position, 0)
+        if position >= plan.issued_upto:
+            # The reader is ahead of the window: never prefetch what it has passed.
+            plan.issued_upto = position + 1
+        self._advance(plan, position)
+        plan.wake.set()
+        return True
+
+    def _advance(self, plan: Plan, position: int) -> None:
+        # Positions far behind the newest read are taken as skipped (the reader will not
+        # come back for them); readers interleave, so only a window's worth behind counts.
+        floor = position - MAX_WINDOW_FILES
+        while plan.cursor < plan.length and (plan.consumed[plan.cursor] or plan.cursor < floor):
+            if not plan.consumed[plan.cursor]:
+                plan.counters.skipped += 1
+                plan.window_bytes -= plan.bytes_at.pop(plan.cursor, 0)
+            plan.cursor += 1
+
+    def _extend_index(self, plan: Plan) -> None:
+        end = min(plan.length, plan.cursor + MATCH_AHEAD)
+        dataset = plan.dataset
+        for position in range(plan.indexed_upto, end):
+            for path in dataset.sample_paths(int(plan.order[position])):
+                plan.index.setdefault(path, []).append(position)
+        plan.indexed_upto = max(plan.indexed_upto, end)
+
+    async def _run(self, plan: Plan) -> None:
+        with plan.scope:
+            try:
+                await self._fill(plan)
+            except Exception:
+                log.exception("prefetch for job %s rank %d failed; reads continue unprefetched", *plan.key)
+
+    async def _fill(self, plan: Plan) -> None:
+        slots = trio.Semaphore(ISSUE_CONCURRENCY)
+        async with trio.open_nursery() as nursery:
+            while True:
+                self._extend_index(plan)
+                issued_any = False
+                # Issue in chunks: list the chunk's directories (bulk metadata), then take
+                # positions nearest first while the window has files and bytes to spare.
+                while (plan.issued_upto < plan.length and plan.issued_upto - plan.cursor < MAX_WINDOW_FILES
+                       and plan.window_bytes < self.window_budget):
+                    chunk_end = min(plan.length, plan.issued_upto + WARM_CHUNK, plan.cursor + MAX_WINDOW_FILES)
+                    await self._warm_directories(plan, plan.issued_upto, chunk_end)
+                    while plan.issued_upto < chunk_end and plan.window_bytes < self.window_budget:
+                        position = plan.issued_upto
+                        plan.issued_upto += 1
+                        if plan.consumed[position] or position < plan.cursor:
+                            continue
+                        estimate = self._estimate(plan, position)
+                        plan.bytes_at[position] = estimate
+                        plan.window_bytes += estimate
+                        await slots.acquire()
+                        nursery.start_soon(self._issue, plan, position, slots)
+                        issued_any = True
+                if plan.issued_upto >= plan.length and not issued_any:
+                    return
+                plan.wake = trio.Event()
+                await plan.wake.wait()
+
+    def _estimate(self, plan: Plan, position: int) -> int:
+        """Bytes of a sample's files from cached metadata (the listing just warmed it)."""
+        total = 0
+        for path in plan.dataset.sample_paths(int(plan.order[position])):
+            attr = self.fs.meta.peek(path)
+            total += attr.size if attr is not None else AVERAGE_FILE_GUESS
+        return total
+
+    async def _warm_directories(self, plan: Plan, start: int, end: int) -> None:
+        """List each new parent directory once: one backend call warms all its files' attributes."""
+        wanted = []
+        for position in range(start, end):
+            for path in plan.dataset.sample_paths(int(plan.order[position])):
+                parent = path.rpartition("/")[0]
+                if parent not in plan.listed_dirs:
+                    plan.listed_dirs.add(parent)
+                    wanted.append(parent)
+        if not wanted:
+            return
+
+        async def listing(directory: str, limiter: trio.CapacityLimiter) -> None:
+            async with limiter:
+                try:
+                    await self.fs.meta.listdir(directory)
+                except (OSError, FsError):
+                    pass  # the files' own stats will report the problem
+
+        limiter = trio.CapacityLimiter(ISSUE_CONCURRENCY)
+        async with trio.open_nursery() as nursery:
+            for directory in wanted:
+                nursery.start_soon(listing, directory, limiter)
+
+    async def _issue(self, plan: Plan, position: int, slots: trio.Semaphore) -> None:
+        try:
+            for path in plan.dataset.sample_paths(int(plan.order[position])):
+                await self.fs.prefetch_file(path)
+            plan.counters.issued += 1
+        except (OSError, FsError):
+            plan.counters.errors += 1
+        finally:
+            slots.release()
+
+    def summaries(self) -> list[dict[str, Any]]:
+        return [plan.summary() for plan in self.plans.values()]

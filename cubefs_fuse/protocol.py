@@ -1,0 +1,174 @@
+"""The ai_prefetch wire protocol, shared by the daemon and cube_torch.
+
+Standard library only: ``cube_torch`` imports this module inside training processes
+and must not pull in trio, pyfuse3 or numpy through it.
+
+* The **per-volume config file** ``<configDir>/cube_torch.config.<volName>`` tells a
+  client where the daemon is.  The first four fields are the ones CubeFS's client
+  writes (``prof``, ``mount_point``, ``vol_name``, ``local_ip``); the rest are ours.
+* The **control API** is HTTP/1.1 over a Unix domain socket, paths under ``/v1``,
+  errors as JSON ``{"error": "..."}`` with a 4xx/5xx status.  Bulk data never travels
+  as JSON lists: a dataset's file list is NUL-separated UTF-8, an epoch's order is a
+  little-endian integer array.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import stat
+from dataclasses import asdict, dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+PROTOCOL_VERSION = 1
+CONFIG_FILE_PREFIX = "cube_torch.config."
+DEFAULT_CONFIG_DIR = "/tmp"
+
+# Request bounds, enforced by the daemon and known to clients.
+MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
+# A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.
+MAX_DATASET_BODY = 1024 * 1024 * 1024
+MAX_DATASET_FILES = 100_000_000  # DESIGN.md 2.3: plans scale to 1e8 samples
+MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
+MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
+MAX_NAME = 128  # job names and other identifiers
+PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
+
+CONTENT_JSON = "application/json"
+CONTENT_BINARY = "application/octet-stream"
+
+
+class ProtocolError(Exception):
+    """The daemon answered with an error (``status`` is the HTTP status, 0 if unreachable)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class VolumeConfig:
+    """The per-volume config file's content."""
+
+    prof: int  # CubeFS: the profiling/control port (0 when only the socket is open)
+    mount_point: str
+    vol_name: str
+    local_ip: str
+    control_socket: str
+    pid: int
+    protocol_version: int = PROTOCOL_VERSION
+    token_file: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+
+def config_file_path(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
+    return os.path.join(config_dir, CONFIG_FILE_PREFIX + vol_name)
+
+
+def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> VolumeConfig:
+    """Read and verify the per-volume config file; raises ProtocolError.
+
+    The file must not be writable by others and must belong to root or to the current
+    user: a local user must not be able to point training at a fake daemon.
+    """
+    path = config_file_path(vol_name, config_dir)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ProtocolError(0, f"no daemon for volume {vol_name!r}: cannot open {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ProtocolError(0, f"{path} is not a regular file")
+        if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
+            raise ProtocolError(0, f"{path} is writable by group or others: refusing it")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ProtocolError(0, f"{path} is owned by uid {st.st_uid}, not root or us: refusing it")
+        raw = os.read(fd, 65536)
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw)
+        config = VolumeConfig(**{k: data[k] for k in VolumeConfig.__dataclass_fields__ if k in data})
+    except (ValueError, TypeError) as exc:
+        raise ProtocolError(0, f"{path} is not a valid volume config: {exc}") from None
+    if config.protocol_version != PROTOCOL_VERSION:
+        raise ProtocolError(0, f"daemon speaks protocol {config.protocol_version}, we speak {PROTOCOL_VERSION}")
+    return config
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, socket_path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class ControlClient:
+    """A blocking client of the control API (one short connection per request)."""
+
+    def __init__(self, socket_path: str, timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.timeout = timeout
+
+    def request(self, method: str, path: str, *, query: dict[str, Any] | None = None,
+                body: bytes | None = None, content_type: str = CONTENT_JSON) -> Any:
+        url = f"/v1/{path}" + (f"?{urlencode(query)}" if query else "")
+        conn = _UnixConnection(self.socket_path, self.timeout)
+        try:
+            headers = {"Content-Type": content_type} if body is not None else {}
+            conn.request(method, url, body=body, headers=headers)
+            response = conn.getresponse()
+            payload = response.read()
+        except OSError as exc:
+            raise ProtocolError(0, f"control socket {self.socket_path}: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            data = json.loads(payload) if payload else {}
+        except ValueError:
+            raise ProtocolError(response.status, f"non-JSON answer: {payload[:200]!r}") from None
+        if response.status >= 400:
+            raise ProtocolError(response.status, str(data.get("error", data)))
+        return data
+
+    def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "status")
+        return result
+
+    def register_dataset(self, paths: list[str], columns: int = 1) -> str:
+        """Register a file list (relative paths; ``columns`` files per sample); returns its id."""
+        body = b"\0".join(p.encode("utf-8", "surrogateescape") for p in paths)
+        result = self.request("POST", "datasets", query={"columns": columns}, body=body,
+                              content_type=CONTENT_BINARY)
+        return str(result["dataset"])
+
+    def register_job(self, job: str, rank: int, pid: int) -> dict[str, Any]:
+        result: dict[str, Any] = self.request(
+            "POST", "jobs", body=json.dumps({"job": job, "rank": rank, "pid": pid}).encode())
+        return result
+
+    def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str) -> dict[str, Any]:
+        """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``."""
+        query = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+        result: dict[str, Any] = self.request("POST", "plans", query=query, body=order, content_type=CONTENT_BINARY)
+        return result
+
+    def stats(self, job: str | None = None) -> dict[str, Any]:
+        result: dict[str, Any] = self.request("GET", "stats", query={"job": job} if job else None)
+        return result
