@@ -17,7 +17,7 @@ from itertools import count
 
 from cubefs_fuse.backend import Attr, Backend, FsStats
 from cubefs_fuse.cache.blockcache import BlockCache, Fetcher, Source
-from cubefs_fuse.cache.keys import FileVersion, block_key
+from cubefs_fuse.cache.keys import FileVersion, block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.meta import MetadataCache
 
@@ -48,6 +48,7 @@ class OpenFile:
     path: str
     version: FileVersion
     next_block: int = 0  # the block a sequential reader asks for next
+    tag: int = 0  # path_tag(path)
     owner: object = None  # the observer's context for the opening process
     waited: bool = False  # a read of this handle waited on the backend
     stall: float = 0.0  # seconds reads of this handle waited on the backend
@@ -58,7 +59,7 @@ class AccessObserver(Protocol):
 
     def opened(self, pid: int, path: str) -> object: ...
 
-    def released(self, owner: object, path: str, waited: bool, stall: float) -> None: ...
+    def released(self, f: OpenFile) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,14 +219,14 @@ class Filesystem:
         node.last_version = version
         fh = next(self._handles)
         owner = self.observer.opened(pid, node.path) if self.observer is not None else None
-        self._files[fh] = OpenFile(inode, node.path, version, owner=owner)
+        self._files[fh] = OpenFile(inode, node.path, version, tag=path_tag(node.path), owner=owner)
         self._c.opens += 1
         return fh, keep_cache
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
         if f is not None and self.observer is not None:
-            self.observer.released(f.owner, f.path, f.waited, f.stall)
+            self.observer.released(f)
 
     def open_file(self, fh: int) -> OpenFile:
         try:
@@ -268,7 +269,7 @@ class Filesystem:
         """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
         start = time.perf_counter()
         data, source = await self.cache.get(block_key(f.path, f.version, index),
-                                            self._fetcher(f.path, f.version, index))
+                                            self._fetcher(f.path, f.version, index), tag=f.tag)
         if source is Source.BACKEND:
             f.waited = True
             f.stall += time.perf_counter() - start
@@ -294,15 +295,23 @@ class Filesystem:
         for index in range(last + 1, min(last + 1 + READAHEAD_BLOCKS, blocks)):
             self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
 
-    async def prefetch_file(self, path: str) -> int:
-        """Start bringing every block of ``path`` into RAM; its size (0 if not a file)."""
+    async def prefetch_file(self, path: str, next_use: int | None = None) -> int:
+        """Start bringing every block of ``path`` into RAM; its size (0 if not a file).
+
+        ``next_use``: the plan position that will read it (protects it from eviction)."""
         attr = await self.meta.stat(path)
         if not attr.is_file:
             return 0
-        version = attr.version
+        version, tag = attr.version, path_tag(path)
         for index in range(-(-attr.size // self.block_size)):
-            self.cache.prefetch(block_key(path, version, index), self._fetcher(path, version, index))
+            self.cache.prefetch(block_key(path, version, index), self._fetcher(path, version, index),
+                                next_use=next_use, tag=tag)
         return attr.size
+
+    def unplan_file(self, path: str, version: FileVersion) -> None:
+        """No plan reads this version of ``path`` again (it was just consumed)."""
+        for index in range(-(-version.size // self.block_size)):
+            self.cache.unplan(block_key(path, version, index))
 
     async def warm_file(self, path: str) -> int:
         """Bring every block of ``path`` into the cache and wait; its size (0 if not a file)."""

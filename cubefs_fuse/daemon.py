@@ -139,9 +139,11 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             log.info("config key %r is a CubeFS setting with no effect here", key)
         log.info("mounted %s on %s (volume %s, pid %d)", config.source, config.mount_point,
                  config.vol_name, os.getpid())
-        on_ready()
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_terminate_on_signal)
+            # Handle signals before reporting readiness: a SIGTERM sent as soon as `mount`
+            # returns must unmount cleanly, not kill the process and leave a dead mount.
+            await nursery.start(_terminate_on_signal)
+            on_ready()
             await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
             nursery.cancel_scope.cancel()
     finally:
@@ -195,8 +197,9 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
                           f"{exc.strerror or exc}") from None
 
 
-async def _terminate_on_signal() -> None:
+async def _terminate_on_signal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
         async for signum in signals:
             log.info("%s received: unmounting", signal.Signals(signum).name)
             pyfuse3.terminate()

@@ -141,14 +141,17 @@ class PrioritySlots:
 
 
 class _Flight:
-    __slots__ = ("done", "waiter", "data", "source", "error")
+    __slots__ = ("done", "waiter", "data", "source", "error", "next_use", "tag", "joined")
 
-    def __init__(self, foreground: bool) -> None:
+    def __init__(self, foreground: bool, next_use: int | None, tag: int) -> None:
         self.done = trio.Event()
         self.waiter = _Waiter(foreground)
         self.data: bytes | None = None
         self.source = Source.BACKEND
         self.error: BaseException | None = None
+        self.next_use = next_use  # the plan position that reads this block (prefetch)
+        self.tag = tag  # the file's path hash, kept with the block for re-planning
+        self.joined = False  # an application read waited on this flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +166,8 @@ class BlockCacheStatistics:
     prefetch_issued: int
     prefetch_completed: int
     prefetch_failed: int
+    prefetch_used: int  # prefetched blocks an application then read
+    prefetch_wasted: int  # prefetched blocks evicted (or not admitted) before any read
     disk_writes_skipped: int
     pending_disk_bytes: int
     flights: int
@@ -190,21 +195,30 @@ class BlockCache:
         self._hits_ram = self._hits_disk = self._misses = self._joined = self._fetch_errors = 0
         self._prefetch_issued = self._prefetch_completed = self._prefetch_failed = 0
         self._prefetch_flights = 0
+        self._prefetch_used = self._prefetch_wasted = 0
+        self._unused_prefetched: set[bytes] = set()
         self._disk_writes_skipped = 0
+        memory.on_evict = self._evicted
 
-    async def get(self, key: bytes, fetch: Fetcher) -> tuple[bytes, Source]:
+    async def get(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source]:
         """The block's bytes and where they came from (an application read)."""
         data = self.memory.get(key)
         if data is not None:
             self._hits_ram += 1
+            if key in self._unused_prefetched:
+                self._unused_prefetched.discard(key)
+                self._prefetch_used += 1
             return data, Source.RAM
         flight = self._flights.get(key)
         if flight is None:
-            flight = self._start(key, fetch, foreground=True)
+            flight = self._start(key, fetch, foreground=True, tag=tag)
         else:
             self._joined += 1
             if not flight.waiter.foreground:
+                if not flight.joined:
+                    self._prefetch_used += 1
                 self.slots.promote(flight.waiter)
+        flight.joined = True
         await flight.done.wait()
         if flight.error is not None:
             raise flight.error
@@ -215,13 +229,32 @@ class BlockCache:
             self._misses += 1
         return flight.data, flight.source
 
-    def prefetch(self, key: bytes, fetch: Fetcher) -> bool:
-        """Bring a block into RAM in the background; False if already there or too busy."""
-        if key in self.memory or key in self._flights or self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
+    def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
+        """Bring a block into RAM in the background; False if already there or too busy.
+
+        ``next_use`` is the plan position that will read the block (for eviction)."""
+        if key in self.memory:
+            if next_use is not None:
+                self.memory.plan(key, next_use)
+            return False
+        if key in self._flights or self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
             return False
         self._prefetch_issued += 1
-        self._start(key, fetch, foreground=False)
+        self._start(key, fetch, foreground=False, next_use=next_use, tag=tag)
         return True
+
+    def plan(self, key: bytes, next_use: int) -> None:
+        """An active plan reads ``key`` at ``next_use``."""
+        self.memory.plan(key, next_use)
+
+    def unplan(self, key: bytes) -> None:
+        """No active plan reads ``key`` any more."""
+        self.memory.unplan(key)
+
+    def _evicted(self, key: bytes) -> None:
+        if key in self._unused_prefetched:
+            self._unused_prefetched.discard(key)
+            self._prefetch_wasted += 1
 
     async def warm(self, key: bytes, fetch: Fetcher) -> None:
         """Bring a block into the cache at prefetch priority and wait for it.
@@ -233,6 +266,7 @@ class BlockCache:
         if flight is None:
             self._prefetch_issued += 1
             flight = self._start(key, fetch, foreground=False)
+            flight.joined = True  # a warmup waits for it: neither used nor wasted prefetch
         await flight.done.wait()
         if flight.error is not None:
             raise flight.error
@@ -242,6 +276,7 @@ class BlockCache:
 
     async def clear(self) -> None:
         self.memory.clear()
+        self._unused_prefetched.clear()
         if self.disk is not None:
             await self.disk.clear()
 
@@ -250,8 +285,9 @@ class BlockCache:
         while self._pending_disk:
             await trio.sleep(0.01)
 
-    def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool) -> _Flight:
-        flight = _Flight(foreground)
+    def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool, next_use: int | None = None,
+               tag: int = 0) -> _Flight:
+        flight = _Flight(foreground, next_use, tag)
         self._flights[key] = flight
         if not foreground:
             self._prefetch_flights += 1
@@ -271,10 +307,15 @@ class BlockCache:
                 finally:
                     self.slots.release(flight.waiter)
                 self._write_behind(key, data)
-            self.memory.put(key, data)
+            stored = self.memory.put(key, data, next_use=flight.next_use, tag=flight.tag)
             flight.data = data
             if prefetch:
                 self._prefetch_completed += 1
+                if not flight.joined:
+                    if stored:
+                        self._unused_prefetched.add(key)
+                    else:
+                        self._prefetch_wasted += 1
         except BaseException as exc:
             self._fetch_errors += 1
             if prefetch:
@@ -316,6 +357,8 @@ class BlockCache:
             prefetch_issued=self._prefetch_issued,
             prefetch_completed=self._prefetch_completed,
             prefetch_failed=self._prefetch_failed,
+            prefetch_used=self._prefetch_used,
+            prefetch_wasted=self._prefetch_wasted,
             disk_writes_skipped=self._disk_writes_skipped,
             pending_disk_bytes=self._pending_disk,
             flights=len(self._flights),

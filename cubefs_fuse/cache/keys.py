@@ -26,6 +26,11 @@ class FileVersion:
     ctime_ns: int
 
 
+def path_tag(path: str) -> int:
+    """A 64-bit hash of a path: kept with cached blocks so a plan can rank them."""
+    return xxhash.xxh3_64_intdigest(path.encode("utf-8", "surrogateescape"))
+
+
 def block_key(path: str, version: FileVersion, index: int) -> bytes:
     """The cache key of block ``index`` of ``path`` at ``version`` (16 bytes)."""
     digest = xxhash.xxh3_128()

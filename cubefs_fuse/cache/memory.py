@@ -1,9 +1,20 @@
-"""The RAM tier: blocks in a dict, least recently used evicted first, a byte limit that holds."""
+"""The RAM tier: blocks in a dict, a byte limit that holds, plan-aware eviction.
+
+Without plans it is a plain LRU.  With plans, blocks carry the position at which a
+plan will read them and eviction follows ``policy.PlannedLru`` (Belady).
+"""
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+
+from cubefs_fuse.cache.policy import PlannedLru
+
+# Share of the tier that blocks no plan asks for may take from planned blocks (the block
+# a reader is consuming right now, metadata-less reads).  1/32 keeps 97 % of the tier
+# for the resident subset when the dataset is larger than the cache.
+SCRATCH_FRACTION = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,16 +26,20 @@ class TierStatistics:
     misses: int
     evictions: int
     inserts: int
-    rejected: int  # blocks not stored (larger than the tier, or the tier is full of pinned work)
+    rejected: int  # blocks not stored (larger than the tier, or everything resident is needed sooner)
+    planned_bytes: int  # bytes of blocks an active plan will read
 
 
 class MemoryTier:
     """Blocks keyed by bytes; ``used_bytes <= limit_bytes`` after every call."""
 
-    def __init__(self, limit_bytes: int) -> None:
+    def __init__(self, limit_bytes: int, *, scratch_bytes: int | None = None) -> None:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
-        self._blocks: OrderedDict[bytes, bytes] = OrderedDict()
+        self._blocks: dict[bytes, bytes] = {}
+        self._tags: dict[bytes, int] = {}  # key -> tag (the file's path hash), for re-planning
+        self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
+        self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
 
     def __contains__(self, key: bytes) -> bool:
@@ -35,36 +50,61 @@ class MemoryTier:
         if data is None:
             self._misses += 1
             return None
-        self._blocks.move_to_end(key)
+        self.policy.touch(key)
         self._hits += 1
         return data
 
-    def put(self, key: bytes, data: bytes) -> None:
+    def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
+        """Store a block (``next_use``: the plan position that reads it); False if not stored."""
         size = len(data)
-        old = self._blocks.pop(key, None)
-        if old is not None:
-            self.used_bytes -= len(old)
+        self.discard(key)
         if size > self.limit_bytes:
             self._rejected += 1
-            return
+            return False
         # Evict before inserting, so the limit holds at every instant, not just on average.
-        while self.used_bytes + size > self.limit_bytes:
-            _, victim = self._blocks.popitem(last=False)
-            self.used_bytes -= len(victim)
-            self._evictions += 1
+        victims = self.policy.victims(size, self.limit_bytes - self.used_bytes, next_use)
+        if victims is None:
+            self._rejected += 1
+            return False
+        for victim in victims:
+            self._evict(victim)
         self._blocks[key] = data
+        self._tags[key] = tag
+        self.policy.add(key, size, next_use)
         self.used_bytes += size
         self._inserts += 1
+        return True
+
+    def _evict(self, key: bytes) -> None:
+        self.policy.remove(key)
+        self.used_bytes -= len(self._blocks.pop(key))
+        self._tags.pop(key, None)
+        self._evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(key)
 
     def discard(self, key: bytes) -> None:
         data = self._blocks.pop(key, None)
         if data is not None:
+            self.policy.remove(key)
+            self._tags.pop(key, None)
             self.used_bytes -= len(data)
 
+    def plan(self, key: bytes, next_use: int) -> None:
+        self.policy.plan(key, next_use)
+
+    def unplan(self, key: bytes) -> None:
+        self.policy.unplan(key)
+
+    def tagged(self) -> Iterator[tuple[bytes, int]]:
+        """(key, tag) of every block."""
+        return iter(list(self._tags.items()))
+
     def clear(self) -> None:
-        self._blocks.clear()
-        self.used_bytes = 0
+        for key in list(self._blocks):
+            self.discard(key)
 
     def statistics(self) -> TierStatistics:
         return TierStatistics(self.used_bytes, self.limit_bytes, len(self._blocks), self._hits,
-                              self._misses, self._evictions, self._inserts, self._rejected)
+                              self._misses, self._evictions, self._inserts, self._rejected,
+                              self.policy.planned_bytes)

@@ -29,12 +29,38 @@ class DatasetError(ValueError):
     """The file list is malformed; the message says how (for a 400 answer)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Dataset:
     id: str
     blob: bytes
     starts: np.ndarray  # int64 offset of each path in blob; len == files + 1 (last = len(blob) + 1)
     columns: int  # files per sample (2 for image + annotation)
+    _tag_index: tuple[np.ndarray, np.ndarray] | None = None
+
+    def tag_index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted path tags, file index of each): maps a cached block's tag to its file.
+
+        ~1 µs per path; callers run it in a worker thread once per dataset."""
+        if self._tag_index is None:
+            blob, starts = self.blob, self.starts.tolist()
+            digest = xxhash.xxh3_64_intdigest
+            tags = np.fromiter((digest(blob[starts[i] : starts[i + 1] - 1]) for i in range(self.files)),
+                               dtype=np.uint64, count=self.files)
+            order = np.argsort(tags, kind="stable")
+            self._tag_index = (tags[order], order)
+        return self._tag_index
+
+    def positions_of(self, tags: np.ndarray, order: np.ndarray) -> np.ndarray:
+        """For each tag, its sample's position in ``order`` (-1: not in this plan)."""
+        sorted_tags, file_of = self.tag_index()
+        at = np.searchsorted(sorted_tags, tags)
+        at = np.minimum(at, len(sorted_tags) - 1)
+        found = sorted_tags[at] == tags
+        inverse = np.full(self.samples, -1, dtype=np.int64)
+        # Reversed, so that a sample listed twice gets its earliest (next) position.
+        inverse[order[::-1]] = np.arange(len(order) - 1, -1, -1, dtype=np.int64)
+        samples = file_of[at] // self.columns
+        return np.where(found, inverse[samples], -1)
 
     @property
     def files(self) -> int:

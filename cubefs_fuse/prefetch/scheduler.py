@@ -141,9 +141,26 @@ class Scheduler:
     async def _run(self, plan: Plan) -> None:
         with plan.scope:
             try:
+                await self._rerank(plan)
                 await self._fill(plan)
             except Exception:
                 log.exception("prefetch for job %s rank %d failed; reads continue unprefetched", *plan.key)
+
+    async def _rerank(self, plan: Plan) -> None:
+        """Give every cached block of the plan's files its position (eviction keeps the
+        ones needed soonest); with no other plan active, the rest become unplanned."""
+        memory = self.fs.cache.memory
+        tagged = list(memory.tagged())
+        if not tagged:
+            return
+        tags = np.fromiter((tag for _, tag in tagged), dtype=np.uint64, count=len(tagged))
+        positions = await trio.to_thread.run_sync(plan.dataset.positions_of, tags, plan.order)
+        alone = len(self.plans) == 1
+        for (key, _), position in zip(tagged, positions.tolist()):
+            if position >= 0:
+                memory.plan(key, position)
+            elif alone:
+                memory.unplan(key)
 
     async def _fill(self, plan: Plan) -> None:
         slots = trio.Semaphore(ISSUE_CONCURRENCY)
@@ -208,7 +225,7 @@ class Scheduler:
     async def _issue(self, plan: Plan, position: int, slots: trio.Semaphore) -> None:
         try:
             for path in plan.dataset.sample_paths(int(plan.order[position])):
-                await self.fs.prefetch_file(path)
+                await self.fs.prefetch_file(path, next_use=position)
             plan.counters.issued += 1
         except (OSError, FsError):
             plan.counters.errors += 1

@@ -21,7 +21,7 @@ from cubefs_fuse import __version__
 from cubefs_fuse.backend import Attr
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control import ApiError, ControlServer, Request, Response
-from cubefs_fuse.core import Filesystem
+from cubefs_fuse.core import Filesystem, OpenFile
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, parse_dataset
 from cubefs_fuse.prefetch.jobs import JobKey, JobRegistry
@@ -118,8 +118,11 @@ class PrefetchService:
             self.scheduler.observe_open(key, path)
         return key
 
-    def released(self, owner: object, path: str, waited: bool, stall: float) -> None:
-        self.jobs.record(owner if isinstance(owner, tuple) else None, waited, stall)
+    def released(self, f: OpenFile) -> None:
+        key = f.owner if isinstance(f.owner, tuple) else None
+        self.jobs.record(key, f.waited, f.stall)
+        if key is not None:
+            self.fs.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
 
     # -- routes ------------------------------------------------------------------------
 

@@ -1,0 +1,142 @@
+"""Eviction that knows the future: least recently used, then furthest next use (Belady).
+
+Every block in a tier is either
+
+* **unplanned** — no active plan will read it (again): ordered by recency, evicted
+  first, oldest first (plain LRU when no plan is active); or
+* **planned** — an active plan reads it at position ``next_use``: evicted only after
+  every unplanned block, the furthest ``next_use`` first.
+
+Admission follows Belady too: a planned block may displace a planned block needed
+later than itself, never one needed sooner; an unplanned block may displace planned
+ones only while unplanned blocks hold less than ``scratch_bytes`` (room for the block
+a reader is consuming right now).  So when the dataset is larger than the tier, the
+planned blocks already resident stay resident epoch after epoch (a stable subset)
+instead of being flushed by every miss, and the lookahead window, whose blocks are
+needed soonest, is never evicted to make room for anything needed later.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from itertools import count
+
+
+class PlannedLru:
+    def __init__(self, scratch_bytes: int) -> None:
+        self.scratch_bytes = scratch_bytes
+        self._unplanned: OrderedDict[bytes, int] = OrderedDict()  # key -> size, oldest first
+        self._planned: dict[bytes, tuple[int, int]] = {}  # key -> (next_use, size)
+        self._heap: list[tuple[int, int, bytes]] = []  # (-next_use, serial, key), stale entries skipped
+        self._serial = count()
+        self.unplanned_bytes = 0
+        self.planned_bytes = 0
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._unplanned or key in self._planned
+
+    def __len__(self) -> int:
+        return len(self._unplanned) + len(self._planned)
+
+    def next_use(self, key: bytes) -> int | None:
+        entry = self._planned.get(key)
+        return entry[0] if entry is not None else None
+
+    def add(self, key: bytes, size: int, next_use: int | None = None) -> None:
+        self.remove(key)
+        if next_use is None:
+            self._unplanned[key] = size
+            self.unplanned_bytes += size
+        else:
+            self._planned[key] = (next_use, size)
+            self.planned_bytes += size
+            heapq.heappush(self._heap, (-next_use, next(self._serial), key))
+
+    def remove(self, key: bytes) -> int:
+        """Forget a key; its size (0 if absent)."""
+        size = self._unplanned.pop(key, None)
+        if size is not None:
+            self.unplanned_bytes -= size
+            return size
+        entry = self._planned.pop(key, None)
+        if entry is not None:
+            self.planned_bytes -= entry[1]
+            self._compact()
+            return entry[1]
+        return 0
+
+    def touch(self, key: bytes) -> None:
+        """A read: an unplanned block becomes the most recently used."""
+        if key in self._unplanned:
+            self._unplanned.move_to_end(key)
+
+    def plan(self, key: bytes, next_use: int) -> None:
+        """A plan will read ``key`` at ``next_use`` (re-planning moves it)."""
+        if key in self._unplanned:
+            size = self._unplanned.pop(key)
+            self.unplanned_bytes -= size
+        elif key in self._planned:
+            if self._planned[key][0] == next_use:
+                return
+            size = self._planned.pop(key)[1]
+            self.planned_bytes -= size
+        else:
+            return
+        self.add(key, size, next_use)
+
+    def unplan(self, key: bytes) -> None:
+        """No plan reads ``key`` any more (consumed, or its plan was replaced)."""
+        entry = self._planned.pop(key, None)
+        if entry is not None:
+            self.planned_bytes -= entry[1]
+            self._unplanned[key] = entry[1]
+            self.unplanned_bytes += entry[1]
+            self._compact()
+
+    def unplan_all(self) -> None:
+        for key in list(self._planned):
+            self.unplan(key)
+
+    def victims(self, need: int, free: int, next_use: int | None) -> list[bytes] | None:
+        """Keys to evict so that ``need`` bytes fit beside ``free``; None: do not admit.
+
+        Nothing is removed: the caller removes the victims it acts on.
+        """
+        victims: list[bytes] = []
+        if need <= free:
+            return victims
+        for key, size in self._unplanned.items():
+            victims.append(key)
+            free += size
+            if need <= free:
+                return victims
+        if next_use is None and need > self.scratch_bytes:
+            return None  # an unplanned block displaces planned ones only within the scratch room
+        popped: list[tuple[int, int, bytes]] = []
+        admitted = False
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            neg_use, _, key = entry
+            planned = self._planned.get(key)
+            if planned is None or planned[0] != -neg_use:
+                continue  # stale
+            popped.append(entry)
+            if next_use is not None and -neg_use <= next_use:
+                break  # everything left is needed no later than the newcomer
+            victims.append(key)
+            free += planned[1]
+            if need <= free:
+                admitted = True
+                break
+        if admitted:
+            return victims  # every popped entry is a victim the caller will remove
+        for entry in popped:
+            heapq.heappush(self._heap, entry)
+        return None
+
+    def _compact(self) -> None:
+        # Drop stale heap entries once they outnumber live ones (amortised O(1) per change).
+        if len(self._heap) > 2 * len(self._planned) + 64:
+            self._heap = [e for e in self._heap if self._planned.get(e[2], (None,))[0] == -e[0]]
+            heapq.heapify(self._heap)
