@@ -1,0 +1,22 @@
+"""cube_torch: ``import cube_torch`` and set ``VOL_NAME`` to prefetch each epoch's files.
+
+Importing installs one small patch on torch's DataLoader (see ``cube_torch.patch``):
+at the start of every epoch the loader's exact index order is materialised, mapped to
+the files it reads and sent to the cubefs-fuse daemon of volume ``$VOL_NAME`` from a
+background thread; the daemon then has each file local before a worker opens it.
+``VOL_NAME`` is read when an epoch starts, so it may be set after the import.  If the
+daemon is missing or misbehaves, one warning is logged and training proceeds as usual.
+
+``cube_torch.uninstall()`` removes the patch; ``cube_torch.stats()`` returns this
+job's hit counters; a hit-rate line is printed every ``CUBE_TORCH_METRICS_INTERVAL``
+seconds (default 30).
+"""
+
+from __future__ import annotations
+
+from cube_torch.patch import install, installed, uninstall
+from cube_torch.reporter import report_once, stats
+
+__all__ = ["install", "installed", "uninstall", "stats", "report_once"]
+
+install()

@@ -176,9 +176,13 @@ def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
     def report(message: str) -> None:
         nonlocal ready_fd
         if ready_fd is not None:
-            os.write(ready_fd, (message + "\n").encode())
-            os.close(ready_fd)
-            ready_fd = None
+            fd, ready_fd = ready_fd, None
+            try:
+                os.write(fd, (message + "\n").encode())
+            except OSError:
+                pass  # the parent is gone (interrupted): keep serving, it can be unmounted as usual
+            finally:
+                os.close(fd)
 
     try:
         config = _load_and_check(config_path)

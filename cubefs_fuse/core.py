@@ -74,6 +74,9 @@ class FilesystemStatistics:
     bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
     stale_reads: int
     inodes: int
+    file_requests: int  # opens of regular files, counted at release
+    file_misses: int  # of those, the ones with a read that waited on the backend
+    stall_seconds: float
 
 
 @dataclass(slots=True)
@@ -83,6 +86,9 @@ class _Counters:
     reads: int = 0
     read_bytes: int = 0
     stale_reads: int = 0
+    file_requests: int = 0
+    file_misses: int = 0
+    stall_seconds: float = 0.0
     blocks_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
     bytes_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
 
@@ -225,7 +231,13 @@ class Filesystem:
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
-        if f is not None and self.observer is not None:
+        if f is None:
+            return
+        self._c.file_requests += 1
+        if f.waited:
+            self._c.file_misses += 1
+            self._c.stall_seconds += f.stall
+        if self.observer is not None:
             self.observer.released(f)
 
     def open_file(self, fh: int) -> OpenFile:
@@ -335,4 +347,5 @@ class Filesystem:
         c = self._c
         return FilesystemStatistics(c.lookups, c.opens, len(self._files), len(self._dirs), c.reads,
                                     c.read_bytes, dict(c.blocks_by_source), dict(c.bytes_by_source),
-                                    c.stale_reads, len(self.inodes))
+                                    c.stale_reads, len(self.inodes), c.file_requests, c.file_misses,
+                                    c.stall_seconds)

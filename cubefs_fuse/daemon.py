@@ -53,10 +53,11 @@ class Daemon:
     cache: BlockCache
     meta: MetadataCache
     fs: Filesystem
+    service: PrefetchService | None = None
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
-                        self.meta.statistics())
+                        self.meta.statistics(), self.service.job_samples() if self.service else ())
 
 
 def mount_options(config: ClientConfig) -> set[str]:
@@ -96,7 +97,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
                 if config.profile == "ai_prefetch":
                     volconfig.claim(config.vol_name, config.config_dir)
                     service = PrefetchService(nursery, fs, config)
-                    fs.observer = service
+                    fs.observer = daemon.service = service
                     await _start_control(nursery, service, config)
                 write_index = await _serve(daemon, config_path, on_ready)
                 nursery.cancel_scope.cancel()

@@ -36,6 +36,7 @@ class MetricSpec:
     kind: str  # "counter", "gauge" or "histogram"
     help: str
     labels: tuple[str, ...] = ()
+    ai_prefetch: bool = False  # exposed only with "profile": "ai_prefetch" (per job: once a job registered)
 
 
 METRICS: dict[str, MetricSpec] = {
@@ -69,8 +70,44 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_metadata_cache_hits_total", "counter", "Metadata answered from the daemon's cache.", ("kind",)),
         MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
         MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
+        MetricSpec("cubefs_fuse_file_requests_total", "counter",
+                   "Files opened and closed by applications (one request per open; page-cache reads included)."),
+        MetricSpec("cubefs_fuse_file_hits_total", "counter", "File requests none of whose reads waited on the backend."),
+        MetricSpec("cubefs_fuse_file_misses_total", "counter", "File requests with at least one read that waited on the backend."),
+        MetricSpec("cubefs_fuse_stall_seconds_total", "counter", "Seconds application reads waited on the backend."),
+        MetricSpec("cubefs_fuse_prefetch_used_total", "counter", "Prefetched blocks that an application read."),
+        MetricSpec("cubefs_fuse_prefetch_wasted_total", "counter", "Prefetched blocks evicted or refused before any read."),
+        MetricSpec("cubefs_fuse_job_requests_total", "counter", "File requests of a registered job's processes.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_hits_total", "counter", "File requests of a job served without waiting on the backend.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_misses_total", "counter", "File requests of a job that waited on the backend.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_stall_seconds_total", "counter", "Seconds a job's reads waited on the backend.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the job's current epoch plan.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_position", "gauge", "The plan's read cursor (samples consumed in order).",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The epoch of the job's current plan.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursor.",
+                   ("job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursor.",
+                   ("job", "rank"), ai_prefetch=True),
     )
 }
+
+
+@dataclass(frozen=True, slots=True)
+class JobSample:
+    job: str
+    rank: int
+    requests: int
+    hits: int
+    misses: int
+    stall_seconds: float
+    plan: dict[str, Any] | None  # the scheduler's summary of its current plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +116,7 @@ class Snapshot:
     cache: BlockCacheStatistics
     backend: BackendStatistics
     meta: MetadataStatistics
+    jobs: tuple[JobSample, ...] = ()
 
 
 class _Families:
@@ -140,6 +178,24 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_metadata_cache_hits_total", m.listing_hits, "listing")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.attr_misses, "attr")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.listing_misses, "listing")
+    f.add("cubefs_fuse_file_requests_total", s.fs.file_requests)
+    f.add("cubefs_fuse_file_hits_total", s.fs.file_requests - s.fs.file_misses)
+    f.add("cubefs_fuse_file_misses_total", s.fs.file_misses)
+    f.add("cubefs_fuse_stall_seconds_total", s.fs.stall_seconds)
+    f.add("cubefs_fuse_prefetch_used_total", c.prefetch_used)
+    f.add("cubefs_fuse_prefetch_wasted_total", c.prefetch_wasted)
+    for j in s.jobs:
+        labels = (j.job, str(j.rank))
+        f.add("cubefs_fuse_job_requests_total", j.requests, *labels)
+        f.add("cubefs_fuse_job_hits_total", j.hits, *labels)
+        f.add("cubefs_fuse_job_misses_total", j.misses, *labels)
+        f.add("cubefs_fuse_job_stall_seconds_total", j.stall_seconds, *labels)
+        if j.plan is not None:
+            f.add("cubefs_fuse_plan_samples", j.plan["samples"], *labels)
+            f.add("cubefs_fuse_plan_position", j.plan["cursor"], *labels)
+            f.add("cubefs_fuse_plan_epoch", j.plan["epoch"], *labels)
+            f.add("cubefs_fuse_plan_lookahead_files", j.plan["lookahead_files"], *labels)
+            f.add("cubefs_fuse_plan_lookahead_bytes", j.plan["lookahead_bytes"], *labels)
     yield from f.families.values()
     spec = METRICS["cubefs_fuse_backend_latency_seconds"]
     histogram = HistogramMetricFamily(spec.name, spec.help, labels=list(spec.labels))

@@ -6,6 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
+# pyfuse3 is built from source: it needs a compiler, the Python headers and venv.
+command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)
+python3 -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
+    || need_apt+=(python3-dev)
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)

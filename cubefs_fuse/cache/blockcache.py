@@ -141,11 +141,14 @@ class PrioritySlots:
 
 
 class _Flight:
-    __slots__ = ("done", "waiter", "data", "source", "error", "next_use", "tag", "joined")
+    __slots__ = ("done", "waiter", "prefetch", "data", "source", "error", "next_use", "tag", "joined")
 
     def __init__(self, foreground: bool, next_use: int | None, tag: int) -> None:
         self.done = trio.Event()
         self.waiter = _Waiter(foreground)
+        # Fixed at start: a read that joins promotes the waiter to foreground, but the
+        # flight still counts as (and among) the prefetch flights it was started as.
+        self.prefetch = not foreground
         self.data: bytes | None = None
         self.source = Source.BACKEND
         self.error: BaseException | None = None
@@ -295,7 +298,7 @@ class BlockCache:
         return flight
 
     async def _fly(self, key: bytes, fetch: Fetcher, flight: _Flight) -> None:
-        prefetch = not flight.waiter.foreground
+        prefetch = flight.prefetch
         try:
             data = await self.disk.get(key) if self.disk is not None and key in self.disk else None
             if data is not None:

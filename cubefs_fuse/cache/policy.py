@@ -27,8 +27,10 @@ class PlannedLru:
     def __init__(self, scratch_bytes: int) -> None:
         self.scratch_bytes = scratch_bytes
         self._unplanned: OrderedDict[bytes, int] = OrderedDict()  # key -> size, oldest first
-        self._planned: dict[bytes, tuple[int, int]] = {}  # key -> (next_use, size)
-        self._heap: list[tuple[int, int, bytes]] = []  # (-next_use, serial, key), stale entries skipped
+        self._planned: dict[bytes, tuple[int, int, int]] = {}  # key -> (next_use, size, serial)
+        # (-next_use, serial, key); an entry is live only if its serial is the key's current
+        # one (a key re-planned at the same position must not be found twice).
+        self._heap: list[tuple[int, int, bytes]] = []
         self._serial = count()
         self.unplanned_bytes = 0
         self.planned_bytes = 0
@@ -49,9 +51,10 @@ class PlannedLru:
             self._unplanned[key] = size
             self.unplanned_bytes += size
         else:
-            self._planned[key] = (next_use, size)
+            serial = next(self._serial)
+            self._planned[key] = (next_use, size, serial)
             self.planned_bytes += size
-            heapq.heappush(self._heap, (-next_use, next(self._serial), key))
+            heapq.heappush(self._heap, (-next_use, serial, key))
 
     def remove(self, key: bytes) -> int:
         """Forget a key; its size (0 if absent)."""
@@ -117,9 +120,9 @@ class PlannedLru:
         admitted = False
         while self._heap:
             entry = heapq.heappop(self._heap)
-            neg_use, _, key = entry
+            neg_use, serial, key = entry
             planned = self._planned.get(key)
-            if planned is None or planned[0] != -neg_use:
+            if planned is None or planned[2] != serial:
                 continue  # stale
             popped.append(entry)
             if next_use is not None and -neg_use <= next_use:
@@ -129,14 +132,14 @@ class PlannedLru:
             if need <= free:
                 admitted = True
                 break
-        if admitted:
-            return victims  # every popped entry is a victim the caller will remove
+        # Live entries go back, so that this stays a query (entries of victims the caller
+        # then removes turn stale and are compacted away).
         for entry in popped:
             heapq.heappush(self._heap, entry)
-        return None
+        return victims if admitted else None
 
     def _compact(self) -> None:
         # Drop stale heap entries once they outnumber live ones (amortised O(1) per change).
         if len(self._heap) > 2 * len(self._planned) + 64:
-            self._heap = [e for e in self._heap if self._planned.get(e[2], (None,))[0] == -e[0]]
+            self._heap = [e for e in self._heap if self._planned.get(e[2], (0, 0, -1))[2] == e[1]]
             heapq.heapify(self._heap)

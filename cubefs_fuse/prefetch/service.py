@@ -23,6 +23,7 @@ from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control import ApiError, ControlServer, Request, Response
 from cubefs_fuse.core import Filesystem, OpenFile
 from cubefs_fuse.errors import FsError
+from cubefs_fuse.metrics import JobSample
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, parse_dataset
 from cubefs_fuse.prefetch.jobs import JobKey, JobRegistry
 from cubefs_fuse.prefetch.scheduler import Scheduler
@@ -123,6 +124,12 @@ class PrefetchService:
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:
             self.fs.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
+
+    def job_samples(self) -> tuple[JobSample, ...]:
+        plans = {(p["job"], p["rank"]): p for p in self.scheduler.summaries()}
+        return tuple(JobSample(j.name, j.rank, j.counters.requests, j.counters.hits, j.counters.misses,
+                               j.counters.stall_seconds, plans.get((j.name, j.rank)))
+                     for j in self.jobs.jobs.values())
 
     # -- routes ------------------------------------------------------------------------
 
@@ -232,7 +239,8 @@ class PrefetchService:
             entry["plan"] = plans.get((entry["job"], entry["rank"]))
         cache = self.fs.cache.statistics()
         report["prefetch"] = {"issued": cache.prefetch_issued, "completed": cache.prefetch_completed,
-                              "failed": cache.prefetch_failed}
+                              "failed": cache.prefetch_failed, "used": cache.prefetch_used,
+                              "wasted": cache.prefetch_wasted}
         return Response.json(report)
 
     async def drop_cache(self, request: Request) -> Response:

@@ -1,0 +1,216 @@
+"""The background side of cube_torch: finds the daemon, registers, submits plans.
+
+All daemon traffic happens in one background thread of the training process, never in
+the training loop: an absent, slow or failing daemon costs the loop nothing.  Each
+kind of failure is logged once per process, as a warning.  The thread exits when it
+has had nothing to do for ``IDLE_EXIT`` seconds and is started again on demand, so no
+thread outlives the loaders that need it for long.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cube_torch.files import SampleFiles, Unsupported, relative_to_mount, sample_files
+from cubefs_fuse.protocol import ControlClient, ProtocolError, read_volume_config
+
+log = logging.getLogger("cube_torch")
+
+# Seconds a control request may take before cube_torch gives up on it (training never
+# waits for it; a slower daemon only delays its own prefetch).
+REQUEST_TIMEOUT = 5.0
+# The background thread exits after this many idle seconds (and restarts on demand).
+IDLE_EXIT = 30.0
+# Pending plans kept per process; older ones are superseded by the newest epoch anyway.
+MAX_PENDING = 4
+
+
+@dataclass
+class PlanRequest:
+    vol_name: str
+    dataset: Any
+    order: np.ndarray  # sample indices in the exact order the loader will consume them
+    epoch: int
+    rank: int
+    job: str
+
+
+@dataclass
+class _DatasetFiles:
+    """A dataset's in-mount files, flattened, with each sample's range."""
+
+    paths: list[str]
+    offsets: np.ndarray  # sample i reads paths[offsets[i]:offsets[i+1]]
+    registered: dict[tuple[int, str], str]  # (daemon pid, socket) -> dataset id
+
+
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def warn_once(kind: str, message: str, *args: Any) -> None:
+    with _lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    log.warning("cube_torch: " + message + " (training continues without prefetch; logged once)", *args)
+
+
+def info_once(kind: str, message: str, *args: Any) -> None:
+    with _lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    log.info("cube_torch: " + message, *args)
+
+
+def default_job() -> str:
+    job = os.environ.get("CUBE_TORCH_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
+    if job and job != "none":
+        return "".join(c if c.isalnum() or c in "_.:@-" else "_" for c in job)[:128]
+    return f"{socket.gethostname()}-{os.getpid()}"[:128]
+
+
+class Submitter:
+    """One per process: a queue of plan requests and the thread that sends them."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[PlanRequest] = queue.Queue(maxsize=MAX_PENDING)
+        self._thread: threading.Thread | None = None
+        self._files: weakref.WeakKeyDictionary[Any, _DatasetFiles] = weakref.WeakKeyDictionary()
+        self._files_by_id: dict[int, _DatasetFiles] = {}  # for datasets that cannot be weakly referenced
+        self._jobs: set[tuple[int, str, int]] = set()  # (daemon pid, job, rank) registered
+        self.last_job: tuple[str, int, str] | None = None  # (job, rank, vol_name) of the last plan sent
+        self.plans_sent = 0
+        self._state = threading.Lock()
+
+    def submit(self, request: PlanRequest) -> None:
+        try:
+            self._queue.put_nowait(request)
+        except queue.Full:
+            try:
+                self._queue.get_nowait()  # drop the oldest: a newer epoch supersedes it
+            except queue.Empty:
+                pass
+            try:
+                self._queue.put_nowait(request)
+            except queue.Full:
+                return
+        with self._state:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="cube_torch-plans", daemon=True)
+                self._thread.start()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """For tests: wait until every queued plan has been handled."""
+        done = threading.Event()
+
+        def waiter() -> None:
+            self._queue.join()
+            done.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+        return done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                request = self._queue.get(timeout=IDLE_EXIT)
+            except queue.Empty:
+                return
+            try:
+                self._send(request)
+            except Exception as exc:  # never let the thread die on a surprise
+                warn_once("unexpected", "could not submit the epoch plan: %r", exc)
+            finally:
+                self._queue.task_done()
+
+    def _send(self, request: PlanRequest) -> None:
+        try:
+            volume = read_volume_config(request.vol_name)
+        except ProtocolError as exc:
+            warn_once(f"no-daemon:{request.vol_name}", "%s", exc.message)
+            return
+        client = ControlClient(volume.control_socket, timeout=REQUEST_TIMEOUT)
+        files = self._dataset_files(request.dataset, volume.mount_point)
+        if files is None:
+            return
+        if not files.paths:
+            info_once(f"outside:{id(request.dataset)}", "no file of %s lies under the mount %s: not prefetching it",
+                      type(request.dataset).__name__, volume.mount_point)
+            return
+        try:
+            key = (volume.pid, volume.control_socket)
+            dataset_id = files.registered.get(key)
+            if dataset_id is None:
+                dataset_id = client.register_dataset(files.paths)
+                files.registered[key] = dataset_id
+            job_key = (volume.pid, request.job, request.rank)
+            if job_key not in self._jobs:
+                client.register_job(request.job, request.rank, os.getpid())
+                self._jobs.add(job_key)
+            order = _file_order(files.offsets, request.order)
+            if not len(order):
+                return  # none of this epoch's samples reads a file on the mount
+            dtype = "<u4" if len(files.paths) < 2**32 else "<u8"
+            client.submit_plan(request.job, request.rank, request.epoch, dataset_id,
+                               order.astype(dtype).tobytes(), dtype)
+            self.last_job = (request.job, request.rank, request.vol_name)
+            self.plans_sent += 1
+        except ProtocolError as exc:
+            if exc.status == 404:
+                files.registered.clear()  # the daemon restarted and forgot the list: next epoch re-registers
+                self._jobs.clear()
+            warn_once(f"daemon-error:{exc.status}", "the cubefs-fuse daemon refused the plan: %s", exc)
+
+    def _dataset_files(self, dataset: Any, mount_point: str) -> _DatasetFiles | None:
+        try:
+            cached = self._files.get(dataset)
+        except TypeError:
+            cached = self._files_by_id.get(id(dataset))
+        if cached is not None:
+            return cached
+        try:
+            mapping = sample_files(dataset)
+        except Unsupported as exc:
+            info_once(f"unsupported:{type(dataset).__name__}", "%s: not prefetching it", exc)
+            return None
+        files = _collect(mapping, len(dataset), mount_point)
+        try:
+            self._files[dataset] = files
+        except TypeError:
+            self._files_by_id[id(dataset)] = files
+        return files
+
+
+def _collect(mapping: SampleFiles, samples: int, mount_point: str) -> _DatasetFiles:
+    paths: list[str] = []
+    offsets = np.zeros(samples + 1, dtype=np.int64)
+    for i in range(samples):
+        for path in mapping(i):
+            relative = relative_to_mount(path, mount_point)
+            if relative:
+                paths.append(relative)
+        offsets[i + 1] = len(paths)
+    return _DatasetFiles(paths, offsets, {})
+
+
+def _file_order(offsets: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """The file indices read when the samples are read in order (vectorised)."""
+    starts = offsets[samples]
+    counts = offsets[samples + 1] - starts
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    # Each sample's run starts at its first file; within a run the index counts up.
+    run_starts = np.repeat(starts - (np.cumsum(counts) - counts), counts)
+    return run_starts + np.arange(total, dtype=np.int64)

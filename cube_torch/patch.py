@@ -1,0 +1,153 @@
+"""The one patch: ``DataLoader._index_sampler`` returns a sampler that plans the epoch.
+
+Every DataLoader iterator draws its indices from ``iter(loader._index_sampler)`` (the
+batch sampler, or the sampler when ``batch_size=None``), once per epoch, in the main
+process.  The patched property wraps that sampler in :class:`PlannedSampler`, whose
+iterator, on its first ``next()``, materialises the whole epoch from the real sampler
+(the same RNG draws the loader would make, at the same moment), hands the order to the
+background submitter and then yields exactly that order.  Nothing else of torch is
+replaced: ``isinstance(loader, DataLoader)`` stays true and the worker loop is torch's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from cube_torch.client import PlanRequest, Submitter, default_job, info_once
+
+log = logging.getLogger("cube_torch")
+
+# Epochs longer than this are not planned: materialising 50 M indices as Python objects
+# would cost GBs in the training process.
+MAX_PLANNED_SAMPLES = 50_000_000
+
+submitter = Submitter()
+_epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_original: property | None = None
+
+
+class PlannedSampler:
+    """Wraps a loader's index sampler; iterating it plans the epoch, then replays it."""
+
+    def __init__(self, inner: Any, loader: Any) -> None:
+        self.inner = inner
+        self._loader = weakref.ref(loader)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: nothing runs (and no RNG is drawn) until the loader asks for the
+        # first index, exactly as with the inner sampler's own generator.
+        items = list(self.inner) if self._plannable() else None
+        if items is None:
+            yield from self.inner
+            return
+        try:
+            self._submit(items)
+        except Exception as exc:  # planning must never break the epoch
+            info_once("plan-failed", "could not plan this epoch: %r", exc)
+        yield from items
+
+    def _plannable(self) -> bool:
+        loader = self._loader()
+        vol_name = os.environ.get("VOL_NAME")
+        if loader is None or not vol_name:
+            return False
+        from torch.utils.data import IterableDataset
+
+        if isinstance(loader.dataset, IterableDataset):
+            info_once("iterable", "IterableDataset has no index order to plan: not prefetching it")
+            return False
+        try:
+            length = len(self.inner)
+        except TypeError:
+            info_once("infinite", "the sampler has no length (infinite?): not prefetching this loader")
+            return False
+        if length > MAX_PLANNED_SAMPLES:
+            info_once("huge", "epochs of over %d samples are not planned", MAX_PLANNED_SAMPLES)
+            return False
+        return True
+
+    def _submit(self, items: list[Any]) -> None:
+        loader = self._loader()
+        if loader is None:
+            return
+        if items and isinstance(items[0], (list, tuple)):
+            flat = [int(i) for batch in items for i in batch]
+        else:
+            flat = [int(i) for i in items]
+        order = np.asarray(flat, dtype=np.int64)
+        epoch = _epoch_of(loader)
+        submitter.submit(PlanRequest(os.environ["VOL_NAME"], loader.dataset, order, epoch, _rank(), default_job()))
+        from cube_torch import reporter
+
+        reporter.ensure_running()
+
+
+def _epoch_of(loader: Any) -> int:
+    sampler = getattr(loader, "sampler", None)
+    epoch = getattr(sampler, "epoch", None)  # DistributedSampler.set_epoch
+    counted = _epochs.get(loader, -1) + 1
+    _epochs[loader] = counted
+    return int(epoch) if isinstance(epoch, int) else counted
+
+
+def _rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
+    except Exception:
+        pass
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def install() -> bool:
+    """Patch DataLoader (idempotent); True if this call installed it."""
+    global _original
+    from torch.utils.data import DataLoader
+
+    if _original is not None:
+        return False
+    original = DataLoader.__dict__["_index_sampler"]
+    assert isinstance(original, property)
+
+    def planned_index_sampler(loader: Any) -> Any:
+        inner = original.fget(loader)  # type: ignore[misc]
+        if inner is None or isinstance(inner, PlannedSampler):
+            return inner
+        return PlannedSampler(inner, loader)
+
+    DataLoader._index_sampler = property(planned_index_sampler)  # type: ignore[method-assign,assignment]
+    _original = original
+    return True
+
+
+def uninstall() -> bool:
+    """Remove the patch; True if it was installed."""
+    global _original
+    from torch.utils.data import DataLoader
+
+    if _original is None:
+        return False
+    DataLoader._index_sampler = _original  # type: ignore[method-assign,assignment]
+    _original = None
+    return True
+
+
+def installed() -> bool:
+    return _original is not None

@@ -1,0 +1,105 @@
+"""Hit-rate lines: every CUBE_TORCH_METRICS_INTERVAL seconds, from the daemon's counters.
+
+The line keeps the format of CubeFS's cube_torch so existing log parsers work::
+
+    user memory last_cycle_metrics:([request_count:4801 hit_count:4801 miss_count:0 hit_rate:100.00% miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 hit_rate:99.95% miss_rate:0.05%])
+
+It is printed to stdout and logged (logger ``cube_torch``, INFO); ``cube_torch.stats()``
+returns the same counters as a dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from typing import Any
+
+from cubefs_fuse.protocol import ControlClient, ProtocolError, read_volume_config
+
+log = logging.getLogger("cube_torch")
+
+# Default seconds between hit-rate lines: often enough to watch an epoch of a small job,
+# rare enough to be noise-free in a long one.  Override with CUBE_TORCH_METRICS_INTERVAL.
+DEFAULT_INTERVAL = 30.0
+_thread: threading.Thread | None = None
+_stop = threading.Event()
+_lock = threading.Lock()
+
+
+def interval() -> float:
+    try:
+        value = float(os.environ.get("CUBE_TORCH_METRICS_INTERVAL", DEFAULT_INTERVAL))
+    except ValueError:
+        return DEFAULT_INTERVAL
+    return value if value > 0 else DEFAULT_INTERVAL
+
+
+def _counts(c: dict[str, Any]) -> str:
+    requests, hits, misses = int(c["requests"]), int(c["hits"]), int(c["misses"])
+    hit_rate = 100.0 * hits / requests if requests else 0.0
+    miss_rate = 100.0 * misses / requests if requests else 0.0
+    return (f"request_count:{requests} hit_count:{hits} miss_count:{misses} "
+            f"hit_rate:{hit_rate:.2f}% miss_rate:{miss_rate:.2f}%")
+
+
+def format_line(since_last: dict[str, Any], cumulative: dict[str, Any]) -> str:
+    return (f"user memory last_cycle_metrics:([{_counts(since_last)} ])  "
+            f"sum_metrics:([{_counts(cumulative)}])")
+
+
+def stats() -> dict[str, Any] | None:
+    """This process's job counters from the daemon (cumulative and since the last call)."""
+    from cube_torch.patch import submitter
+
+    last = submitter.last_job
+    if last is None:
+        return None
+    job, rank, vol_name = last
+    try:
+        volume = read_volume_config(vol_name)
+        report = ControlClient(volume.control_socket, timeout=5.0).stats(job)
+    except ProtocolError:
+        return None
+    for entry in report.get("jobs", []):
+        if entry.get("rank") == rank:
+            return {"job": job, "rank": rank, "cumulative": entry["cumulative"], "since_last": entry["since_last"],
+                    "plan": entry.get("plan")}
+    return None
+
+
+def report_once() -> str | None:
+    current = stats()
+    if current is None:
+        return None
+    line = format_line(current["since_last"], current["cumulative"])
+    print(line, file=sys.stdout, flush=True)
+    log.info("%s", line)
+    return line
+
+
+def _run() -> None:
+    while not _stop.wait(interval()):
+        try:
+            report_once()
+        except Exception as exc:  # a reporting problem must never reach training
+            log.debug("cube_torch: metrics report failed: %r", exc)
+
+
+def ensure_running() -> None:
+    global _thread
+    with _lock:
+        if _thread is None or not _thread.is_alive():
+            _stop.clear()
+            _thread = threading.Thread(target=_run, name="cube_torch-metrics", daemon=True)
+            _thread.start()
+
+
+def stop() -> None:
+    global _thread
+    _stop.set()
+    with _lock:
+        thread, _thread = _thread, None
+    if thread is not None:
+        thread.join(timeout=5)
