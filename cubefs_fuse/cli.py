@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cubefs_fuse import __version__, mounts
+from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, load_config
 from cubefs_fuse.errors import ConfigError
 
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="detach now even if files are open (they keep working until closed)")
     umount.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="how long to wait for the daemon to exit (default: 60)")
+    opscli.add_commands(sub)
     return parser
 
 
@@ -76,12 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_mount(args)
         if args.command == "umount":
             return cmd_umount(args)
+        return opscli.run(args)
     except (ConfigError, UserError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    raise AssertionError(args.command)
 
 
 # -- mount ---------------------------------------------------------------------------

@@ -73,7 +73,9 @@ def find_mount(mount_point: str) -> MountEntry | None:
 def is_stale(mount_point: str) -> bool:
     """True if a FUSE daemon that served ``mount_point`` is gone (ENOTCONN)."""
     try:
-        os.stat(mount_point)
+        # statfs always reaches the daemon; stat() is answered from the kernel's attribute
+        # cache (attrValid, 30 s by default) and would call a dead mount alive.
+        os.statvfs(mount_point)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
     return False
@@ -161,6 +163,26 @@ def registered(mount_point: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return info
+
+
+def all_registered() -> list[dict[str, Any]]:
+    """Every registered daemon that is still alive, sorted by mount point."""
+    found = []
+    try:
+        names = os.listdir(runtime_dir())
+    except OSError:
+        return []
+    for name in names:
+        if not (name.startswith("mount-") and name.endswith(".json")):
+            continue
+        try:
+            with open(os.path.join(runtime_dir(), name)) as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(info, dict) and isinstance(info.get("pid"), int) and pid_alive(info["pid"]):
+            found.append(info)
+    return sorted(found, key=lambda i: str(i.get("mountPoint")))
 
 
 def pid_alive(pid: int) -> bool:

@@ -158,7 +158,22 @@ class PrefetchService:
             "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict()}
                      for j in self.jobs.jobs.values()],
             "plans": self.scheduler.summaries(),
+            "counters": self._counters(),
         })
+
+    def _counters(self) -> dict[str, Any]:
+        """Monotonic counters for rate views (``cubefs-fuse stats``)."""
+        fs, cache, backend = self.fs.statistics(), self.fs.cache.statistics(), self.fs.backend.statistics()
+        return {
+            "opens": fs.opens, "reads": fs.reads, "read_bytes": fs.read_bytes,
+            "bytes_by_source": fs.bytes_by_source, "file_requests": fs.file_requests,
+            "file_misses": fs.file_misses, "stall_seconds": fs.stall_seconds,
+            "block_hits_ram": cache.hits_ram, "block_hits_disk": cache.hits_disk, "block_misses": cache.misses,
+            "backend_operations": sum(backend.operations.values()), "backend_bytes": backend.bytes_read,
+            "backend_errors": sum(backend.errors.values()),
+            "prefetch_issued": cache.prefetch_issued, "prefetch_used": cache.prefetch_used,
+            "prefetch_wasted": cache.prefetch_wasted,
+        }
 
     async def register_dataset(self, request: Request) -> Response:
         columns = _int(request.query.get("columns", "1"), "columns", 1, 16)

@@ -1,0 +1,314 @@
+"""Operator commands: status, warmup, drop-cache, stats.  All of them talk to the
+control API of a running daemon (``"profile": "ai_prefetch"``), found through the
+runtime registry that every daemon writes (``mounts.register``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cubefs_fuse import mounts
+from cubefs_fuse.protocol import ControlClient, ProtocolError
+
+# Seconds between progress polls of a warmup: smooth enough for a bar, cheap for the daemon.
+POLL_SECONDS = 0.25
+
+
+class OpsError(Exception):
+    """A problem the operator can act on; one line, exit code 1."""
+
+
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser("status", help="show mounts, cache use, hit rates and jobs",
+                            description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
+                            "tier, hit rate, active jobs with their hit rate and prefetch progress, uptime.")
+    status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    warmup = sub.add_parser("warmup", help="fetch files or subtrees into the cache (with progress)",
+                            description="Bring files or whole subtrees of a mount into the cache, or with --check "
+                            "report how much of them is cached without fetching anything.")
+    warmup.add_argument("mount_point", metavar="MOUNTPOINT")
+    warmup.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (absolute under "
+                        "MOUNTPOINT, or relative to it)")
+    warmup.add_argument("-f", "--file", metavar="LIST", help="read paths from LIST, one per line ('-': stdin)")
+    warmup.add_argument("--check", action="store_true", help="only report the cached percentage")
+    warmup.add_argument("--json", action="store_true", help="print the final report as JSON, no progress bar")
+
+    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount",
+                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount.")
+    drop.add_argument("mount_point", metavar="MOUNTPOINT")
+
+    stats = sub.add_parser("stats", help="a live view of a mount's activity (like 'juicefs stats')",
+                           description="Print per-interval rates: opens, reads, hit rate, bytes by source, "
+                           "backend operations, prefetch; Ctrl-C to stop.")
+    stats.add_argument("mount_point", metavar="MOUNTPOINT")
+    stats.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)")
+    stats.add_argument("-n", "--count", type=int, default=0, metavar="N", help="stop after N intervals (0: never)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.command == "status":
+            return cmd_status(args)
+        if args.command == "warmup":
+            return cmd_warmup(args)
+        if args.command == "drop-cache":
+            return cmd_drop(args)
+        if args.command == "stats":
+            return cmd_stats(args)
+    except OpsError as exc:
+        print(f"cubefs-fuse: error: {exc}", file=sys.stderr)
+        return 1
+    raise AssertionError(args.command)
+
+
+def _client(mount_point: str) -> tuple[dict[str, Any], ControlClient]:
+    path = os.path.abspath(mount_point)
+    info = mounts.registered(path)
+    if info is None or not mounts.pid_alive(int(info.get("pid", 0))):
+        entry = mounts.find_mount(path)
+        if entry is not None and entry.fstype == f"fuse.{mounts.FUSE_SUBTYPE}":
+            raise OpsError(f"{path} is a cubefs-fuse mount but its daemon is not running "
+                           "(stale mount: 'cubefs-fuse umount --lazy' it, or mount again)")
+        raise OpsError(f"{path} is not a cubefs-fuse mount (see 'cubefs-fuse status')")
+    socket_path = info.get("controlSocket") or ""
+    if not socket_path:
+        raise OpsError(f"{path}: the daemon (pid {info['pid']}) runs without \"profile\": \"ai_prefetch\", "
+                       "which opens the control API this command needs")
+    return info, ControlClient(socket_path, timeout=10.0)
+
+
+def _call(client: ControlClient, method: str, path: str, **kwargs: Any) -> Any:
+    try:
+        return client.request(method, path, **kwargs)
+    except ProtocolError as exc:
+        if exc.status == 403:
+            raise OpsError(f"permission denied on the control socket {client.socket_path}: run as root or the "
+                           "daemon's user, or list your uid in 'controlAllowUids'") from None
+        raise OpsError(f"control API: {exc}") from None
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    return (f"{days}d " if days else "") + time.strftime("%H:%M:%S", time.gmtime(rest))
+
+
+# -- status ---------------------------------------------------------------------------
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.mount_point:
+        infos = [_client(args.mount_point)[0]]
+    else:
+        infos = mounts.all_registered()
+    reports = []
+    for info in infos:
+        report: dict[str, Any] = {"mount_point": info.get("mountPoint"), "volume": info.get("volName"),
+                                  "source": info.get("source"), "pid": info.get("pid"), "control_api": False}
+        if info.get("controlSocket"):
+            try:
+                report.update(ControlClient(info["controlSocket"], timeout=10.0).status())
+                report["control_api"] = True
+            except ProtocolError as exc:
+                report["error"] = str(exc)
+        reports.append(report)
+    if args.json:
+        print(json.dumps(reports, indent=2))
+        return 0
+    console = Console()
+    if not reports:
+        console.print("no cubefs-fuse mounts are running")
+        return 0
+    for report in reports:
+        _print_status(console, report)
+    return 0
+
+
+def _print_status(console: Console, r: dict[str, Any]) -> None:
+    console.print(f"[bold]{r['mount_point']}[/bold]  volume {r['volume']}  source {r['source']}  pid {r['pid']}")
+    if not r["control_api"]:
+        console.print("  " + (r.get("error") or 'control API off (set "profile": "ai_prefetch" for cache and job details)'))
+        return
+    console.print(f"  uptime {_duration(r['uptime'])}   version {r['version']}")
+    tiers = Table(box=box.SIMPLE, show_header=True)
+    for column in ("tier", "used", "limit", "use", "blocks"):
+        tiers.add_column(column, justify="right" if column != "tier" else "left")
+    for tier, t in r["cache"].items():
+        use = 100.0 * t["used_bytes"] / t["limit_bytes"] if t["limit_bytes"] else 0.0
+        tiers.add_row(tier, _size(t["used_bytes"]), _size(t["limit_bytes"]), f"{use:.1f}%", str(t["blocks"]))
+    console.print(tiers)
+    hits = r["hits"]
+    console.print(f"  file requests {hits['requests']}  hits {hits['hits']}  misses {hits['misses']}  "
+                  f"hit rate {100 * hits['hit_rate']:.2f}%  stall {hits['stall_seconds']:.1f} s")
+    plans = {(p["job"], p["rank"]): p for p in r.get("plans", [])}
+    if r.get("jobs"):
+        jobs = Table(box=box.SIMPLE, show_header=True)
+        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead"):
+            jobs.add_column(column)
+        for j in r["jobs"]:
+            p = plans.get((j["job"], j["rank"]))
+            progress = f"{p['cursor']}/{p['samples']}" if p else "-"
+            lookahead = f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}" if p else "-"
+            jobs.add_row(j["job"], str(j["rank"]), str(j["pid"]), str(j["requests"]),
+                         f"{100 * j['hit_rate']:.2f}%", str(p["epoch"]) if p else "-", progress, lookahead)
+        console.print(jobs)
+    else:
+        console.print("  no jobs registered")
+
+
+# -- warmup ---------------------------------------------------------------------------
+
+
+def _relative_paths(mount_point: str, paths: list[str]) -> list[str]:
+    root = os.path.abspath(mount_point)
+    out = []
+    for raw in paths:
+        path = raw.strip()
+        if not path:
+            continue
+        if os.path.isabs(path):
+            absolute = os.path.normpath(path)
+            if absolute != root and not absolute.startswith(root + "/"):
+                raise OpsError(f"{raw!r} is not under the mount point {root}")
+            path = os.path.relpath(absolute, root)
+        path = os.path.normpath(path)
+        if path.startswith(".."):
+            raise OpsError(f"{raw!r} leaves the mount point")
+        out.append("" if path == "." else path)
+    return out
+
+
+def cmd_warmup(args: argparse.Namespace) -> int:
+    raw = list(args.paths)
+    if args.file:
+        try:
+            handle = sys.stdin if args.file == "-" else open(args.file, encoding="utf-8")
+            with handle:
+                raw.extend(handle.read().splitlines())
+        except OSError as exc:
+            raise OpsError(f"cannot read {args.file}: {exc.strerror}") from None
+    paths = _relative_paths(args.mount_point, raw)
+    if not paths:
+        raise OpsError("give at least one PATH or -f LIST")
+    _, client = _client(args.mount_point)
+    started = _call(client, "POST", "warmup", body=json.dumps({"paths": paths, "check": args.check}).encode())
+    report = _follow(client, int(started["id"]), quiet=args.json)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        verb = "cached" if args.check else "now cached"
+        print(f"{report['files_cached']}/{report['files_total']} files, {_size(report['bytes_cached'])} of "
+              f"{_size(report['bytes_total'])} {verb} ({report['cached_percent']:.1f}%), "
+              f"{report['errors']} errors, {report['elapsed']:.1f} s")
+    return 0 if report["errors"] == 0 else 1
+
+
+def _follow(client: ControlClient, warmup_id: int, *, quiet: bool) -> dict[str, Any]:
+    def poll() -> dict[str, Any]:
+        result: dict[str, Any] = _call(client, "GET", "warmup", query={"id": warmup_id})
+        return result
+
+    if quiet or not sys.stderr.isatty():
+        while not (report := poll())["done"]:
+            time.sleep(POLL_SECONDS)
+        return report
+    columns = (TextColumn("[bold]warmup"), BarColumn(), TextColumn("{task.fields[files]} files"),
+               DownloadColumn(binary_units=True), TimeRemainingColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("warmup", total=None, files="0/?")
+        while True:
+            report = poll()
+            progress.update(task, total=report["bytes_total"] or None, completed=report["bytes_done"],
+                            files=f"{report['files_done']}/{report['files_total']}")
+            if report["done"]:
+                return report
+            time.sleep(POLL_SECONDS)
+
+
+# -- drop-cache -----------------------------------------------------------------------
+
+
+def cmd_drop(args: argparse.Namespace) -> int:
+    _, client = _client(args.mount_point)
+    result = _call(client, "POST", "cache/drop", body=b"{}")
+    print(f"dropped {_size(result['dropped_bytes'])} from the cache of {os.path.abspath(args.mount_point)}")
+    return 0
+
+
+# -- stats ----------------------------------------------------------------------------
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        raise OpsError("--interval must be positive")
+    _, client = _client(args.mount_point)
+    previous = _call(client, "GET", "status")
+    before = time.monotonic()
+    count = 0
+    try:
+        while args.count <= 0 or count < args.count:
+            time.sleep(args.interval)
+            current = _call(client, "GET", "status")
+            now = time.monotonic()
+            if count % STATS_HEADER_EVERY == 0:
+                print(_STATS_HEADER, flush=True)
+            print(_STATS_FORMAT.format(*_stats_row(previous, current, now - before)), flush=True)
+            previous, before = current, now
+            count += 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+# One line per interval, like vmstat/juicefs stats: readable in a terminal and in a log.
+# Columns: time | opens/s reads/s MiB/s hit% | MiB/s served from RAM, disk, remote |
+# remote ops/s, prefetched blocks/s | RAM and disk in use.
+STATS_HEADER_EVERY = 20
+_STATS_FORMAT = "{:>8} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>6} {:>6}"
+_STATS_HEADER = _STATS_FORMAT.format("time", "open/s", "read/s", "MiB/s", "hit%", "RAM", "disk", "remote",
+                                     "rops/s", "pref/s", "RAM", "disk")
+
+
+def _short(n: float) -> str:
+    """A size in at most 5 characters (1023B, 15.8M, 2.1G)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if n < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or n >= 100 else f"{n:.1f}{unit}"
+        n /= 1024
+    return f"{n:.1f}T"
+
+
+def _stats_row(a: dict[str, Any], b: dict[str, Any], seconds: float) -> list[str]:
+    ca, cb = a["counters"], b["counters"]
+
+    def rate(key: str) -> float:
+        return float(cb[key] - ca[key]) / seconds
+
+    requests = cb["file_requests"] - ca["file_requests"]
+    misses = cb["file_misses"] - ca["file_misses"]
+    hit = f"{100.0 * (requests - misses) / requests:.1f}" if requests else "-"
+    by = {k: (cb["bytes_by_source"][k] - ca["bytes_by_source"][k]) / seconds / 2**20 for k in cb["bytes_by_source"]}
+    return [time.strftime("%H:%M:%S"), f"{rate('opens'):.0f}", f"{rate('reads'):.0f}",
+            f"{rate('read_bytes') / 2**20:.1f}", hit, f"{by.get('ram', 0):.1f}", f"{by.get('disk', 0):.1f}",
+            f"{by.get('backend', 0):.1f}", f"{rate('backend_operations'):.0f}", f"{rate('prefetch_issued'):.0f}",
+            _short(b["cache"]["ram"]["used_bytes"]), _short(b["cache"].get("disk", {}).get("used_bytes", 0))]
