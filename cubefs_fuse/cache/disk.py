@@ -89,7 +89,8 @@ class DiskTier:
         # victims and written the block, so a concurrent put can never reuse the space of
         # a file that is still on disk; dropped blocks likewise stay counted until unlinked.
         self.used_bytes = 0
-        self._reserved = 0  # the in-flight part of used_bytes
+        self._reserved = 0  # the in-flight part of used_bytes (writes and unlinks in progress)
+        self._inserted_bytes = 0  # cumulative bytes of blocks stored by put(), for _set_headroom
         self._headroom = limit_bytes  # used_bytes may grow to this before the free-space floor is hit
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
@@ -187,9 +188,11 @@ class DiskTier:
             self._checksum_failures += 1
             log.warning("disk cache block %s is damaged (%s): discarded, will refetch", path, exc)
             size = self._entries.pop(key, 0)  # its bytes stay counted until the file is gone
+            self._reserved += size
             try:
                 await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
             finally:
+                self._reserved -= size
                 self.used_bytes -= size
             data = None
         except OSError as exc:
@@ -229,6 +232,7 @@ class DiskTier:
         self._tmp_serial += 1
         tmp = os.path.join(self._tmp_dir, f"{self._tmp_serial}")
         victim_paths = [self._path(v) for v in victims]
+        inserted_before = self._inserted_bytes
         try:
             avail = await trio.to_thread.run_sync(
                 _write_block_file, victim_paths, tmp, self._path(key) if fits else None, key, data,
@@ -243,9 +247,10 @@ class DiskTier:
             self._writing.pop(key, None)
             self._reserved -= reserved
             self.used_bytes -= reserved - (need if fits else 0)
-        self._set_headroom(avail)
+        self._set_headroom(avail, self._inserted_bytes - inserted_before)
         if fits:
             self._entries[key] = need
+            self._inserted_bytes += need
             self._inserts += 1
         return fits
 
@@ -254,10 +259,12 @@ class DiskTier:
         paths = [self._path(k) for k in self._entries]
         freed = sum(self._entries.values())
         self._entries.clear()
+        self._reserved += freed  # counted until the files are gone
         try:
             await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._limiter)
         finally:
-            self.used_bytes -= freed  # counted until the files are gone
+            self._reserved -= freed
+            self.used_bytes -= freed
 
     @property
     def effective_limit_bytes(self) -> int:
@@ -282,15 +289,18 @@ class DiskTier:
         if size is not None:
             self.used_bytes -= size
 
-    def _set_headroom(self, avail_bytes: tuple[int, int]) -> None:
+    def _set_headroom(self, avail_bytes: tuple[int, int], stored_since: int = 0) -> None:
+        """``avail_bytes`` was measured by a worker; ``stored_since`` bytes of blocks were
+        stored after that worker started (their files may postdate the measurement)."""
         available, total = avail_bytes
         floor = int(self.free_ratio * total)
-        # What we hold now plus what the filesystem can still give before the floor.
-        # In-flight reservations are left out: their files may not have reached the
-        # filesystem yet (``available`` still counts their space) or their victims may be
-        # gone already (their space is back in ``available``); counting them would let
-        # concurrent writes overshoot the floor.
-        self._headroom = self.used_bytes - self._reserved + available - floor
+        # What we surely held when ``available`` was measured, plus what the filesystem
+        # could still give before the floor.  Only blocks whose files were on disk at that
+        # moment count: in-flight writes and unlinks may or may not have reached the
+        # filesystem (``available`` may or may not include them), and neither may blocks
+        # stored while the worker ran.  Counting any of them lets concurrent writes
+        # overshoot the floor.
+        self._headroom = self.used_bytes - self._reserved - stored_since + available - floor
 
     async def _refresh_headroom(self) -> None:
         st = await trio.to_thread.run_sync(os.statvfs, self.directory)

@@ -1,0 +1,367 @@
+"""BlockCache over a FakeBackend: single flight, foreground before prefetch, promotion,
+NVMe hits promoted to RAM, corrupted NVMe blocks refetched, errors not cached, and the
+cap on pending NVMe writes.
+
+Slow remotes are simulated with ``autojump_clock`` (virtual time: a 1 s fetch costs no
+wall time); "held" fetches use the fake's gates and ``wait_all_tasks_blocked``.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from cubefs_fuse.cache.blockcache import MAX_PREFETCH_FLIGHTS, BlockCache, Fetcher, Source
+from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier
+from cubefs_fuse.cache.keys import block_key
+from cubefs_fuse.cache.memory import MemoryTier
+from cubefs_fuse.errors import errno_of
+from tests.fakes import FakeBackend
+
+BLOCK = 4096  # small blocks keep the tests light; the cache does not care about the size
+LATENCY = 1.0  # seconds of virtual time per backend read under autojump_clock
+
+
+class Blocks:
+    """Keys and fetchers for blocks of files in a FakeBackend (what core.py builds)."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+
+    def file(self, path: str, blocks: int) -> None:
+        self.backend.write(path, bytes((i * 7 + len(path)) % 251 for i in range(blocks * BLOCK)))
+
+    def key(self, path: str, index: int) -> bytes:
+        return block_key(path, self.backend.version(path), index)
+
+    def fetcher(self, path: str, index: int) -> Fetcher:
+        version = self.backend.version(path)
+
+        async def fetch() -> bytes:
+            return await self.backend.read_block(path, version, index * BLOCK, BLOCK)
+
+        return fetch
+
+    def expected(self, path: str, index: int) -> bytes:
+        data = bytes((i * 7 + len(path)) % 251 for i in range(index * BLOCK, (index + 1) * BLOCK))
+        return data
+
+    async def get(self, cache: BlockCache, path: str, index: int) -> tuple[bytes, Source]:
+        return await cache.get(self.key(path, index), self.fetcher(path, index))
+
+    def prefetch(self, cache: BlockCache, path: str, index: int) -> bool:
+        return cache.prefetch(self.key(path, index), self.fetcher(path, index))
+
+
+@asynccontextmanager
+async def open_cache(
+    ram_bytes: int = 1 << 24, disk: DiskTier | None = None, *, fetch_slots: int = 8,
+    prefetch_slots: int = 4, max_pending_disk_bytes: int = 1 << 24,
+) -> AsyncIterator[BlockCache]:
+    async with trio.open_nursery() as nursery:
+        yield BlockCache(nursery, MemoryTier(ram_bytes), disk, fetch_slots=fetch_slots,
+                         prefetch_slots=prefetch_slots, max_pending_disk_bytes=max_pending_disk_bytes)
+        nursery.cancel_scope.cancel()
+
+
+def disk_file(directory: Path, key: bytes) -> Path:
+    """Where DiskTier keeps a block (layout documented in cubefs_fuse/cache/disk.py)."""
+    return directory / "blocks" / key.hex()[:2] / key.hex()
+
+
+async def test_single_flight(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    blocks = Blocks(backend)
+    blocks.file("f", 2)
+    results: list[tuple[bytes, Source]] = []
+    async with open_cache() as cache:
+
+        async def reader() -> None:
+            results.append(await blocks.get(cache, "f", 1))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(50):
+                nursery.start_soon(reader)
+        assert backend.read_calls == {("f", BLOCK): 1}
+        assert results == [(blocks.expected("f", 1), Source.BACKEND)] * 50
+        stats = cache.statistics()
+        assert stats.joined == 49 and stats.flights == 0
+        # Afterwards it is a RAM hit: still one backend read.
+        assert await blocks.get(cache, "f", 1) == (blocks.expected("f", 1), Source.RAM)
+        assert backend.operations["read"] == 1
+
+
+async def test_foreground_not_starved_by_prefetch(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    blocks = Blocks(backend)
+    blocks.file("pre", 100)
+    blocks.file("fg", 1)
+    # 4 slots, prefetch may hold 2 of them: 100 prefetches take 50 rounds of LATENCY.
+    async with open_cache(fetch_slots=4, prefetch_slots=2) as cache:
+        start = trio.current_time()
+        for i in range(100):
+            assert blocks.prefetch(cache, "pre", i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert cache.statistics().slots.waiting_background == 98
+
+        assert await blocks.get(cache, "fg", 0) == (blocks.expected("fg", 0), Source.BACKEND)
+        fg_done = trio.current_time() - start
+        stats = cache.statistics()
+        # The foreground read took one backend round trip, not a place in the queue ...
+        assert fg_done == pytest.approx(LATENCY)
+        # ... while the prefetch queue is still almost full.
+        assert stats.prefetch_completed <= 2
+        assert stats.slots.waiting_background >= 96
+
+        while cache.statistics().prefetch_completed < 100:
+            await trio.sleep(LATENCY)
+        drained = trio.current_time() - start
+        assert drained >= 50 * LATENCY  # prefetch never used more than its 2 slots
+        assert fg_done * 10 < drained
+        assert cache.statistics().prefetch_failed == 0
+        assert backend.operations["read"] == 101
+
+
+async def test_waiting_foreground_served_before_waiting_prefetch() -> None:
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    for name in ("held0", "held1", "held2", "pre", "fg"):
+        blocks.file(name, 20)
+    gates = [backend.gate(f"held{i}") for i in range(3)]
+    fg_gate = backend.gate("fg")  # held too, so its slot cannot pass on to a prefetch early
+    async with open_cache(fetch_slots=3, prefetch_slots=2) as cache:
+        async with trio.open_nursery() as readers:
+            # Three foreground reads hold every slot.
+            for i in range(3):
+                readers.start_soon(blocks.get, cache, f"held{i}", 0)
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.reads_in_flight == 3
+            for i in range(20):
+                blocks.prefetch(cache, "pre", i)
+            readers.start_soon(blocks.get, cache, "fg", 0)
+            await trio.testing.wait_all_tasks_blocked()
+            slots = cache.statistics().slots
+            assert (slots.waiting_foreground, slots.waiting_background) == (1, 20)
+
+            gates[0].set()  # one slot frees up: it must go to the foreground read
+            await trio.testing.wait_all_tasks_blocked()
+            started = [path for path, _ in backend.read_log]
+            assert "fg" in started
+            assert "pre" not in started
+            slots = cache.statistics().slots
+            assert (slots.busy_foreground, slots.waiting_background) == (3, 20)
+            for gate in (fg_gate, gates[1], gates[2]):
+                gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert cache.statistics().prefetch_completed == 20
+        assert cache.memory.get(blocks.key("fg", 0)) == blocks.expected("fg", 0)
+        # The prefetches ran after the foreground read, not before it.
+        assert backend.read_log.index(("fg", 0)) < backend.read_log.index(("pre", 0))
+
+
+async def test_foreground_get_promotes_prefetch(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    for name in ("p1", "p2", "p3"):
+        blocks.file(name, 1)
+    p1_gate = backend.gate("p1")
+    # 2 slots, prefetch may hold 1: once p1's prefetch holds it, other prefetches queue.
+    async with open_cache(fetch_slots=2, prefetch_slots=1) as cache:
+        assert blocks.prefetch(cache, "p1", 0)
+        await trio.testing.wait_all_tasks_blocked()  # p1 holds the prefetch slot ...
+        assert blocks.prefetch(cache, "p2", 0)
+        await trio.testing.wait_all_tasks_blocked()  # ... so p2 queues behind it
+        slots = cache.statistics().slots
+        assert (slots.busy_background, slots.waiting_background) == (1, 1)
+
+        # Queued prefetch joined by a foreground read: promoted, fetched while p1 still holds
+        # the prefetch slot.  Without promotion this would wait on p1 (forever: its gate is
+        # never set here), and fail_after would fire at once under the autojump clock.
+        with trio.fail_after(60):
+            assert await blocks.get(cache, "p2", 0) == (blocks.expected("p2", 0), Source.BACKEND)
+        # A prefetch whose task has not even queued yet, joined at once: also promoted.
+        assert blocks.prefetch(cache, "p3", 0)
+        with trio.fail_after(60):
+            assert await blocks.get(cache, "p3", 0) == (blocks.expected("p3", 0), Source.BACKEND)
+        assert not p1_gate.is_set()
+        stats = cache.statistics()
+        assert stats.joined == 2 and stats.prefetch_completed == 2
+        assert backend.read_calls[("p2", 0)] == 1 and backend.read_calls[("p3", 0)] == 1
+        p1_gate.set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert cache.statistics().prefetch_completed == 3
+
+
+async def test_promoted_prefetches_do_not_leak_prefetch_capacity() -> None:
+    # core.py starts every block of a multi-block read as a prefetch and then get()s each
+    # one, promoting it before its task even runs.  Each such flight must still be
+    # released as a prefetch flight, or prefetch() refuses everything after
+    # MAX_PREFETCH_FLIGHTS of them.
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = MAX_PREFETCH_FLIGHTS + 10
+    backend.write("big", bytes(n * BLOCK))
+    async with open_cache(ram_bytes=BLOCK) as cache:
+        for i in range(n):
+            assert blocks.prefetch(cache, "big", i)
+            await blocks.get(cache, "big", i)
+        stats = cache.statistics()
+        assert stats.prefetch_issued == stats.prefetch_completed == n
+        assert stats.flights == 0
+        blocks.file("other", 1)
+        assert blocks.prefetch(cache, "other", 0)
+
+
+async def test_prefetch_refuses_duplicates(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    blocks = Blocks(backend)
+    blocks.file("f", 2)
+    async with open_cache() as cache:
+        assert blocks.prefetch(cache, "f", 0)
+        assert not blocks.prefetch(cache, "f", 0)  # already in flight
+        await blocks.get(cache, "f", 0)
+        assert not blocks.prefetch(cache, "f", 0)  # already in RAM
+        assert backend.operations["read"] == 1
+        # A prefetched block is no application hit until an application reads it.
+        assert blocks.prefetch(cache, "f", 1)
+        with trio.fail_after(60):  # virtual time: a stuck prefetch fails at once
+            while cache.statistics().prefetch_completed < 2:
+                await trio.sleep(LATENCY / 10)
+        stats = cache.statistics()
+        assert (stats.hits_ram, stats.prefetch_completed) == (0, 2)
+
+
+async def test_nvme_hit_promoted_to_ram(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    blocks.file("f", 2)
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    try:
+        async with open_cache(ram_bytes=BLOCK, disk=disk) as cache:  # RAM holds one block
+            assert (await blocks.get(cache, "f", 0))[1] is Source.BACKEND
+            assert (await blocks.get(cache, "f", 1))[1] is Source.BACKEND  # evicts block 0 from RAM
+            await cache.drain()
+            assert blocks.key("f", 0) not in cache.memory
+            assert blocks.key("f", 0) in disk
+
+            assert await blocks.get(cache, "f", 0) == (blocks.expected("f", 0), Source.DISK)
+            assert blocks.key("f", 0) in cache.memory  # promoted
+            assert await blocks.get(cache, "f", 0) == (blocks.expected("f", 0), Source.RAM)
+            stats = cache.statistics()
+            assert (stats.hits_disk, stats.hits_ram, stats.misses) == (1, 1, 2)
+            assert backend.read_calls == {("f", 0): 1, ("f", BLOCK): 1}
+    finally:
+        await disk.close()
+
+
+async def test_corrupted_disk_block_refetched(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    blocks.file("f", 2)
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    try:
+        async with open_cache(ram_bytes=BLOCK, disk=disk) as cache:
+            await blocks.get(cache, "f", 0)
+            await blocks.get(cache, "f", 1)  # evicts block 0 from RAM
+            await cache.drain()
+            path = disk_file(tmp_path, blocks.key("f", 0))
+            raw = bytearray(path.read_bytes())
+            raw[HEADER_BYTES + 100] ^= 0x40
+            path.write_bytes(raw)
+
+            assert await blocks.get(cache, "f", 0) == (blocks.expected("f", 0), Source.BACKEND)
+            stats = cache.statistics()
+            assert stats.disk is not None and stats.disk.checksum_failures == 1
+            assert backend.read_calls[("f", 0)] == 2  # refetched, not served from NVMe
+            # The refetched block is written back, sound this time.
+            await blocks.get(cache, "f", 1)  # evicts block 0 from RAM again
+            await cache.drain()
+            assert await blocks.get(cache, "f", 0) == (blocks.expected("f", 0), Source.DISK)
+            stats = cache.statistics()
+            assert stats.disk is not None and stats.disk.checksum_failures == 1
+    finally:
+        await disk.close()
+
+
+async def test_fetch_error_reaches_every_waiter_and_is_not_cached(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock,
+) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    blocks = Blocks(backend)
+    blocks.file("bad", 1)
+    backend.fail("bad", errno.EIO, ops=("read",))
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    errors: list[int] = []
+    try:
+        async with open_cache(disk=disk) as cache:
+
+            async def reader() -> None:
+                try:
+                    await blocks.get(cache, "bad", 0)
+                except Exception as exc:  # noqa: BLE001 - the test records what each waiter saw
+                    errors.append(errno_of(exc))
+
+            async with trio.open_nursery() as nursery:
+                for _ in range(10):
+                    nursery.start_soon(reader)
+            assert errors == [errno.EIO] * 10
+            assert backend.read_calls[("bad", 0)] == 1
+            await cache.drain()
+            stats = cache.statistics()
+            assert stats.fetch_errors == 1 and stats.flights == 0
+            assert blocks.key("bad", 0) not in cache.memory and blocks.key("bad", 0) not in disk
+            assert stats.disk is not None and stats.disk.inserts == 0
+
+            backend.heal("bad")
+            assert await blocks.get(cache, "bad", 0) == (blocks.expected("bad", 0), Source.BACKEND)
+            assert backend.read_calls[("bad", 0)] == 2
+    finally:
+        await disk.close()
+
+
+class SlowDiskTier(DiskTier):
+    """A DiskTier whose writes wait on ``gate`` (a disk that cannot keep up)."""
+
+    def __init__(self, directory: str, limit_bytes: int, free_ratio: float, lock_fd: int) -> None:
+        super().__init__(directory, limit_bytes, free_ratio, lock_fd)
+        self.gate = trio.Event()
+
+    async def put(self, key: bytes, data: bytes) -> bool:
+        await self.gate.wait()
+        return await super().put(key, data)
+
+
+async def test_pending_disk_writes_capped(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    blocks.file("f", 10)
+    disk = await SlowDiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    assert isinstance(disk, SlowDiskTier)
+    cap = 3 * BLOCK
+    try:
+        async with open_cache(disk=disk, max_pending_disk_bytes=cap) as cache:
+            for i in range(10):
+                assert (await blocks.get(cache, "f", i))[1] is Source.BACKEND
+                await trio.testing.wait_all_tasks_blocked()
+                assert cache.statistics().pending_disk_bytes <= cap
+            stats = cache.statistics()
+            assert stats.pending_disk_bytes == cap
+            assert stats.disk_writes_skipped == 7
+            assert stats.disk is not None and stats.disk.inserts == 0
+            disk.gate.set()
+            await cache.drain()
+            stats = cache.statistics()
+            assert stats.pending_disk_bytes == 0
+            assert stats.disk is not None and stats.disk.inserts == 3
+            assert [blocks.key("f", i) in disk for i in range(10)] == [True] * 3 + [False] * 7
+            # Every block was still served, from RAM, whatever the disk did.
+            for i in range(10):
+                assert await blocks.get(cache, "f", i) == (blocks.expected("f", i), Source.RAM)
+    finally:
+        await disk.close()

@@ -1,0 +1,426 @@
+"""Unit tests of the client config: parse_config, load_config, check_environment."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubefs_fuse import config
+from cubefs_fuse.config import (
+    CUBEFS_UNUSED_KEYS,
+    KNOWN_KEYS,
+    ClientConfig,
+    check_environment,
+    load_config,
+    parse_config,
+    parse_size,
+    to_json_dict,
+)
+from cubefs_fuse.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+BASE: dict[str, Any] = {"mountPoint": "/mnt/data", "volName": "ltptest", "source": "/nfs/data"}
+KiB, MiB, GiB = 1024, 1024**2, 1024**3
+
+
+def parse(**extra: Any) -> ClientConfig:
+    return parse_config({**BASE, **extra})
+
+
+def error_of(raw: Any) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(raw)
+    message = str(info.value)
+    assert "\n" not in message, "config errors are one line"
+    return message
+
+
+# -- every key -------------------------------------------------------------------------
+
+# One valid, non-default JSON value per key and the field value it must become.
+EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
+    "mountPoint": ("/cfs/mnt", "mount_point", "/cfs/mnt"),
+    "volName": ("imagenet-1k_v2.0", "vol_name", "imagenet-1k_v2.0"),
+    "source": ("/nfs/imagenet", "source", "/nfs/imagenet"),
+    "owner": ("ltptest", "owner", "ltptest"),
+    "logDir": ("/var/log/x", "log_dir", "/var/log/x"),
+    "logLevel": ("debug", "log_level", "debug"),
+    "exporterPort": (9500, "exporter_port", 9500),
+    "exporterAddr": ("0.0.0.0", "exporter_addr", "0.0.0.0"),
+    "profPort": ("27510", "prof_port", 27510),  # CubeFS writes ports as strings
+    "profile": ("ai_prefetch", "profile", "ai_prefetch"),
+    "memCacheSize": ("8GiB", "mem_cache_size", 8 * GiB),
+    "diskCacheDir": ("/nvme/cache", "disk_cache_dir", "/nvme/cache"),
+    "diskCacheSize": ("1.5GB", "disk_cache_size", 1_500_000_000),
+    "diskFreeRatio": (0.25, "disk_free_ratio", 0.25),
+    "blockSize": ("512KiB", "block_size", 512 * KiB),
+    "lookupValid": (12, "lookup_valid", 12.0),
+    "attrValid": ("2.5", "attr_valid", 2.5),
+    "prefetchThreads": (4, "prefetch_threads", 4),
+    "backendThreads": (64, "backend_threads", 64),
+    "metaCacheEntries": (5000, "meta_cache_entries", 5000),
+    "controlSocket": ("/run/cubefs-fuse/x.sock", "control_socket", "/run/cubefs-fuse/x.sock"),
+    "configDir": ("/run/cubefs-fuse", "config_dir", "/run/cubefs-fuse"),
+    "controlAllowUids": ([1000, 1001], "control_allow_uids", (1000, 1001)),
+    "controlAllowGids": ([100], "control_allow_gids", (100,)),
+}
+
+
+def test_every_known_key_is_covered_here() -> None:
+    assert set(EVERY_KEY) == set(KNOWN_KEYS)
+
+
+def test_every_key_parses_to_its_field() -> None:
+    cfg = parse_config({key: raw for key, (raw, _, _) in EVERY_KEY.items()})
+    for key, (_, field, expected) in EVERY_KEY.items():
+        assert getattr(cfg, field) == expected, key
+        assert type(getattr(cfg, field)) is type(expected), key
+    assert cfg.unused_keys == ()
+    assert cfg.cache_dir == "/nvme/cache"
+    # to_json_dict gives every key back under its JSON name.
+    assert to_json_dict(cfg) == {key: expected for key, (_, _, expected) in EVERY_KEY.items()}
+
+
+def test_defaults() -> None:
+    cfg = parse()
+    assert (cfg.mem_cache_size, cfg.disk_cache_size, cfg.block_size) == (1 * GiB, 10 * GiB, 1 * MiB)
+    assert (cfg.lookup_valid, cfg.attr_valid, cfg.disk_free_ratio) == (30.0, 30.0, 0.10)
+    assert cfg.exporter_port is None and cfg.prof_port is None
+    assert cfg.exporter_addr == "127.0.0.1"  # loopback unless asked otherwise
+    assert cfg.cache_dir == "/var/cache/cubefs-fuse/ltptest"
+    assert cfg.profile == "" and cfg.log_level == "info"
+
+
+def test_exporter_port_null_means_off() -> None:
+    assert parse(exporterPort=None).exporter_port is None
+
+
+# -- sizes -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (0, 0),
+        (4096, 4096),
+        (1073741824, GiB),
+        ("512MiB", 512 * MiB),
+        ("8GiB", 8 * GiB),
+        ("8 GiB", 8 * GiB),
+        ("1.5GB", 1_500_000_000),  # decimal units are decimal
+        ("1.5GiB", 3 * GiB // 2),
+        ("64KiB", 64 * KiB),
+        ("100", 100),
+    ],
+)
+def test_sizes(raw: Any, expected: int) -> None:
+    assert parse_size("memCacheSize", raw) == expected
+    assert parse(memCacheSize=raw).mem_cache_size == expected
+    assert isinstance(parse(memCacheSize=raw).mem_cache_size, int)
+
+
+@pytest.mark.parametrize("raw", ["lots", "8XiB", "", "-5", "1e9", "0x10", "GiB"])
+def test_size_strings_that_do_not_parse(raw: str) -> None:
+    message = error_of({**BASE, "diskCacheSize": raw})
+    assert message.startswith("key 'diskCacheSize': cannot parse")
+    assert repr(raw) in message
+
+
+@pytest.mark.parametrize("raw", [True, 1.5, [1], {"GiB": 1}, None])
+def test_sizes_of_the_wrong_type(raw: Any) -> None:
+    message = error_of({**BASE, "memCacheSize": raw})
+    assert message.startswith("key 'memCacheSize': expected a size")
+
+
+def test_negative_size() -> None:
+    assert "must not be negative" in error_of({**BASE, "memCacheSize": -1})
+
+
+# -- wrong types and values ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("key", "raw", "expected"),
+    [
+        ("mountPoint", 5, "expected a string"),
+        ("mountPoint", "", "must not be empty"),
+        ("source", None, "expected a string"),
+        ("volName", ["a"], "expected a string"),
+        ("volName", "a/b", "is not a volume name"),
+        ("volName", "x,allow_other", "is not a volume name"),  # would inject a mount option
+        ("volName", "..", "is not a volume name"),
+        ("volName", "", "is not a volume name"),
+        ("logLevel", "loud", "is not one of"),
+        ("logLevel", 3, "expected a string"),
+        ("profile", "fast", "is not one of"),
+        ("exporterPort", "http", "expected an integer"),
+        ("exporterPort", 9500.0, "expected an integer"),
+        ("exporterPort", True, "expected an integer"),
+        ("exporterPort", 0, "outside 1..65535"),
+        ("exporterPort", 65536, "outside 1..65535"),
+        ("profPort", -1, "outside 1..65535"),
+        ("diskFreeRatio", 1, "fraction in [0, 1)"),
+        ("diskFreeRatio", -0.1, "fraction in [0, 1)"),
+        ("diskFreeRatio", "0.1", "fraction in [0, 1)"),
+        ("lookupValid", "soon", "expected a number of seconds"),
+        ("attrValid", -1, "must not be negative"),
+        ("attrValid", False, "expected a number of seconds"),
+        ("attrValid", "inf", "expected a number of seconds"),
+        ("prefetchThreads", 0, "must be at least 1"),
+        ("backendThreads", 2.5, "expected an integer"),
+        ("metaCacheEntries", "many", "expected an integer"),
+        ("owner", 7, "expected a string"),
+        ("configDir", "", "must not be empty"),
+        ("controlAllowUids", 1000, "expected a list of non-negative integer ids"),
+        ("controlAllowUids", [-1], "expected a list of non-negative integer ids"),
+        ("controlAllowGids", ["wheel"], "expected a list of non-negative integer ids"),
+    ],
+)
+def test_wrong_types_and_values_name_the_key(key: str, raw: Any, expected: str) -> None:
+    message = error_of({**BASE, key: raw})
+    assert message.startswith(f"key {key!r}: "), message
+    assert expected in message
+
+
+def test_config_must_be_an_object() -> None:
+    assert "must be a JSON object" in error_of([BASE])
+
+
+# -- unknown, CubeFS and missing keys --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("typo", "suggestion"),
+    [
+        ("memCachSize", "memCacheSize"),
+        ("diskcachedir", "diskCacheDir"),
+        ("mountpoint", "mountPoint"),
+        ("blocksize", "blockSize"),
+        ("exporterport", "exporterPort"),
+        ("lookupValidd", "lookupValid"),
+    ],
+)
+def test_unknown_key_suggests_the_closest(typo: str, suggestion: str) -> None:
+    assert error_of({**BASE, typo: 1}) == f"unknown key {typo!r} (did you mean {suggestion!r}?)"
+
+
+def test_unknown_key_without_a_close_match() -> None:
+    assert error_of({**BASE, "zzzzzz": 1}) == "unknown key 'zzzzzz'"
+
+
+def test_cubefs_keys_are_accepted_and_reported_as_unused() -> None:
+    cfg = parse(masterAddr="10.0.0.1:17010", consulAddr="http://c:8500", rdonly="true", icacheTimeout="10")
+    assert cfg.unused_keys == ("consulAddr", "icacheTimeout", "masterAddr", "rdonly")
+    # Any value is accepted for them: they are never interpreted.
+    assert parse(**{key: {"any": [1]} for key in CUBEFS_UNUSED_KEYS}).unused_keys == tuple(sorted(CUBEFS_UNUSED_KEYS))
+
+
+def test_cubefs_and_own_keys_do_not_overlap() -> None:
+    assert not CUBEFS_UNUSED_KEYS & KNOWN_KEYS
+
+
+@pytest.mark.parametrize("key", ["mountPoint", "volName", "source"])
+def test_missing_required_key(key: str) -> None:
+    raw = dict(BASE)
+    del raw[key]
+    assert error_of(raw) == f"missing required key {key!r}"
+
+
+def test_a_pure_cubefs_config_asks_for_source() -> None:
+    raw = {"mountPoint": "/cfs/mnt", "volName": "ltptest", "owner": "ltptest",
+           "masterAddr": "10.196.59.198:17010", "logDir": "/cfs/log", "logLevel": "info", "profPort": "27510"}
+    assert error_of(raw) == "missing required key 'source'"
+
+
+# -- block size bounds and paths -------------------------------------------------------
+
+
+@pytest.mark.parametrize("ok", [4 * KiB, 8 * KiB, "1MiB", "64MiB", 4 * MiB + 4 * KiB])
+def test_block_size_in_bounds(ok: Any) -> None:
+    assert parse(blockSize=ok).block_size == parse_size("blockSize", ok)
+
+
+@pytest.mark.parametrize("bad", [0, 2 * KiB, 4 * KiB - 1, 4 * KiB + 1, "65MiB", "128MiB", "1GB"])
+def test_block_size_out_of_bounds(bad: Any) -> None:
+    message = error_of({**BASE, "blockSize": bad})
+    assert message.startswith("key 'blockSize': ")
+    assert "between 4KiB and 64MiB" in message
+
+
+@pytest.mark.parametrize("key", ["mountPoint", "source", "diskCacheDir", "logDir", "controlSocket", "configDir"])
+def test_relative_paths_are_rejected(key: str) -> None:
+    assert error_of({**BASE, key: "relative/dir"}) == f"key {key!r}: 'relative/dir' is not an absolute path"
+
+
+# -- load_config -----------------------------------------------------------------------
+
+
+def test_load_config(tmp_path: Path) -> None:
+    path = tmp_path / "client.json"
+    path.write_text(json.dumps({**BASE, "memCacheSize": "2GiB"}))
+    assert load_config(str(path)).mem_cache_size == 2 * GiB
+
+
+def load_error(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.json"
+    assert load_error(path) == f"cannot read config file {str(path)!r}: No such file or directory"
+
+
+def test_load_directory(tmp_path: Path) -> None:
+    assert "cannot read config file" in load_error(tmp_path)
+
+
+def test_load_invalid_json(tmp_path: Path) -> None:
+    path = tmp_path / "client.json"
+    path.write_text('{"mountPoint": "/mnt",\n "volName": }')
+    message = load_error(path)
+    assert message.startswith(f"config file {str(path)!r} is not valid JSON: ")
+    assert "line 2" in message
+
+
+def test_load_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "client.json"
+    path.write_bytes(b'{"volName": "\xff"}')
+    assert "is not UTF-8" in load_error(path)
+
+
+def test_load_names_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "client.json"
+    path.write_text(json.dumps({**BASE, "memCachSize": "1GiB"}))
+    assert load_error(path) == f"config file {str(path)!r}: unknown key 'memCachSize' (did you mean 'memCacheSize'?)"
+
+
+# -- the shipped example configs -------------------------------------------------------
+
+
+EXAMPLES = sorted((REPO / "configs").glob("*.json"))
+
+
+def test_examples_exist() -> None:
+    assert {"minimal.json", "nfs-dataset.json", "cubefs-compatible.json"} <= {p.name for p in EXAMPLES}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_configs_parse(path: Path) -> None:
+    cfg = load_config(str(path))
+    assert cfg.profile != "ai_prefetch", "ai_prefetch is not built yet; no example may rely on it"
+    if path.name == "cubefs-compatible.json":
+        assert "masterAddr" in cfg.unused_keys
+    else:
+        assert cfg.unused_keys == ()
+
+
+def test_production_example() -> None:
+    cfg = load_config(str(REPO / "configs" / "nfs-dataset.json"))
+    assert cfg.mem_cache_size == 8 * GiB
+    assert cfg.disk_cache_dir and cfg.exporter_port is not None
+
+
+def test_examples_keys_are_documented_in_configs_readme() -> None:
+    readme = (REPO / "configs" / "README.md").read_text()
+    for path in EXAMPLES:
+        assert path.name in readme
+        for key in json.loads(path.read_text()):
+            assert f"`{key}`" in readme, f"{path.name}: key {key} not explained in configs/README.md"
+
+
+def test_every_key_is_documented() -> None:
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    for key in sorted(KNOWN_KEYS | CUBEFS_UNUSED_KEYS):
+        assert f"`{key}`" in doc, f"{key} missing from docs/configuration.md"
+
+
+# -- check_environment -----------------------------------------------------------------
+
+
+def env_config(tmp_path: Path, **extra: Any) -> ClientConfig:
+    source, mnt = tmp_path / "source", tmp_path / "mnt"
+    source.mkdir(exist_ok=True)
+    mnt.mkdir(exist_ok=True)
+    return parse_config({"mountPoint": str(mnt), "volName": "t", "source": str(source),
+                         "diskCacheDir": str(tmp_path / "cache"), **extra})
+
+
+def env_error(cfg: ClientConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        check_environment(cfg)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_environment_ok_creates_cache_dir(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path, logDir=str(tmp_path / "log" / "deep"))
+    check_environment(cfg)
+    assert (tmp_path / "cache").is_dir() and (tmp_path / "log" / "deep").is_dir()
+    assert os.listdir(tmp_path / "cache") == []  # the write probe leaves nothing behind
+
+
+def test_environment_source_missing(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path, source=str(tmp_path / "gone"))
+    assert env_error(cfg) == f"key 'source': {str(tmp_path / 'gone')!r} does not exist"
+
+
+def test_environment_source_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = env_config(tmp_path, source=str(tmp_path / "file"))
+    assert env_error(cfg) == f"key 'source': {str(tmp_path / 'file')!r} is not a directory"
+
+
+def test_environment_mount_point_missing(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path, mountPoint=str(tmp_path / "nomnt"))
+    assert env_error(cfg).startswith("key 'mountPoint': ")
+    assert "does not exist" in env_error(cfg)
+
+
+def test_environment_mount_point_not_empty(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path)
+    (tmp_path / "mnt" / "leftover").write_text("x")
+    assert env_error(cfg) == f"key 'mountPoint': {str(tmp_path / 'mnt')!r} is not empty"
+
+
+def test_environment_mount_point_is_source(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path, mountPoint=str(tmp_path / "source"))
+    assert env_error(cfg) == "key 'mountPoint': must differ from 'source'"
+
+
+def test_environment_cache_dir_under_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = env_config(tmp_path, diskCacheDir=str(tmp_path / "file" / "cache"))
+    message = env_error(cfg)
+    assert message.startswith("key 'diskCacheDir': cannot create ")
+    assert "Not a directory" in message
+
+
+def test_environment_cache_dir_is_a_file(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = env_config(tmp_path, diskCacheDir=str(tmp_path / "file"))
+    assert env_error(cfg).startswith("key 'diskCacheDir': ")
+
+
+def test_environment_log_dir_unusable(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    cfg = env_config(tmp_path, logDir=str(tmp_path / "file" / "log"))
+    assert env_error(cfg).startswith("key 'logDir': cannot create ")
+
+
+def test_environment_stale_mount_point_skips_mount_point_checks(tmp_path: Path) -> None:
+    cfg = env_config(tmp_path, mountPoint=str(tmp_path / "nomnt"))
+    check_environment(cfg, mount_point_may_be_stale=True)
+
+
+def test_defaults_module_constants_are_consistent() -> None:
+    assert config.MIN_BLOCK_SIZE <= config.DEFAULT_BLOCK_SIZE <= config.MAX_BLOCK_SIZE
+    assert set(config.REQUIRED_KEYS) <= KNOWN_KEYS

@@ -1,0 +1,276 @@
+"""DiskTier on real files: limits (accounting and on-disk), free-space floor, corruption,
+restart from the index and from a scan, and the directory lock."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier, allocated_bytes
+from cubefs_fuse.errors import ConfigError
+
+# The tier accounts in 4 KiB allocation units (ext4/xfs); the limits below are counted in them.
+PAGE = 4096
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int, size: int) -> bytes:
+    return random.Random(i).randbytes(size)
+
+
+def block_path(directory: Path, k: bytes) -> Path:
+    """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py)."""
+    return directory / "blocks" / k.hex()[:2] / k.hex()
+
+
+def allocated_on_disk(directory: Path) -> int:
+    """Bytes the filesystem has allocated to block files (finished and in progress).
+
+    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
+    file renamed during the walk is missed at worst, never counted twice.
+    """
+    total = 0
+    for sub in ("blocks", "tmp"):
+        for root, _, files in os.walk(directory / sub):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass  # unlinked by a concurrent eviction
+    return total
+
+
+async def test_put_get_roundtrip(tmp_path: Path) -> None:
+    tier = await DiskTier.open(str(tmp_path), 10 * 1024 * 1024, 0.0)
+    sizes = [0, 1, PAGE - HEADER_BYTES, PAGE - HEADER_BYTES + 1, 1 << 20]
+    for i, size in enumerate(sizes):
+        assert await tier.put(key(i), payload(i, size))
+    for i, size in enumerate(sizes):
+        assert await tier.get(key(i)) == payload(i, size)
+    assert await tier.get(key(99)) is None
+    stats = tier.statistics()
+    assert stats.blocks == len(sizes) and stats.hits == len(sizes) and stats.misses == 1
+    assert stats.used_bytes == sum(allocated_bytes(s) for s in sizes) == allocated_on_disk(tmp_path)
+    await tier.close()
+
+
+async def test_limit_holds_sequential_and_concurrent(tmp_path: Path) -> None:
+    limit = 64 * PAGE
+    tier = await DiskTier.open(str(tmp_path), limit, 0.0)
+    rng = random.Random(7)
+    # Sequential: after every put the accounting and the filesystem agree and stay in bounds.
+    for i in range(300):
+        size = rng.choice([0, rng.randrange(1, 3 * PAGE), rng.randrange(3 * PAGE, 12 * PAGE)])
+        assert await tier.put(key(i), payload(i, size))
+        on_disk = allocated_on_disk(tmp_path)
+        assert tier.used_bytes <= limit
+        assert on_disk <= limit
+        assert on_disk == tier.used_bytes  # nothing in flight: they must match exactly
+    assert tier.statistics().evictions > 0
+
+    # Concurrent: 40 writers race; each samples the filesystem (on the trio thread, while
+    # the other writers' threads keep writing and unlinking) after each of its puts.
+    peak = 0
+
+    async def writer(w: int) -> None:
+        nonlocal peak
+        for j in range(15):
+            i = 1000 + w * 100 + j
+            await tier.put(key(i), payload(i, rng.randrange(0, 10 * PAGE)))
+            on_disk = allocated_on_disk(tmp_path)
+            assert tier.used_bytes <= limit
+            assert on_disk <= limit
+            peak = max(peak, on_disk)
+
+    async with trio.open_nursery() as nursery:
+        for w in range(40):
+            nursery.start_soon(writer, w)
+    assert allocated_on_disk(tmp_path) == tier.used_bytes <= limit
+    assert peak > limit // 2  # the check ran against a well-filled cache, not an empty one
+    await tier.close()
+
+
+async def test_limit_shrunk_between_runs(tmp_path: Path) -> None:
+    tier = await DiskTier.open(str(tmp_path), 40 * PAGE, 0.0)
+    for i in range(40):
+        await tier.put(key(i), payload(i, 100))
+    await tier.close()
+    tier = await DiskTier.open(str(tmp_path), 10 * PAGE, 0.0)
+    assert tier.used_bytes == 10 * PAGE == allocated_on_disk(tmp_path)
+    # The most recently written blocks are the ones kept.
+    assert all(key(i) in tier for i in range(30, 40))
+    assert await tier.get(key(39)) == payload(39, 100)
+    await tier.close()
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A real 8 MiB tmpfs, so the free-space floor is exercised against a full filesystem."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.fail(f"mounting a tmpfs needs root: {result.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+async def test_free_space_floor(small_fs: Path) -> None:
+    free_ratio = 0.25
+    directory = small_fs / "cache"
+    # The byte limit (100 MiB) is far above the filesystem (8 MiB): only the floor limits.
+    tier = await DiskTier.open(str(directory), 100 * 1024 * 1024, free_ratio)
+    st = os.statvfs(small_fs)
+    floor = int(free_ratio * st.f_blocks * st.f_frsize)
+    block = 64 * 1024
+    for i in range(200):  # 200 x 68 KiB = 13.3 MiB, well past what the filesystem holds
+        await tier.put(key(i), payload(i, block))
+        st = os.statvfs(small_fs)
+        assert st.f_bavail * st.f_frsize >= floor, f"floor broken after put {i}"
+        assert tier.used_bytes <= tier.effective_limit_bytes
+        assert allocated_on_disk(directory) == tier.used_bytes
+    stats = tier.statistics()
+    assert stats.effective_limit_bytes < stats.limit_bytes
+    assert stats.evictions > 0  # a full cache keeps taking new blocks by evicting old ones
+    assert key(199) in tier and await tier.get(key(199)) == payload(199, block)
+    # The cache used most of what the floor allows (not just a token amount).
+    assert tier.used_bytes > (8 * 1024 * 1024 - floor) // 2
+
+    # Concurrent writers (as the block cache's write-behind issues them): the floor still
+    # holds whenever a writer looks, with other writes and unlinks in flight.
+    lowest = st.f_bavail * st.f_frsize
+
+    async def writer(w: int) -> None:
+        nonlocal lowest
+        for j in range(10):
+            i = 1000 + w * 100 + j
+            await tier.put(key(i), payload(i, block * (1 + j % 3)))
+            now = os.statvfs(small_fs)
+            lowest = min(lowest, now.f_bavail * now.f_frsize)
+            assert tier.used_bytes <= tier.limit_bytes
+
+    async with trio.open_nursery() as nursery:
+        for w in range(24):
+            nursery.start_soon(writer, w)
+    assert lowest >= floor, f"free space fell to {lowest} below the floor {floor}"
+    assert allocated_on_disk(directory) == tier.used_bytes
+    await tier.close()
+
+
+def _flip_payload_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 5] ^= 0xFF
+    path.write_bytes(raw)
+
+
+def _truncate_header(path: Path) -> None:
+    os.truncate(path, HEADER_BYTES - 10)
+
+
+def _truncate_payload(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 1)
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_header, _truncate_payload, "wrong_key"])
+async def test_corrupted_block_is_discarded(tmp_path: Path, damage: object) -> None:
+    tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    good, other = key(1), key(2)
+    await tier.put(good, payload(1, 5000))
+    await tier.put(other, payload(2, 5000))
+    path = block_path(tmp_path, good)
+    if damage == "wrong_key":
+        # A well-formed block file under the wrong name (its header holds another key).
+        path.write_bytes(block_path(tmp_path, other).read_bytes())
+    else:
+        assert callable(damage)
+        damage(path)
+    assert await tier.get(good) is None
+    stats = tier.statistics()
+    assert stats.checksum_failures == 1
+    assert not path.exists()
+    assert good not in tier
+    assert stats.blocks == 1 and tier.used_bytes == allocated_bytes(5000)
+    assert await tier.get(other) == payload(2, 5000)  # the neighbour is untouched
+    # Once discarded, the key is an ordinary miss and can be stored again.
+    assert await tier.get(good) is None and tier.statistics().checksum_failures == 1
+    assert await tier.put(good, payload(1, 5000))
+    assert await tier.get(good) == payload(1, 5000)
+    await tier.close()
+
+
+async def _fill(directory: Path, n: int) -> dict[bytes, bytes]:
+    tier = await DiskTier.open(str(directory), 1 << 24, 0.0)
+    blocks = {key(i): payload(i, i * 37 % 9000) for i in range(n)}
+    for k, data in blocks.items():
+        await tier.put(k, data)
+    await tier.close()
+    return blocks
+
+
+async def _check_reopened(directory: Path, blocks: dict[bytes, bytes], source: str) -> DiskTier:
+    tier = await DiskTier.open(str(directory), 1 << 24, 0.0)
+    stats = tier.statistics()
+    assert stats.startup_source == source
+    assert stats.blocks == len(blocks)
+    assert stats.used_bytes == sum(allocated_bytes(len(d)) for d in blocks.values())
+    assert stats.used_bytes == allocated_on_disk(directory)
+    for k, data in blocks.items():
+        assert k in tier
+        assert await tier.get(k) == data
+    assert tier.statistics().checksum_failures == 0
+    return tier
+
+
+async def test_restart_from_index_then_from_scan(tmp_path: Path) -> None:
+    blocks = await _fill(tmp_path, 120)
+    assert (tmp_path / "index.bin").exists()
+    tier = await _check_reopened(tmp_path, blocks, "index")
+    # The index is consumed at start-up, so a crash from now on cannot trust it.
+    assert not (tmp_path / "index.bin").exists()
+    tier.release()  # a crash: no index written
+    assert not (tmp_path / "index.bin").exists()
+
+    # Leftovers of a crash: a half-written block in tmp/ and junk among the blocks.
+    (tmp_path / "tmp" / "77").write_bytes(b"partial")
+    junk = tmp_path / "blocks" / "00" / "not-a-key"
+    junk.parent.mkdir(exist_ok=True)
+    junk.write_bytes(b"junk")
+    tier = await _check_reopened(tmp_path, blocks, "scan")
+    assert not junk.exists()
+    assert os.listdir(tmp_path / "tmp") == []
+    await tier.close()
+    tier = await _check_reopened(tmp_path, blocks, "index")
+    await tier.close()
+
+
+async def test_damaged_index_falls_back_to_scan(tmp_path: Path) -> None:
+    blocks = await _fill(tmp_path, 30)
+    index = tmp_path / "index.bin"
+    raw = bytearray(index.read_bytes())
+    raw[-1] ^= 0x01
+    index.write_bytes(raw)
+    tier = await _check_reopened(tmp_path, blocks, "scan")
+    await tier.close()
+
+
+async def test_second_open_fails_naming_the_pid(tmp_path: Path) -> None:
+    first = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    with pytest.raises(ConfigError, match=rf"diskCacheDir.*pid {os.getpid()}\b"):
+        await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    await first.put(key(1), b"still mine")  # the failed open disturbed nothing
+    await first.close()
+    second = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)  # free once the owner closed it
+    assert await second.get(key(1)) == b"still mine"
+    second.release()
