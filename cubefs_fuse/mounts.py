@@ -31,9 +31,13 @@ FUSE_MAX_BACKGROUND = 64
 FUSE_READ_AHEAD_KB = 1024
 
 
+# Where daemons started by root (systemd, Kubernetes) register; other users' tools look here too.
+SYSTEM_RUNTIME_DIR = "/run/cubefs-fuse"
+
+
 def runtime_dir() -> str:
     if os.geteuid() == 0:
-        return "/run/cubefs-fuse"
+        return SYSTEM_RUNTIME_DIR
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/cubefs-fuse-{os.geteuid()}"
     return os.path.join(base, "cubefs-fuse") if "XDG_RUNTIME_DIR" in os.environ else base
 
@@ -77,7 +81,9 @@ def is_stale(mount_point: str) -> bool:
         # cache (attrValid, 30 s by default) and would call a dead mount alive.
         os.statvfs(mount_point)
     except OSError as exc:
-        return exc.errno == errno.ENOTCONN
+        # ECONNABORTED: the request was queued while the dying daemon's last thread still
+        # held /dev/fuse open, and the kernel aborted the connection under it.
+        return exc.errno in (errno.ENOTCONN, errno.ECONNABORTED)
     return False
 
 
@@ -156,33 +162,41 @@ def unregister(mount_point: str) -> None:
         pass
 
 
+def _registry_dirs() -> list[str]:
+    """Our own runtime directory, then root's (a user's tools must see system daemons)."""
+    return list(dict.fromkeys([runtime_dir(), SYSTEM_RUNTIME_DIR]))
+
+
 def registered(mount_point: str) -> dict[str, Any] | None:
-    try:
-        with open(_registry_path(mount_point)) as f:
-            info: dict[str, Any] = json.load(f)
-    except (OSError, ValueError):
-        return None
-    return info
+    name = os.path.basename(_registry_path(mount_point))
+    for directory in _registry_dirs():
+        try:
+            with open(os.path.join(directory, name)) as f:
+                info: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            continue
+        return info
+    return None
 
 
 def all_registered() -> list[dict[str, Any]]:
     """Every registered daemon that is still alive, sorted by mount point."""
     found = []
-    try:
-        names = os.listdir(runtime_dir())
-    except OSError:
-        return []
-    for name in names:
-        if not (name.startswith("mount-") and name.endswith(".json")):
-            continue
+    for directory in _registry_dirs():
         try:
-            with open(os.path.join(runtime_dir(), name)) as f:
-                info = json.load(f)
-        except (OSError, ValueError):
+            names = os.listdir(directory)
+        except OSError:
             continue
-        if isinstance(info, dict) and isinstance(info.get("pid"), int) and pid_alive(info["pid"]):
-            found.append(info)
-    return sorted(found, key=lambda i: str(i.get("mountPoint")))
+        for name in names:
+            if name.startswith("mount-") and name.endswith(".json"):
+                try:
+                    with open(os.path.join(directory, name)) as f:
+                        found.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+    alive = [info for info in found if isinstance(info, dict) and isinstance(info.get("pid"), int)
+             and pid_alive(info["pid"])]
+    return sorted(alive, key=lambda i: str(i.get("mountPoint")))
 
 
 def pid_alive(pid: int) -> bool:

@@ -129,3 +129,61 @@ def make_mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
                     os.kill(int(info["pid"]), 9)
                 except ProcessLookupError:
                     pass
+
+
+# -- mounts over an emulated remote (tools/slowfs) and metric look-ups ------------------
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """One sample of ``Mount.scrape()`` by name and labels; 0 if the daemon has not emitted it."""
+    if labels:
+        name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    return samples.get(name, 0.0)
+
+
+def force_unmount(m: Mount) -> None:
+    """Detach ``m`` and kill its daemon if it is still mounted (teardown after a failure)."""
+    if mounts.find_mount(str(m.mount_point)) is None:
+        return
+    info = mounts.registered(str(m.mount_point))
+    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+    if info:
+        try:
+            os.kill(int(info["pid"]), 9)
+        except ProcessLookupError:
+            pass
+    m.mounted = False
+
+
+@dataclass
+class SlowMount:
+    """A Mount whose source is a slowfs mount (the emulated remote) of the directory ``real``."""
+
+    mount: Mount
+    real: Path  # the files behind slowfs: tests create, change and delete them here
+    slowfs: Any  # tools.slowfs.SlowFSProcess
+
+
+@pytest.fixture
+def make_slow_mount(make_mount: Callable[..., Mount]) -> Iterator[Callable[..., SlowMount]]:
+    """Factory: ``make_slow_mount(latency_us=0, fail=(), fail_read=(), **config_overrides)``
+    starts slowfs over a fresh ``real`` directory on the Mount's source path and returns the
+    (not yet mounted) daemon side.  Teardown removes the daemon before the slowfs under it."""
+    from tools.slowfs import SlowFSProcess
+
+    started: list[SlowMount] = []
+
+    def factory(*, latency_us: float = 0.0, fail: tuple[str, ...] = (), fail_read: tuple[str, ...] = (),
+                **overrides: Any) -> SlowMount:
+        m = make_mount(**overrides)
+        real = m.base / "real"
+        real.mkdir()
+        fs = SlowFSProcess(real, m.source, latency_us=latency_us, fail=fail, fail_read=fail_read)
+        fs.start()
+        started.append(SlowMount(m, real, fs))
+        return started[-1]
+
+    yield factory
+    for s in started:
+        force_unmount(s.mount)
+        s.slowfs.stop()
