@@ -156,7 +156,9 @@ class Submitter:
                 files.registered[key] = dataset_id
             job_key = (volume.pid, request.job, request.rank)
             if job_key not in self._jobs:
-                client.register_job(request.job, request.rank, os.getpid())
+                # No pid: the daemon takes ours from SO_PEERCRED, translated into its own pid
+                # namespace (os.getpid() would be wrong from a container).
+                client.register_job(request.job, request.rank)
                 self._jobs.add(job_key)
             order = _file_order(files.offsets, request.order)
             if not len(order):

@@ -57,7 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="unmount a cubefs-fuse mount and wait for its daemon to finish",
         description="Unmount MOUNTPOINT and wait until its daemon has saved the cache index.",
     )
-    umount.add_argument("mount_point", metavar="MOUNTPOINT")
+    umount.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
+    umount.add_argument("-c", "--config", metavar="CONFIG",
+                        help="unmount the mountPoint of this client config (for systemd's ExecStop)")
     umount.add_argument("-l", "--lazy", action="store_true",
                         help="detach now even if files are open (they keep working until closed)")
     umount.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
@@ -212,7 +214,9 @@ def _sole_exception(exc: BaseException) -> BaseException:
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    mount_point = os.path.abspath(args.mount_point)
+    if (args.mount_point is None) == (args.config is None):
+        raise UserError("give either MOUNTPOINT or -c CONFIG")
+    mount_point = os.path.abspath(args.mount_point or load_config(args.config).mount_point)
     entry = mounts.find_mount(mount_point)
     if entry is None:
         raise UserError(f"{mount_point} is not mounted")

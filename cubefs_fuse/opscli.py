@@ -130,18 +130,23 @@ def cmd_status(args: argparse.Namespace) -> int:
                 report.update(ControlClient(info["controlSocket"], timeout=10.0).status())
                 report["control_api"] = True
             except ProtocolError as exc:
-                report["error"] = str(exc)
+                report["error"] = (f"permission denied on the control socket {info['controlSocket']}"
+                                   if exc.status == 403 else str(exc))
         reports.append(report)
+    # A named mount whose control API does not answer fails (the Kubernetes liveness probe).
+    code = 1 if args.mount_point and "error" in reports[0] else 0
     if args.json:
         print(json.dumps(reports, indent=2))
-        return 0
-    console = Console()
+        return code
+    # Piped output (grep, logs) has no terminal to fit: rich would cut it at 80 columns and
+    # truncate job names; 256 columns hold a row with a MAX_NAME (128) job name whole.
+    console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 256)
     if not reports:
         console.print("no cubefs-fuse mounts are running")
         return 0
     for report in reports:
         _print_status(console, report)
-    return 0
+    return code
 
 
 def _print_status(console: Console, r: dict[str, Any]) -> None:

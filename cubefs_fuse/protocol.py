@@ -132,10 +132,13 @@ class ControlClient:
         conn = _UnixConnection(self.socket_path, self.timeout)
         try:
             headers = {"Content-Type": content_type} if body is not None else {}
-            conn.request(method, url, body=body, headers=headers)
+            try:
+                conn.request(method, url, body=body, headers=headers)
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # refused (e.g. 403) after the headers, before the body: its answer is readable
             response = conn.getresponse()
             payload = response.read()
-        except OSError as exc:
+        except (OSError, http.client.HTTPException) as exc:  # unreachable, or not speaking HTTP
             raise ProtocolError(0, f"control socket {self.socket_path}: {exc}") from None
         finally:
             conn.close()
@@ -158,9 +161,12 @@ class ControlClient:
                               content_type=CONTENT_BINARY)
         return str(result["dataset"])
 
-    def register_job(self, job: str, rank: int, pid: int) -> dict[str, Any]:
-        result: dict[str, Any] = self.request(
-            "POST", "jobs", body=json.dumps({"job": job, "rank": rank, "pid": pid}).encode())
+    def register_job(self, job: str, rank: int, pid: int | None = None) -> dict[str, Any]:
+        """Register (job, rank); without ``pid`` the daemon takes the caller's (SO_PEERCRED)."""
+        fields: dict[str, Any] = {"job": job, "rank": rank}
+        if pid is not None:
+            fields["pid"] = pid
+        result: dict[str, Any] = self.request("POST", "jobs", body=json.dumps(fields).encode())
         return result
 
     def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str) -> dict[str, Any]:

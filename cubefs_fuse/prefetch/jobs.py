@@ -108,6 +108,10 @@ class JobRegistry:
 
     def resolve(self, pid: int) -> JobKey | None:
         """The (job, rank) a thread/process belongs to, or None."""
+        if pid == 0:
+            # Requests from another pid namespace: the job registered from there, if any
+            # (with several such jobs the latest registration wins; hostPID avoids that).
+            return self._by_pid.get(0)
         now = time.monotonic()
         cached = self._resolved.get(pid)
         if cached is not None and cached[0] > now:

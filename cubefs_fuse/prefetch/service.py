@@ -114,7 +114,7 @@ class PrefetchService:
     # -- AccessObserver ----------------------------------------------------------------
 
     def opened(self, pid: int, path: str) -> object:
-        key = self.jobs.resolve(pid) if pid else None
+        key = self.jobs.resolve(pid)
         if key is not None:
             self.scheduler.observe_open(key, path)
         return key
@@ -207,6 +207,11 @@ class PrefetchService:
         if not isinstance(job, str) or not _NAME.fullmatch(job):
             raise ApiError(400, f"'job' must be 1-{MAX_NAME} of [A-Za-z0-9_.:@-]")
         rank = _int(body.get("rank", 0), "rank", 0, 1 << 20)
+        if "pid" not in body and request.peer.transport == "unix" and request.peer.pid == 0:
+            # The caller lives in another pid namespace (a container without hostPID): its
+            # FUSE requests reach us with pid 0 too, so the job is attributed by that.
+            self.jobs.register(job, rank, 0)
+            return Response.json({"job": job, "rank": rank, "pid": 0, "attribution": "pid-namespace"})
         pid = _int(body.get("pid", request.peer.pid), "pid", 1, 1 << 22)
         try:
             owner = os.stat(f"/proc/{pid}").st_uid

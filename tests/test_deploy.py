@@ -1,0 +1,387 @@
+"""The deployment files in deploy/: the Grafana dashboard and Prometheus rules against what a
+real daemon exports, the Prometheus scrape config, the systemd unit (run for real, and
+``systemd-analyze verify`` where systemd is installed) and the Kubernetes manifests
+(schema validation with kubernetes-validate, plus cross-checks against the client config).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate  # type: ignore[import-untyped]
+import numpy as np
+import pytest
+import yaml  # type: ignore[import-untyped]
+from prometheus_client.parser import text_string_to_metric_families
+
+from cubefs_fuse import mounts
+from cubefs_fuse.config import parse_config, parse_size
+from cubefs_fuse.metrics import METRICS
+from cubefs_fuse.protocol import ControlClient
+from tests.conftest import REPO, Mount, wait_until
+
+DEPLOY = REPO / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "cubefs-fuse.json"
+RULES = DEPLOY / "prometheus" / "cubefs-fuse-rules.yml"
+UNIT = DEPLOY / "systemd" / "cubefs-fuse@.service"
+K8S = DEPLOY / "k8s"
+METRIC_NAME = re.compile(r"\bcubefs_fuse_[A-Za-z0-9_:]*")
+# Kubernetes version the manifests are validated against: the newest schema the
+# installed kubernetes-validate ships.
+K8S_VERSION = kubernetes_validate.utils.latest_version()
+
+
+# -- Grafana dashboard and Prometheus rules vs. the daemon's /metrics --------------------------
+
+
+def _panels(panels: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for panel in panels:
+        yield panel
+        yield from _panels(panel.get("panels", []))  # rows (collapsed ones nest their panels)
+
+
+def dashboard_queries(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, PromQL) of every panel target and every templating query."""
+    queries = [(p.get("title", "?"), t["expr"]) for p in _panels(dashboard["panels"])
+               for t in p.get("targets", []) if t.get("expr")]
+    for var in dashboard.get("templating", {}).get("list", []):
+        query = var.get("query")
+        if var.get("type") == "query":
+            queries.append((f"variable {var['name']}", query["query"] if isinstance(query, dict) else query))
+    return queries
+
+
+def rule_queries() -> list[tuple[str, str]]:
+    rules = yaml.safe_load(RULES.read_text())
+    return [(rule.get("alert") or rule.get("record"), rule["expr"]) for group in rules["groups"]
+            for rule in group["rules"]]
+
+
+def _base_name(name: str) -> str:
+    for suffix in ("_bucket", "_sum", "_count"):
+        if name.endswith(suffix) and METRICS.get(name.removesuffix(suffix), None) is not None \
+                and METRICS[name.removesuffix(suffix)].kind == "histogram":
+            return name.removesuffix(suffix)
+    return name
+
+
+def _exported_names(port: int) -> set[str]:
+    """Every sample name on /metrics (counters with _total, histograms as _bucket/_sum/_count)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
+def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[..., Mount]) -> None:
+    m = make_mount(volName=f"deploy-{uuid.uuid4().hex[:8]}", profile="ai_prefetch", memCacheSize="64MiB")
+    rng = np.random.default_rng(3)
+    names = [f"d/f{i}" for i in range(8)]
+    for name in names + ["gone"]:
+        (m.source / name).parent.mkdir(exist_ok=True)
+        (m.source / name).write_bytes(rng.bytes(20_000))
+    m.mount()
+    # Per-job and per-plan series exist once a job registered and a plan arrived.
+    client = ControlClient(mounts.registered(str(m.mount_point))["controlSocket"])  # type: ignore[index]
+    client.register_job("dash-job", 0, os.getpid())
+    dataset = client.register_dataset(names)
+    client.submit_plan("dash-job", 0, 0, dataset, np.arange(len(names), dtype="<u4").tobytes(), "<u4")
+    for name in names:
+        m.path(name).read_bytes()
+    # A backend error (so that cubefs_fuse_backend_errors_total has a sample): the file is
+    # looked up (attributes cached), then removed at the source before it is read.
+    os.stat(m.path("gone"))
+    (m.source / "gone").unlink()
+    with pytest.raises(OSError):
+        m.path("gone").read_bytes()
+
+    exported = _exported_names(m.port)
+    queries = dashboard_queries(json.loads(DASHBOARD.read_text())) + rule_queries()
+    referenced: dict[str, list[str]] = {}
+    for where, query in queries:
+        for name in METRIC_NAME.findall(query):
+            referenced.setdefault(name, []).append(where)
+    # The extraction itself works (a broken regex must not make this test vacuous).
+    assert len(queries) >= 40 and len(referenced) >= 30, (len(queries), sorted(referenced))
+    missing = {name: where for name, where in referenced.items() if name not in exported}
+    assert not missing, f"queried but not exported by the daemon: {missing}"
+    assert all(_base_name(name) in METRICS for name in referenced)
+
+    # The dashboard covers what operators need (issue: hit rate per job and global, stall,
+    # cache use vs limit per tier, backend latency quantiles, lookahead, waste, evictions, errors).
+    text = DASHBOARD.read_text()
+    for needle in ("cubefs_fuse_job_hits_total", "cubefs_fuse_file_hits_total", "cubefs_fuse_stall_seconds_total",
+                   "cubefs_fuse_job_stall_seconds_total", "cubefs_fuse_cache_used_bytes",
+                   "cubefs_fuse_cache_limit_bytes", "histogram_quantile(0.99",
+                   "cubefs_fuse_backend_latency_seconds_bucket", "cubefs_fuse_plan_lookahead_bytes",
+                   "cubefs_fuse_prefetch_wasted_total", "cubefs_fuse_cache_evictions_total",
+                   "cubefs_fuse_backend_errors_total", "cubefs_fuse_checksum_failures_total"):
+        assert needle in text, needle
+    m.umount()
+
+
+def test_dashboard_json_structure() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = [p for p in _panels(dashboard["panels"]) if p["type"] != "row"]
+    assert len({p["id"] for p in _panels(dashboard["panels"])}) == len(list(_panels(dashboard["panels"])))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "node", "training_job"} <= variables
+    for p in panels:
+        assert p["targets"] and p["datasource"]["uid"] == "${datasource}", p["title"]
+        assert len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
+        grid = p["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, p["title"]
+        for t in p["targets"]:
+            # The daemon's per-job label arrives as exported_job (prometheus.yml explains why).
+            assert 'job=~"$training_job"' not in t["expr"] or "exported_job" in t["expr"]
+            assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
+
+
+def test_prometheus_scrape_config() -> None:
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    [job] = config["scrape_configs"]
+    assert job["job_name"] == "cubefs-fuse" and job["metrics_path"] == "/metrics"
+    assert not job.get("honor_labels"), "honor_labels would let the training job replace the scrape job"
+    assert config["rule_files"] == [RULES.name]
+    assert any(r.get("target_label") == "node" for r in job["relabel_configs"])
+    # The node relabelling: a target without a node label is named after its host.
+    host_rule, node_rule = job["relabel_configs"][:2]
+    host = re.fullmatch(host_rule["regex"], "10.0.0.11:9500")
+    assert host is not None and host.group(1) == "10.0.0.11"
+    assert re.fullmatch(node_rule["regex"], ";10.0.0.11") and not re.fullmatch(node_rule["regex"], "gpu-01;10.0.0.11")
+    # The example target file is valid file_sd JSON, and not picked up as real targets.
+    example = DEPLOY / "prometheus" / "targets" / "cubefs-fuse.json.example"
+    [pattern] = job["file_sd_configs"][0]["files"]
+    assert not list((DEPLOY / "prometheus").glob(pattern))
+    for group in json.loads(example.read_text()):
+        assert group["targets"] and all(re.fullmatch(r"[\w.-]+:\d+", t) for t in group["targets"])
+        assert set(group["labels"]) == {"node", "volume"}
+    k8s = yaml.safe_load((DEPLOY / "prometheus" / "kubernetes-scrape.yml").read_text())
+    [k8s_job] = k8s["scrape_configs"]
+    assert k8s_job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    keep = {r["source_labels"][0]: r["regex"] for r in k8s_job["relabel_configs"] if r.get("action") == "keep"}
+    daemonset = yaml.safe_load((K8S / "daemonset.yaml").read_text())
+    labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    assert keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == labels["app.kubernetes.io/name"]
+    ports = daemonset["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert keep["__meta_kubernetes_pod_container_port_name"] in {p["name"] for p in ports}
+    promtool = shutil.which("promtool")
+    if promtool:  # present where the prometheus package is installed
+        for args in (["check", "config", "prometheus.yml"], ["check", "rules", RULES.name]):
+            result = subprocess.run([promtool, *args], capture_output=True, text=True, cwd=DEPLOY / "prometheus")
+            assert result.returncode == 0, result.stdout + result.stderr
+    print(f"promtool: {'checked' if promtool else 'not installed, YAML checks only'}")
+
+
+# -- systemd ---------------------------------------------------------------------------------
+
+
+def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
+    """A systemd unit file as {section: {key: [values]}} (keys may repeat; '\\' continues lines)."""
+    sections: dict[str, dict[str, list[str]]] = {}
+    current: dict[str, list[str]] | None = None
+    for raw in text.replace("\\\n", " ").splitlines():
+        line = raw.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], {})
+            continue
+        assert current is not None, f"key outside a section: {line!r}"
+        key, sep, value = line.partition("=")
+        assert sep, f"not a key=value line: {line!r}"
+        current.setdefault(key.strip(), []).append(value.strip())
+    return sections
+
+
+def _command(value: str, substitutions: dict[str, str]) -> list[str]:
+    """An Exec*= value as argv, with systemd's prefixes ('-', '@', ...) removed."""
+    for old, new in substitutions.items():
+        value = value.replace(old, new)
+    return shlex.split(value.lstrip("-@:+!"))
+
+
+def test_systemd_unit_keys() -> None:
+    unit = parse_unit(UNIT.read_text())
+    assert set(unit) == {"Unit", "Service", "Install"}
+    after = " ".join(unit["Unit"]["After"]).split()
+    assert {"network-online.target", "remote-fs.target"} <= set(after)
+    assert "network-online.target" in " ".join(unit["Unit"].get("Wants", []))
+    service = {k: v[-1] for k, v in unit["Service"].items()}
+    start = _command(service["ExecStart"], {})
+    assert start[1:] == ["mount", "-c", "/etc/cubefs-fuse/%i.json", "--foreground"]
+    stop = _command(service["ExecStop"], {})
+    assert stop[1:3] == ["umount", "-c"] and stop[3] == "/etc/cubefs-fuse/%i.json"
+    assert os.path.isabs(start[0]) and start[0] == stop[0]
+    assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
+    assert service["Type"] in ("exec", "simple")
+    assert service.get("PrivateTmp", "no") == "no"  # cube_torch must see /tmp/cube_torch.config.<vol>
+    assert "2" in service["RestartPreventExitStatus"].split()  # config errors do not loop
+    assert int(service["TimeoutStopSec"]) > 60  # above umount's --timeout 60
+    assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        print("systemd-analyze: not installed; test_systemd_unit_keys and the ExecStart/ExecStop run cover the unit")
+        return
+    binary = shutil.which("cubefs-fuse", path=str(Path(sys.executable).parent))
+    assert binary, "cubefs-fuse console script not installed in the venv"
+    text = UNIT.read_text().replace("/usr/local/bin/cubefs-fuse", binary)
+    for name in ("cubefs-fuse@.service", "cubefs-fuse@imagenet.service"):
+        (tmp_path / name).write_text(text)
+        result = subprocess.run([analyze, "verify", "--man=no", str(tmp_path / name)], capture_output=True,
+                                text=True, timeout=60)
+        # verify only warns about unknown keys or bad values: any output is a failure.
+        assert result.returncode == 0 and not result.stderr.strip() and not result.stdout.strip(), result.stderr
+    broken = tmp_path / "broken@x.service"
+    broken.write_text(text.replace("KillSignal=SIGTERM", "KillSignal=SIGTERM\nRestartt=always"))
+    result = subprocess.run([analyze, "verify", "--man=no", str(broken)], capture_output=True, text=True, timeout=60)
+    assert "Restartt" in result.stderr  # the check above can fail
+    print("systemd-analyze verify: ran")
+
+
+def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
+    """Runs the unit's ExecStart and ExecStop as systemd would (instance 'vol'), then the
+    KillSignal path: both unmount cleanly and the daemon exits 0."""
+    m = make_mount(volName=f"unit-{uuid.uuid4().hex[:8]}")
+    (m.source / "file").write_bytes(b"x" * 1000)
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "vol.json").write_text(json.dumps(m.config()))
+    binary = str(Path(sys.executable).parent / "cubefs-fuse")
+    service = {k: v[-1] for k, v in parse_unit(UNIT.read_text())["Service"].items()}
+    subs = {"%i": "vol", "/etc/cubefs-fuse/": f"{etc}/", "/usr/local/bin/cubefs-fuse": binary}
+    start, stop = _command(service["ExecStart"], subs), _command(service["ExecStop"], subs)
+    for how in ("ExecStop", "KillSignal"):
+        daemon = subprocess.Popen(start, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: mounts.registered(str(m.mount_point)) is not None or daemon.poll() is not None,
+                       timeout=60, what="the daemon to mount")
+            assert daemon.poll() is None, daemon.stderr.read() if daemon.stderr else ""
+            assert m.path("file").read_bytes() == b"x" * 1000
+            if how == "ExecStop":
+                result = subprocess.run(stop, capture_output=True, text=True, timeout=120)
+                assert result.returncode == 0, result.stderr
+                assert f"unmounted {m.mount_point}" in result.stdout
+            else:
+                daemon.send_signal(getattr(signal, service["KillSignal"]))
+            assert daemon.wait(timeout=90) == 0
+            assert mounts.find_mount(str(m.mount_point)) is None
+            assert mounts.registered(str(m.mount_point)) is None
+        finally:
+            if daemon.poll() is None:
+                subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+                daemon.kill()
+                daemon.wait()
+
+
+# -- Kubernetes ------------------------------------------------------------------------------
+
+
+def _manifests() -> dict[str, dict[str, Any]]:
+    docs: dict[str, dict[str, Any]] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return docs
+
+
+def test_k8s_manifests_pass_schema_validation() -> None:
+    docs = _manifests()
+    assert {"Namespace", "ConfigMap", "DaemonSet", "Pod"} <= {d["kind"] for d in docs.values()}
+    for name, doc in docs.items():
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    # The validator rejects what a cluster would (so passing above means something).
+    daemonset = next(d for d in docs.values() if d["kind"] == "DaemonSet")
+    broken = json.loads(json.dumps(daemonset))
+    broken["spec"]["template"]["spec"]["containers"][0]["volumeMount"] = []  # typo of volumeMounts
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    print(f"kubernetes-validate: {len(docs)} manifests valid for Kubernetes {K8S_VERSION}")
+
+
+def _mount_of(container: dict[str, Any], path: str) -> dict[str, Any]:
+    """The volumeMount of ``container`` under which ``path`` lies (the deepest one)."""
+    found = [vm for vm in container["volumeMounts"]
+             if path == vm["mountPath"] or path.startswith(vm["mountPath"].rstrip("/") + "/")]
+    assert found, f"{path} is on no volume of {container['name']}"
+    return max(found, key=lambda vm: len(vm["mountPath"]))
+
+
+def test_k8s_daemonset_matches_the_client_config() -> None:
+    docs = _manifests()
+    configmap = next(d for d in docs.values() if d["kind"] == "ConfigMap")
+    daemonset = next(d for d in docs.values() if d["kind"] == "DaemonSet")
+    pod = next(d for d in docs.values() if d["kind"] == "Pod")
+    [(file_name, raw)] = configmap["data"].items()
+    config = parse_config(json.loads(raw))  # the daemon's own parser: valid keys, types and sizes
+    assert config.profile == "ai_prefetch" and not config.unused_keys
+
+    spec = daemonset["spec"]["template"]["spec"]
+    [container] = spec["containers"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert container["securityContext"]["privileged"] is True
+    assert spec["hostPID"] is True  # FUSE request pids must be comparable with /proc (per-job stats)
+    # The config file is the ConfigMap's key, mounted where the command reads it.
+    command = " ".join(container["command"])
+    config_mount = _mount_of(container, "/etc/cubefs-fuse")
+    assert volumes[config_mount["name"]]["configMap"]["name"] == configmap["metadata"]["name"]
+    assert f"cubefs-fuse mount -c {config_mount['mountPath']}/{file_name} --foreground" in command
+    assert f"mkdir -p {config.mount_point};" in command and "exec cubefs-fuse" in command
+    assert volumes[_mount_of(container, "/dev/fuse")["name"]]["hostPath"]["path"] == "/dev/fuse"
+    # Every path of the config lies on the right kind of hostPath.
+    mnt = _mount_of(container, config.mount_point)
+    assert mnt["mountPropagation"] == "Bidirectional" and "hostPath" in volumes[mnt["name"]]
+    assert _mount_of(container, config.source).get("mountPropagation") == "HostToContainer"
+    cache = volumes[_mount_of(container, config.cache_dir)["name"]]
+    assert "hostPath" in cache and "nvme" in cache["hostPath"]["path"]
+    socket_dir = _mount_of(container, config.control_socket)
+    assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/run/cubefs-fuse"
+    volconfig = _mount_of(container, config.config_dir)
+    assert volconfig["mountPath"] == "/tmp" and "hostPath" in volumes[volconfig["name"]]
+    assert {"name": "metrics", "containerPort": config.exporter_port, "protocol": "TCP"} in container["ports"]
+    assert config.exporter_addr == "0.0.0.0"  # reachable by Prometheus on the pod IP
+    # Resources: the memory limit is the RAM tier plus the documented overhead.
+    overhead = parse_size("overhead", daemonset["spec"]["template"]["metadata"]["annotations"]
+                          ["cubefs-fuse/memory-overhead"].replace("Gi", "GiB").replace("Mi", "MiB"))
+    limit = parse_size("limit", container["resources"]["limits"]["memory"].replace("Gi", "GiB").replace("Mi", "MiB"))
+    assert limit == config.mem_cache_size + overhead, (limit, config.mem_cache_size, overhead)
+    assert overhead >= 512 * 2**20
+    assert container["resources"]["requests"]["memory"] == container["resources"]["limits"]["memory"]
+    # Liveness from the control API, a clean unmount before the pod stops.
+    for probe in ("livenessProbe", "startupProbe"):
+        assert container[probe]["exec"]["command"] == ["cubefs-fuse", "status", config.mount_point, "--json"]
+        assert container[probe]["timeoutSeconds"] > 10  # the CLI's control-client timeout
+    pre_stop = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
+    assert f"cubefs-fuse umount {config.mount_point}" in pre_stop
+    assert daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 60
+
+    # The training pod sees the same paths, with the mount propagated from the host.
+    [train] = pod["spec"]["containers"]
+    pod_volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    data = _mount_of(train, config.mount_point)
+    assert data["mountPropagation"] == "HostToContainer" and data["mountPath"] == mnt["mountPath"]
+    assert pod_volumes[data["name"]]["hostPath"]["path"] == volumes[mnt["name"]]["hostPath"]["path"]
+    for path, daemon_mount in ((config.control_socket, socket_dir), (config.config_dir, volconfig)):
+        pod_mount = _mount_of(train, path)
+        assert pod_mount["mountPath"] == daemon_mount["mountPath"]
+        assert pod_volumes[pod_mount["name"]]["hostPath"]["path"] == volumes[daemon_mount["name"]]["hostPath"]["path"]
+    env = {e["name"]: e.get("value") for e in train["env"]}
+    assert env["VOL_NAME"] == config.vol_name
+    run_as = pod["spec"].get("securityContext", {}).get("runAsUser", 0)
+    assert run_as == 0 or run_as in config.control_allow_uids  # else the control API refuses it
+    assert pod["spec"]["nodeSelector"] == spec["nodeSelector"]

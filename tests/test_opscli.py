@@ -1,0 +1,290 @@
+"""Mounted: the operator commands (status, warmup, drop-cache, stats) against real daemons.
+
+Each test mounts a real daemon with ``"profile": "ai_prefetch"`` through the real CLI and
+runs ``cubefs-fuse status|warmup|drop-cache|stats`` as subprocesses, the way an operator
+would.  Expected numbers come from the files the test creates and from /metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from cubefs_fuse import mounts
+from cubefs_fuse.protocol import ControlClient, config_file_path
+from tests.conftest import REPO, Mount, cli, metric, wait_until
+
+# Small RAM tier: the tests' files are a few hundred KiB in all.
+AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}
+# The unprivileged user the permission test runs the CLI as ("nobody" on Debian).
+NOBODY = 65534
+
+
+# Runs the CLI as NOBODY.  The interpreter here may live in a directory only root can read
+# (a pyenv build under /root), so a preexec_fn setuid before exec cannot start it: this
+# script imports the CLI as root, then drops every privilege before doing anything.
+AS_NOBODY = f"""
+import os, sys
+from cubefs_fuse import cli
+os.setgroups([])
+os.setgid({NOBODY})
+os.setuid({NOBODY})
+assert os.getuid() == os.geteuid() == {NOBODY}
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def _unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def _tree(source: Path) -> dict[str, bytes]:
+    """a/ holds 6 small files, a/deep/ 2 multi-block files, b/ 2 files; returns relative path -> data."""
+    rng = np.random.default_rng(7)
+    files = {f"a/f{i}": rng.bytes(3000 + 1000 * i) for i in range(6)}
+    files |= {"a/deep/big0": rng.bytes(1_300_000), "a/deep/big1": rng.bytes(2_100_000)}
+    files |= {"b/g0": rng.bytes(5000), "b/g1": rng.bytes(7000)}
+    for rel, data in files.items():
+        (source / rel).parent.mkdir(parents=True, exist_ok=True)
+        (source / rel).write_bytes(data)
+    return files
+
+
+def _mount(make_mount: Callable[..., Mount], **overrides: Any) -> tuple[Mount, dict[str, bytes]]:
+    m = make_mount(volName=_unique("ops"), **overrides)
+    files = _tree(m.source)
+    m.mount()
+    return m, files
+
+
+def _json(*args: str) -> Any:
+    result = cli(*args)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _check(m: Mount, *paths: str) -> dict[str, Any]:
+    report: dict[str, Any] = _json("warmup", str(m.mount_point), *paths, "--check", "--json")
+    assert report["done"] and report["check"] and report["errors"] == 0
+    return report
+
+
+def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
+    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # one line, no traceback
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> None:
+    m, files = _mount(make_mount, **AI_PREFETCH)
+    plain = make_mount(volName=_unique("plain"))  # a cubefs-fuse mount without ai_prefetch
+    plain.mount()
+    socket_path = mounts.registered(str(m.mount_point))["controlSocket"]  # type: ignore[index]
+    client = ControlClient(socket_path)
+    planned = [f"a/f{i}" for i in range(6)]
+    assert cli("warmup", str(m.mount_point), "a").returncode == 0
+    # This test process is the job: its opens are attributed to (job, rank 1).
+    job = _unique("job")
+    client.register_job(job, 1, os.getpid())
+    dataset = client.register_dataset(planned)
+    client.submit_plan(job, 1, 3, dataset, np.arange(6, dtype="<u4").tobytes(), "<u4")
+    for rel in planned + ["b/g0", "b/g1"]:  # planned files (warm, hits), then two cold ones (misses)
+        assert m.path(rel).read_bytes() == files[rel]
+
+    [report] = _json("status", str(m.mount_point), "--json")
+    assert report["control_api"] is True
+    assert (report["volume"], report["source"], report["mount_point"]) == (
+        m.config()["volName"], str(m.source), str(m.mount_point))
+    assert report["pid"] == m.pid() and report["uptime"] > 0
+    ram, disk = report["cache"]["ram"], report["cache"]["disk"]
+    assert ram["limit_bytes"] == 64 * 2**20 and disk["limit_bytes"] > 0
+    warmed = sum(len(files[p]) for p in files if p.startswith("a/")) + len(files["b/g0"]) + len(files["b/g1"])
+    assert ram["used_bytes"] >= warmed  # everything read or warmed is in RAM (64 MiB holds it all)
+    samples = m.scrape()
+    assert ram["used_bytes"] == metric(samples, "cubefs_fuse_cache_used_bytes", tier="ram")
+    assert disk["used_bytes"] == metric(samples, "cubefs_fuse_cache_used_bytes", tier="disk")
+    assert report["hits"]["requests"] == 8 and report["hits"]["misses"] == 2
+    assert report["hits"]["hit_rate"] == 0.75
+    [job_row] = report["jobs"]
+    assert (job_row["job"], job_row["rank"], job_row["pid"]) == (job, 1, os.getpid())
+    assert (job_row["requests"], job_row["hits"], job_row["hit_rate"]) == (8, 6, 0.75)
+    [plan] = report["plans"]
+    assert (plan["job"], plan["rank"], plan["epoch"], plan["samples"], plan["cursor"]) == (job, 1, 3, 6, 6)
+
+    table = cli("status", str(m.mount_point))
+    assert table.returncode == 0, table.stderr
+    text = table.stdout
+    assert str(m.mount_point) in text and f"volume {m.config()['volName']}" in text
+    assert re.search(r"ram\s+\S+ \w*B\s+64\.0 MiB", text), text
+    assert re.search(r"disk\s+", text) and "uptime " in text
+    assert "hit rate 75.00%" in text
+    assert re.search(rf"{job}\s+1\s+{os.getpid()}\s+8\s+75\.00%\s+3\s+6/6", text), text
+
+    everything = _json("status", "--json")
+    by_mount = {r["mount_point"]: r for r in everything}
+    assert by_mount[str(m.mount_point)]["jobs"][0]["job"] == job
+    assert by_mount[str(plain.mount_point)]["control_api"] is False
+    assert by_mount[str(plain.mount_point)]["volume"] == plain.config()["volName"]
+    table_all = cli("status").stdout
+    assert str(m.mount_point) in table_all and str(plain.mount_point) in table_all
+    assert 'control API off (set "profile": "ai_prefetch"' in table_all
+
+    # A cubefs-fuse mount without ai_prefetch: every command says what is missing.
+    for args in (("status", str(plain.mount_point)), ("warmup", str(plain.mount_point), "a"),
+                 ("drop-cache", str(plain.mount_point)), ("stats", str(plain.mount_point), "-n", "1")):
+        _one_line_error(cli(*args), str(plain.mount_point), '"profile": "ai_prefetch"')
+    m.umount()
+    plain.umount()
+
+
+def test_warmup_check_list_and_drop_cache(make_mount: Callable[..., Mount]) -> None:
+    m, files = _mount(make_mount, **AI_PREFETCH)
+    sub = [p for p in files if p.startswith("a/")]
+    sub_bytes = sum(len(files[p]) for p in sub)
+
+    before = _check(m, "a")
+    assert (before["files_total"], before["files_cached"], before["bytes_total"]) == (len(sub), 0, sub_bytes)
+    assert before["cached_percent"] == 0.0
+
+    warm = cli("warmup", str(m.mount_point), str(m.mount_point / "a"))  # absolute path under the mount
+    assert warm.returncode == 0, warm.stderr
+    assert f"{len(sub)}/{len(sub)} files" in warm.stdout and "(100.0%)" in warm.stdout
+    backend_bytes = metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total")
+    assert backend_bytes == sub_bytes  # each file fetched once, nothing else
+    after = _check(m, "a")
+    assert (after["files_cached"], after["bytes_cached"], after["cached_percent"]) == (len(sub), sub_bytes, 100.0)
+    assert _check(m, "b")["cached_percent"] == 0.0  # only the subtree was warmed
+    for rel in sub:  # reads are served from the cache: the backend sees nothing new
+        assert m.path(rel).read_bytes() == files[rel]
+    assert metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") == backend_bytes
+
+    # -f LIST: relative and absolute paths, blank lines ignored.
+    listing = m.base / "list.txt"
+    listing.write_text(f"b/g0\n\n{m.mount_point}/b/g1\n")
+    from_list = _json("warmup", str(m.mount_point), "-f", str(listing), "--json")
+    assert (from_list["files_total"], from_list["files_cached"], from_list["errors"]) == (2, 2, 0)
+    assert _check(m, "b")["cached_percent"] == 100.0
+    assert _check(m, str(m.mount_point))["cached_percent"] == 100.0  # the whole volume
+
+    # Paths outside the mount are refused, in one line, before anything is sent.
+    _one_line_error(cli("warmup", str(m.mount_point), "/etc/passwd"), "'/etc/passwd' is not under the mount point")
+    _one_line_error(cli("warmup", str(m.mount_point), "../escape"), "leaves the mount point")
+    listing.write_text("b/g0\n/etc/shadow\n")
+    _one_line_error(cli("warmup", str(m.mount_point), "-f", str(listing)), "/etc/shadow")
+    _one_line_error(cli("warmup", str(m.mount_point)), "give at least one PATH or -f LIST")
+
+    drop = cli("drop-cache", str(m.mount_point))
+    assert drop.returncode == 0, drop.stderr
+    assert drop.stdout.startswith("dropped ") and str(m.mount_point) in drop.stdout
+    dropped = _check(m, str(m.mount_point))
+    assert (dropped["files_cached"], dropped["bytes_cached"], dropped["cached_percent"]) == (0, 0, 0.0)
+    assert dropped["files_total"] == len(files)
+    samples = m.scrape()
+    assert metric(samples, "cubefs_fuse_cache_used_bytes", tier="ram") == 0
+    assert metric(samples, "cubefs_fuse_cache_used_bytes", tier="disk") == 0
+    m.umount()
+
+
+def test_stats_prints_rate_lines(make_mount: Callable[..., Mount]) -> None:
+    m, files = _mount(make_mount, **AI_PREFETCH)
+    proc = subprocess.Popen([sys.executable, "-m", "cubefs_fuse", "stats", str(m.mount_point), "-n", "2",
+                             "-i", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    stop = threading.Event()
+    opened = 0
+
+    def reader() -> None:  # keeps opening files so that every interval has activity
+        nonlocal opened
+        while not stop.is_set():
+            for rel in files:
+                with open(m.path(rel), "rb") as f:
+                    # Drop the file's kernel page cache so the reads reach the daemon too.
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+                    f.read()
+                opened += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        stop.set()
+        thread.join()
+    assert proc.returncode == 0, err
+    header, *rows = out.strip().splitlines()
+    assert header.split()[:5] == ["time", "open/s", "read/s", "MiB/s", "hit%"]
+    assert len(rows) == 2, out
+    for row in rows:
+        fields = row.replace("|", " ").split()
+        assert re.fullmatch(r"\d\d:\d\d:\d\d", fields[0]), row
+        opens, reads, mib = float(fields[1]), float(fields[2]), float(fields[3])
+        assert opens > 0 and reads > 0 and mib >= 0, row
+        assert 0.0 <= float(fields[4]) <= 100.0, row  # hit% over the interval
+        assert len(fields) == 12, row
+    assert opened > 0
+    m.umount()
+
+
+def test_clear_errors_not_a_mount_stale_and_permission(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
+    plain_dir = tmp_path / "not-a-mount"
+    plain_dir.mkdir()
+    for args in (("status", str(plain_dir)), ("warmup", str(plain_dir), "x"), ("drop-cache", str(plain_dir))):
+        _one_line_error(cli(*args), f"{plain_dir} is not a cubefs-fuse mount")
+
+    m, _ = _mount(make_mount, **AI_PREFETCH)
+    info = mounts.registered(str(m.mount_point))
+    assert info is not None
+
+    # Permission denied: the socket is world-connectable, the daemon refuses other uids.
+    def as_nobody(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"} | {"HOME": "/"}
+        return subprocess.run([sys.executable, "-c", AS_NOBODY, *args], capture_output=True, text=True,
+                              timeout=60, cwd=REPO, env=env)
+
+    line = _one_line_error(as_nobody("warmup", str(m.mount_point), "a", "--check"), "permission denied",
+                           info["controlSocket"], "controlAllowUids")
+    assert "Traceback" not in line
+    denied = as_nobody("status", str(m.mount_point), "--json")
+    assert denied.returncode == 1
+    [report] = json.loads(denied.stdout)
+    assert report["control_api"] is False and "permission denied" in report["error"]
+    _one_line_error(as_nobody("drop-cache", str(m.mount_point)), "permission denied")
+    assert _check(m, "a")["files_total"] == 8  # root still gets in
+
+    # Stale mount: the daemon dies without unmounting.
+    pid = m.pid()
+    os.kill(pid, 9)
+    wait_until(lambda: not mounts.pid_alive(pid), timeout=30, what="the killed daemon to be gone")
+    assert mounts.find_mount(str(m.mount_point)) is not None  # the kernel mount is still there
+    try:
+        for args in (("status", str(m.mount_point)), ("warmup", str(m.mount_point), "a")):
+            _one_line_error(cli(*args), f"{m.mount_point} is a cubefs-fuse mount but its daemon is not running",
+                            "stale mount")
+        everything = _json("status", "--json")
+        assert str(m.mount_point) not in {r["mount_point"] for r in everything}
+        # The remedy the message names works.
+        remedy = cli("umount", "--lazy", str(m.mount_point))
+        assert remedy.returncode == 0, remedy.stderr
+        assert mounts.find_mount(str(m.mount_point)) is None
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+        m.mounted = False
+        # What the killed daemon could not remove: its registry entry, socket and volume file.
+        for leftover in (mounts._registry_path(str(m.mount_point)), info["controlSocket"],
+                         config_file_path(m.config()["volName"])):
+            try:
+                os.unlink(leftover)
+            except FileNotFoundError:
+                pass
