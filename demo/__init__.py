@@ -1,0 +1,7 @@
+"""The end-to-end demo (``scripts/demo.sh``) and the harness it shares with benchmarks/.
+
+``demo.harness`` generates image datasets, serves them as a slow remote (tools/slowfs.py),
+mounts them with the real ``cubefs-fuse`` CLI, reads them with worker processes and
+scrapes the daemon's Prometheus ``/metrics``; ``demo.train`` is the training job (a tiny
+CNN, ImageFolder, cube_torch); ``demo.run`` is the demo itself.
+"""
