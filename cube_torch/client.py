@@ -50,6 +50,7 @@ class _DatasetFiles:
 
     paths: list[str]
     offsets: np.ndarray  # sample i reads paths[offsets[i]:offsets[i+1]]
+    mount_point: str  # the paths are relative to it
     registered: dict[tuple[int, str], str]  # (daemon pid, socket) -> dataset id
 
 
@@ -179,7 +180,7 @@ class Submitter:
             cached = self._files.get(dataset)
         except TypeError:
             cached = self._files_by_id.get(id(dataset))
-        if cached is not None:
+        if cached is not None and cached.mount_point == mount_point:
             return cached
         try:
             mapping = sample_files(dataset)
@@ -203,7 +204,7 @@ def _collect(mapping: SampleFiles, samples: int, mount_point: str) -> _DatasetFi
             if relative:
                 paths.append(relative)
         offsets[i + 1] = len(paths)
-    return _DatasetFiles(paths, offsets, {})
+    return _DatasetFiles(paths, offsets, mount_point, {})
 
 
 def _file_order(offsets: np.ndarray, samples: np.ndarray) -> np.ndarray:

@@ -38,11 +38,17 @@ class PlannedSampler:
     def __init__(self, inner: Any, loader: Any) -> None:
         self.inner = inner
         self._loader = weakref.ref(loader)
+        # Held strongly: in ``for batch in DataLoader(...)`` the loader itself is dropped
+        # while its iterator runs, and that epoch must be planned all the same.
+        self._dataset = loader.dataset
+        self._sampler = getattr(loader, "sampler", None)
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name in ("inner", "_loader", "_dataset", "_sampler"):
+            raise AttributeError(name)  # not yet set (copy, pickle): never recurse
         return getattr(self.inner, name)
 
     def __iter__(self) -> Iterator[Any]:
@@ -59,13 +65,11 @@ class PlannedSampler:
         yield from items
 
     def _plannable(self) -> bool:
-        loader = self._loader()
-        vol_name = os.environ.get("VOL_NAME")
-        if loader is None or not vol_name:
+        if not os.environ.get("VOL_NAME"):
             return False
         from torch.utils.data import IterableDataset
 
-        if isinstance(loader.dataset, IterableDataset):
+        if isinstance(self._dataset, IterableDataset):
             info_once("iterable", "IterableDataset has no index order to plan: not prefetching it")
             return False
         try:
@@ -79,27 +83,30 @@ class PlannedSampler:
         return True
 
     def _submit(self, items: list[Any]) -> None:
-        loader = self._loader()
-        if loader is None:
-            return
         if items and isinstance(items[0], (list, tuple)):
             flat = [int(i) for batch in items for i in batch]
         else:
             flat = [int(i) for i in items]
         order = np.asarray(flat, dtype=np.int64)
-        epoch = _epoch_of(loader)
-        submitter.submit(PlanRequest(os.environ["VOL_NAME"], loader.dataset, order, epoch, _rank(), default_job()))
+        epoch = _epoch_of(self._loader(), self._sampler)
+        submitter.submit(PlanRequest(os.environ["VOL_NAME"], self._dataset, order, epoch, _rank(), default_job()))
         from cube_torch import reporter
 
         reporter.ensure_running()
 
 
-def _epoch_of(loader: Any) -> int:
-    sampler = getattr(loader, "sampler", None)
+def _epoch_of(loader: Any, sampler: Any) -> int:
     epoch = getattr(sampler, "epoch", None)  # DistributedSampler.set_epoch
-    counted = _epochs.get(loader, -1) + 1
-    _epochs[loader] = counted
+    counted = 0  # a loader already dropped (``for b in DataLoader(...)``) lives one epoch
+    if loader is not None:
+        counted = _epochs.get(loader, -1) + 1
+        _epochs[loader] = counted
     return int(epoch) if isinstance(epoch, int) else counted
+
+
+def planning_loaders() -> int:
+    """How many live DataLoaders have planned an epoch (the reporter stops at 0)."""
+    return len(_epochs)
 
 
 def _rank() -> int:

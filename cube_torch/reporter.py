@@ -80,11 +80,21 @@ def report_once() -> str | None:
 
 
 def _run() -> None:
+    global _thread
+    from cube_torch import patch
+
     while not _stop.wait(interval()):
         try:
             report_once()
         except Exception as exc:  # a reporting problem must never reach training
             log.debug("cube_torch: metrics report failed: %r", exc)
+        with _lock:  # decided under the lock: ensure_running() then starts a fresh thread
+            if not patch.planning_loaders():
+                # Every loader that planned is gone: nothing left to report on.  The next
+                # plan starts the thread again, so no thread outlives training.
+                if _thread is threading.current_thread():
+                    _thread = None
+                return
 
 
 def ensure_running() -> None:

@@ -102,6 +102,10 @@ class Scheduler:
         plan = self.plans.get(key)
         if plan is None:
             return False
+        if plan.indexed_upto < min(plan.length, plan.cursor + MATCH_AHEAD):
+            # An open can arrive before the plan's task first ran (right after the submit
+            # was answered): index now, or that open would never count as the plan's.
+            self._extend_index(plan)
         positions = plan.index.get(path)
         if not positions:
             return False

@@ -1,0 +1,649 @@
+"""cube_torch against a real daemon: real DataLoaders, real worker processes, a real mount.
+
+One ``ai_prefetch`` mount per module holds tiny datasets of every supported kind.  Each
+case runs the same loader twice with the same seed: once with cube_torch uninstalled
+(the reference) and once installed, and checks per rank and epoch:
+
+(a) **the files opened are exactly the submitted plan's files, as a multiset.**  What was
+    submitted is captured on the wire (``ControlClient.register_dataset``/``submit_plan``
+    wrapped in this process, where cube_torch's submitter thread runs) and confirmed by
+    the daemon: ``GET /v1/status`` shows that (job, rank)'s plan with this epoch, this
+    many samples and the content id of the captured file list.  What was opened is a
+    reader trace: ``builtins.open`` is wrapped (workers are forked and inherit it), so
+    every open under the mount by PIL, ElementTree, torchvision or our own loaders is
+    recorded as (worker id, path) at the moment ``__getitem__`` opens it.  The daemon's
+    side agrees: the job's request counter (one per application open it saw) grows by
+    exactly the plan's length and the plan's ``used`` counter (opens it matched to a
+    planned position) equals the plan's length.
+(b) **each worker's opens follow the plan's order**: every worker's trace is a
+    subsequence of the plan; with ``num_workers=0`` the trace *is* the plan.
+(c) **the samples equal the reference's** (tensors, targets and bytes compared exactly).
+
+Submission is asynchronous in production: a worker may open an epoch's first files
+before the daemon has that epoch's plan (those reads are simply not prefetched).  To
+make the daemon's counters exact, these tests make ``submit`` wait for the background
+thread (``submitter.wait_idle``); what is submitted and how is unchanged.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import random
+import re
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import (BatchSampler, ConcatDataset, DataLoader, Dataset, DistributedSampler,
+                              RandomSampler, Subset, get_worker_info)
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+import cube_torch
+from cube_torch import client as ct_client
+from cube_torch import reporter
+from cube_torch.client import PlanRequest
+from cube_torch.patch import submitter
+from cubefs_fuse.prefetch.datasets import parse_dataset
+from cubefs_fuse.protocol import ControlClient, config_file_path, read_volume_config
+from tests.conftest import Mount, force_unmount, free_port, wait_until
+
+SEED = 20240607
+
+# 3 workers on a 2-core test machine is the point (more workers than cores); not a problem here.
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+IMAGE = 8  # JPEG side in pixels: tiny, collatable, still decoded by PIL
+WORLD = 2  # DistributedSampler world size
+
+
+# -- the volume: every dataset kind, generated once per module ---------------------------
+
+
+def write_jpeg(path: Path, seed: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    Image.new("RGB", (IMAGE, IMAGE), (rng.randrange(256), rng.randrange(256), rng.randrange(256))).save(path)
+
+
+def populate(root: Path) -> None:
+    """ImageFolder (24), DatasetFolder (20), VOC (12 x image + XML), COCO (12 + JSON),
+    a 1-D list (20) and a 2-D list (12 x image + caption)."""
+    for c, name in enumerate(("cat", "dog")):
+        for i in range(12):
+            write_jpeg(root / "imagefolder" / name / f"{i:02d}.jpg", 100 * c + i)
+    for c, name in enumerate(("a", "b")):
+        folder = root / "datasetfolder" / name
+        folder.mkdir(parents=True)
+        for i in range(10):
+            (folder / f"{i:02d}.bin").write_bytes(bytes([c, i]) * (i + 1))
+    voc = root / "voc" / "VOCdevkit" / "VOC2012"
+    names = [f"2012_{i:06d}" for i in range(12)]
+    for i, name in enumerate(names):
+        write_jpeg(voc / "JPEGImages" / f"{name}.jpg", 1000 + i)
+        (voc / "Annotations").mkdir(parents=True, exist_ok=True)
+        (voc / "Annotations" / f"{name}.xml").write_text(
+            f"<annotation><filename>{name}.jpg</filename><object><name>obj{i % 3}</name>"
+            f"<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>{i + 2}</xmax><ymax>5</ymax></bndbox>"
+            "</object></annotation>")
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "ImageSets" / "Main" / "train.txt").write_text("\n".join(names) + "\n")
+    # COCO: image ids that are neither contiguous nor in file-name order, so that a mapping
+    # from the sample index (or the id) straight to a file name would read the wrong file.
+    ids = random.Random(3).sample(range(100, 999), 12)
+    images = [{"id": image_id, "file_name": f"img_{k:02d}.jpg", "width": IMAGE, "height": IMAGE}
+              for k, image_id in enumerate(ids)]
+    for k in range(12):
+        write_jpeg(root / "coco" / "images" / f"img_{k:02d}.jpg", 2000 + k)
+    annotations = [{"id": n + 1, "image_id": image_id, "category_id": 1, "bbox": [0, 0, 2, 2], "area": 4,
+                    "iscrowd": 0} for n, image_id in enumerate(ids)]
+    (root / "coco" / "annotations.json").write_text(json.dumps(
+        {"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "thing"}]}))
+    for i in range(20):
+        path = root / "list1d" / f"{i:02d}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"sample {i}\n")
+    for i in range(12):
+        write_jpeg(root / "list2d" / "img" / f"{i:02d}.jpg", 3000 + i)
+        (root / "list2d" / "cap").mkdir(parents=True, exist_ok=True)
+        (root / "list2d" / "cap" / f"{i:02d}.txt").write_text(f"caption {i}")
+
+
+@dataclass
+class Volume:
+    mount: Mount
+    name: str
+
+    @property
+    def root(self) -> Path:
+        return self.mount.mount_point
+
+    def client(self) -> ControlClient:
+        return ControlClient(read_volume_config(self.name).control_socket, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Volume]:
+    """One ai_prefetch daemon for the module (a mount costs ~1.5 s; cases only read)."""
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail("mounted tests need root and /dev/fuse (run scripts/test.sh as root)")
+    base = tmp_path_factory.mktemp("cube_torch_volume")
+    port = free_port()
+    name = f"ctmount{port}"  # unique: cube_torch finds the daemon by /tmp/cube_torch.config.<name>
+    m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
+              {"profile": "ai_prefetch", "volName": name})
+    for d in (m.source, m.mount_point):
+        d.mkdir(parents=True)
+    populate(m.source)
+    try:
+        m.mount()
+        yield Volume(m, name)
+        m.umount()
+    finally:
+        force_unmount(m)
+
+
+# -- the reader trace --------------------------------------------------------------------
+
+_trace_dir: str | None = None  # set while a module's trace is active; forked workers inherit it
+_trace_prefix = ""
+_real_open = builtins.open
+
+
+def _traced_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+    """builtins.open, recording opens of files under the mount as (worker id, path)."""
+    if _trace_dir is not None and isinstance(file, (str, os.PathLike)):
+        path = os.path.abspath(os.fspath(file))
+        if path.startswith(_trace_prefix):
+            info = get_worker_info()
+            record = f"{info.id if info is not None else -1}\t{path[len(_trace_prefix):]}\n".encode()
+            fd = os.open(os.path.join(_trace_dir, str(os.getpid())), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, record)  # one write per record: O_APPEND keeps lines whole
+            finally:
+                os.close(fd)
+    return _real_open(file, *args, **kwargs)
+
+
+class Trace:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def take(self) -> dict[int, list[str]]:
+        """Opens since the last call, per worker id (-1: the main process), in order."""
+        opens: dict[int, list[str]] = {}
+        for f in sorted(self.directory.iterdir()):
+            for line in f.read_text().splitlines():
+                worker, path = line.split("\t", 1)
+                opens.setdefault(int(worker), []).append(path)
+            f.unlink()
+        return opens
+
+
+@pytest.fixture(scope="module")
+def trace(volume: Volume, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trace]:
+    global _trace_dir, _trace_prefix
+    directory = tmp_path_factory.mktemp("cube_torch_trace")
+    _trace_dir, _trace_prefix = str(directory), str(volume.root) + "/"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(builtins, "open", _traced_open)
+        yield Trace(directory)
+    _trace_dir = None
+
+
+# -- what cube_torch sends ---------------------------------------------------------------
+
+
+@dataclass
+class SentPlan:
+    job: str
+    rank: int
+    epoch: int
+    dataset: str
+    order: np.ndarray
+
+
+@dataclass
+class Wire:
+    """Every dataset list and plan cube_torch sent, as sent."""
+
+    datasets: dict[str, list[str]] = field(default_factory=dict)
+    registrations: int = 0
+    plans: list[SentPlan] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def paths(self, plan: SentPlan) -> list[str]:
+        listed = self.datasets[plan.dataset]
+        return [listed[i] for i in plan.order.tolist()]
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch, volume: Volume) -> Wire:
+    """Captures the control traffic and makes each submission complete before the epoch's
+    first sample is handed out (see the module doc)."""
+    captured = Wire()
+    register, submit_plan = ControlClient.register_dataset, ControlClient.submit_plan
+
+    def register_dataset(self: ControlClient, paths: list[str], columns: int = 1) -> str:
+        dataset_id = register(self, paths, columns)
+        with captured.lock:
+            captured.datasets[dataset_id] = list(paths)
+            captured.registrations += 1
+        return dataset_id
+
+    def plan(self: ControlClient, job: str, rank: int, epoch: int, dataset: str, order: bytes,
+             dtype: str) -> dict[str, Any]:
+        result = submit_plan(self, job, rank, epoch, dataset, order, dtype)
+        with captured.lock:
+            captured.plans.append(SentPlan(job, rank, epoch, dataset, np.frombuffer(order, dtype=dtype).copy()))
+        return result
+
+    monkeypatch.setattr(ControlClient, "register_dataset", register_dataset)
+    monkeypatch.setattr(ControlClient, "submit_plan", plan)
+    asynchronous = submitter.submit
+
+    def synchronous(request: PlanRequest) -> None:
+        asynchronous(request)
+        assert submitter.wait_idle(30), "cube_torch's submitter did not finish"
+
+    monkeypatch.setattr(submitter, "submit", synchronous)
+    return captured
+
+
+@pytest.fixture(autouse=True)
+def fresh_state(monkeypatch: pytest.MonkeyPatch, volume: Volume, request: pytest.FixtureRequest) -> Iterator[str]:
+    """VOL_NAME set, a job name per test (the daemon counts per job), warnings re-armed."""
+    job = re.sub(r"[^A-Za-z0-9_.:@-]", "_", request.node.name)[:100] + f"-{os.getpid()}"
+    monkeypatch.setenv("VOL_NAME", volume.name)
+    monkeypatch.setenv("CUBE_TORCH_JOB", job)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(ct_client, "_warned", set())
+    cube_torch.install()
+    yield job
+    cube_torch.install()
+
+
+# -- datasets ------------------------------------------------------------------------------
+
+
+def read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+class ListDataset(Dataset[bytes]):
+    """A custom dataset: ``train_data_list()`` is a 1-D array of paths."""
+
+    def __init__(self, paths: list[str]) -> None:
+        self.paths = paths
+
+    def train_data_list(self) -> np.ndarray:
+        return np.array(self.paths)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> bytes:
+        return read_bytes(self.paths[i])
+
+
+class PairDataset(Dataset[tuple[bytes, str]]):
+    """A custom dataset: ``train_data_list()`` is a 2-D array (images, captions)."""
+
+    def __init__(self, images: list[str], captions: list[str]) -> None:
+        self.images, self.captions = images, captions
+
+    def train_data_list(self) -> np.ndarray:
+        return np.array([self.images, self.captions])
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, i: int) -> tuple[bytes, str]:
+        return read_bytes(self.images[i]), read_bytes(self.captions[i]).decode()
+
+
+def make_dataset(kind: str, root: Path) -> Dataset[Any]:
+    to_tensor = transforms.PILToTensor()
+    if kind == "imagefolder":
+        return datasets.ImageFolder(str(root / "imagefolder"), transform=to_tensor)
+    if kind == "datasetfolder":
+        return datasets.DatasetFolder(str(root / "datasetfolder"), loader=read_bytes, extensions=(".bin",))
+    if kind == "voc":
+        return datasets.VOCDetection(str(root / "voc"), year="2012", image_set="train", transform=to_tensor)
+    if kind == "coco":
+        return datasets.CocoDetection(str(root / "coco" / "images"), str(root / "coco" / "annotations.json"),
+                                      transform=to_tensor)
+    if kind == "list1d":
+        return ListDataset(sorted(str(p) for p in (root / "list1d").iterdir()))
+    if kind == "list2d":
+        return PairDataset(sorted(str(p) for p in (root / "list2d" / "img").iterdir()),
+                           sorted(str(p) for p in (root / "list2d" / "cap").iterdir()))
+    raise AssertionError(kind)
+
+
+def wrap(dataset: Dataset[Any], wrapper: str, root: Path) -> Dataset[Any]:
+    n = len(dataset)  # type: ignore[arg-type]
+    if wrapper == "plain":
+        return dataset
+    if wrapper == "subset":
+        return Subset(dataset, random.Random(5).sample(range(n), n - 3))
+    if wrapper == "nested":  # a reversed view, then a pick with a repeated index
+        inner = Subset(dataset, list(range(n - 1, -1, -1)))
+        return Subset(inner, [0, 2, 2, 5, 1, 7, 3, 8, 4, 6])
+    if wrapper == "concat":
+        return ConcatDataset([dataset, make_dataset("list1d", root)])
+    raise AssertionError(wrapper)
+
+
+# -- loaders -------------------------------------------------------------------------------
+
+
+def keep(batch: Any) -> Any:
+    """collate_fn: the samples as they are (VOC/COCO targets do not collate)."""
+    return batch
+
+
+class RepeatingBatchSampler:
+    """A custom batch_sampler: uneven batches, some indices twice, a new draw each epoch."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        self.n, self.rng = n, random.Random(seed)
+        self.sizes = [3, 1, 4, 2, 5]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for size in self.sizes:
+            batch = [self.rng.randrange(self.n) for _ in range(size)]
+            if size > 2:
+                batch[-1] = batch[0]  # the same sample twice in one batch
+            yield batch
+
+
+@dataclass(frozen=True)
+class Case:
+    dataset: str = "imagefolder"
+    sampler: str = "sequential"  # sequential | random | generator | none | batch_sampler | distributed
+    workers: int = 0
+    wrapper: str = "plain"
+    rank: int = 0
+    persistent: bool = False
+    epochs: int = 2
+
+    @property
+    def id(self) -> str:
+        parts = [self.dataset, self.wrapper, self.sampler + (str(self.rank) if self.sampler == "distributed" else ""),
+                 f"w{self.workers}"]
+        return "-".join(parts + (["persistent"] if self.persistent else []))
+
+
+def build_loader(case: Case, dataset: Dataset[Any]) -> tuple[DataLoader[Any], Callable[[int], None]]:
+    """The loader and what the training loop calls at each epoch's start."""
+    torch.manual_seed(SEED)  # shuffle=True draws from the global RNG, like an unseeded script
+    common: dict[str, Any] = {"num_workers": case.workers, "collate_fn": keep,
+                              "persistent_workers": case.persistent}
+    n = len(dataset)  # type: ignore[arg-type]
+    if case.sampler == "sequential":
+        return DataLoader(dataset, batch_size=4, **common), lambda epoch: None
+    if case.sampler == "random":
+        return DataLoader(dataset, batch_size=4, shuffle=True, **common), lambda epoch: None
+    if case.sampler == "generator":
+        generator = torch.Generator().manual_seed(SEED)
+        sampler = RandomSampler(dataset, generator=generator)
+        return DataLoader(dataset, batch_size=3, sampler=sampler, **common), lambda epoch: None
+    if case.sampler == "none":
+        return DataLoader(dataset, batch_size=None, shuffle=True, **common), lambda epoch: None
+    if case.sampler == "batch_sampler":
+        return DataLoader(dataset, batch_sampler=RepeatingBatchSampler(n, SEED), **common), lambda epoch: None
+    if case.sampler == "distributed":
+        distributed: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=WORLD, rank=case.rank,
+                                                                  shuffle=True, seed=SEED)
+        return DataLoader(dataset, batch_size=3, sampler=distributed, **common), distributed.set_epoch
+    raise AssertionError(case.sampler)
+
+
+def canon(obj: Any) -> Any:
+    """A comparable, exact form of a sample (tensors, images, nested targets)."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), str(obj.dtype), obj.numpy().tobytes())
+    if isinstance(obj, Image.Image):
+        return ("image", obj.size, obj.mode, obj.tobytes())
+    if isinstance(obj, dict):
+        return ("dict", tuple((k, canon(obj[k])) for k in sorted(obj)))
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(canon(x) for x in obj))
+    return obj
+
+
+def run_epochs(loader: DataLoader[Any], start_epoch: Callable[[int], None], epochs: int,
+               after_epoch: Callable[[int], None] = lambda epoch: None) -> list[Any]:
+    samples = []
+    for epoch in range(epochs):
+        start_epoch(epoch)
+        samples.append([canon(batch) for batch in loader])
+        after_epoch(epoch)
+    return samples
+
+
+def is_subsequence(part: list[str], whole: list[str]) -> bool:
+    it = iter(whole)
+    return all(any(x == y for y in it) for x in part)
+
+
+def job_requests(volume: Volume, job: str, rank: int) -> int:
+    for entry in volume.client().stats(job)["jobs"]:
+        if entry["rank"] == rank:
+            return int(entry["cumulative"]["requests"])
+    return 0
+
+
+def daemon_plan(volume: Volume, job: str, rank: int) -> dict[str, Any]:
+    plans = [p for p in volume.client().status()["plans"] if (p["job"], p["rank"]) == (job, rank)]
+    assert len(plans) == 1, f"daemon plans for {job}/{rank}: {plans}"
+    return plans[0]
+
+
+def check_case(case: Case, volume: Volume, trace: Trace, wire: Wire, job: str,
+               monkeypatch: pytest.MonkeyPatch) -> None:
+    dataset = wrap(make_dataset(case.dataset, volume.root), case.wrapper, volume.root)
+    monkeypatch.setenv("RANK", str(case.rank))  # what torch.distributed would say on that rank
+
+    cube_torch.uninstall()
+    sent_before = len(wire.plans)
+    reference = run_epochs(*build_loader(case, dataset), case.epochs)
+    trace.take()  # the reference's opens are not this check's business
+    assert len(wire.plans) == sent_before, "cube_torch planned while uninstalled"
+    cube_torch.install()
+
+    seen_plans, registrations = len(wire.plans), wire.registrations
+    before = [0]  # the job's request count at the epoch's start
+
+    def verify(epoch: int) -> None:
+        nonlocal seen_plans
+        opened = trace.take()
+        new = wire.plans[seen_plans:]
+        seen_plans = len(wire.plans)
+        assert len(new) == 1, f"epoch {epoch}: {len(new)} plans sent"
+        plan = new[0]
+        assert (plan.job, plan.rank, plan.epoch) == (job, case.rank, epoch)
+        planned = wire.paths(plan)
+        # The daemon holds this very list and plan (content-addressed id, length, epoch).
+        assert parse_dataset(b"\0".join(p.encode() for p in wire.datasets[plan.dataset]), 1).id == plan.dataset
+        on_daemon = daemon_plan(volume, job, case.rank)
+        assert (on_daemon["epoch"], on_daemon["dataset"], on_daemon["samples"]) == (epoch, plan.dataset, len(planned))
+        # (a) the files opened are the plan's files, as a multiset ...
+        everything = [path for paths in opened.values() for path in paths]
+        assert Counter(everything) == Counter(planned)
+        # ... and the daemon saw each of them opened by this job and matched it to the plan.
+        expected = before[0] + len(planned)
+        wait_until(lambda: job_requests(volume, job, case.rank) >= expected, what="the daemon to count the opens")
+        assert job_requests(volume, job, case.rank) == expected
+        assert daemon_plan(volume, job, case.rank)["used"] == len(planned)
+        before[0] = expected
+        # (b) each worker opens its files in the plan's order.
+        if case.workers == 0:
+            assert list(opened) == [-1] and opened[-1] == planned
+        else:
+            assert set(opened) <= set(range(case.workers))
+            for worker, paths in opened.items():
+                assert is_subsequence(paths, planned), f"worker {worker} left the plan's order"
+
+    loader, start_epoch = build_loader(case, dataset)
+    assert isinstance(loader, DataLoader)
+    planned_run = run_epochs(loader, start_epoch, case.epochs, verify)
+    # (c) the samples are those the loader yields without cube_torch.
+    assert planned_run == reference
+    assert wire.registrations == registrations + 1, "the file list is registered once per dataset"
+
+
+SAMPLER_CASES = [Case(sampler=s, workers=w, rank=r)
+                 for s, ranks in (("sequential", (0,)), ("random", (0,)), ("generator", (0,)), ("none", (0,)),
+                                  ("batch_sampler", (0,)), ("distributed", (0, 1)))
+                 for r in ranks for w in (0, 1, 3)]
+PERSISTENT_CASES = [Case(sampler=s, workers=w, rank=r, persistent=True, epochs=3)
+                    for s, w, r in (("random", 3, 0), ("generator", 1, 0), ("distributed", 3, 1))]
+# Every dataset kind under every wrapper; the sampler and worker count rotate.
+_ROTATION = [("random", 1), ("batch_sampler", 3), ("generator", 0), ("none", 3), ("distributed", 1), ("sequential", 3)]
+DATASET_CASES = [Case(dataset=d, wrapper=w, sampler=_ROTATION[(i + j) % 6][0], workers=_ROTATION[(i + j) % 6][1])
+                 for i, d in enumerate(("imagefolder", "datasetfolder", "voc", "coco", "list1d", "list2d"))
+                 for j, w in enumerate(("plain", "subset", "nested", "concat"))
+                 if (d, w) != ("imagefolder", "plain")]  # that one is SAMPLER_CASES
+
+
+@pytest.mark.parametrize("case", SAMPLER_CASES + PERSISTENT_CASES + DATASET_CASES, ids=lambda c: c.id)
+def test_plan_matches_reads_and_samples(case: Case, volume: Volume, trace: Trace, wire: Wire, fresh_state: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    check_case(case, volume, trace, wire, fresh_state, monkeypatch)
+
+
+def test_distributed_ranks_split_the_epoch(volume: Volume, trace: Trace, wire: Wire, fresh_state: str,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks 0 and 1 each submit their own order; together they cover the dataset."""
+    for rank in range(WORLD):
+        check_case(Case(sampler="distributed", workers=1, rank=rank), volume, trace, wire, fresh_state, monkeypatch)
+    for epoch in range(2):
+        per_rank = [wire.paths(p) for p in wire.plans if p.epoch == epoch]
+        assert len(per_rank) == WORLD
+        assert not set(per_rank[0]) & set(per_rank[1])
+        assert len(set(per_rank[0]) | set(per_rank[1])) == 24  # the ImageFolder's files
+    assert wire.paths(wire.plans[0]) != wire.paths(wire.plans[1]), "set_epoch must reshuffle"
+
+
+def test_paths_outside_the_mount_are_ignored(volume: Volume, trace: Trace, wire: Wire, fresh_state: str,
+                                             tmp_path: Path) -> None:
+    """A list mixing the mount and a local directory: only the mount's files are planned."""
+    local = tmp_path / "local.txt"
+    local.write_text("local")
+    inside = sorted(str(p) for p in (volume.root / "list1d").iterdir())[:5]
+    loader = DataLoader(ListDataset([str(local), *inside, str(local)]), batch_size=2, collate_fn=keep)
+    samples = [s for batch in loader for s in batch]
+    assert samples[0] == samples[-1] == b"local"
+    (plan,) = wire.plans
+    assert wire.paths(plan) == [os.path.relpath(p, volume.root) for p in inside]
+
+
+# -- hit rate on an emulated slow remote --------------------------------------------------
+
+
+def test_hit_rate_from_epoch_one_on_slow_source(make_slow_mount: Callable[..., Any],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Source: a slowfs mount with 2 ms per operation.  The cache holds the dataset, so from
+    epoch 1 on every open is a hit (>= 99 %) and no data is read from the remote again."""
+    slow = make_slow_mount(latency_us=2000, profile="ai_prefetch")
+    name = slow.mount.config()["volName"]  # unique per test: derived from the mount's free port
+    rng = random.Random(11)
+    for c in range(4):
+        for i in range(10):  # 40 files of 16 KiB of noise (JPEG-sized, incompressible)
+            path = slow.real / f"class{c}" / f"{i:02d}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(rng.randbytes(16 * 1024))
+    slow.mount.mount()
+    monkeypatch.setenv("VOL_NAME", name)
+    monkeypatch.setenv("CUBE_TORCH_JOB", f"hitrate-{os.getpid()}")
+    monkeypatch.setattr(ct_client, "_warned", set())
+    cube_torch.install()
+    try:
+        dataset = datasets.DatasetFolder(str(slow.mount.mount_point), loader=read_bytes, extensions=(".bin",))
+        torch.manual_seed(SEED)
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, collate_fn=keep)
+        control = ControlClient(read_volume_config(name).control_socket, timeout=10)
+        counters, remote_reads = [], []
+        for epoch in range(3):
+            assert sum(len(batch) for batch in loader) == 40
+            # Every open of this mount is ours: once the daemon's global count has them all, the
+            # job's count is final.  (The very first opens of epoch 0 may precede the job's
+            # registration, which happens in the background: the job may count fewer there.)
+            wait_until(lambda: control.status()["hits"]["requests"] == 40 * (epoch + 1),
+                       what="the daemon to count the epoch's opens")
+            current = cube_torch.stats()
+            assert current is not None
+            counters.append((current["cumulative"]["requests"], current["cumulative"]["hits"]))
+            remote_reads.append(slow.slowfs.stats()["ops"].get("read", 0))
+        per_epoch = [counters[0]] + [(b[0] - a[0], b[1] - a[1]) for a, b in zip(counters, counters[1:])]
+        print(f"\nper-job hit rate per epoch (2 ms remote, 40 files): "
+              f"{[f'{100 * h / max(r, 1):.1f}% of {r}' for r, h in per_epoch]}")
+        for requests, hits in per_epoch[1:]:
+            assert requests == 40 and hits / requests >= 0.99, per_epoch
+        assert remote_reads[2] == remote_reads[0], "epochs 1-2 read data from the remote"
+    finally:
+        if slow.mount.mounted:
+            slow.mount.umount()  # a clean unmount: the daemon removes its config file itself
+    assert not os.path.exists(config_file_path(name))
+
+
+# -- the hit-rate line ---------------------------------------------------------------------
+
+LINE = re.compile(
+    r"user memory last_cycle_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
+    r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)% \]\)  "
+    r"sum_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
+    r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)%\]\)")
+
+
+def test_hit_rate_lines_every_interval(volume: Volume, fresh_state: str, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    """With CUBE_TORCH_METRICS_INTERVAL=0.3 the main process prints the line (and logs it)
+    from the daemon's counters of this job, no more often than the interval."""
+    interval = 0.3  # seconds: three lines within a second
+    monkeypatch.setenv("CUBE_TORCH_METRICS_INTERVAL", str(interval))
+    caplog.set_level("INFO", logger="cube_torch")
+    reporter.stop()  # a reporter left by an earlier test may sleep on the default interval
+    dataset = make_dataset("imagefolder", volume.root)
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, collate_fn=keep)
+    assert sum(len(b) for b in loader) == 24
+    records: list[Any] = []
+
+    def lines() -> int:
+        records[:] = [r for r in caplog.records if r.name == "cube_torch" and "last_cycle_metrics" in r.getMessage()]
+        return len(records)
+
+    def daemon_count() -> int:  # GET /v1/status does not reset the since-last counters
+        return sum(j["requests"] for j in volume.client().status()["jobs"] if j["job"] == fresh_state)
+
+    def complete() -> bool:  # three lines, the last one showing the job's count on the daemon
+        last = LINE.fullmatch(records[-1].getMessage()) if lines() >= 3 else None
+        return last is not None and int(last.group(6)) == daemon_count() > 0
+
+    wait_until(complete, timeout=15, what="three hit-rate lines, the last with the job's count")
+    printed = [line for line in capsys.readouterr().out.splitlines() if "last_cycle_metrics" in line]
+    assert len(printed) >= 3
+    for line in printed + [r.getMessage() for r in records]:
+        match = LINE.fullmatch(line)
+        assert match, line
+        requests, hits, misses = (int(match.group(i)) for i in (6, 7, 8))
+        assert requests == hits + misses
+    gaps = [b.created - a.created for a, b in zip(records, records[1:])]
+    assert min(gaps) >= 0.9 * interval, gaps  # Event.wait never returns early; 10 % for clock reads
+    del loader
+    reporter.stop()

@@ -1,0 +1,379 @@
+"""cube_torch without a daemon: the patch, the exact epoch order, the index -> files mapping,
+the config-file checks and the hit-rate line.  Real DataLoaders (with real worker
+processes where it matters); plans are captured at ``submitter.submit`` instead of sent.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import (ConcatDataset, DataLoader, Dataset, DistributedSampler, IterableDataset,
+                              RandomSampler, Sampler)
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+import cube_torch
+from cube_torch import client as ct_client
+from cube_torch import patch, reporter
+from cube_torch.client import PlanRequest, _collect, _file_order
+from cube_torch.files import Unsupported, relative_to_mount, sample_files
+from cubefs_fuse.protocol import PROTOCOL_VERSION, ProtocolError, VolumeConfig, config_file_path, read_volume_config
+from tests.test_cube_torch_mount import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep,
+                                         make_dataset, populate, wrap)
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+# -- torchvision on CPU torch --------------------------------------------------------------
+
+
+def test_torchvision_datasets_and_transforms_work_with_the_shim(tmp_path: Path) -> None:
+    from PIL import Image
+
+    assert tests.torchvision_shim.LIBRARY is not None or hasattr(torch.ops.torchvision, "nms")
+    for c, name in enumerate(("a", "b")):
+        (tmp_path / name).mkdir()
+        for i in range(3):
+            Image.new("RGB", (10, 6), (80 * c, 40 * i, 7)).save(tmp_path / name / f"{i}.jpg")
+    pipeline = transforms.Compose([transforms.Resize((4, 4)), transforms.ToTensor(),
+                                   transforms.Normalize((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))])
+    folder = datasets.ImageFolder(str(tmp_path), transform=pipeline)
+    assert folder.classes == ["a", "b"] and len(folder) == 6
+    image, label = folder[4]
+    assert image.shape == (3, 4, 4) and image.dtype == torch.float32 and label == 1
+    assert -1.0 <= float(image.min()) <= float(image.max()) <= 1.0
+    batch, labels = next(iter(DataLoader(folder, batch_size=6)))
+    assert batch.shape == (6, 3, 4, 4) and labels.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+# -- the patch -------------------------------------------------------------------------------
+
+
+class Indices(Dataset[int]):
+    """Sample i is i: what the loader yields is the order it consumed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+@pytest.fixture
+def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PlanRequest]]:
+    """Plans cube_torch would send (the daemon is not involved here)."""
+    captured: list[PlanRequest] = []
+    monkeypatch.setattr(patch.submitter, "submit", captured.append)
+    monkeypatch.setattr(reporter, "ensure_running", lambda: None)
+    monkeypatch.setattr(ct_client, "_warned", set())
+    monkeypatch.setenv("VOL_NAME", "unit-test-volume")
+    monkeypatch.setenv("RANK", "0")
+    cube_torch.install()
+    yield captured
+    cube_torch.install()
+
+
+def test_install_is_idempotent_reversible_and_keeps_the_class() -> None:
+    from torch.utils.data import DataLoader as TorchDataLoader
+
+    assert cube_torch.installed()
+    original_iter = TorchDataLoader.__iter__
+    assert cube_torch.install() is False  # already installed by the import
+    patched = TorchDataLoader.__dict__["_index_sampler"]
+    assert cube_torch.uninstall() is True
+    restored = TorchDataLoader.__dict__["_index_sampler"]
+    assert restored is not patched and not cube_torch.installed()
+    assert cube_torch.uninstall() is False
+    assert cube_torch.install() is True and cube_torch.install() is False
+    loader = TorchDataLoader(Indices(4))
+    assert type(loader) is TorchDataLoader and isinstance(loader, DataLoader)
+    assert TorchDataLoader.__iter__ is original_iter  # only the one property is replaced
+    assert isinstance(loader._index_sampler, patch.PlannedSampler)
+    cube_torch.uninstall()
+    assert TorchDataLoader.__dict__["_index_sampler"] is restored
+    assert not isinstance(loader._index_sampler, patch.PlannedSampler)
+    cube_torch.install()
+
+
+class InfiniteSampler(Sampler[int]):
+    def __iter__(self) -> Iterator[int]:
+        while True:
+            yield 0
+
+
+class Stream(IterableDataset[int]):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(5))
+
+
+def test_nothing_planned_without_vol_name_and_vol_name_read_at_epoch_start(
+        plans: list[PlanRequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("VOL_NAME")
+    loader = DataLoader(Indices(6), batch_size=2, shuffle=True, collate_fn=keep)
+    list(loader)
+    assert plans == []
+    monkeypatch.setenv("VOL_NAME", "set-after-import")  # users set it after `import cube_torch`
+    consumed = [i for batch in loader for i in batch]
+    assert len(plans) == 1 and plans[0].vol_name == "set-after-import"
+    assert plans[0].order.tolist() == consumed
+
+
+def test_iterable_and_infinite_are_skipped_with_one_info_line(
+        plans: list[PlanRequest], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="cube_torch")
+    for _ in range(2):
+        assert [int(x) for x in DataLoader(Stream(), batch_size=None)] == [0, 1, 2, 3, 4]
+        it = iter(DataLoader(Indices(3), sampler=InfiniteSampler(), batch_size=None))
+        assert [int(next(it)) for _ in range(4)] == [0, 0, 0, 0]
+    assert plans == []
+    messages = [r.getMessage() for r in caplog.records if r.name == "cube_torch"]
+    assert sum("IterableDataset" in m for m in messages) == 1
+    assert sum("no length" in m for m in messages) == 1
+    assert all(r.levelno == logging.INFO for r in caplog.records if r.name == "cube_torch")
+
+
+def _loader(kind: str, n: int, workers: int, rank: int = 0) -> tuple[DataLoader[Any], Any]:
+    common: dict[str, Any] = {"num_workers": workers, "collate_fn": keep,
+                              "persistent_workers": kind == "persistent"}
+    dataset = Indices(n)
+    if kind in ("random", "persistent"):
+        return DataLoader(dataset, batch_size=3, shuffle=True, **common), None
+    if kind == "generator":
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(9))
+        return DataLoader(dataset, batch_size=4, sampler=sampler, drop_last=True, **common), None
+    if kind == "none":
+        return DataLoader(dataset, batch_size=None, shuffle=True, **common), None
+    if kind == "batch_sampler":
+        return DataLoader(dataset, batch_sampler=RepeatingBatchSampler(n, 9), **common), None
+    if kind == "replacement":  # draws more samples than the dataset has, with repeats
+        sampler = RandomSampler(dataset, replacement=True, num_samples=2 * n)
+        return DataLoader(dataset, batch_size=5, sampler=sampler, **common), None
+    if kind == "distributed":
+        distributed: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=2, rank=rank, seed=4)
+        return DataLoader(dataset, batch_size=3, sampler=distributed, **common), distributed
+    raise AssertionError(kind)
+
+
+def _consume(kind: str, workers: int, rank: int = 0, epochs: int = 3) -> list[list[int]]:
+    torch.manual_seed(1234)
+    loader, distributed = _loader(kind, 17, workers, rank)
+    out = []
+    for epoch in range(epochs):
+        if distributed is not None:
+            distributed.set_epoch(epoch)
+        out.append([int(i) for batch in loader for i in (batch if isinstance(batch, list) else [batch])])
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("kind", ["random", "persistent", "generator", "none", "batch_sampler", "replacement",
+                                  "distributed"])
+def test_plan_is_the_consumed_order(kind: str, workers: int, plans: list[PlanRequest],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each epoch's plan is exactly the index order the loader then consumes, and the
+    samples are those of the same loader without cube_torch (same RNG draws)."""
+    if kind == "persistent" and workers == 0:
+        workers = 1  # persistent_workers needs workers
+    for rank in ((0, 1) if kind == "distributed" else (0,)):
+        monkeypatch.setenv("RANK", str(rank))
+        cube_torch.uninstall()
+        reference = _consume(kind, workers, rank)
+        assert plans == []
+        cube_torch.install()
+        consumed = _consume(kind, workers, rank)
+        assert consumed == reference
+        assert [p.order.tolist() for p in plans] == consumed
+        assert [(p.epoch, p.rank, p.vol_name) for p in plans] == [(e, rank, "unit-test-volume") for e in range(3)]
+        assert all(p.order.dtype == np.int64 for p in plans)
+        if kind != "generator":  # the global-RNG samplers must draw anew each epoch
+            assert consumed[0] != consumed[1]
+        plans.clear()
+
+
+def test_loader_built_inline_is_planned(plans: list[PlanRequest]) -> None:
+    """``for batch in DataLoader(...)``: the loader object is dropped as soon as its
+    iterator exists; the epoch is planned all the same."""
+    torch.manual_seed(3)
+    consumed = [i for batch in DataLoader(Indices(9), batch_size=2, shuffle=True, collate_fn=keep) for i in batch]
+    assert len(plans) == 1 and plans[0].order.tolist() == consumed and plans[0].epoch == 0
+
+
+def test_planned_sampler_survives_copy() -> None:
+    import copy
+
+    sampler = DataLoader(Indices(4), batch_size=2)._index_sampler
+    assert isinstance(sampler, patch.PlannedSampler)
+    assert list(copy.copy(sampler).inner) == list(sampler.inner) == [[0, 1], [2, 3]]
+
+
+def test_partially_consumed_epoch_still_plans_the_whole_epoch(plans: list[PlanRequest]) -> None:
+    """A training loop that breaks early: the plan is the whole epoch the sampler drew."""
+    torch.manual_seed(5)
+    loader = DataLoader(Indices(12), batch_size=2, shuffle=True, num_workers=2, collate_fn=keep)
+    first = []
+    for batch in loader:
+        first.extend(batch)
+        if len(first) == 4:
+            break
+    assert len(plans) == 1 and len(plans[0].order) == 12 and plans[0].order.tolist()[:4] == first
+    assert sorted(plans[0].order.tolist()) == list(range(12))
+
+
+# -- index -> files ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cube_torch_tree")
+    populate(root)
+    return root
+
+
+def opened_by(dataset: Dataset[Any], index: int, monkeypatch: pytest.MonkeyPatch, under: Path) -> list[str]:
+    """The files ``dataset[index]`` really opens (an oracle independent of cube_torch)."""
+    seen: list[str] = []
+    real_open = builtins.open
+
+    def tracing(file: Any, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file).startswith(str(under) + "/"):
+            seen.append(os.path.abspath(file))
+        return real_open(file, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(builtins, "open", tracing)
+        dataset[index]
+    return seen
+
+
+@pytest.mark.parametrize("wrapper", ["plain", "subset", "nested", "concat"])
+@pytest.mark.parametrize("kind", ["imagefolder", "datasetfolder", "voc", "coco", "list1d", "list2d"])
+def test_sample_files_are_the_files_getitem_opens(kind: str, wrapper: str, tree: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    dataset = wrap(make_dataset(kind, tree), wrapper, tree)
+    files = sample_files(dataset)
+    for i in range(len(dataset)):  # type: ignore[arg-type]
+        assert [os.path.abspath(p) for p in files(i)] == opened_by(dataset, i, monkeypatch, tree), (kind, i)
+
+
+def test_voc_maps_image_and_annotation_and_coco_maps_ids(tree: Path) -> None:
+    voc = make_dataset("voc", tree)
+    assert [Path(p).name for p in sample_files(voc)(3)] == ["2012_000003.jpg", "2012_000003.xml"]
+    coco = make_dataset("coco", tree)
+    files = sample_files(coco)
+    names = json.loads((tree / "coco" / "annotations.json").read_text())["images"]
+    by_id = {image["id"]: image["file_name"] for image in names}
+    for i in range(len(coco)):  # type: ignore[arg-type]
+        assert files(i) == [os.path.join(str(tree / "coco" / "images"), by_id[coco.ids[i]])]  # type: ignore[attr-defined]
+    assert files(0) != [str(tree / "coco" / "images" / "img_00.jpg")]  # ids are not file order
+
+
+def test_train_data_list_shapes_and_unsupported(tree: Path) -> None:
+    pair = PairDataset(["i0", "i1"], ["c0", "c1"])
+    assert sample_files(pair)(1) == ["i1", "c1"]
+    assert sample_files(ListDataset(["x", "y"]))(1) == ["y"]
+
+    class Cube(ListDataset):
+        def train_data_list(self) -> np.ndarray:
+            return np.zeros((2, 2, 2))
+
+    with pytest.raises(Unsupported, match="3-D"):
+        sample_files(Cube([]))
+    with pytest.raises(Unsupported, match="train_data_list"):
+        sample_files(Indices(3))
+    with pytest.raises(Unsupported):
+        sample_files(ConcatDataset([ListDataset(["a"]), Indices(2)]))
+
+
+def test_collect_ignores_paths_outside_the_mount_and_file_order() -> None:
+    mount = "/mnt/vol"
+    paths = [["/mnt/vol/a", "/elsewhere/x"], ["/mnt/volume2/b"], ["/mnt/vol/d/c", "/mnt/vol/d/e"], [],
+             ["/mnt/vol/../etc/passwd"]]
+    collected = _collect(lambda i: paths[i], len(paths), mount)
+    assert collected.paths == ["a", "d/c", "d/e"]
+    assert collected.offsets.tolist() == [0, 1, 1, 3, 3, 3]
+    assert relative_to_mount("/mnt/vol", mount) is None and relative_to_mount("/mnt/vol/", mount) is None
+    rng = random.Random(2)
+    counts = [rng.choice([0, 1, 1, 2, 3]) for _ in range(200)]
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    samples = np.array([rng.randrange(200) for _ in range(500)], dtype=np.int64)
+    expected = [f for s in samples.tolist() for f in range(int(offsets[s]), int(offsets[s + 1]))]
+    assert _file_order(offsets, samples).tolist() == expected
+    assert _file_order(np.zeros(3, dtype=np.int64), np.array([0, 1])).tolist() == []
+
+
+# -- the per-volume config file --------------------------------------------------------------
+
+
+def _write_config(directory: Path, name: str, mode: int, **changes: Any) -> Path:
+    config = VolumeConfig(prof=0, mount_point="/mnt/x", vol_name=name, local_ip="127.0.0.1",
+                          control_socket="/run/x.sock", pid=1)
+    data = json.loads(config.to_json())
+    data.update(changes)
+    path = Path(config_file_path(name, str(directory)))
+    path.write_text(json.dumps(data))
+    os.chmod(path, mode)
+    return path
+
+
+def test_config_file_is_verified(tmp_path: Path) -> None:
+    _write_config(tmp_path, "good", 0o644)
+    assert read_volume_config("good", str(tmp_path)).control_socket == "/run/x.sock"
+    _write_config(tmp_path, "world", 0o646)
+    _write_config(tmp_path, "group", 0o664)
+    _write_config(tmp_path, "version", 0o644, protocol_version=PROTOCOL_VERSION + 1)
+    owned = _write_config(tmp_path, "owned", 0o644)
+    os.chown(owned, 65534, 65534)  # nobody: another non-root user
+    (tmp_path / "cube_torch.config.link").symlink_to(tmp_path / "cube_torch.config.good")
+    for name, reason in (("world", "writable"), ("group", "writable"), ("version", "protocol"),
+                         ("owned", "owned by uid 65534"), ("link", "cannot open"), ("absent", "no daemon")):
+        with pytest.raises(ProtocolError, match=reason):
+            read_volume_config(name, str(tmp_path))
+
+
+# -- the hit-rate line -----------------------------------------------------------------------
+
+
+def test_design_example_line_is_what_format_line_writes() -> None:
+    example = ("user memory last_cycle_metrics:([request_count:4801 hit_count:4801 miss_count:0 hit_rate:100.00% "
+               "miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 "
+               "hit_rate:99.95% miss_rate:0.05%])")
+    design = Path(__file__).resolve().parents[2] / "shared" / "DESIGN.md"
+    if design.exists():  # the design notes sit next to the checkout in the development tree
+        assert example in design.read_text()
+    assert LINE.fullmatch(example)
+    assert reporter.format_line({"requests": 4801, "hits": 4801, "misses": 0},
+                                {"requests": 295154, "hits": 295001, "misses": 153}) == example
+    idle = reporter.format_line({"requests": 0, "hits": 0, "misses": 0}, {"requests": 0, "hits": 0, "misses": 0})
+    assert LINE.fullmatch(idle) and "hit_rate:0.00% miss_rate:0.00% ]" in idle
+
+
+def test_metrics_interval_default_and_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUBE_TORCH_METRICS_INTERVAL", raising=False)
+    assert reporter.interval() == 30.0
+    for value, expected in (("5", 5.0), ("0.25", 0.25), ("0", 30.0), ("-1", 30.0), ("soon", 30.0)):
+        monkeypatch.setenv("CUBE_TORCH_METRICS_INTERVAL", value)
+        assert reporter.interval() == expected
+
+
+def test_samples_compare_exactly() -> None:
+    """The comparison used throughout is exact (a changed pixel or label is a difference)."""
+    a = [(torch.zeros(2, 2, dtype=torch.uint8), 1)]
+    b = [(torch.zeros(2, 2, dtype=torch.uint8), 1)]
+    assert canon(a) == canon(b)
+    b[0][0][1, 1] = 1
+    assert canon(a) != canon(b)
+    assert canon([(torch.zeros(1), 1)]) != canon([(torch.zeros(1), 2)])
