@@ -9,6 +9,7 @@ tier writes its index for a fast restart.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -152,6 +153,9 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":
             volconfig.remove(config.vol_name, config.config_dir)
+            if config.prof_port:  # the token dies with the daemon: leave no stale secret behind
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(token_file_path(config))
         if stop_exporter is not None:
             await trio.to_thread.run_sync(stop_exporter)
         log.info("unmounted %s", config.mount_point)

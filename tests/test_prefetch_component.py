@@ -1,0 +1,286 @@
+"""Plan-driven prefetch without FUSE: MetadataCache + MemoryTier + BlockCache +
+Filesystem + PrefetchService over a FakeBackend with per-operation latency.
+
+The "application" is this test task: it registers its own pid as a job, then looks
+files up, opens, reads and releases them through ``Filesystem`` exactly as the FUSE
+adapter would (with the pid a FUSE request carries).  Time is virtual
+(``autojump_clock``): a 2 ms remote costs no wall time and outcomes do not depend on
+the machine's speed.  Plans are registered through the service's real handlers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+import trio.testing
+
+from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.memory import MemoryTier
+from cubefs_fuse.config import ClientConfig
+from cubefs_fuse.control import Peer, Request, Response
+from cubefs_fuse.core import ROOT_INODE, Filesystem
+from cubefs_fuse.meta import MetadataCache
+from cubefs_fuse.prefetch.scheduler import WARM_CHUNK
+from cubefs_fuse.prefetch.service import PrefetchService
+from tests.fakes import FakeBackend
+
+BLOCK = 4096  # one block per file: a file is either resident or not
+LATENCY = 0.002  # 2 ms per remote operation: object-storage-like (DESIGN.md 4)
+JOB = "train"
+PID = os.getpid()  # the registered "trainer": this process
+
+
+@dataclass
+class System:
+    backend: FakeBackend
+    fs: Filesystem
+    cache: BlockCache
+    service: PrefetchService
+
+
+@asynccontextmanager
+async def open_system(backend: FakeBackend, *, ram: int, fetch_slots: int = 16,
+                      prefetch_slots: int = 12) -> AsyncIterator[System]:
+    async with trio.open_nursery() as nursery:
+        cache = BlockCache(nursery, MemoryTier(ram), None, fetch_slots=fetch_slots, prefetch_slots=prefetch_slots)
+        # TTLs far longer than any test: metadata is fetched once.
+        meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1_000_000)
+        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
+        config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
+                              mem_cache_size=ram, block_size=BLOCK, prefetch_threads=prefetch_slots,
+                              backend_threads=fetch_slots)
+        service = PrefetchService(nursery, fs, config)
+        fs.observer = service
+        yield System(backend, fs, cache, service)
+        nursery.cancel_scope.cancel()
+
+
+def make_dataset(backend: FakeBackend, files: int, *, per_dir: int = 50, size: int = BLOCK) -> list[str]:
+    """ImageNet-like: ``per_dir`` files per class directory."""
+    paths = [f"class{i // per_dir:03d}/img{i:05d}.jpg" for i in range(files)]
+    for i, path in enumerate(paths):
+        backend.write(path, bytes([i % 251]) * size)
+    return paths
+
+
+def request(query: dict[str, str] | None = None, body: bytes = b"") -> Request:
+    return Request("POST", "/", query or {}, {}, body, Peer(PID, 0, 0, "unix"))
+
+
+def answer(response: Response) -> Any:
+    assert response.status < 400, response.body
+    return json.loads(response.body)
+
+
+async def register(s: System, paths: list[str]) -> str:
+    s.service.jobs.register(JOB, 0, PID)
+    body = b"\0".join(p.encode() for p in paths)
+    return str(answer(await s.service.register_dataset(request({"columns": "1"}, body)))["dataset"])
+
+
+async def submit(s: System, dataset: str, order: list[int], epoch: int, rank: int = 0) -> None:
+    query = {"job": JOB, "rank": str(rank), "epoch": str(epoch), "dataset": dataset, "dtype": "<u4"}
+    answer(await s.service.submit_plan(request(query, np.asarray(order, dtype="<u4").tobytes())))
+
+
+async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
+    """Look up, open, read whole and release ``path`` as an application; True if a hit."""
+    inode = ROOT_INODE
+    for name in path.split("/"):
+        inode = (await fs.lookup(inode, name)).inode
+    fh, _ = await fs.open(inode, os.O_RDONLY, pid)
+    try:
+        size = fs.open_file(fh).version.size
+        offset = 0
+        while offset < size:
+            offset += len(await fs.read(fh, offset, 128 * 1024))  # the kernel's largest read
+        return not fs.open_file(fh).waited
+    finally:
+        fs.release(fh)
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Wait (in virtual time) until ``predicate`` holds.  Polling, not one long sleep:
+    under autojump_clock a sleep also ends while a worker thread (a plan's re-ranking)
+    is still running, so only the condition itself says the work is done."""
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.05)
+
+
+async def taken_in(s: System, rank: int = 0) -> None:
+    """Wait, without advancing the virtual clock, until the daemon has re-ranked the cache
+    for the newest plan and started its window.
+
+    With a real clock that takes a worker thread ~1 ms after the plan arrives, before the
+    epoch's first batch is read.  Under autojump_clock the reader's 2 ms misses cost no
+    real time, so without this wait it would read dozens of files in "LRU mode" first."""
+    plan = s.service.scheduler.plans[(JOB, rank)]
+    with trio.fail_after(1):  # virtual time: must not pass at all
+        while not plan.listed_dirs:  # filled when the window starts, right after re-ranking
+            await trio.sleep(0)  # a checkpoint; the clock only jumps when every task waits
+
+
+async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 600)
+    order = list(range(len(paths)))
+    random.Random(1).shuffle(order)
+    async with open_system(backend, ram=4 * len(paths) * BLOCK) as s:
+        dataset = await register(s, paths)
+        await submit(s, dataset, order, epoch=0)
+        outcomes = []
+        for sample in order:
+            outcomes.append(await read_file(s.fs, paths[sample]))
+            await trio.sleep(LATENCY / 2)  # the training step between samples
+        warm = outcomes[10:]  # "after the first few files": the plan has just arrived
+        assert sum(warm) / len(warm) >= 0.99, f"{warm.count(False)} misses after the first 10"
+        # Every file was read from the remote exactly once, prefetch and application together.
+        assert sorted(backend.read_calls) == sorted((p, 0) for p in paths)
+        assert set(backend.read_calls.values()) == {1}
+        # Per-job accounting agrees with what the application saw.
+        report = s.service.jobs.report(JOB)["jobs"][0]
+        assert report["cumulative"]["requests"] == len(paths)
+        assert report["cumulative"]["hits"] == sum(outcomes)
+        stats = s.cache.statistics()
+        assert stats.prefetch_wasted == 0  # the cache holds the dataset: nothing evicted unread
+        assert stats.prefetch_used >= len(warm) * 0.99
+        plan = s.service.scheduler.plans[(JOB, 0)]
+        assert plan.cursor == len(paths) and plan.counters.used == len(paths)
+        # Metadata came in bulk: one listing per class directory, no per-file stat.
+        directories = len(paths) // 50
+        assert backend.operations["listdir"] == directories
+        # Lookups stat each class directory once; a file is stat'ed only if the reader
+        # got to it before its directory's listing (the first few at most).
+        assert backend.operations["stat"] <= directories + 10
+
+
+async def run_epochs(plans: bool, prefetch_slots: int, epochs: int = 4, files: int = 400) -> list[float]:
+    """Hit rate per epoch of a reader with no think time, cache = 0.5 x dataset."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, files)
+    rng = random.Random(7)
+    rates = []
+    async with open_system(backend, ram=files * BLOCK // 2, fetch_slots=prefetch_slots + 1,
+                           prefetch_slots=prefetch_slots) as s:
+        dataset = await register(s, paths)
+        for epoch in range(epochs):
+            order = list(range(files))
+            rng.shuffle(order)  # the sampler reshuffles every epoch
+            if plans:
+                await submit(s, dataset, order, epoch)
+                await taken_in(s)
+            for sample in order:
+                await read_file(s.fs, paths[sample])
+            since = s.service.jobs.report(JOB)["jobs"][0]["since_last"]
+            assert since["requests"] == files
+            rates.append(since["hit_rate"])
+            used = s.cache.statistics().ram
+            assert used.used_bytes <= used.limit_bytes
+    return rates
+
+
+async def test_half_size_cache_keeps_a_stable_subset_over_reshuffled_epochs(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # One prefetch slot: prefetch fetches no faster than the reader's own misses, so the
+    # hit rate rests on the resident subset that plan-aware eviction keeps.  Twelve slots:
+    # prefetch also runs ahead of the reader.
+    results = {}
+    for slots in (1, 12):
+        results[f"plans, {slots} prefetch slot(s)"] = await run_epochs(plans=True, prefetch_slots=slots)
+        results[f"LRU, {slots} prefetch slot(s)"] = await run_epochs(plans=False, prefetch_slots=slots)
+    print("\nhit rate per epoch, cache = 0.5 x dataset, reshuffled epochs, reader with no think time:")
+    for name, rates in results.items():
+        print(f"  {name:28} {' '.join(f'{r:.3f}' for r in rates)}")
+    for slots in (1, 12):
+        with_plans, lru = results[f"plans, {slots} prefetch slot(s)"], results[f"LRU, {slots} prefetch slot(s)"]
+        # Epoch 0 starts cold; from then on the plans keep half the dataset resident.
+        assert min(with_plans[1:]) >= 0.45, (slots, with_plans)
+        assert min(with_plans[1:]) > max(lru[1:]), (slots, with_plans, lru)
+
+
+async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # Listing a directory takes 1 s, so the old plan issues its files one chunk of
+    # WARM_CHUNK positions (one round of listings) per second.
+    backend = FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0})
+    old_paths = make_dataset(backend, 4 * WARM_CHUNK, per_dir=10)
+    new_paths = [f"other/img{i}.jpg" for i in range(20)]
+    for path in new_paths:
+        backend.write(path, b"n" * BLOCK)
+    async with open_system(backend, ram=64 * 1024 * 1024) as s:
+        old = await register(s, old_paths)
+        new = answer(await s.service.register_dataset(
+            request({"columns": "1"}, b"\0".join(p.encode() for p in new_paths))))["dataset"]
+        await submit(s, old, list(range(len(old_paths))), epoch=0)
+        await trio.sleep(1.5)  # the first chunk is issued, the second is being listed
+        old_plan = s.service.scheduler.plans[(JOB, 0)]
+        assert WARM_CHUNK <= old_plan.issued_upto < len(old_paths)
+        issued_before = old_plan.issued_upto
+        await submit(s, new, list(range(len(new_paths))), epoch=1)
+        new_plan = s.service.scheduler.plans[(JOB, 0)]
+        assert new_plan is not old_plan
+        await eventually(lambda: new_plan.counters.issued == len(new_paths)
+                         and all((p, 0) in backend.read_calls for p in new_paths))
+        await trio.sleep(30)  # far longer than the old plan needed to issue everything
+        # Nothing past the old plan's issued positions was issued or read.
+        assert old_plan.issued_upto == issued_before
+        read_old = {p for p, _ in backend.read_calls if p in set(old_paths)}
+        assert read_old == set(old_paths[:issued_before])
+        assert old_plan.scope.cancelled_caught  # its task ended by cancellation
+    # Control: without a new plan, the old one goes on to issue everything in that time.
+    async with open_system(FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0}), ram=64 << 20) as s2:
+        make_dataset(s2.backend, 4 * WARM_CHUNK, per_dir=10)
+        old2 = await register(s2, old_paths)
+        await submit(s2, old2, list(range(len(old_paths))), epoch=0)
+        await trio.sleep(1.5 + 30)
+        assert s2.service.scheduler.plans[(JOB, 0)].issued_upto == len(old_paths)
+
+
+async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 200)
+    for name in ("unplanned.bin", "unplanned2.bin"):
+        backend.write(name, b"u" * BLOCK)
+    gates = {p: backend.gate(p) for p in paths}  # every planned read starts, then hangs
+    async with open_system(backend, ram=64 << 20, fetch_slots=4, prefetch_slots=3) as s:
+        dataset = await register(s, paths)
+        await submit(s, dataset, list(range(len(paths))), epoch=0)
+        await trio.sleep(1)  # long enough for prefetch to take every slot it may
+        slots = s.cache.statistics().slots
+        assert slots.busy_background == 3 and slots.waiting_background > 100
+        assert backend.read_log == [(p, 0) for p in paths[:3]]  # nearest first
+
+        # 1. Prefetch never holds the last slot: a foreground miss goes straight through.
+        start = trio.current_time()
+        assert not await read_file(s.fs, "unplanned.bin")  # a miss (cold), but not queued
+        assert trio.current_time() - start <= 2 * LATENCY + 1e-9  # virtual time: lookup + read
+
+        async with trio.open_nursery() as nursery:
+            # 2. A read of a file whose prefetch is queued promotes it: it takes the free
+            #    slot as a foreground fetch (and hangs on its gate): all 4 slots are busy.
+            nursery.start_soon(read_file, s.fs, paths[150])
+            await trio.sleep(1)
+            slots = s.cache.statistics().slots
+            assert (slots.busy_foreground, slots.busy_background) == (1, 3)
+            assert backend.read_log[-1] == (paths[150], 0)
+            # 3. Another foreground miss must wait for a slot, behind nothing.
+            nursery.start_soon(read_file, s.fs, "unplanned2.bin")
+            await trio.sleep(1)
+            assert s.cache.statistics().slots.waiting_foreground == 1
+            reads = len(backend.read_log)
+            gates[paths[0]].set()  # a prefetch ends and frees its slot ...
+            await trio.sleep(LATENCY / 2)
+            # ... which goes to the waiting application read, not to one of the >100
+            # queued prefetches.
+            assert backend.read_log[reads:] == [("unplanned2.bin", 0)]
+            for gate in gates.values():
+                gate.set()
