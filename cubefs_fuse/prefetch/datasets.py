@@ -114,9 +114,14 @@ def parse_dataset(body: bytes, columns: int) -> Dataset:
     longest = int(np.max(np.diff(starts))) - 1
     if longest > MAX_PATH_BYTES:
         raise DatasetError(f"a path is {longest} bytes long, over the limit of {MAX_PATH_BYTES}")
+    return Dataset(dataset_id(body, columns), body, starts, columns)
+
+
+def dataset_id(body: bytes, columns: int) -> str:
+    """The content address of a file list (xxh3-128: ~0.1 s for 400 MB)."""
     digest = xxhash.xxh3_128(body)
     digest.update(columns.to_bytes(2, "little"))
-    return Dataset(digest.hexdigest(), body, starts, columns)
+    return digest.hexdigest()
 
 
 def _separators(body: bytes) -> np.ndarray:

@@ -24,7 +24,7 @@ from cubefs_fuse.control import ApiError, ControlServer, Request, Response
 from cubefs_fuse.core import Filesystem, OpenFile
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.metrics import JobSample
-from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, parse_dataset
+from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import JobKey, JobRegistry
 from cubefs_fuse.prefetch.scheduler import Scheduler
 from cubefs_fuse.protocol import MAX_DATASET_BODY, MAX_NAME, MAX_PLAN_BODY, PLAN_DTYPES, PROTOCOL_VERSION
@@ -177,6 +177,12 @@ class PrefetchService:
 
     async def register_dataset(self, request: Request) -> Response:
         columns = _int(request.query.get("columns", "1"), "columns", 1, 16)
+        known_id = await trio.to_thread.run_sync(dataset_id, request.body, columns)
+        if known_id in self.datasets:  # re-registration is free: no parse, no second copy
+            self.datasets.move_to_end(known_id)
+            known_dataset = self.datasets[known_id]
+            return Response.json({"dataset": known_id, "files": known_dataset.files,
+                                  "samples": known_dataset.samples, "columns": columns, "known": True})
         try:
             dataset = await trio.to_thread.run_sync(parse_dataset, request.body, columns)
         except DatasetError as exc:
