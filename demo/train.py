@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import cube_torch
-from demo import torchvision_shim
+from tools import torchvision_shim
 
 torchvision_shim.install()  # before the first torchvision import (see its docstring)
 from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402

@@ -1,12 +1,17 @@
 """Let torchvision import next to the CPU-only torch this project installs.
 
-Why: the torchvision wheel is built for a CUDA torch, so its C++ extension (``_C``)
-does not load here; ``import torchvision`` then still registers fake kernels for the
-operators ``torchvision::nms`` and ``torchvision::qnms``, which fails unless they exist.
-Declaring their schemas (as in torchvision's csrc/ops/nms.cpp) is enough: the demo uses
-no torchvision operator.  Where the extension does load, nothing is declared (it
-registers the ``torchvision`` namespace itself).  tests/torchvision_shim.py is the test
-suite's own copy; the demo keeps this one so it does not depend on tests/.
+Why: the torchvision wheel on PyPI is built for a CUDA torch, so its C++ extension
+(``_C``) does not load here; ``import torchvision`` then still registers fake kernels for
+the operators ``torchvision::nms`` and ``torchvision::qnms``, which fails unless they
+exist.  Declaring their schemas (as in torchvision's csrc/ops/nms.cpp) is enough: the
+tests, the demo and the benchmarks use only torchvision's pure-Python datasets and
+transforms, never these operators (calling one would still fail: no kernel is
+registered).  Where the extension does load, nothing is declared (it registers the
+``torchvision`` namespace itself).
+
+This is development tooling, shared by tests/, demo/ and benchmarks/; the shipped
+packages (cubefs_fuse, cube_torch) never import torchvision.  Call ``install()`` before
+the first ``import torchvision``.
 """
 
 from __future__ import annotations
