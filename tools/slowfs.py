@@ -5,7 +5,7 @@ Tests and benchmarks mount a local directory through slowfs and point cubefs-fus
 
     python -m tools.slowfs SOURCE MOUNTPOINT [--latency-us N] [--fail GLOB=ERRNO ...]
         [--fail-read GLOB=ERRNO ...] [--threads N] [--cache-timeout SECONDS]
-        [--foreground] [--log-file PATH]
+        [--bandwidth-mb-s MB] [--foreground] [--log-file PATH]
 
 Without ``--foreground`` the command detaches, returns once the mount is live and prints
 the daemon's pid.  Stop it with SIGTERM/SIGINT or ``fusermount3 -u MOUNTPOINT``.  From
@@ -27,6 +27,11 @@ average and an application saw +290-298 us per read against a zero-latency twin 
 2 ms slept ~2.005 ms, +1.98-2.04 ms seen.  Single delays jitter by tens of
 microseconds, and a machine loaded far past its cores (load 7 on 2) stretches them
 much further.  The delays actually slept are in the statistics.
+
+**Bandwidth.**  ``--bandwidth-mb-s MB`` caps the bytes all reads together return per
+second (10^6 bytes; default 0: no cap), like one shared network link: each read, after its
+latency, reserves ``size / rate`` seconds on a first-come first-served virtual clock and
+returns when its transfer would have finished.  Latency still overlaps; only bytes queue.
 
 **Errors.**  ``--fail GLOB=ERRNO`` makes ``open`` of every file whose path relative to
 SOURCE matches GLOB (``fnmatch``: ``*`` also matches ``/``) fail with ERRNO (a name such
@@ -206,6 +211,26 @@ class Delay:
             return DelayStatistics(self._count, mean * 1e6, self._max * 1e6, self._max_sleeping)
 
 
+class Bandwidth:
+    """A shared link of ``bytes_per_s``: transfers queue first come, first served."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        self.bytes_per_s = bytes_per_s
+        self._lock = threading.Lock()
+        self._free_at = 0.0  # perf_counter time at which the link finishes its queued bytes
+
+    def transfer(self, nbytes: int) -> None:
+        """Block the calling (worker) thread until ``nbytes`` would have crossed the link."""
+        if self.bytes_per_s <= 0 or nbytes <= 0:
+            return
+        with self._lock:
+            start = max(time.perf_counter(), self._free_at)
+            self._free_at = done = start + nbytes / self.bytes_per_s
+        remaining = done - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+
+
 # -- the filesystem ------------------------------------------------------------------
 
 
@@ -242,6 +267,7 @@ class SlowFS(pyfuse3.Operations):
         fail_read: Sequence[FailRule] = (),
         threads: int = DEFAULT_THREADS,
         cache_timeout: float = 0.0,
+        bandwidth: float = 0.0,
     ) -> None:
         super().__init__()
         self.source = os.path.abspath(source)
@@ -251,6 +277,7 @@ class SlowFS(pyfuse3.Operations):
         self.cache_timeout = cache_timeout
         self._root_fd = os.open(self.source, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._delay = Delay(latency)
+        self._bandwidth = Bandwidth(bandwidth)  # bytes per second; 0: no cap
         self._limiter = trio.CapacityLimiter(threads)
         root = os.fstat(self._root_fd)
         self._root_key = (root.st_dev, root.st_ino)
@@ -368,6 +395,7 @@ class SlowFS(pyfuse3.Operations):
             "pid": os.getpid(),
             "source": self.source,
             "latency_us": self.latency * 1e6,
+            "bandwidth_mb_s": self._bandwidth.bytes_per_s / 1e6,
             "ops": dict(c.ops),
             "errors": {op: dict(codes) for op, codes in c.errors.items()},
             "injected": dict(c.injected),
@@ -496,7 +524,12 @@ class SlowFS(pyfuse3.Operations):
             f = self._files[fh]
         except KeyError:
             raise pyfuse3.FUSEError(errno.EBADF) from None
-        data = await self._remote("read", f.path, lambda: os.pread(f.fd, size, off), fail=f.read_errno)
+        def read() -> bytes:
+            chunk = os.pread(f.fd, size, off)
+            self._bandwidth.transfer(len(chunk))
+            return chunk
+
+        data = await self._remote("read", f.path, read, fail=f.read_errno)
         self._c.bytes_read += len(data)
         return data
 
@@ -558,11 +591,14 @@ def command_line(
     fail_read: Iterable[str | FailRule] = (),
     threads: int = DEFAULT_THREADS,
     cache_timeout: float = 0.0,
+    bandwidth_mb_s: float = 0.0,
 ) -> list[str]:
     """The argv that runs slowfs in the foreground with these settings."""
     argv = [sys.executable, "-m", "tools.slowfs", os.path.abspath(source), os.path.abspath(mount_point),
             f"--latency-us={latency_us:g}", f"--threads={threads}", f"--cache-timeout={cache_timeout:g}",
             "--foreground"]
+    if bandwidth_mb_s:
+        argv.append(f"--bandwidth-mb-s={bandwidth_mb_s:g}")
     argv += [f"--fail={rule}" for rule in fail]
     argv += [f"--fail-read={rule}" for rule in fail_read]
     return argv
@@ -593,6 +629,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"remote operations in progress at once (default: {DEFAULT_THREADS})")
     parser.add_argument("--cache-timeout", type=float, default=0.0, metavar="SECONDS",
                         help="kernel entry/attribute cache timeout (default: 0, every stat is remote)")
+    parser.add_argument("--bandwidth-mb-s", type=float, default=0.0, metavar="MB",
+                        help="cap on bytes all reads return per second, in MB/s (10^6 bytes; default: 0, none)")
     parser.add_argument("--foreground", action="store_true", help="do not detach; log to stderr")
     parser.add_argument("--log-file", default=None, metavar="PATH", help="where a detached daemon logs")
     parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -606,8 +644,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"SOURCE {args.source!r} is not a directory")
     if not os.path.isdir(args.mount_point):
         parser.error(f"MOUNTPOINT {args.mount_point!r} is not a directory")
-    if args.threads < 1 or args.latency_us < 0 or args.cache_timeout < 0:
-        parser.error("--threads must be >= 1, --latency-us and --cache-timeout >= 0")
+    if args.threads < 1 or args.latency_us < 0 or args.cache_timeout < 0 or args.bandwidth_mb_s < 0:
+        parser.error("--threads must be >= 1, --latency-us, --cache-timeout and --bandwidth-mb-s >= 0")
     if not args.foreground:
         return _detach(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr)
@@ -622,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         fs = SlowFS(args.source, latency=args.latency_us / 1e6, fail_open=args.fail, fail_read=args.fail_read,
-                    threads=args.threads, cache_timeout=args.cache_timeout)
+                    threads=args.threads, cache_timeout=args.cache_timeout, bandwidth=args.bandwidth_mb_s * 1e6)
     except OSError as exc:
         report(f"error: cannot open {args.source}: {exc.strerror}")
         return 1
@@ -639,7 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _detach(args: argparse.Namespace) -> int:
     argv = command_line(args.source, args.mount_point, latency_us=args.latency_us, fail=args.fail,
-                        fail_read=args.fail_read, threads=args.threads, cache_timeout=args.cache_timeout)
+                        fail_read=args.fail_read, threads=args.threads, cache_timeout=args.cache_timeout,
+                        bandwidth_mb_s=args.bandwidth_mb_s)
     log_target = open(args.log_file, "ab") if args.log_file else open(os.devnull, "wb")
     read_fd, write_fd = os.pipe()
     with log_target:
@@ -707,11 +746,13 @@ class SlowFSProcess:
         fail_read: Iterable[str | FailRule] = (),
         threads: int = DEFAULT_THREADS,
         cache_timeout: float = 0.0,
+        bandwidth_mb_s: float = 0.0,
     ) -> None:
         self.source = Path(source)
         self.mount_point = Path(mount_point)
         self.argv = command_line(str(source), str(mount_point), latency_us=latency_us, fail=list(fail),
-                                 fail_read=list(fail_read), threads=threads, cache_timeout=cache_timeout)
+                                 fail_read=list(fail_read), threads=threads, cache_timeout=cache_timeout,
+                                 bandwidth_mb_s=bandwidth_mb_s)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -1,0 +1,359 @@
+"""results.json, its schema check, the bars of issue 5, results.md and the PNG plots."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+SCHEMA = "cubefs-fuse-bench/1"
+WORKLOAD_TITLES = {
+    "raw_io": "(a) raw I/O: DataLoader reading bytes only",
+    "training": "(b) training: ImageFolder + RandomResizedCrop + tiny CNN on CPU",
+    "cache": "(c) cache smaller than the dataset (page cache dropped before every epoch)",
+}
+OURS_PLANNED = "cubefs+ct"
+
+# -- ratios to local --------------------------------------------------------------------------
+
+
+def local_key(run: dict[str, Any]) -> tuple[str, int, bool]:
+    """Runs that share this key compare against the same local run (latency is irrelevant there)."""
+    return run["workload"], run["workers"], run["drop_page_cache_each_epoch"]
+
+
+def fill_ratios(runs: list[dict[str, Any]]) -> None:
+    """Set every epoch's ratio_to_local (samples/s over the local run's, same epoch)."""
+    local = {local_key(r): r for r in runs if r["system"] == "local" and not r["error"]}
+    for run in runs:
+        reference = local.get(local_key(run))
+        for i, epoch in enumerate(run["epochs"]):
+            if reference is not None and i < len(reference["epochs"]):
+                epoch["ratio_to_local"] = epoch["samples_per_s"] / reference["epochs"][i]["samples_per_s"]
+            else:
+                epoch["ratio_to_local"] = None
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+_EPOCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "samples": (int,), "bytes": (int,), "seconds": (float,), "samples_per_s": (float,),
+    "mb_per_s": (float,), "loss": (float, type(None)), "requests": (int, type(None)), "hits": (int, type(None)),
+    "hit_rate": (float, type(None)), "stall_s": (float, type(None)), "prefetched_blocks": (int, type(None)),
+    "daemon_cpu_s": (float, type(None)), "daemon_peak_rss_bytes": (int, type(None)),
+    "remote_ops": (int, type(None)), "remote_reads": (int, type(None)), "remote_bytes": (int, type(None)),
+    "remote_mean_delay_us": (float, type(None)), "remote_cpu_s": (float, type(None)),
+    "ratio_to_local": (float, type(None)),
+}
+_RUN_FIELDS: dict[str, tuple[type, ...]] = {
+    "workload": (str,), "system": (str,), "latency_us": (int, float, type(None)), "workers": (int,),
+    "cache_fraction": (float, type(None)), "drop_page_cache_each_epoch": (bool,), "setup_s": (float,),
+    "warmup_s": (float,), "epochs": (list,), "error": (str, type(None)),
+}
+_TOP_FIELDS: dict[str, tuple[type, ...]] = {
+    "schema": (str,), "preset": (dict,), "started": (str,), "finished": (str,), "duration_s": (float,),
+    "interrupted": (bool,), "machine": (dict,), "load_average": (dict,), "dataset": (dict,),
+    "emulator": (dict,), "systems": (dict,), "skipped": (dict,), "runs": (list,), "bars": (list,),
+}
+
+
+def _check(obj: Any, fields: dict[str, tuple[type, ...]], where: str) -> list[str]:
+    if not isinstance(obj, dict):
+        return [f"{where}: not an object"]
+    problems = []
+    for key, types in fields.items():
+        if key not in obj:
+            problems.append(f"{where}: missing {key!r}")
+        elif isinstance(obj[key], bool) and bool not in types:
+            problems.append(f"{where}.{key}: bool where {types} expected")
+        elif not isinstance(obj[key], types):
+            problems.append(f"{where}.{key}: {type(obj[key]).__name__}, expected {'/'.join(t.__name__ for t in types)}")
+        elif isinstance(obj[key], float) and not math.isfinite(obj[key]):
+            problems.append(f"{where}.{key}: not finite")
+    return problems
+
+
+def validate(results: Any) -> list[str]:
+    """Everything wrong with a results.json object (empty: valid)."""
+    problems = _check(results, _TOP_FIELDS, "results")
+    if problems:
+        return problems
+    if results["schema"] != SCHEMA:
+        problems.append(f"results.schema: {results['schema']!r}, expected {SCHEMA!r}")
+    for i, run in enumerate(results["runs"]):
+        where = f"runs[{i}]"
+        problems += _check(run, _RUN_FIELDS, where)
+        if problems:
+            continue
+        if run["system"] not in results["systems"]:
+            problems.append(f"{where}.system: {run['system']!r} not described in 'systems'")
+        for j, epoch in enumerate(run["epochs"]):
+            problems += _check(epoch, _EPOCH_FIELDS, f"{where}.epochs[{j}]")
+            if not problems:
+                if epoch["epoch"] != j:
+                    problems.append(f"{where}.epochs[{j}].epoch: {epoch['epoch']}")
+                if epoch["hit_rate"] is not None and not 0 <= epoch["hit_rate"] <= 1:
+                    problems.append(f"{where}.epochs[{j}].hit_rate out of [0, 1]")
+                if epoch["samples"] != results["dataset"].get("files"):
+                    problems.append(f"{where}.epochs[{j}].samples: {epoch['samples']} != dataset files")
+    for i, bar in enumerate(results["bars"]):
+        problems += _check(bar, {"bar": (str,), "passed": (bool, type(None)), "measured": (str,)}, f"bars[{i}]")
+    return problems
+
+
+# -- the bars of issue 5 ------------------------------------------------------------------------------
+
+
+def _find(runs: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
+    for run in runs:
+        if all(run.get(k) == v for k, v in match.items()) and not run["error"] and run["epochs"]:
+            return run
+    return None
+
+
+def _fmt(values: Iterable[float | None], spec: str = ".2f") -> str:
+    return " / ".join("-" if v is None else format(v, spec) for v in values)
+
+
+def _bar(text: str, passed: bool | None, measured: str) -> dict[str, Any]:
+    return {"bar": text, "passed": passed, "measured": measured}
+
+
+def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None) -> list[dict[str, Any]]:
+    """Where the run stands against each bar of issue 5 (passed None: not measured).
+
+    ``ceiling_files_per_s``: the emulator's own zero-latency ceiling, quoted next to
+    epoch-1 figures so that a bar the emulator itself prevents is recognisable.
+    """
+    bars = []
+    training = _find(runs, workload="training", system=OURS_PLANNED, latency_us=300, cache_fraction=None)
+    text1 = "training, 300 µs, cache ≥ dataset: epoch 1 with cube_torch ≥ 0.90 × local"
+    text2 = "training, 300 µs, cache ≥ dataset: later epochs with cube_torch ≥ 0.97 × local"
+    if training is None or training["epochs"][0]["ratio_to_local"] is None:
+        bars += [_bar(text1, None, "not measured"), _bar(text2, None, "not measured")]
+    else:
+        ratios = [e["ratio_to_local"] for e in training["epochs"]]
+        bars.append(_bar(text1, ratios[0] >= 0.90, f"{ratios[0]:.2f} × local"))
+        later = ratios[1:]
+        bars.append(_bar(text2, bool(later) and min(later) >= 0.97 if later else None,
+                         f"{_fmt(later)} × local (epochs 2..)" if later else "only one epoch"))
+
+    planned = _find(runs, workload="raw_io", system=OURS_PLANNED, latency_us=2000, workers=8)
+    raw = _find(runs, workload="raw_io", system="remote", latency_us=2000, workers=8)
+    text1 = "raw I/O, 8 workers, 2 ms: epoch 1 with cube_torch ≥ 10 × raw remote"
+    text2 = "raw I/O, 8 workers, 2 ms: later epochs with cube_torch ≥ 0.25 × local files/s"
+    if planned is None or raw is None:
+        bars.append(_bar(text1, None, "not measured"))
+    else:
+        factor = planned["epochs"][0]["samples_per_s"] / raw["epochs"][0]["samples_per_s"]
+        ceiling = (f"; emulator ceiling {ceiling_files_per_s:,.0f} files/s, so at most "
+                   f"{ceiling_files_per_s / raw['epochs'][0]['samples_per_s']:.1f} × is measurable here"
+                   if ceiling_files_per_s else "")
+        bars.append(_bar(text1, factor >= 10, f"{factor:.1f} × raw remote "
+                         f"({planned['epochs'][0]['samples_per_s']:,.0f} vs {raw['epochs'][0]['samples_per_s']:,.0f} files/s"
+                         f"{ceiling})"))
+    later = [e["ratio_to_local"] for e in planned["epochs"][1:]] if planned is not None else []
+    if not later or any(v is None for v in later):
+        bars.append(_bar(text2, None, "not measured"))
+    else:
+        bars.append(_bar(text2, min(later) >= 0.25, f"{_fmt(later)} × local (epochs 2..)"))
+
+    planned = _find(runs, workload="cache", system=OURS_PLANNED, cache_fraction=0.5)
+    plain = _find(runs, workload="cache", system="cubefs", cache_fraction=0.5)
+    text1 = "cache = 0.5 × dataset: hit rate ≥ 0.45 every epoch with cube_torch"
+    text2 = "cache = 0.5 × dataset: cube_torch ≥ 1.5 × our mount without it (all epochs)"
+    if planned is None:
+        bars.append(_bar(text1, None, "not measured"))
+    else:
+        rates = [e["hit_rate"] for e in planned["epochs"]]
+        ok = all(r is not None and r >= 0.45 for r in rates)
+        bars.append(_bar(text1, ok, f"hit rate per epoch {_fmt(rates)}"))
+    if planned is None or plain is None:
+        bars.append(_bar(text2, None, "not measured"))
+    else:
+        factor = _throughput(planned) / _throughput(plain)
+        per_epoch = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(planned["epochs"], plain["epochs"])]
+        bars.append(_bar(text2, factor >= 1.5, f"{factor:.2f} × over all epochs (per epoch {_fmt(per_epoch)})"))
+
+    rows = ahead = 0
+    behind: list[str] = []
+    for run in runs:
+        if run["system"] != "rclone" or run["error"]:
+            continue
+        ours = _find(runs, workload=run["workload"], system=OURS_PLANNED, latency_us=run["latency_us"],
+                     workers=run["workers"], cache_fraction=run["cache_fraction"])
+        if ours is None:
+            continue
+        for a, b in zip(ours["epochs"], run["epochs"]):
+            rows += 1
+            if a["samples_per_s"] > b["samples_per_s"]:
+                ahead += 1
+            else:
+                behind.append(f"{config_label(run)} epoch {a['epoch'] + 1}: {a['samples_per_s']:,.0f} vs "
+                              f"{b['samples_per_s']:,.0f}")
+    text = "ahead of rclone's VFS cache on every row (cube_torch, per epoch)"
+    if not rows:
+        bars.append(_bar(text, None, "not measured (rclone not run)"))
+    else:
+        bars.append(_bar(text, ahead == rows, f"ahead on {ahead} of {rows} epochs"
+                         + (f"; behind: {'; '.join(behind)}" if behind else "")))
+    return bars
+
+
+def _throughput(run: dict[str, Any]) -> float:
+    return float(sum(e["samples"] for e in run["epochs"]) / sum(e["seconds"] for e in run["epochs"]))
+
+
+# -- Markdown ---------------------------------------------------------------------------------------------
+
+
+def config_label(run: dict[str, Any]) -> str:
+    parts = []
+    if run["latency_us"] is not None:
+        parts.append(f"{run['latency_us'] / 1000:g} ms")
+    parts.append(f"{run['workers']} w")
+    if run["workload"] == "cache":
+        parts.append("cache -" if run["cache_fraction"] is None else f"cache {run['cache_fraction']:g}")
+    return ", ".join(parts)
+
+
+def _cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def markdown_table(runs: list[dict[str, Any]], workload: str, epochs: int) -> str:
+    header = ["config", "system"]
+    for e in range(epochs):
+        header += [f"ep{e + 1} files/s", f"ep{e + 1} × local"]
+    header += ["ep1 MB/s", "hit rate per epoch", "stall s per epoch", "daemon CPU s", "peak RSS MiB",
+               "remote ops/file ep1", "remote CPU s ep1", "error"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for run in runs:
+        if run["workload"] != workload:
+            continue
+        ep = run["epochs"]
+        cells = [config_label(run), run["system"]]
+        for e in range(epochs):
+            cells += [_cell(ep[e]["samples_per_s"], ",.0f") if e < len(ep) else "-",
+                      _cell(ep[e]["ratio_to_local"], ".2f") if e < len(ep) else "-"]
+        cpu = [x["daemon_cpu_s"] for x in ep if x["daemon_cpu_s"] is not None]
+        rss = [x["daemon_peak_rss_bytes"] for x in ep if x["daemon_peak_rss_bytes"] is not None]
+        ops = ep[0]["remote_ops"] if ep and ep[0]["remote_ops"] is not None else None
+        cells += [
+            _cell(ep[0]["mb_per_s"], ",.1f") if ep else "-",
+            _fmt([x["hit_rate"] for x in ep]) if any(x["hit_rate"] is not None for x in ep) else "-",
+            _fmt([x["stall_s"] for x in ep], ".1f") if any(x["stall_s"] is not None for x in ep) else "-",
+            f"{sum(cpu):.1f}" if cpu else "-",
+            f"{max(rss) / 2**20:,.0f}" if rss else "-",
+            f"{ops / ep[0]['samples']:.1f}" if ops is not None else "-",
+            _cell(ep[0]["remote_cpu_s"], ".1f") if ep else "-",
+            (run["error"] or "").replace("|", "/")[:120],
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def markdown(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    ds = results["dataset"]
+    em = results["emulator"]
+    preset = results["preset"]
+    out = [f"# cubefs-fuse benchmark ({preset['name']} preset)", ""]
+    out.append(f"- date: {results['started']} ({results['duration_s'] / 60:.1f} min"
+               + (", **interrupted**" if results["interrupted"] else "") + ")")
+    out.append(f"- machine: {m['cpus']}, {m['ram']} RAM, Linux {m['kernel']}, Python {m['python']}")
+    la = results["load_average"]
+    out.append(f"- load average (1/5/15 min): start {_fmt(la['start'])}, end {_fmt(la['end'])}")
+    if not ds:
+        return "\n".join(out + ["", "(stopped before the dataset existed: no results)", ""])
+    out.append(f"- dataset: {ds['files']:,} JPEG files in {ds['classes']} class folders, "
+               f"{ds['bytes'] / 1e6:,.1f} MB (mean {ds['bytes'] / ds['files'] / 1e3:,.0f} KB)")
+    ceiling = em.get("ceiling") or {}
+    if ceiling:
+        out.append(f"- emulated remote (tools/slowfs.py, {em['threads']} operations in flight): ceiling with zero "
+                   f"latency {ceiling['files_per_s']:,.0f} files/s ({ceiling['mb_per_s']:,.0f} MB/s) with "
+                   f"{ceiling['readers']} reader processes, {ceiling['ops_per_file']:.1f} operations per file")
+    for p in em.get("presets", []):
+        out.append(f"- remote preset {p['latency_us']:g} µs: measured mean delay {_cell(p.get('measured_delay_us'), ',.0f')} µs "
+                   f"over {p.get('delays', 0):,} operations; bandwidth cap "
+                   + (f"{p['bandwidth_mb_s']:g} MB/s" if p["bandwidth_mb_s"] else "none")
+                   + f"; kernel entry/attribute cache {p.get('cache_timeout_s', 0):g} s")
+    for name, info in results["systems"].items():
+        out.append(f"- `{name}`: {info['title']}" + (f" ({info['version']})" if info.get("version") else ""))
+    for name, why in results["skipped"].items():
+        out.append(f"- `{name}` skipped: {why}")
+    out += ["", "## Bars (issue 5)", "", "| bar | measured | met |", "|---|---|---|"]
+    for bar in results["bars"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[bar["passed"]]
+        out.append(f"| {bar['bar']} | {bar['measured']} | {met} |")
+    epochs = int(preset["epochs"])
+    for workload, title in WORKLOAD_TITLES.items():
+        if any(r["workload"] == workload for r in results["runs"]):
+            out += ["", f"## {title}", "", markdown_table(results["runs"], workload, epochs)]
+    out += ["", "Columns: files/s (= samples/s) per epoch and its ratio to the local copy's same epoch; "
+            "hit rate and stall seconds from our daemon's /metrics (file requests: an open is a hit when none "
+            "of its reads waited on the remote); daemon CPU: the daemon's user+system seconds over all epochs; "
+            "peak RSS: its VmHWM; remote ops/file: operations the emulated remote served per file in epoch 1; "
+            "remote CPU s: what the emulator itself spent in epoch 1 (on the same cores as everything else).",
+            ""]
+    return "\n".join(out)
+
+
+# -- plots ---------------------------------------------------------------------------------------------------
+
+
+def plot(results: dict[str, Any], out_dir: Path) -> list[str]:
+    """One PNG per workload: ratio to local, epoch 1 and later epochs, per system and config."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    runs = [r for r in results["runs"] if r["epochs"] and not r["error"]]
+    for workload, title in WORKLOAD_TITLES.items():
+        selected = [r for r in runs if r["workload"] == workload]
+        if not selected:
+            continue
+        configs = list(dict.fromkeys(config_label(r) for r in selected if r["system"] != "local"))
+        systems = list(dict.fromkeys(r["system"] for r in selected if r["system"] != "local"))
+        if not configs:
+            continue
+        panels: list[tuple[str, Callable[[dict[str, Any]], float | None]]] = [("epoch 1", lambda r: r["epochs"][0]["ratio_to_local"]),
+                  ("later epochs (mean)", lambda r: _mean([e["ratio_to_local"] for e in r["epochs"][1:]]))]
+        if workload == "cache":
+            panels.append(("hit rate, mean over epochs", lambda r: _mean([e["hit_rate"] for e in r["epochs"]])))
+        fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+        width = 0.8 / max(1, len(systems))
+        for ax, (label, value) in zip(axes[0], panels):
+            for i, system in enumerate(systems):
+                ys = []
+                for config in configs:
+                    run = next((r for r in selected if r["system"] == system and config_label(r) == config), None)
+                    v = value(run) if run is not None else None
+                    ys.append(v if v is not None else math.nan)
+                xs = [c + (i - (len(systems) - 1) / 2) * width for c in range(len(configs))]
+                ax.bar(xs, ys, width, label=system)
+            if label != "hit rate, mean over epochs":
+                ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+                ax.set_ylabel("files/s ÷ local copy")
+                ax.set_yscale("log")
+            else:
+                ax.set_ylim(0, 1.05)
+                ax.set_ylabel("hit rate")
+            ax.set_title(label)
+            ax.set_xticks(range(len(configs)), configs, rotation=20, fontsize=8)
+        axes[0][0].legend(fontsize=8)
+        fig.suptitle(title, fontsize=10)
+        fig.tight_layout()
+        path = out_dir / f"{workload}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path.name)
+    return written
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
