@@ -32,6 +32,11 @@ REQUEST_TIMEOUT = 5.0
 IDLE_EXIT = 30.0
 # Pending plans kept per process; older ones are superseded by the newest epoch anyway.
 MAX_PENDING = 4
+# The one synchronous request: registering the job before the first epoch's first index
+# is handed out, so the daemon attributes that epoch's very first opens to the job.  It
+# is a tiny request; this bounds the wait (once per process and daemon) if the daemon is
+# slow, and a missing daemon costs nothing (no config file, no wait).
+JOB_REGISTRATION_TIMEOUT = 0.5
 
 
 @dataclass
@@ -90,6 +95,7 @@ class Submitter:
         self._files: weakref.WeakKeyDictionary[Any, _DatasetFiles] = weakref.WeakKeyDictionary()
         self._files_by_id: dict[int, _DatasetFiles] = {}  # for datasets that cannot be weakly referenced
         self._jobs: set[tuple[int, str, int]] = set()  # (daemon pid, job, rank) registered
+        self._job_attempts: set[tuple[int, str, int]] = set()  # synchronous registrations tried
         self.last_job: tuple[str, int, str] | None = None  # (job, rank, vol_name) of the last plan sent
         self.plans_sent = 0
         self._state = threading.Lock()
@@ -110,6 +116,24 @@ class Submitter:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cube_torch-plans", daemon=True)
                 self._thread.start()
+
+    def register_job_now(self, vol_name: str, job: str, rank: int) -> None:
+        """Register (job, rank) with the volume's daemon before reading starts (bounded)."""
+        try:
+            volume = read_volume_config(vol_name)
+        except ProtocolError:
+            return  # no daemon: the background thread warns once
+        key = (volume.pid, job, rank)
+        with self._state:
+            if key in self._jobs or key in self._job_attempts:
+                return
+            self._job_attempts.add(key)  # one synchronous try per daemon; later ones go in the background
+        try:
+            ControlClient(volume.control_socket, timeout=JOB_REGISTRATION_TIMEOUT).register_job(job, rank)
+        except ProtocolError:
+            return
+        with self._state:
+            self._jobs.add(key)
 
     def wait_idle(self, timeout: float) -> bool:
         """For tests: wait until every queued plan has been handled."""

@@ -89,7 +89,9 @@ class PlannedSampler:
             flat = [int(i) for i in items]
         order = np.asarray(flat, dtype=np.int64)
         epoch = _epoch_of(self._loader(), self._sampler)
-        submitter.submit(PlanRequest(os.environ["VOL_NAME"], self._dataset, order, epoch, _rank(), default_job()))
+        vol_name, rank, job = os.environ["VOL_NAME"], _rank(), default_job()
+        submitter.register_job_now(vol_name, job, rank)  # bounded; once per process and daemon
+        submitter.submit(PlanRequest(vol_name, self._dataset, order, epoch, rank, job))
         from cube_torch import reporter
 
         reporter.ensure_running()

@@ -220,7 +220,10 @@ def test_fake_daemon_errors(answer: int | str, quick_exit: str, monkeypatch: pyt
             assert submitter.wait_idle(30)
             # Each epoch tried again (the daemon may have recovered); it warned once.
             assert fake.received >= EPOCHS if answer != "hang" else fake.received >= 1
-            assert all(r == "POST /v1/datasets" for r in fake.requests)  # nothing sent before a list id
+            # One bounded synchronous job registration (JOB_REGISTRATION_TIMEOUT) before the first
+            # index, then only file-list registrations: no plan is sent before a list id.
+            assert fake.requests.count("POST /v1/jobs") <= 1
+            assert all(r in ("POST /v1/datasets", "POST /v1/jobs") for r in fake.requests)
             (warning,) = warnings_of(caplog)
             assert "training continues" in warning
             if isinstance(answer, int):
