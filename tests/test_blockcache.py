@@ -332,9 +332,9 @@ class SlowDiskTier(DiskTier):
         super().__init__(directory, limit_bytes, free_ratio, lock_fd)
         self.gate = trio.Event()
 
-    async def put(self, key: bytes, data: bytes) -> bool:
+    async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         await self.gate.wait()
-        return await super().put(key, data)
+        return await super().put(key, data, next_use=next_use, tag=tag)
 
 
 async def test_pending_disk_writes_capped(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import trio
 import trio.testing
 
 from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control import Peer, Request, Response
@@ -48,9 +49,9 @@ class System:
 
 @asynccontextmanager
 async def open_system(backend: FakeBackend, *, ram: int, fetch_slots: int = 16,
-                      prefetch_slots: int = 12) -> AsyncIterator[System]:
+                      prefetch_slots: int = 12, disk: DiskTier | None = None) -> AsyncIterator[System]:
     async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(ram), None, fetch_slots=fetch_slots, prefetch_slots=prefetch_slots)
+        cache = BlockCache(nursery, MemoryTier(ram), disk, fetch_slots=fetch_slots, prefetch_slots=prefetch_slots)
         # TTLs far longer than any test: metadata is fetched once.
         meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1_000_000)
         fs = Filesystem(meta, cache, backend, block_size=BLOCK)
@@ -205,6 +206,49 @@ async def test_half_size_cache_keeps_a_stable_subset_over_reshuffled_epochs(
         # Epoch 0 starts cold; from then on the plans keep half the dataset resident.
         assert min(with_plans[1:]) >= 0.45, (slots, with_plans)
         assert min(with_plans[1:]) > max(lru[1:]), (slots, with_plans, lru)
+
+
+async def run_epochs_on_disk(directory: str, plans: bool, epochs: int = 4, files: int = 200) -> list[float]:
+    """As run_epochs, but the NVMe tier holds 0.5 x the dataset and RAM almost nothing."""
+    # Real time (the tier's file I/O runs in worker threads), with a shorter remote latency.
+    backend = FakeBackend(latency=LATENCY / 4)
+    paths = make_dataset(backend, files)
+    rng = random.Random(11)
+    rates = []
+    disk = await DiskTier.open(directory, files // 2 * allocated_bytes(BLOCK), 0.0)
+    try:
+        # RAM: two blocks, so hits must come from the disk tier; one prefetch slot, so the
+        # hit rate rests on what eviction keeps, not on prefetch outrunning the reader.
+        async with open_system(backend, ram=2 * BLOCK, fetch_slots=2, prefetch_slots=1, disk=disk) as s:
+            dataset = await register(s, paths)
+            for epoch in range(epochs):
+                order = list(range(files))
+                rng.shuffle(order)
+                if plans:
+                    await submit(s, dataset, order, epoch)
+                    await taken_in(s)
+                for sample in order:
+                    await read_file(s.fs, paths[sample])
+                    # Let the write-behind land, as the time a training step takes would.
+                    with trio.fail_after(10):
+                        while s.cache.statistics().pending_disk_bytes:
+                            await trio.sleep(0.001)
+                since = s.service.jobs.report(JOB)["jobs"][0]["since_last"]
+                assert since["requests"] == files
+                rates.append(since["hit_rate"])
+                stats = s.cache.statistics().disk
+                assert stats is not None and stats.used_bytes <= stats.limit_bytes
+    finally:
+        disk.release()
+    return rates
+
+
+async def test_half_size_nvme_tier_keeps_a_stable_subset(tmp_path: Any) -> None:
+    with_plans = await run_epochs_on_disk(str(tmp_path / "plans"), plans=True)
+    lru = await run_epochs_on_disk(str(tmp_path / "lru"), plans=False)
+    print(f"\nNVMe tier = 0.5 x dataset, hit rate per epoch: plans {with_plans}, LRU {lru}")
+    assert min(with_plans[1:]) >= 0.45, with_plans
+    assert min(with_plans[1:]) > max(lru[1:]), (with_plans, lru)
 
 
 async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(

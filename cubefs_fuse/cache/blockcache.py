@@ -238,7 +238,7 @@ class BlockCache:
         ``next_use`` is the plan position that will read the block (for eviction)."""
         if key in self.memory:
             if next_use is not None:
-                self.memory.plan(key, next_use)
+                self.plan(key, next_use)
             return False
         if key in self._flights or self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
             return False
@@ -247,12 +247,23 @@ class BlockCache:
         return True
 
     def plan(self, key: bytes, next_use: int) -> None:
-        """An active plan reads ``key`` at ``next_use``."""
+        """An active plan reads ``key`` at ``next_use`` (both tiers evict by it)."""
         self.memory.plan(key, next_use)
+        if self.disk is not None:
+            self.disk.plan(key, next_use)
 
     def unplan(self, key: bytes) -> None:
         """No active plan reads ``key`` any more."""
         self.memory.unplan(key)
+        if self.disk is not None:
+            self.disk.unplan(key)
+
+    def tagged(self) -> list[tuple[bytes, int]]:
+        """(key, path tag) of every block in either tier whose tag is known (for re-ranking)."""
+        found = dict(self.memory.tagged())
+        if self.disk is not None:
+            found.update(self.disk.tagged())
+        return [(key, tag) for key, tag in found.items() if tag]
 
     def _evicted(self, key: bytes) -> None:
         if key in self._unused_prefetched:
@@ -300,7 +311,7 @@ class BlockCache:
     async def _fly(self, key: bytes, fetch: Fetcher, flight: _Flight) -> None:
         prefetch = flight.prefetch
         try:
-            data = await self.disk.get(key) if self.disk is not None and key in self.disk else None
+            data = await self.disk.get(key, flight.tag) if self.disk is not None and key in self.disk else None
             if data is not None:
                 flight.source = Source.DISK
             else:
@@ -309,7 +320,7 @@ class BlockCache:
                     data = await fetch()
                 finally:
                     self.slots.release(flight.waiter)
-                self._write_behind(key, data)
+                self._write_behind(key, data, flight.next_use, flight.tag)
             stored = self.memory.put(key, data, next_use=flight.next_use, tag=flight.tag)
             flight.data = data
             if prefetch:
@@ -332,19 +343,19 @@ class BlockCache:
                 self._prefetch_flights -= 1
             flight.done.set()
 
-    def _write_behind(self, key: bytes, data: bytes) -> None:
+    def _write_behind(self, key: bytes, data: bytes, next_use: int | None, tag: int) -> None:
         if self.disk is None:
             return
         if self._pending_disk + len(data) > self._max_pending_disk:
             self._disk_writes_skipped += 1
             return
         self._pending_disk += len(data)
-        self._nursery.start_soon(self._write_to_disk, key, data)
+        self._nursery.start_soon(self._write_to_disk, key, data, next_use, tag)
 
-    async def _write_to_disk(self, key: bytes, data: bytes) -> None:
+    async def _write_to_disk(self, key: bytes, data: bytes, next_use: int | None, tag: int) -> None:
         assert self.disk is not None
         try:
-            await self.disk.put(key, data)
+            await self.disk.put(key, data, next_use=next_use, tag=tag)
         finally:
             self._pending_disk -= len(data)
 

@@ -34,6 +34,7 @@ import trio
 import xxhash
 
 from cubefs_fuse.cache.keys import KEY_BYTES
+from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ _MAGIC = b"CFBK"
 _FORMAT = 1
 HEADER_BYTES = _HEADER.size
 _INDEX_HEADER = struct.Struct("<8sQQ")  # magic, entry count, xxh3-64 of the body
-_INDEX_MAGIC = b"CFIDX001"
+# Body: the keys (16 bytes each), then the sizes and the path tags (<u8 each), eviction order.
+_INDEX_MAGIC = b"CFIDX002"
 # Filesystem allocation unit used for accounting; 4 KiB is the block size of ext4/xfs on NVMe.
 ALLOCATION_UNIT = 4096
 # Concurrent block file reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
@@ -82,7 +84,10 @@ class DiskTier:
         self._lock_fd = lock_fd
         self._blocks_dir = os.path.join(directory, "blocks")
         self._tmp_dir = os.path.join(directory, "tmp")
-        self._entries: OrderedDict[bytes, int] = OrderedDict()  # key -> allocated bytes, LRU first
+        self._entries: dict[bytes, int] = {}  # key -> allocated bytes
+        self._tags: dict[bytes, int] = {}  # key -> path tag (0: unknown, e.g. after a crash scan)
+        # Eviction order, as in the RAM tier: unplanned LRU first, then furthest next use.
+        self.policy = PlannedLru(limit_bytes // SCRATCH_FRACTION)
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
         # Allocated bytes of stored blocks plus reservations of writes in progress.  A put
         # reserves max(its block, the victims it evicts) until its worker has unlinked the
@@ -112,8 +117,11 @@ class DiskTier:
         except BaseException:
             os.close(lock_fd)
             raise
-        tier._entries = entries
-        tier.used_bytes = sum(entries.values())
+        tier._entries = {key: size for key, (size, _) in entries.items()}
+        tier._tags = {key: tag for key, (_, tag) in entries.items() if tag}
+        for key, size in tier._entries.items():  # oldest first: the LRU order of the last run
+            tier.policy.add(key, size)
+        tier.used_bytes = sum(tier._entries.values())
         tier.startup_source = source
         await tier._refresh_headroom()
         await tier._shrink_to_fit()
@@ -122,7 +130,7 @@ class DiskTier:
                  len(entries), tier.used_bytes, source, tier.startup_seconds)
         return tier
 
-    def _load(self) -> tuple[OrderedDict[bytes, int], str]:
+    def _load(self) -> tuple[OrderedDict[bytes, tuple[int, int]], str]:
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
         os.makedirs(self._tmp_dir, exist_ok=True)
         os.makedirs(self._blocks_dir, exist_ok=True)
@@ -134,7 +142,7 @@ class DiskTier:
             return entries, "index"
         return self._scan(), "scan"
 
-    def _scan(self) -> OrderedDict[bytes, int]:
+    def _scan(self) -> OrderedDict[bytes, tuple[int, int]]:
         """Rebuild the block list from the files (after a crash); oldest write first."""
         found: list[tuple[int, bytes, int]] = []
         for sub in os.scandir(self._blocks_dir):
@@ -152,11 +160,11 @@ class DiskTier:
                     continue
                 found.append((st.st_mtime_ns, key, allocated_bytes(st.st_size - HEADER_BYTES)))
         found.sort()
-        return OrderedDict((key, size) for _, key, size in found)
+        return OrderedDict((key, (size, 0)) for _, key, size in found)  # tags come back as blocks are read
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
-        entries = list(self._entries.items())
+        entries = [(key, size, self._tags.get(key, 0)) for key, size in self._lru_order()]
         try:
             await trio.to_thread.run_sync(_write_index, os.path.join(self.directory, "index.bin"), entries)
         except OSError as exc:
@@ -173,12 +181,16 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 
-    async def get(self, key: bytes) -> bytes | None:
-        """The block, or None if absent or damaged (a damaged block is deleted)."""
+    async def get(self, key: bytes, tag: int = 0) -> bytes | None:
+        """The block, or None if absent or damaged (a damaged block is deleted).
+
+        ``tag`` (the reader's path tag) restores a tag lost by a crash scan."""
         if key not in self._entries:
             self._misses += 1
             return None
-        self._entries.move_to_end(key)
+        self.policy.touch(key)
+        if tag and key not in self._tags:
+            self._tags[key] = tag
         path = self._path(key)
         try:
             data = await trio.to_thread.run_sync(_read_block_file, path, key, limiter=self._limiter)
@@ -188,6 +200,8 @@ class DiskTier:
             self._checksum_failures += 1
             log.warning("disk cache block %s is damaged (%s): discarded, will refetch", path, exc)
             size = self._entries.pop(key, 0)  # its bytes stay counted until the file is gone
+            self.policy.remove(key)
+            self._tags.pop(key, None)
             self._reserved += size
             try:
                 await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
@@ -206,20 +220,24 @@ class DiskTier:
         self._hits += 1
         return data
 
-    async def put(self, key: bytes, data: bytes) -> bool:
-        """Store a block, evicting least recently used ones; False if it was not stored."""
+    async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
+        """Store a block (``next_use``: the plan position that reads it), evicting by the
+        plan-aware policy; False if it was not stored."""
         if key in self._entries or key in self._writing:
+            if next_use is not None:
+                self.policy.plan(key, next_use)
             return True
         need = allocated_bytes(len(data))
         limit = self.effective_limit_bytes
-        victims: list[bytes] = []
+        chosen = self.policy.victims(need, limit - self.used_bytes, next_use) if need <= limit else None
+        victims = chosen or []
         freed = 0
-        while self.used_bytes - freed + need > limit and self._entries:
-            victim, size = self._entries.popitem(last=False)
-            freed += size
+        for victim in victims:
+            freed += self._entries.pop(victim)
+            self.policy.remove(victim)
+            self._tags.pop(victim, None)
             self._evictions += 1
-            victims.append(victim)
-        fits = self.used_bytes - freed + need <= limit
+        fits = chosen is not None and self.used_bytes - freed + need <= limit
         # The victims' files and the new one are never on disk together (the worker
         # unlinks first), so max() of the two bounds what this put has on disk.
         reserved = max(need, freed) if fits else freed
@@ -250,15 +268,34 @@ class DiskTier:
         self._set_headroom(avail, self._inserted_bytes - inserted_before)
         if fits:
             self._entries[key] = need
+            self.policy.add(key, need, next_use)
+            if tag:
+                self._tags[key] = tag
             self._inserted_bytes += need
             self._inserts += 1
         return fits
+
+    def plan(self, key: bytes, next_use: int) -> None:
+        self.policy.plan(key, next_use)
+
+    def unplan(self, key: bytes) -> None:
+        self.policy.unplan(key)
+
+    def tagged(self) -> list[tuple[bytes, int]]:
+        """(key, tag) of every block whose tag is known."""
+        return list(self._tags.items())
+
+    def _lru_order(self) -> list[tuple[bytes, int]]:
+        """Blocks in eviction order (for the index: the next run starts from it)."""
+        return [(key, self._entries[key]) for key in self.policy.order() if key in self._entries]
 
     async def clear(self) -> None:
         """Drop every stored block and its file (writes in progress still land)."""
         paths = [self._path(k) for k in self._entries]
         freed = sum(self._entries.values())
         self._entries.clear()
+        self._tags.clear()
+        self.policy = PlannedLru(self.policy.scratch_bytes)
         self._reserved += freed  # counted until the files are gone
         try:
             await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._limiter)
@@ -288,6 +325,8 @@ class DiskTier:
         size = self._entries.pop(key, None)
         if size is not None:
             self.used_bytes -= size
+            self.policy.remove(key)
+            self._tags.pop(key, None)
 
     def _set_headroom(self, avail_bytes: tuple[int, int], stored_since: int = 0) -> None:
         """``avail_bytes`` was measured by a worker; ``stored_since`` bytes of blocks were
@@ -310,11 +349,15 @@ class DiskTier:
         """Evict down to the limit (the limit may have shrunk since the last run)."""
         limit = self.effective_limit_bytes
         victims = []
-        while self.used_bytes > limit and self._entries:
-            victim, size = self._entries.popitem(last=False)
-            self.used_bytes -= size
-            self._evictions += 1
-            victims.append(self._path(victim))
+        if self.used_bytes > limit:
+            for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
+                if self.used_bytes <= limit:
+                    break
+                self.used_bytes -= self._entries.pop(victim)
+                self.policy.remove(victim)
+                self._tags.pop(victim, None)
+                self._evictions += 1
+                victims.append(self._path(victim))
         if victims:
             await trio.to_thread.run_sync(_unlink_all, victims)
 
@@ -389,7 +432,7 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _read_index(path: str) -> OrderedDict[bytes, int] | None:
+def _read_index(path: str) -> OrderedDict[bytes, tuple[int, int]] | None:
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -400,16 +443,20 @@ def _read_index(path: str) -> OrderedDict[bytes, int] | None:
         return None
     magic, count, checksum = _INDEX_HEADER.unpack_from(raw)
     body = memoryview(raw)[_INDEX_HEADER.size:]
-    if magic != _INDEX_MAGIC or len(body) != count * (KEY_BYTES + 8) or xxhash.xxh3_64_intdigest(body) != checksum:
+    if magic != _INDEX_MAGIC or len(body) != count * (KEY_BYTES + 16) or xxhash.xxh3_64_intdigest(body) != checksum:
         log.warning("disk cache index %s is damaged; scanning instead", path)
         return None
     keys = bytes(body[: count * KEY_BYTES])
     sizes = np.frombuffer(body, dtype="<u8", offset=count * KEY_BYTES, count=count).tolist()
-    return OrderedDict(zip((keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)), sizes))
+    tags = np.frombuffer(body, dtype="<u8", offset=count * (KEY_BYTES + 8), count=count).tolist()
+    return OrderedDict(zip((keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)), zip(sizes, tags)))
 
 
-def _write_index(path: str, entries: list[tuple[bytes, int]]) -> None:
-    body = b"".join(k for k, _ in entries) + np.fromiter((s for _, s in entries), dtype="<u8", count=len(entries)).tobytes()
+def _write_index(path: str, entries: list[tuple[bytes, int, int]]) -> None:
+    """(key, allocated size, path tag) per block, in eviction order."""
+    body = (b"".join(k for k, _, _ in entries)
+            + np.fromiter((s for _, s, _ in entries), dtype="<u8", count=len(entries)).tobytes()
+            + np.fromiter((t for _, _, t in entries), dtype="<u8", count=len(entries)).tobytes())
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         f.write(_INDEX_HEADER.pack(_INDEX_MAGIC, len(entries), xxhash.xxh3_64_intdigest(body)))

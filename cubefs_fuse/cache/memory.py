@@ -9,12 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from cubefs_fuse.cache.policy import PlannedLru
-
-# Share of the tier that blocks no plan asks for may take from planned blocks (the block
-# a reader is consuming right now, metadata-less reads).  1/32 keeps 97 % of the tier
-# for the resident subset when the dataset is larger than the cache.
-SCRATCH_FRACTION = 32
+from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 
 
 @dataclass(frozen=True, slots=True)

@@ -153,8 +153,8 @@ class Scheduler:
     async def _rerank(self, plan: Plan) -> None:
         """Give every cached block of the plan's files its position (eviction keeps the
         ones needed soonest); with no other plan active, the rest become unplanned."""
-        memory = self.fs.cache.memory
-        tagged = list(memory.tagged())
+        cache = self.fs.cache
+        tagged = cache.tagged()
         if not tagged:
             return
         tags = np.fromiter((tag for _, tag in tagged), dtype=np.uint64, count=len(tagged))
@@ -162,9 +162,9 @@ class Scheduler:
         alone = len(self.plans) == 1
         for (key, _), position in zip(tagged, positions.tolist()):
             if position >= 0:
-                memory.plan(key, position)
+                cache.plan(key, position)
             elif alone:
-                memory.unplan(key)
+                cache.unplan(key)
 
     async def _fill(self, plan: Plan) -> None:
         slots = trio.Semaphore(ISSUE_CONCURRENCY)
