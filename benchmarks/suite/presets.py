@@ -30,6 +30,10 @@ class Preset:
     # --cache-timeout).  0, the default: every lookup and stat is a remote round trip,
     # like NFS mounted with noac (~12 operations per file of a class-folder tree).
     remote_cache_timeout_s: float = 0.0
+    # The emulated remote's implementation: "c" (tools/slowfs_c, built on demand; falls
+    # back to "python" with a warning if it cannot be built) or "python" (tools/slowfs.py,
+    # whose own ceiling of ~350-400 files/s on 2 cores caps every first epoch).
+    emulator: str = "c"
     workloads: tuple[str, ...] = WORKLOADS
     systems: tuple[str, ...] = ALL_SYSTEMS
 
@@ -123,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--bandwidth-mb-s", type=float, help="cap the remote's bandwidth (MB/s, shared by all reads)")
     g.add_argument("--remote-cache-timeout-s", type=float,
                    help="let the kernel cache the remote's entries/attributes this long (default 0: like NFS noac)")
+    g.add_argument("--emulator", choices=("c", "python"),
+                   help="the emulated remote: c (tools/slowfs_c, default) or python (tools/slowfs.py, slower)")
     return p
 
 
@@ -133,7 +139,7 @@ def resolve(args: argparse.Namespace) -> Preset:
                                                "raw_workers", "raw_latencies_us", "train_workers",
                                                "train_latencies_us", "cache_fractions", "cache_workers",
                                                "cache_latency_us", "bandwidth_mb_s",
-                                               "remote_cache_timeout_s")
+                                               "remote_cache_timeout_s", "emulator")
                  if getattr(args, k) is not None}
     preset = replace(preset, **overrides)
     if min(preset.files, preset.classes, preset.mean_kb, preset.epochs, preset.train_workers,

@@ -1,14 +1,24 @@
-"""The emulated remote: one tools/slowfs.py process per latency preset, shared by all systems.
+"""The emulated remote: one slowfs process per latency preset, shared by all systems.
 
 Each preset's slowfs serves the same backing directory (``remote-disk``: the dataset and
 the JuiceFS bucket) on its own mount point, with up to :data:`EMULATOR_THREADS`
 operations in progress at once, so latency never turns into a throughput cap.  Its
 statistics (operations, bytes, delays actually slept) are read before and after every
 epoch, so each system's remote traffic is known.
+
+Two implementations with the same options, semantics and statistics file: ``c``
+(tools/slowfs_c, libfuse3 low-level API, built on demand; the default: its own cost per
+operation is a few microseconds) and ``python`` (tools/slowfs.py, pyfuse3: ~25+ us of CPU
+per operation, a ceiling of ~350-400 files/s on 2 cores that caps every first epoch).  If
+the C one cannot be built, the suite warns and falls back to the Python one.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +27,7 @@ from typing import Any
 
 from benchmarks.suite.cleanup import Registry
 from demo.harness import Readers
-from tools.slowfs import SlowFSProcess
+from tools.slowfs import REPO, SlowFSProcess
 
 # Remote operations in progress at once.  Our daemon uses up to 32 backend threads,
 # JuiceFS up to 200 downloads, a DataLoader up to 8 workers: 128 keeps every system's
@@ -25,6 +35,53 @@ from tools.slowfs import SlowFSProcess
 EMULATOR_THREADS = 128
 # Reader processes of the ceiling measurement: as many as the widest DataLoader.
 CEILING_READERS = 8
+EMULATORS = ("c", "python")  # tools/slowfs_c (the default) and tools/slowfs.py
+EMULATOR_TITLES = {"c": "tools/slowfs_c (C, libfuse3)", "python": "tools/slowfs.py (Python, pyfuse3)"}
+SLOWFS_C_BUILD = REPO / "tools" / "slowfs_c" / "build.sh"
+BUILD_TIMEOUT_S = 120.0  # a cold gcc -O2 of slowfs.c takes ~1-2 s on 2 cores
+
+
+@functools.cache
+def slowfs_c_binary() -> Path | None:
+    """Build tools/slowfs_c if needed (idempotent); None, with a warning printed, if it cannot."""
+    try:
+        done = subprocess.run([str(SLOWFS_C_BUILD)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        reason = str(exc)
+    else:
+        lines = done.stdout.strip().splitlines()
+        if done.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
+            return Path(lines[-1])
+        reason = done.stderr.strip() or f"exit status {done.returncode}"
+    print(f"warning: cannot build the C emulated remote ({reason}); falling back to tools/slowfs.py, "
+          "whose own ceiling (~350-400 files/s on 2 cores) caps first epochs", file=sys.stderr)
+    return None
+
+
+class SlowFSCProcess(SlowFSProcess):
+    """tools/slowfs_c's binary run as :class:`SlowFSProcess` runs tools/slowfs.py: the same
+    options, start-up report (``--ready-fd``), SIGTERM handling and ``.slowfs_stats``."""
+
+    def __init__(self, binary: Path, source: Path, mount_point: Path, *, latency_us: float, threads: int,
+                 cache_timeout: float, bandwidth_mb_s: float) -> None:
+        super().__init__(source, mount_point, latency_us=latency_us, threads=threads, cache_timeout=cache_timeout,
+                         bandwidth_mb_s=bandwidth_mb_s)
+        self.argv = [str(binary), os.path.abspath(source), os.path.abspath(mount_point),
+                     f"--latency-us={latency_us:g}", f"--threads={threads}", f"--cache-timeout={cache_timeout:g}",
+                     f"--bandwidth-mb-s={bandwidth_mb_s:g}", "--foreground"]
+
+
+def emulator_process(emulator: str, backing: Path, mount_point: Path, *, latency_us: float, threads: int,
+                     cache_timeout: float, bandwidth_mb_s: float) -> tuple[str, SlowFSProcess]:
+    """The emulator asked for, or the Python one if the C one cannot be built: (name, process)."""
+    if emulator not in EMULATORS:
+        raise ValueError(f"unknown emulator {emulator!r}; choose from {', '.join(EMULATORS)}")
+    binary = slowfs_c_binary() if emulator == "c" else None
+    if binary is not None:
+        return "c", SlowFSCProcess(binary, backing, mount_point, latency_us=latency_us, threads=threads,
+                                   cache_timeout=cache_timeout, bandwidth_mb_s=bandwidth_mb_s)
+    return "python", SlowFSProcess(backing, mount_point, latency_us=latency_us, threads=threads,
+                                   bandwidth_mb_s=bandwidth_mb_s, cache_timeout=cache_timeout)
 
 
 @dataclass
@@ -56,15 +113,17 @@ class Remote:
     """One latency preset of the emulated remote (a slowfs child process)."""
 
     def __init__(self, backing: Path, mount_point: Path, *, latency_us: float, bandwidth_mb_s: float,
-                 registry: Registry, cache_timeout_s: float = 0.0) -> None:
+                 registry: Registry, cache_timeout_s: float = 0.0, emulator: str = "c") -> None:
         self.backing = backing
         self.mount_point = mount_point
         self.latency_us = latency_us
         self.bandwidth_mb_s = bandwidth_mb_s
         self._registry = registry
         self.cache_timeout_s = cache_timeout_s
-        self._fs = SlowFSProcess(backing, mount_point, latency_us=latency_us, threads=EMULATOR_THREADS,
-                                 bandwidth_mb_s=bandwidth_mb_s, cache_timeout=cache_timeout_s)
+        # The implementation actually used ("c" or, as a fallback, "python").
+        self.emulator, self._fs = emulator_process(emulator, backing, mount_point, latency_us=latency_us,
+                                                   threads=EMULATOR_THREADS, cache_timeout=cache_timeout_s,
+                                                   bandwidth_mb_s=bandwidth_mb_s)
         self._stop: Callable[[], None] | None = None
 
     def start(self) -> Remote:
@@ -94,14 +153,14 @@ class Remote:
 
 
 def measure_ceiling(backing: Path, mount_point: Path, dataset_dir: str, files: list[str],
-                    registry: Registry, cache_timeout_s: float = 0.0) -> dict[str, Any]:
+                    registry: Registry, cache_timeout_s: float = 0.0, emulator: str = "c") -> dict[str, Any]:
     """Files/s the emulator serves with zero latency to CEILING_READERS reader processes.
 
     One warm-up pass first (the backing files in the page cache, threads started), then
     the measured pass: what is left is the emulator's own cost per file.
     """
     remote = Remote(backing, mount_point, latency_us=0, bandwidth_mb_s=0, registry=registry,
-                    cache_timeout_s=cache_timeout_s).start()
+                    cache_timeout_s=cache_timeout_s, emulator=emulator).start()
     readers = Readers(CEILING_READERS)
     close_readers = registry.push("ceiling readers", readers.close)
     try:
@@ -116,6 +175,7 @@ def measure_ceiling(backing: Path, mount_point: Path, dataset_dir: str, files: l
         close_readers()
         remote.stop()
     return {
+        "emulator": remote.emulator,
         "readers": CEILING_READERS,
         "files": result.files,
         "seconds": seconds,

@@ -271,7 +271,8 @@ def markdown(results: dict[str, Any]) -> str:
                f"{ds['bytes'] / 1e6:,.1f} MB (mean {ds['bytes'] / ds['files'] / 1e3:,.0f} KB)")
     ceiling = em.get("ceiling") or {}
     if ceiling:
-        out.append(f"- emulated remote (tools/slowfs.py, {em['threads']} operations in flight): ceiling with zero "
+        program = "tools/slowfs_c (C)" if em.get("implementation") == "c" else "tools/slowfs.py (Python)"
+        out.append(f"- emulated remote ({program}, {em['threads']} operations in flight): ceiling with zero "
                    f"latency {ceiling['files_per_s']:,.0f} files/s ({ceiling['mb_per_s']:,.0f} MB/s) with "
                    f"{ceiling['readers']} reader processes, {ceiling['ops_per_file']:.1f} operations per file")
     for p in em.get("presets", []):

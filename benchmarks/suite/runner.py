@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from benchmarks.suite import report
 from benchmarks.suite.cleanup import Registry, signals_ignored, signals_interrupt
 from benchmarks.suite.presets import Preset, build_parser, resolve
-from benchmarks.suite.remote import EMULATOR_THREADS, Remote, measure_ceiling
+from benchmarks.suite.remote import EMULATOR_THREADS, EMULATOR_TITLES, Remote, measure_ceiling
 from benchmarks.suite.systems import DATASET_DIR, SYSTEMS, Context, RunSpec, System, describe
 from demo.harness import HarnessError, make_class_images, remove_workdir
 
@@ -98,7 +98,8 @@ class Suite:
             "schema": report.SCHEMA, "preset": preset.to_json(), "started": _now(), "finished": "",
             "duration_s": 0.0, "interrupted": False, "machine": machine(),
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
-            "emulator": {"threads": EMULATOR_THREADS, "ceiling": None, "presets": []},
+            "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
+                         "presets": []},
             "systems": {}, "skipped": {}, "runs": [], "bars": [],
         }
 
@@ -129,9 +130,11 @@ class Suite:
 
         console.print("measuring the emulated remote's own ceiling (zero latency) ...")
         ceiling = measure_ceiling(backing, self.workdir / "remote-ceiling", DATASET_DIR, dataset.files,
-                                  self.registry, preset.remote_cache_timeout_s)
+                                  self.registry, preset.remote_cache_timeout_s, preset.emulator)
         self.results["emulator"]["ceiling"] = ceiling
-        console.print(f"  emulator ceiling: [bold]{ceiling['files_per_s']:,.0f} files/s[/] "
+        # What actually ran: "python" if the C emulator was asked for but could not be built.
+        self.results["emulator"]["implementation"] = emulator = ceiling["emulator"]
+        console.print(f"  emulator ceiling ({EMULATOR_TITLES[emulator]}): [bold]{ceiling['files_per_s']:,.0f} files/s[/] "
                       f"({ceiling['mb_per_s']:,.0f} MB/s, {ceiling['readers']} readers, "
                       f"{ceiling['ops_per_file']:.1f} ops/file) with zero latency")
 
@@ -140,7 +143,8 @@ class Suite:
             for latency in preset.latencies():
                 remotes[latency] = Remote(backing, self.workdir / f"remote-{latency}us", latency_us=latency,
                                           bandwidth_mb_s=preset.bandwidth_mb_s, registry=self.registry,
-                                          cache_timeout_s=preset.remote_cache_timeout_s).start()
+                                          cache_timeout_s=preset.remote_cache_timeout_s,
+                                          emulator=preset.emulator).start()
                 console.print(f"  remote preset {latency} µs: slowfs pid {remotes[latency].pid} on "
                               f"{remotes[latency].mount_point}")
 
@@ -192,7 +196,7 @@ class Suite:
                 "cache_timeout_s": preset.remote_cache_timeout_s,
                 "measured_delay_us": float(delay.get("mean_us", 0.0)) if delay.get("count") else None,
                 "delays": int(delay.get("count", 0)), "max_concurrent": int(stats.get("max_concurrent", 0)),
-                "pid": remote.pid,
+                "pid": remote.pid, "emulator": remote.emulator,
             })
             remote.stop()
 

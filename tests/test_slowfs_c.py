@@ -1,0 +1,333 @@
+"""tools/slowfs_c: the C emulated remote (build, passthrough, latency, EROFS, statistics, shutdown).
+
+It runs through :class:`benchmarks.suite.remote.SlowFSCProcess`, the way the benchmark
+suite runs it, so these tests also hold the suite's glue to the binary's command line and
+start-up report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from benchmarks.suite import remote
+from benchmarks.suite.remote import EMULATOR_THREADS, SLOWFS_C_BUILD, RemoteStats, SlowFSCProcess
+from cubefs_fuse import mounts
+from tests.conftest import wait_until
+from tools.slowfs import INODE_SHIFT, STATS_NAME, SlowFSProcess, is_mounted
+
+pytestmark = pytest.mark.mounted
+
+ROUNDS = 5  # latency measurement rounds before the accuracy test fails (see test_latency_matches_setting)
+BLOCK = 128 * 1024  # the kernel's largest FUSE read without max_pages negotiation: boundary sizes
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    """The built binary.  A missing compiler or libfuse3-dev fails (scripts/setup.sh installs them)."""
+    done = subprocess.run([str(SLOWFS_C_BUILD)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"tools/slowfs_c/build.sh failed (run scripts/setup.sh): {done.stderr}"
+    path = Path(done.stdout.strip().splitlines()[-1])
+    assert os.access(path, os.X_OK), path
+    return path
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
+        pytest.fail("slowfs_c tests need root and /dev/fuse")
+    src = tmp_path / "src"
+    (src / "a" / "b" / "c").mkdir(parents=True)
+    (src / "empty").mkdir()
+    files = {
+        "zero.bin": b"",
+        "one.bin": b"x",
+        "a/block-1.bin": os.urandom(BLOCK - 1),
+        "a/block.bin": os.urandom(BLOCK),
+        "a/block+1.bin": os.urandom(BLOCK + 1),
+        "a/b/multi.bin": os.urandom(3 * BLOCK + 12345),
+        "a/b/c/deep.txt": b"deep\n",
+        "a/b/c/eio.bin": b"e" * 100,
+        "a/b/c/readfail.bin": b"r" * 100,
+    }
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    os.chmod(src / "one.bin", 0o600)
+    os.symlink("b/c/deep.txt", src / "a" / "link")
+    os.symlink("/nonexistent/target", src / "dangling")
+    return src
+
+
+def _mount_dir(tmp_path: Path, name: str) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    return path
+
+
+def _process(binary: Path, source: Path, mount_point: Path, *, latency_us: float = 0,
+             bandwidth_mb_s: float = 0) -> SlowFSCProcess:
+    return SlowFSCProcess(binary, source, mount_point, latency_us=latency_us, threads=EMULATOR_THREADS,
+                          cache_timeout=0, bandwidth_mb_s=bandwidth_mb_s)
+
+
+@pytest.fixture
+def slowfs(binary: Path, tmp_path: Path, source: Path) -> Iterator[SlowFSCProcess]:
+    fs = _process(binary, source, _mount_dir(tmp_path, "mnt"))
+    fs.argv += ["--fail=*/eio.bin=EIO", "--fail-read=*/readfail.bin=eio"]
+    with fs:
+        yield fs
+    assert not is_mounted(fs.mount_point)
+
+
+def _tree(root: Path) -> dict[str, os.stat_result]:
+    found = {}
+    for parent, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(parent) / name
+            found[str(path.relative_to(root))] = os.lstat(path)
+    return found
+
+
+def test_build_is_idempotent(binary: Path) -> None:
+    before = os.stat(binary)
+    done = subprocess.run([str(SLOWFS_C_BUILD)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == binary
+    after = os.stat(binary)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rebuilt
+
+
+def test_suite_falls_back_to_python_when_the_build_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    broken = tmp_path / "build.sh"
+    broken.write_text("#!/bin/sh\necho 'slowfs-c: gcc is missing' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(remote, "SLOWFS_C_BUILD", broken)
+    remote.slowfs_c_binary.cache_clear()
+    try:
+        name, fs = remote.emulator_process("c", tmp_path, tmp_path / "mnt", latency_us=0, threads=4,
+                                           cache_timeout=0, bandwidth_mb_s=0)
+    finally:
+        remote.slowfs_c_binary.cache_clear()  # the next caller builds the real one again
+    assert name == "python" and type(fs) is SlowFSProcess and "tools.slowfs" in fs.argv
+    assert "warning: cannot build the C emulated remote (slowfs-c: gcc is missing)" in capsys.readouterr().err
+    with pytest.raises(ValueError):
+        remote.emulator_process("rust", tmp_path, tmp_path / "mnt", latency_us=0, threads=4, cache_timeout=0,
+                                bandwidth_mb_s=0)
+
+
+def test_passthrough_is_byte_identical(slowfs: SlowFSCProcess, source: Path) -> None:
+    mnt = slowfs.mount_point
+    seen, want = _tree(mnt), _tree(source)
+    assert sorted(seen) == sorted(want)  # every name, nested; the stats file is not listed
+    assert STATS_NAME not in os.listdir(mnt)
+    for rel, b in want.items():
+        a = seen[rel]
+        assert (a.st_mode, a.st_size, a.st_uid, a.st_gid, a.st_mtime_ns, a.st_nlink) == \
+            (b.st_mode, b.st_size, b.st_uid, b.st_gid, b.st_mtime_ns, b.st_nlink), rel
+        # Inode numbers follow the source's: stable even after the kernel forgets them.
+        assert a.st_ino == b.st_ino + INODE_SHIFT, rel
+        if os.path.islink(source / rel):
+            assert os.readlink(mnt / rel) == os.readlink(source / rel)
+        elif os.path.isfile(source / rel) and not rel.endswith(("eio.bin", "readfail.bin")):
+            data = (source / rel).read_bytes()
+            assert (mnt / rel).read_bytes() == data, rel
+            fd = os.open(mnt / rel, os.O_RDONLY)
+            try:  # random offsets and sizes, across the 128 KiB read boundary and past EOF
+                rng = random.Random(rel)
+                for _ in range(20):
+                    offset, size = rng.randrange(len(data) + 2), rng.choice((1, 4095, BLOCK - 1, BLOCK + 1))
+                    assert os.pread(fd, size, offset) == data[offset : offset + size], (rel, offset, size)
+            finally:
+                os.close(fd)
+    assert (mnt / "a" / "link").read_bytes() == b"deep\n"  # the kernel follows the symlink through us
+    assert os.statvfs(mnt).f_blocks == os.statvfs(source).f_blocks
+    # SOURCE changes show at once (cache timeout 0), like a remote without client caching.
+    (source / "a" / "b" / "c" / "deep.txt").write_bytes(b"changed\n")
+    assert (mnt / "a" / "link").read_bytes() == b"changed\n"
+    (source / "one.bin").unlink()
+    assert not (mnt / "one.bin").exists()
+
+
+def test_read_only(slowfs: SlowFSCProcess) -> None:
+    mnt = slowfs.mount_point
+    for action in (lambda: open(mnt / "new", "wb"), lambda: open(mnt / "a" / "block.bin", "r+b"),
+                   lambda: open(mnt / "a" / "block.bin", "ab"), lambda: os.mkdir(mnt / "d2"),
+                   lambda: os.unlink(mnt / "zero.bin"), lambda: os.rmdir(mnt / "empty"),
+                   lambda: os.rename(mnt / "zero.bin", mnt / "z"), lambda: os.symlink("x", mnt / "s"),
+                   lambda: os.chmod(mnt / "zero.bin", 0o600), lambda: os.truncate(mnt / "one.bin", 0)):
+        with pytest.raises(OSError) as info:
+            action()
+        assert info.value.errno == errno.EROFS
+    assert (mnt / "one.bin").read_bytes() == b"x"
+
+
+def test_statistics_count_operations(slowfs: SlowFSCProcess, source: Path) -> None:
+    mnt = slowfs.mount_point
+    raw = slowfs.stats()
+    assert raw["implementation"] == "c" and raw["pid"] == slowfs.pid and raw["source"] == str(source)
+    before = RemoteStats.of(raw)  # the fields the suite reads are there
+    data = (source / "a" / "b" / "multi.bin").read_bytes()
+    fd = os.open(mnt / "a" / "b" / "multi.bin", os.O_RDONLY)
+    try:
+        for offset in (0, 5000, len(data) - 1, len(data)):
+            assert os.pread(fd, 4096, offset) == data[offset : offset + 4096]
+    finally:
+        os.close(fd)
+    after = slowfs.stats()
+    # direct_io: each pread is exactly one FUSE read (the one at EOF included), no readahead.
+    assert after["ops"]["read"] - raw["ops"].get("read", 0) == 4
+    assert after["bytes_read"] - raw["bytes_read"] == 4096 + 4096 + 1
+    assert after["ops"]["open"] - raw["ops"].get("open", 0) == 1
+    # lookups of a, b and multi.bin (entry timeout 0: every component is asked again)
+    assert after["ops"]["lookup"] - raw["ops"].get("lookup", 0) >= 3
+    wait_until(lambda: slowfs.stats()["ops"].get("release", 0) == raw["ops"].get("release", 0) + 1,
+               what="release counted")
+    delta = RemoteStats.of(slowfs.stats()).minus(before)
+    assert delta.reads == 4 and delta.bytes == 4096 + 4096 + 1
+    # Errors: a missing name, injected open and read errors; other files are still served.
+    assert not (mnt / "a" / "missing").exists()
+    for _ in range(3):
+        with pytest.raises(OSError) as info:
+            (mnt / "a" / "b" / "c" / "eio.bin").read_bytes()
+        assert info.value.errno == errno.EIO
+    with open(mnt / "a" / "b" / "c" / "readfail.bin", "rb", buffering=0) as f:
+        with pytest.raises(OSError) as info:
+            f.read(10)
+        assert info.value.errno == errno.EIO
+    assert (mnt / "a" / "b" / "c" / "deep.txt").read_bytes() == b"deep\n"
+    final = slowfs.stats()
+    assert final["errors"]["lookup"]["ENOENT"] >= 1
+    assert final["errors"]["open"] == {"EIO": 3} and final["injected"]["open"] == 3
+    assert final["errors"]["read"] == {"EIO": 1} and final["injected"]["read"] == 1
+    # Reading the statistics file is no remote operation (but the kernel may getattr the root).
+    first, second = slowfs.stats(), slowfs.stats()
+    assert {k: v for k, v in first["ops"].items() if k != "getattr"} == \
+        {k: v for k, v in second["ops"].items() if k != "getattr"}
+    wait_until(lambda: slowfs.stats()["open_files"] == 0, what="every file released")
+    assert json.loads((mnt / STATS_NAME).read_bytes())["max_concurrent"] >= 1
+
+
+def _trimmed_mean(values: list[float], fraction: float = 0.1) -> float:
+    """Mean without the lowest and highest ``fraction`` (scheduler noise on a shared machine)."""
+    ordered = sorted(values)
+    k = int(len(ordered) * fraction)
+    return statistics.mean(ordered[k : len(ordered) - k])
+
+
+@pytest.mark.parametrize(("latency_us", "pairs"), [(300, 400), (2000, 100)])
+def test_latency_matches_setting(binary: Path, tmp_path: Path, source: Path, latency_us: int, pairs: int) -> None:
+    """The delay slowfs-c sleeps, averaged over many operations, and the delay an application
+    sees (against a zero-latency twin mount of the same source, reads alternated so machine
+    noise hits both alike) are within 10 % of the setting."""
+    with _process(binary, source, _mount_dir(tmp_path, "slow"), latency_us=latency_us) as slow, \
+            _process(binary, source, _mount_dir(tmp_path, "fast")) as fast:
+        fds = [os.open(fs.mount_point / "a" / "block.bin", os.O_RDONLY) for fs in (slow, fast)]
+        try:
+            for _ in range(50):  # warm up threads and the oversleep estimate
+                for fd in fds:
+                    os.pread(fd, 4096, 0)
+            seen = []
+            # Other work on a small shared machine can swamp one round of microsecond
+            # timings; a systematic error fails every round, noise rarely fails every one.
+            for _ in range(ROUNDS):
+                before = RemoteStats.of(slow.stats())
+                differences = []
+                for _ in range(pairs):
+                    start = time.perf_counter()
+                    os.pread(fds[0], 4096, 0)
+                    middle = time.perf_counter()
+                    os.pread(fds[1], 4096, 0)
+                    differences.append((middle - start) - (time.perf_counter() - middle))
+                delta = RemoteStats.of(slow.stats()).minus(before)
+                assert delta.reads == pairs  # one delayed FUSE read per pread
+                assert pairs <= delta.delays <= pairs + 2  # + the root's getattr when reading the stats
+                added_us = _trimmed_mean(differences) * 1e6
+                seen.append(f"slept {delta.mean_delay_us:.1f} us, application saw +{added_us:.1f} us")
+                if max(abs(delta.mean_delay_us - latency_us), abs(added_us - latency_us)) <= 0.1 * latency_us:
+                    break
+            else:
+                pytest.fail(f"set {latency_us} us; {ROUNDS} rounds: {'; '.join(seen)}")
+        finally:
+            for fd in fds:
+                os.close(fd)
+    print(f"\nslowfs-c {latency_us} us: {seen[-1]} (round {len(seen)})")
+
+
+def test_latency_overlaps_across_threads(binary: Path, tmp_path: Path, source: Path) -> None:
+    """Concurrent operations wait out their latency together: latency is no throughput cap."""
+    readers = 32
+    with _process(binary, source, _mount_dir(tmp_path, "slow"), latency_us=20_000) as slow:
+        barrier = threading.Barrier(readers)
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                barrier.wait()
+                for _ in range(3):
+                    (slow.mount_point / "a" / "b" / "c" / "deep.txt").read_bytes()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read) for _ in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        stats = slow.stats()
+    assert not errors
+    # 20 ms per operation leaves ample time for the readers to be inside a delay together;
+    # a serialising emulator (or libfuse's default of 10 threads) would show at most 10.
+    assert stats["max_sleeping"] >= readers // 2, stats
+    assert stats["max_concurrent"] >= readers // 2, stats
+
+
+def test_shutdown_on_signals_and_detached_mode(binary: Path, tmp_path: Path, source: Path) -> None:
+    mnt = _mount_dir(tmp_path, "mnt")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        fs = _process(binary, source, mnt, latency_us=2000).start()
+        assert is_mounted(mnt)
+        held = os.open(mnt / "a" / "block.bin", os.O_RDONLY)  # an open file does not keep it mounted
+        try:
+            assert fs.proc is not None
+            fs.proc.send_signal(sig)
+            assert fs.proc.wait(10) == 0  # a clean exit, not death by the signal
+        finally:
+            with contextlib.suppress(OSError):  # ENOTCONN: the flush finds the daemon gone; the fd is closed
+                os.close(held)
+        assert not is_mounted(mnt)
+    # A crash leaves a dead mount that stop() detaches.
+    fs = _process(binary, source, mnt).start()
+    os.kill(fs.pid, signal.SIGKILL)
+    assert fs.stop() == -signal.SIGKILL
+    assert not is_mounted(mnt)
+    # Without --foreground it detaches, returns once the mount is live and prints the pid.
+    bad = subprocess.run([str(binary), str(source), str(mnt), "--fail", "x=ENOPE"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown errno 'ENOPE'" in bad.stderr
+    missing = subprocess.run([str(binary), str(tmp_path / "nope"), str(mnt)], capture_output=True, text=True)
+    assert missing.returncode == 2 and "is not a directory" in missing.stderr
+    log = tmp_path / "log"
+    result = subprocess.run([str(binary), str(source), str(mnt), "--latency-us", "100", "--log-file", str(log)],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    pid = int(result.stdout)
+    try:
+        assert (mnt / "a" / "b" / "c" / "deep.txt").read_bytes() == b"deep\n"
+        assert json.loads((mnt / STATS_NAME).read_bytes())["pid"] == pid
+    finally:
+        os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not is_mounted(mnt), what="the detached daemon's unmount")
+    wait_until(lambda: not mounts.pid_alive(pid), what="the detached daemon's exit")
+    assert "unmounted" in log.read_text()
