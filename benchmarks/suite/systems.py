@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,7 +141,7 @@ def wait_mounted(mount_point: Path, proc: subprocess.Popen[bytes], what: str, lo
 # -- the systems --------------------------------------------------------------------------
 
 
-class System:
+class System(ABC):
     """A way of reading the dataset; subclasses start and stop one instance per run."""
 
     name = ""
@@ -159,9 +160,9 @@ class System:
     def version(self) -> str:
         return ""
 
+    @abstractmethod
     def start(self, spec: RunSpec) -> Path:
         """Start an instance; returns the directory that holds the dataset."""
-        raise NotImplementedError
 
     def stop(self) -> None:
         pass
