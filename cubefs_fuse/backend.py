@@ -10,8 +10,11 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import resource
 import stat
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -24,6 +27,15 @@ from cubefs_fuse.stats import HistogramSnapshot, LatencyHistogram
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# Source directories kept open (O_PATH) so that a file is opened relative to its own
+# directory: on a remote without attribute caching (NFS "noac", our emulator) every path
+# component of an open from the volume root costs a round trip.  1024 covers ImageNet's
+# 1000 class directories; the daemon raises its open-file limit at start (raise_fd_limit).
+DIR_FD_CACHE = 1024
+# Open-file limit the daemon asks for (bounded by the hard limit): directory descriptors,
+# NVMe block files in flight, FUSE, sockets.
+WANTED_FD_LIMIT = 65536
 
 # Distinct files whose errors are logged individually; past this many the log says so
 # once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
@@ -129,17 +141,89 @@ class ErrorLog:
         log.warning("backend %s of %r failed: %s (logged once per file)", op, path, os.strerror(exc.errno or errno.EIO))
 
 
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = WANTED_FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, WANTED_FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError):
+            pass
+
+
+class DirFds:
+    """Open descriptors of recently used source directories (thread-safe, bounded).
+
+    Callers get a dup() of the cached descriptor, so an eviction that closes the cached
+    one can never close (or let the kernel reuse) a descriptor another thread is using.
+    """
+
+    def __init__(self, root_fd: int, capacity: int) -> None:
+        self._root_fd = root_fd
+        self._capacity = capacity
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def open(self, path: str, flags: int) -> int:
+        """Open ``path`` (relative to the root) through its parent directory's descriptor."""
+        parent, _, name = path.rpartition("/")
+        if not parent:
+            return os.open(path or ".", flags, dir_fd=self._root_fd)
+        directory = self._acquire(parent)
+        try:
+            return os.open(name, flags, dir_fd=directory)
+        finally:
+            os.close(directory)
+
+    def forget(self, path: str) -> None:
+        """Drop the parent directory of ``path`` (it may have been replaced at the source)."""
+        parent = path.rpartition("/")[0]
+        with self._lock:
+            fd = self._fds.pop(parent, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _acquire(self, directory: str) -> int:
+        with self._lock:
+            fd = self._fds.get(directory)
+            if fd is not None:
+                self._fds.move_to_end(directory)
+                return os.dup(fd)
+        opened = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+        evicted = []
+        with self._lock:
+            if directory in self._fds:  # another thread opened it meanwhile
+                evicted.append(opened)
+                opened = self._fds[directory]
+            else:
+                self._fds[directory] = opened
+                while len(self._fds) > self._capacity:
+                    evicted.append(self._fds.popitem(last=False)[1])
+            duplicate = os.dup(opened)
+        for fd in evicted:
+            os.close(fd)
+        return duplicate
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), OrderedDict()
+        for fd in fds:
+            os.close(fd)
+
+
 class LocalDirBackend:
     """A directory path as the remote volume (an NFS/CubeFS/Lustre mount point)."""
 
     def __init__(self, root: str, threads: int) -> None:
         self.root = root
         self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dirs = DirFds(self._root_fd, DIR_FD_CACHE)
         self._limiter = trio.CapacityLimiter(threads)
         self._counters = _Counters()
         self._errors = ErrorLog()
 
     def close(self) -> None:
+        self._dirs.close()
         os.close(self._root_fd)
 
     @staticmethod
@@ -206,10 +290,12 @@ class LocalDirBackend:
         rel = self._rel(path)
 
         def read() -> bytes:
-            fd = os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._root_fd)
             try:
-                if Attr.from_stat(os.fstat(fd)).version != version:
-                    raise StaleVersion(path)
+                fd = self._dirs.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except FileNotFoundError:
+                self._dirs.forget(path)  # the directory may have been replaced: resolve afresh next time
+                raise
+            try:
                 chunks = []
                 done = 0
                 while done < size:
@@ -218,9 +304,11 @@ class LocalDirBackend:
                         break
                     chunks.append(chunk)
                     done += len(chunk)
-                # Checked again after the read: an in-place rewrite during pread would
-                # otherwise hand out a block mixing two versions.
+                # One check, after the read, covers both a file that changed before the
+                # open (another inode, size or mtime) and an in-place rewrite during pread
+                # that would otherwise hand out a block mixing two versions.
                 if done != size or Attr.from_stat(os.fstat(fd)).version != version:
+                    self._dirs.forget(path)
                     raise StaleVersion(path)
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
             finally:

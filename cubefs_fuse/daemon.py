@@ -21,7 +21,7 @@ import pyfuse3
 import trio
 
 from cubefs_fuse import __version__, mounts
-from cubefs_fuse.backend import LocalDirBackend
+from cubefs_fuse.backend import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
@@ -82,6 +82,7 @@ def _user_allow_other() -> bool:
 
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
     """Serve the mount until it is unmounted or a signal arrives."""
+    raise_fd_limit()
     backend = LocalDirBackend(config.source, config.backend_threads)
     try:
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
