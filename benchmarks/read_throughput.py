@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -43,6 +42,7 @@ from demo.harness import (
     Readers,
     cache_delta,
     drop_page_cache,
+    machine,
     make_dataset,
     remove_workdir,
     sigterm_as_interrupt,
@@ -62,25 +62,6 @@ class Row:
     result: PassResult
     cpu_s: float | None = None  # daemon CPU seconds over the pass
     delta: CacheDelta | None = None
-
-
-def machine() -> dict[str, str]:
-    """What the numbers were measured on."""
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kib = int(f.readline().split()[1])  # first line: MemTotal in kB (KiB)
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpus": f"{os.cpu_count()} × {model}",
-        "ram": format_size(mem_kib * 1024, binary=True),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }
 
 
 def filesystem_of(path: Path) -> str:
@@ -204,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         remove_workdir(workdir, workdir / "mnt")
-    info = machine()
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), **machine()}
     info["scratch dir"] = f"{workdir.parent} ({filesystem_of(workdir.parent)})"
     info["readers"] = f"{args.workers} processes, {args.files} files, shuffled order"
     info["CPU clock tick"] = f"{1e6 / os.sysconf('SC_CLK_TCK'):,.0f} µs (resolution of daemon CPU time)"

@@ -298,12 +298,15 @@ class Filesystem:
 
         return fetch
 
+    def _block_count(self, size: int) -> int:
+        return -(-size // self.block_size)
+
     def _readahead(self, f: OpenFile, first: int, last: int) -> None:
         sequential = first == f.next_block or first == f.next_block - 1
         f.next_block = last + 1
         if not sequential:
             return
-        blocks = -(-f.version.size // self.block_size)
+        blocks = self._block_count(f.version.size)
         for index in range(last + 1, min(last + 1 + READAHEAD_BLOCKS, blocks)):
             self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
 
@@ -315,14 +318,14 @@ class Filesystem:
         if not attr.is_file:
             return 0
         version, tag = attr.version, path_tag(path)
-        for index in range(-(-attr.size // self.block_size)):
+        for index in range(self._block_count(attr.size)):
             self.cache.prefetch(block_key(path, version, index), self._fetcher(path, version, index),
                                 next_use=next_use, tag=tag)
         return attr.size
 
     def unplan_file(self, path: str, version: FileVersion) -> None:
         """No plan reads this version of ``path`` again (it was just consumed)."""
-        for index in range(-(-version.size // self.block_size)):
+        for index in range(self._block_count(version.size)):
             self.cache.unplan(block_key(path, version, index))
 
     async def warm_file(self, path: str) -> int:
@@ -331,13 +334,13 @@ class Filesystem:
         if not attr.is_file:
             return 0
         version = attr.version
-        for index in range(-(-attr.size // self.block_size)):
+        for index in range(self._block_count(attr.size)):
             await self.cache.warm(block_key(path, version, index), self._fetcher(path, version, index))
         return attr.size
 
     def cached_fraction(self, path: str, attr: Attr) -> float:
         """The fraction of ``path``'s blocks (at version ``attr``) held by a cache tier."""
-        blocks = -(-attr.size // self.block_size)
+        blocks = self._block_count(attr.size)
         if not blocks:
             return 1.0
         held = sum(self.cache.contains(block_key(path, attr.version, i)) for i in range(blocks))

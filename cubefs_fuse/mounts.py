@@ -167,15 +167,21 @@ def _registry_dirs() -> list[str]:
     return list(dict.fromkeys([runtime_dir(), SYSTEM_RUNTIME_DIR]))
 
 
+def _read_entry(path: str) -> dict[str, Any] | None:
+    try:
+        with open(path) as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
 def registered(mount_point: str) -> dict[str, Any] | None:
     name = os.path.basename(_registry_path(mount_point))
     for directory in _registry_dirs():
-        try:
-            with open(os.path.join(directory, name)) as f:
-                info: dict[str, Any] = json.load(f)
-        except (OSError, ValueError):
-            continue
-        return info
+        info = _read_entry(os.path.join(directory, name))
+        if info is not None:
+            return info
     return None
 
 
@@ -189,13 +195,10 @@ def all_registered() -> list[dict[str, Any]]:
             continue
         for name in names:
             if name.startswith("mount-") and name.endswith(".json"):
-                try:
-                    with open(os.path.join(directory, name)) as f:
-                        found.append(json.load(f))
-                except (OSError, ValueError):
-                    continue
-    alive = [info for info in found if isinstance(info, dict) and isinstance(info.get("pid"), int)
-             and pid_alive(info["pid"])]
+                info = _read_entry(os.path.join(directory, name))
+                if info is not None:
+                    found.append(info)
+    alive = [info for info in found if isinstance(info.get("pid"), int) and pid_alive(info["pid"])]
     return sorted(alive, key=lambda i: str(i.get("mountPoint")))
 
 

@@ -13,6 +13,7 @@ import json
 import math
 import multiprocessing
 import os
+import platform
 import random
 import shutil
 import signal
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import xxhash
+from humanfriendly import format_size
 from prometheus_client.parser import text_string_to_metric_families
 
 from cubefs_fuse import mounts
@@ -266,6 +268,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def machine() -> dict[str, str]:
+    """What numbers were measured on: CPUs, RAM, kernel, Python, host."""
+    model = "unknown"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    with open("/proc/meminfo") as f:
+        mem_kib = int(f.readline().split()[1])  # first line: MemTotal in kB (KiB)
+    return {"cpus": f"{os.cpu_count()} × {model}", "ram": format_size(mem_kib * 1024, binary=True),
+            "kernel": platform.release(), "python": platform.python_version(), "host": platform.node()}
 
 
 def cli_command() -> list[str]:

@@ -4,28 +4,21 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from cubefs_fuse import mounts
+from demo import harness
+from demo.harness import free_port as free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
@@ -90,14 +83,7 @@ class Mount:
 
     def scrape(self) -> dict[str, float]:
         """Every sample of /metrics as {'name{label="v",...}': value}."""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=10) as response:
-            text = response.read().decode()
-        samples: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
-                samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return samples
+        return harness.scrape(self.port)
 
     def path(self, relative: str) -> Path:
         return self.mount_point / relative
@@ -121,14 +107,7 @@ def make_mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
 
     yield factory
     for m in created:
-        if mounts.find_mount(str(m.mount_point)) is not None:
-            info = mounts.registered(str(m.mount_point))
-            subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
-            if info:
-                try:
-                    os.kill(int(info["pid"]), 9)
-                except ProcessLookupError:
-                    pass
+        force_unmount(m)
 
 
 # -- mounts over an emulated remote (tools/slowfs) and metric look-ups ------------------

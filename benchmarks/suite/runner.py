@@ -6,7 +6,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from benchmarks.suite.cleanup import Registry, signals_ignored, signals_interrup
 from benchmarks.suite.presets import Preset, build_parser, resolve
 from benchmarks.suite.remote import EMULATOR_THREADS, EMULATOR_TITLES, Remote, measure_ceiling
 from benchmarks.suite.systems import DATASET_DIR, SYSTEMS, Context, RunSpec, System, describe
-from demo.harness import HarnessError, make_class_images, remove_workdir
+from demo.harness import HarnessError, machine, make_class_images, remove_workdir
 
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch
@@ -68,19 +67,6 @@ def plan(preset: Preset, systems: list[str]) -> list[Planned]:
             runs += [Planned("cache", s, latency, workers, fraction, True)
                      for s in systems if SYSTEMS[s].caches]
     return runs
-
-
-def machine() -> dict[str, str]:
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    with open("/proc/meminfo") as f:
-        mem_kib = int(f.readline().split()[1])  # MemTotal, kB
-    return {"cpus": f"{os.cpu_count()} × {model}", "ram": format_size(mem_kib * 1024, binary=True),
-            "kernel": platform.release(), "python": platform.python_version(), "host": platform.node()}
 
 
 def _now() -> str:

@@ -33,6 +33,7 @@ from tools import torchvision_shim
 from benchmarks.suite.remote import Remote, RemoteStats
 from benchmarks.suite.systems import OursCubeTorch, System
 from demo.harness import HarnessError, drop_page_cache
+from demo.train import tiny_cnn  # the demo's model: one definition
 
 # More workers than cores is what the 1/4/8-worker workload means to do on a small machine.
 warnings.filterwarnings("ignore", message=".*worker processes in total.*")
@@ -111,16 +112,6 @@ class EpochSampler(Sampler[int]):
             return iter([WARMUP] * self.warmup)
         generator = torch.Generator().manual_seed(self.seed * 1_000 + self.epoch)
         return iter(torch.randperm(self.samples, generator=generator).tolist())
-
-
-def tiny_cnn(classes: int) -> nn.Module:
-    """Three strided 3x3 convolutions, global average pooling, a linear layer (demo/train.py)."""
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, classes),
-    )
 
 
 # -- measurement ------------------------------------------------------------------------------
