@@ -5,11 +5,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
-import statistics
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +14,7 @@ import pytest
 
 from cubefs_fuse import mounts
 from tests.conftest import REPO, wait_until
+from tests.emulator_checks import check_latency, check_overlap, mount_dir
 from tools.slowfs import INODE_SHIFT, STATS_NAME, FailRule, SlowFSProcess, first_match, is_mounted
 
 pytestmark = pytest.mark.mounted
@@ -38,32 +36,16 @@ def source(tmp_path: Path) -> Path:
     return src
 
 
-def _mount_dir(tmp_path: Path, name: str) -> Path:
-    path = tmp_path / name
-    path.mkdir()
-    return path
-
-
 @pytest.fixture
 def slowfs(tmp_path: Path, source: Path) -> Iterator[SlowFSProcess]:
     fs = SlowFSProcess(
-        source, _mount_dir(tmp_path, "mnt"),
+        source, mount_dir(tmp_path, "mnt"),
         fail=["dir/eio.bin=EIO", "dir/eacces.bin=EACCES", "*/enoent.bin=2"],
         fail_read=["*/readfail.bin=EIO"],
     )
     with fs:
         yield fs
     assert not is_mounted(fs.mount_point)
-
-
-ROUNDS = 5  # latency measurement rounds (see test_latency_matches_setting)
-
-
-def _trimmed_mean(values: list[float], fraction: float = 0.1) -> float:
-    """Mean without the lowest and highest ``fraction`` (scheduler noise on a shared machine)."""
-    ordered = sorted(values)
-    k = int(len(ordered) * fraction)
-    return statistics.mean(ordered[k : len(ordered) - k])
 
 
 def test_fail_rule_parsing() -> None:
@@ -151,75 +133,19 @@ def test_read_counts_and_bytes(slowfs: SlowFSProcess, source: Path) -> None:
 
 @pytest.mark.parametrize(("latency_us", "pairs"), [(300, 400), (2000, 100)])
 def test_latency_matches_setting(tmp_path: Path, source: Path, latency_us: int, pairs: int) -> None:
-    """The delay slowfs sleeps, and the delay an application sees (measured against a
-    zero-latency twin mount of the same source, reads alternated so machine noise hits both
-    alike), are within 10 % of the setting on average."""
-    with SlowFSProcess(source, _mount_dir(tmp_path, "slow"), latency_us=latency_us) as slow, \
-            SlowFSProcess(source, _mount_dir(tmp_path, "fast")) as fast:
-        fds = [os.open(fs.mount_point / "data.bin", os.O_RDONLY) for fs in (slow, fast)]
-        try:
-            for _ in range(50):  # warm up threads and the oversleep estimate
-                for fd in fds:
-                    os.pread(fd, 4096, 0)
-            seen = []
-            # Other work on a small shared machine can swamp one round of microsecond
-            # timings; a systematic error fails every round, noise rarely fails every one.
-            for _ in range(ROUNDS):
-                before = slow.stats()
-                differences = []
-                for _ in range(pairs):
-                    start = time.perf_counter()
-                    os.pread(fds[0], 4096, 0)
-                    middle = time.perf_counter()
-                    os.pread(fds[1], 4096, 0)
-                    differences.append((middle - start) - (time.perf_counter() - middle))
-                after = slow.stats()
-                assert after["ops"]["read"] - before["ops"]["read"] == pairs  # one FUSE read per pread
-                slept_us = ((after["delay"]["mean_us"] * after["delay"]["count"]
-                             - before["delay"]["mean_us"] * before["delay"]["count"])
-                            / (after["delay"]["count"] - before["delay"]["count"]))
-                added_us = _trimmed_mean(differences) * 1e6
-                seen.append(f"slept {slept_us:.0f} us, application saw +{added_us:.0f} us")
-                if max(abs(slept_us - latency_us), abs(added_us - latency_us)) <= 0.1 * latency_us:
-                    break
-            else:
-                pytest.fail(f"set {latency_us} us; {ROUNDS} rounds: {'; '.join(seen)}")
-        finally:
-            for fd in fds:
-                os.close(fd)
-    print(f"\nslowfs {latency_us} us: {seen[-1]} (round {len(seen)})")
+    """Slept and application-seen delay within 10 % of the setting (emulator_checks)."""
+    with SlowFSProcess(source, mount_dir(tmp_path, "slow"), latency_us=latency_us) as slow, \
+            SlowFSProcess(source, mount_dir(tmp_path, "fast")) as fast:
+        check_latency(slow, fast, "data.bin", latency_us, pairs, name="slowfs")
 
 
 def test_latency_overlaps_across_threads(tmp_path: Path, source: Path) -> None:
-    """Concurrent operations wait out their latency together: it is no throughput cap."""
-    readers = 16
-    with SlowFSProcess(source, _mount_dir(tmp_path, "slow"), latency_us=20_000) as slow:
-        barrier = threading.Barrier(readers)
-        errors: list[BaseException] = []
-
-        def read() -> None:
-            try:
-                barrier.wait()
-                for _ in range(5):
-                    (slow.mount_point / "dir" / "ok.txt").read_bytes()
-            except BaseException as exc:  # reported below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=read) for _ in range(readers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        stats = slow.stats()
-    assert not errors
-    # 20 ms per op leaves ample time for all 16 readers to be inside a delay together;
-    # a serialising implementation would show 1.
-    assert stats["max_sleeping"] >= readers // 2, stats
-    assert stats["max_concurrent"] >= readers // 2, stats
+    with SlowFSProcess(source, mount_dir(tmp_path, "slow"), latency_us=20_000) as slow:
+        check_overlap(slow, "dir/ok.txt", readers=16, reads_each=5)
 
 
 def test_stop_unmounts_and_kill_is_cleaned_up(tmp_path: Path, source: Path) -> None:
-    mnt = _mount_dir(tmp_path, "mnt")
+    mnt = mount_dir(tmp_path, "mnt")
     fs = SlowFSProcess(source, mnt).start()
     assert is_mounted(mnt)
     assert fs.stop() == 0  # SIGTERM: clean unmount, exit 0
@@ -231,7 +157,7 @@ def test_stop_unmounts_and_kill_is_cleaned_up(tmp_path: Path, source: Path) -> N
 
 
 def test_cli_detaches_and_reports_errors(tmp_path: Path, source: Path) -> None:
-    mnt = _mount_dir(tmp_path, "mnt")
+    mnt = mount_dir(tmp_path, "mnt")
     run = [sys.executable, "-m", "tools.slowfs"]
     bad = subprocess.run([*run, str(source), str(mnt), "--fail", "x=ENOPE"], capture_output=True, text=True, cwd=REPO)
     assert bad.returncode == 2 and "unknown errno 'ENOPE'" in bad.stderr
