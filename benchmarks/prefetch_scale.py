@@ -29,8 +29,8 @@ import numpy as np
 from humanfriendly import format_size, format_timespan
 from humanfriendly.tables import format_pretty_table
 
-from cubefs_fuse.protocol import CONTENT_BINARY, ControlClient, read_volume_config
-from demo.harness import DaemonMount, remove_workdir, sigterm_as_interrupt
+from cubefs_fuse.control.protocol import CONTENT_BINARY, ControlClient, read_volume_config
+from tools.harness import DaemonMount, remove_workdir, sigterm_as_interrupt
 
 # Files per class directory, as in ImageNet-1k's training set.
 PER_CLASS = 1300

@@ -33,7 +33,7 @@ from humanfriendly import format_size
 from humanfriendly.tables import format_pretty_table
 
 from cubefs_fuse import mounts
-from demo.harness import (
+from tools.harness import (
     CacheDelta,
     DaemonMount,
     Dataset,

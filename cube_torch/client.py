@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cube_torch.files import SampleFiles, Unsupported, relative_to_mount, sample_files
-from cubefs_fuse.protocol import ControlClient, ProtocolError, read_volume_config
+from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
 log = logging.getLogger("cube_torch")
 

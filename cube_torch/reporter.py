@@ -16,7 +16,7 @@ import sys
 import threading
 from typing import Any
 
-from cubefs_fuse.protocol import ControlClient, ProtocolError, read_volume_config
+from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
 log = logging.getLogger("cube_torch")
 

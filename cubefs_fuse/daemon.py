@@ -21,19 +21,19 @@ import pyfuse3
 import trio
 
 from cubefs_fuse import __version__, mounts
-from cubefs_fuse.backend import LocalDirBackend, raise_fd_limit
+from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig, record_block_size
-from cubefs_fuse.control import AccessPolicy, ControlServer
+from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.prefetch import volconfig
+from cubefs_fuse.control import volfile
 from cubefs_fuse.prefetch.service import PrefetchService
-from cubefs_fuse.protocol import VolumeConfig
-from cubefs_fuse.core import Filesystem
-from cubefs_fuse.fuse_ops import FuseOperations
-from cubefs_fuse.meta import MetadataCache
+from cubefs_fuse.control.protocol import VolumeConfig
+from cubefs_fuse.fs.filesystem import Filesystem
+from cubefs_fuse.fs.adapter import FuseOperations
+from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, Snapshot, start_exporter
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
                 fs = Filesystem(meta, cache, backend, block_size=config.block_size)
                 daemon = Daemon(config, backend, disk, cache, meta, fs)
                 if config.profile == "ai_prefetch":
-                    volconfig.claim(config.vol_name, config.config_dir)
+                    volfile.claim(config.vol_name, config.config_dir)
                     service = PrefetchService(nursery, fs, config)
                     fs.observer = daemon.service = service
                     await _start_control(nursery, service, config)
@@ -133,9 +133,9 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
                                              "controlSocket": control_socket_path(config)
                                              if config.profile == "ai_prefetch" else ""})
         if config.profile == "ai_prefetch":
-            written = volconfig.write(VolumeConfig(
+            written = volfile.write(VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
-                local_ip=volconfig.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
+                local_ip=volfile.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
                 token_file=token_file_path(config) if config.prof_port else ""), config.config_dir)
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
         for key in config.unused_keys:
@@ -153,7 +153,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         pyfuse3.close(unmount=True)
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":
-            volconfig.remove(config.vol_name, config.config_dir)
+            volfile.remove(config.vol_name, config.config_dir)
             if config.prof_port:  # the token dies with the daemon: leave no stale secret behind
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(token_file_path(config))

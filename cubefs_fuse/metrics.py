@@ -21,11 +21,11 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from cubefs_fuse.backend import BackendStatistics
+from cubefs_fuse.backends.localdir import BackendStatistics
 from cubefs_fuse.cache.blockcache import BlockCacheStatistics
-from cubefs_fuse.core import FilesystemStatistics
+from cubefs_fuse.fs.filesystem import FilesystemStatistics
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.meta import MetadataStatistics
+from cubefs_fuse.fs.metadata import MetadataStatistics
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cubefs_fuse import mounts
-from cubefs_fuse.protocol import ControlClient, ProtocolError
+from cubefs_fuse.control.protocol import ControlClient, ProtocolError
 
 # Seconds between progress polls of a warmup: smooth enough for a bar, cheap for the daemon.
 POLL_SECONDS = 0.25

@@ -26,7 +26,7 @@ from typing import Any
 from humanfriendly import format_size
 from humanfriendly.tables import format_pretty_table
 
-from demo.harness import (
+from tools.harness import (
     CacheDelta,
     DaemonMount,
     Dataset,

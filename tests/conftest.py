@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from cubefs_fuse import mounts
-from demo import harness
-from demo.harness import free_port as free_port  # re-exported for the tests
+from tools import harness
+from tools.harness import free_port as free_port  # re-exported for the tests
 
 REPO = Path(__file__).resolve().parent.parent
 

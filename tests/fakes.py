@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import trio
 
-from cubefs_fuse.backend import Attr, BackendStatistics, FsStats
+from cubefs_fuse.backends.localdir import Attr, BackendStatistics, FsStats
 from cubefs_fuse.cache.keys import FileVersion
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram

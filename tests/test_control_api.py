@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cubefs_fuse.protocol import (
+from cubefs_fuse.control.protocol import (
     CONTENT_BINARY,
     MAX_DATASET_BODY,
     MAX_JSON_BODY,
@@ -201,7 +201,7 @@ def dead_pid() -> int:
 # Run as uid 65534 (nobody): imports first, while the interpreter's files are still readable.
 AS_NOBODY = """
 import json, os, sys
-from cubefs_fuse.protocol import ControlClient, ProtocolError
+from cubefs_fuse.control.protocol import ControlClient, ProtocolError
 os.setgid(65534)
 os.setuid(65534)
 client = ControlClient(sys.argv[1])

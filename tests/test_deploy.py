@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from cubefs_fuse import mounts
 from cubefs_fuse.config import parse_config, parse_size
 from cubefs_fuse.metrics import METRICS
-from cubefs_fuse.protocol import ControlClient
+from cubefs_fuse.control.protocol import ControlClient
 from tests.conftest import REPO, Mount, wait_until
 
 DEPLOY = REPO / "deploy"

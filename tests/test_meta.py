@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from cubefs_fuse.errors import FsError
-from cubefs_fuse.meta import MetadataCache
+from cubefs_fuse.fs.metadata import MetadataCache
 from tests.fakes import FakeBackend
 
 ATTR_TTL = 10.0  # seconds (virtual); deliberately different from LOOKUP_TTL

@@ -23,7 +23,7 @@ import numpy as np
 from torch.utils.data import DistributedSampler
 
 from cubefs_fuse import mounts
-from cubefs_fuse.protocol import ControlClient
+from cubefs_fuse.control.protocol import ControlClient
 from tests.conftest import REPO, Mount, cli, metric
 
 WORLD = 2

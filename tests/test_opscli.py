@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cubefs_fuse import mounts
-from cubefs_fuse.protocol import ControlClient, config_file_path
+from cubefs_fuse.control.protocol import ControlClient, config_file_path
 from tests.conftest import REPO, Mount, cli, metric, wait_until
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cubefs_fuse.metrics import METRICS
-from cubefs_fuse.protocol import ControlClient, read_volume_config
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.conftest import SlowMount, metric, wait_until
 
 pytestmark = pytest.mark.mounted

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suite.cleanup import Registry
-from demo.harness import Readers
+from tools.harness import Readers
 from tools.slowfs import REPO, SlowFSProcess
 
 # Remote operations in progress at once.  Our daemon uses up to 32 backend threads,

@@ -23,7 +23,7 @@ from benchmarks.suite.cleanup import Registry, signals_ignored, signals_interrup
 from benchmarks.suite.presets import Preset, build_parser, resolve
 from benchmarks.suite.remote import EMULATOR_THREADS, EMULATOR_TITLES, Remote, measure_ceiling
 from benchmarks.suite.systems import DATASET_DIR, SYSTEMS, Context, RunSpec, System, describe
-from demo.harness import HarnessError, machine, make_class_images, remove_workdir
+from tools.harness import HarnessError, machine, make_class_images, remove_workdir
 
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch

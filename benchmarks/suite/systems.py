@@ -29,7 +29,7 @@ from benchmarks.suite.cleanup import Registry, detach, stop_process
 from benchmarks.suite.remote import Remote
 from cubefs_fuse import __version__, mounts
 from cubefs_fuse.cache.disk import allocated_bytes
-from demo.harness import DaemonMount, Dataset, HarnessError, free_port
+from tools.harness import DaemonMount, Dataset, HarnessError, free_port
 
 MiB = 1024 * 1024
 # "Cache holds everything": twice the dataset, so no system ever evicts; the 64 MiB

@@ -32,7 +32,7 @@ import cube_torch
 from tools import torchvision_shim
 from benchmarks.suite.remote import Remote, RemoteStats
 from benchmarks.suite.systems import OursCubeTorch, System
-from demo.harness import HarnessError, drop_page_cache
+from tools.harness import HarnessError, drop_page_cache
 from demo.train import tiny_cnn  # the demo's model: one definition
 
 # More workers than cores is what the 1/4/8-worker workload means to do on a small machine.

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from cubefs_fuse.core import Filesystem
+from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.prefetch.datasets import Dataset
 from cubefs_fuse.prefetch.jobs import JobKey

@@ -18,16 +18,16 @@ import numpy as np
 import trio
 
 from cubefs_fuse import __version__
-from cubefs_fuse.backend import Attr
+from cubefs_fuse.backends.localdir import Attr
 from cubefs_fuse.config import ClientConfig
-from cubefs_fuse.control import ApiError, ControlServer, Request, Response
-from cubefs_fuse.core import Filesystem, OpenFile
+from cubefs_fuse.control.server import ApiError, ControlServer, Request, Response
+from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.metrics import JobSample
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import JobKey, JobRegistry
 from cubefs_fuse.prefetch.scheduler import Scheduler
-from cubefs_fuse.protocol import MAX_DATASET_BODY, MAX_NAME, MAX_PLAN_BODY, PLAN_DTYPES, PROTOCOL_VERSION
+from cubefs_fuse.control.protocol import MAX_DATASET_BODY, MAX_NAME, MAX_PLAN_BODY, PLAN_DTYPES, PROTOCOL_VERSION
 
 log = logging.getLogger(__name__)
 

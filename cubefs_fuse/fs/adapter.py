@@ -16,8 +16,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from cubefs_fuse.backend import Attr
-from cubefs_fuse.core import Entry, Filesystem
+from cubefs_fuse.backends.localdir import Attr
+from cubefs_fuse.fs.filesystem import Entry, Filesystem
 from cubefs_fuse.errors import FsError, errno_of
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The filesystem without FUSE: inodes, handles, reads assembled from cached blocks.
 
-Everything here is testable without a kernel; ``fuse_ops`` only translates.  The
+Everything here is testable without a kernel; the adapter (``fs.adapter``) only translates.  The
 volume is read-only: every write fails with EROFS.  Failures are raised as exceptions
 and mapped to errno in ``errors.errno_of`` (one place).
 """
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from itertools import count
 
-from cubefs_fuse.backend import Attr, Backend, FsStats
+from cubefs_fuse.backends.localdir import Attr, Backend, FsStats
 from cubefs_fuse.cache.blockcache import BlockCache, Fetcher, Source
 from cubefs_fuse.cache.keys import FileVersion, block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
-from cubefs_fuse.meta import MetadataCache
+from cubefs_fuse.fs.metadata import MetadataCache
 
 ROOT_INODE = 1
 # Blocks fetched ahead of a sequential reader of a large file.  Two keep one block in

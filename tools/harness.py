@@ -36,7 +36,7 @@ from humanfriendly import format_size
 from prometheus_client.parser import text_string_to_metric_families
 
 from cubefs_fuse import mounts
-from cubefs_fuse.protocol import config_file_path
+from cubefs_fuse.control.protocol import config_file_path
 
 # Mean file size of an ImageNet-like dataset (ILSVRC-2012 train: ~110 KB per JPEG).
 MEAN_FILE_BYTES = 110_000

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import trio
 
-from cubefs_fuse.backend import Attr, Backend
+from cubefs_fuse.backends.localdir import Attr, Backend
 from cubefs_fuse.errors import FsError
 
 

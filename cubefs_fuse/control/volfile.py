@@ -13,7 +13,7 @@ import socket
 
 from cubefs_fuse import mounts
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.protocol import VolumeConfig, config_file_path
+from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
 
 log = logging.getLogger(__name__)
 

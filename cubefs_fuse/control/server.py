@@ -27,7 +27,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 import trio
 
-from cubefs_fuse.protocol import CONTENT_JSON, MAX_JSON_BODY
+from cubefs_fuse.control.protocol import CONTENT_JSON, MAX_JSON_BODY
 
 log = logging.getLogger(__name__)
 
