@@ -21,7 +21,8 @@ import time
 import trio
 
 from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
-from cubefs_fuse.cache.keys import FileVersion, block_key
+from cubefs_fuse.attrs import FileVersion
+from cubefs_fuse.cache.keys import block_key
 
 # Concurrent puts while filling; the tier itself runs at most DISK_THREADS at once, more
 # tasks only keep its queue full.

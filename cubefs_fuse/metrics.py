@@ -21,7 +21,7 @@ import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from cubefs_fuse.backends.localdir import BackendStatistics
+from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.cache.blockcache import BlockCacheStatistics
 from cubefs_fuse.fs.filesystem import FilesystemStatistics
 from cubefs_fuse.errors import ConfigError

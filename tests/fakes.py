@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import trio
 
-from cubefs_fuse.backends.localdir import Attr, BackendStatistics, FsStats
-from cubefs_fuse.cache.keys import FileVersion
+from cubefs_fuse.attrs import Attr, FileVersion, FsStats
+from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram
 

@@ -27,7 +27,8 @@ from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control.server import Peer, Request, Response
-from cubefs_fuse.fs.filesystem import ROOT_INODE, Filesystem
+from cubefs_fuse.fs.filesystem import Filesystem
+from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch.scheduler import WARM_CHUNK
 from cubefs_fuse.prefetch.service import PrefetchService

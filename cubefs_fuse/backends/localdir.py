@@ -1,4 +1,4 @@
-"""The remote volume: the Backend interface and the directory-path backend.
+"""The directory backend: a local or NFS-mounted directory as the remote volume.
 
 Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
@@ -17,13 +17,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import trio
 
-from cubefs_fuse.cache.keys import FileVersion
+from cubefs_fuse.attrs import Attr, FileVersion, FsStats
+from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.errors import StaleVersion
-from cubefs_fuse.stats import HistogramSnapshot, LatencyHistogram
+from cubefs_fuse.stats import LatencyHistogram
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -40,78 +41,6 @@ WANTED_FD_LIMIT = 65536
 # Distinct files whose errors are logged individually; past this many the log says so
 # once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
 MAX_LOGGED_ERROR_FILES = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class Attr:
-    """The attributes of a source file, as the backend saw them."""
-
-    mode: int
-    nlink: int
-    uid: int
-    gid: int
-    rdev: int
-    size: int
-    blocks: int
-    blksize: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    ino: int
-
-    @classmethod
-    def from_stat(cls, st: os.stat_result) -> Attr:
-        return cls(
-            st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_size,
-            st.st_blocks, st.st_blksize, st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_ino,
-        )
-
-    @property
-    def version(self) -> FileVersion:
-        return FileVersion(self.size, self.mtime_ns, self.ino, self.ctime_ns)
-
-    @property
-    def is_dir(self) -> bool:
-        return stat.S_ISDIR(self.mode)
-
-    @property
-    def is_file(self) -> bool:
-        return stat.S_ISREG(self.mode)
-
-    @property
-    def is_symlink(self) -> bool:
-        return stat.S_ISLNK(self.mode)
-
-
-@dataclass(frozen=True, slots=True)
-class FsStats:
-    block_size: int
-    fragment_size: int
-    blocks: int
-    blocks_free: int
-    blocks_available: int
-    files: int
-    files_free: int
-    name_max: int
-
-
-@dataclass(frozen=True, slots=True)
-class BackendStatistics:
-    operations: dict[str, int]
-    errors: dict[tuple[str, int], int]
-    bytes_read: int
-    latency: dict[str, HistogramSnapshot]
-    threads_busy: int
-    threads_total: int
-
-
-class Backend(Protocol):
-    async def stat(self, path: str) -> Attr: ...
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]: ...
-    async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes: ...
-    async def readlink(self, path: str) -> str: ...
-    async def statfs(self) -> FsStats: ...
-    def statistics(self) -> BackendStatistics: ...
 
 
 @dataclass

@@ -10,20 +10,13 @@ new keys and its old blocks are never served again; they age out of the tiers.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import xxhash
 
+from cubefs_fuse.attrs import FileVersion
+
 KEY_BYTES = 16
 _VERSION = struct.Struct("<QqQqQ")  # size, mtime_ns, ino, ctime_ns, block index
-
-
-@dataclass(frozen=True, slots=True)
-class FileVersion:
-    size: int
-    mtime_ns: int
-    ino: int
-    ctime_ns: int
 
 
 def path_tag(path: str) -> int:

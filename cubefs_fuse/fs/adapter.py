@@ -16,7 +16,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import pyfuse3
 
-from cubefs_fuse.backends.localdir import Attr
+from cubefs_fuse.attrs import Attr
 from cubefs_fuse.fs.filesystem import Entry, Filesystem
 from cubefs_fuse.errors import FsError, errno_of
 

@@ -15,13 +15,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 from itertools import count
 
-from cubefs_fuse.backends.localdir import Attr, Backend, FsStats
+from cubefs_fuse.attrs import Attr, FileVersion, FsStats
+from cubefs_fuse.backends.base import Backend
 from cubefs_fuse.cache.blockcache import BlockCache, Fetcher, Source
-from cubefs_fuse.cache.keys import FileVersion, block_key, path_tag
+from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
+from cubefs_fuse.fs.inodes import InodeTable, child_path
 from cubefs_fuse.fs.metadata import MetadataCache
 
-ROOT_INODE = 1
 # Blocks fetched ahead of a sequential reader of a large file.  Two keep one block in
 # flight while the reader consumes the next, which hides one remote round trip per
 # block without spending the cache on blocks a random reader never asks for.
@@ -33,13 +34,6 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 class Entry:
     inode: int
     attr: Attr
-
-
-@dataclass(slots=True)
-class _Node:
-    path: str
-    lookups: int = 0
-    last_version: FileVersion | None = None  # the version the kernel page cache may hold
 
 
 @dataclass(slots=True)
@@ -91,50 +85,6 @@ class _Counters:
     stall_seconds: float = 0.0
     blocks_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
     bytes_by_source: dict[str, int] = field(default_factory=lambda: {s.value: 0 for s in Source})
-
-
-class InodeTable:
-    """Inode numbers for paths, with the kernel's lookup counts (freed at zero)."""
-
-    def __init__(self) -> None:
-        self._nodes: dict[int, _Node] = {ROOT_INODE: _Node("", lookups=1)}
-        self._by_path: dict[str, int] = {"": ROOT_INODE}
-        self._numbers = count(ROOT_INODE + 1)
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def node(self, inode: int) -> _Node:
-        try:
-            return self._nodes[inode]
-        except KeyError:
-            raise FsError(errno.ESTALE, f"unknown inode {inode}") from None
-
-    def remember(self, path: str) -> int:
-        """The inode of ``path``, its lookup count raised by one."""
-        inode = self._by_path.get(path)
-        if inode is None:
-            inode = next(self._numbers)
-            self._by_path[path] = inode
-            self._nodes[inode] = _Node(path)
-        self._nodes[inode].lookups += 1
-        return inode
-
-    def forget(self, inode: int, n: int) -> None:
-        node = self._nodes.get(inode)
-        if node is None or inode == ROOT_INODE:
-            return
-        node.lookups -= n
-        if node.lookups <= 0:
-            del self._nodes[inode]
-            if self._by_path.get(node.path) == inode:
-                del self._by_path[node.path]
-
-
-def child_path(parent: str, name: str) -> str:
-    if not name or "/" in name or "\0" in name:
-        raise FsError(errno.EINVAL, f"bad name {name!r}")
-    return f"{parent}/{name}" if parent else name
 
 
 class Filesystem:

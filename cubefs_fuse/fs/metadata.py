@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import trio
 
-from cubefs_fuse.backends.localdir import Attr, Backend
+from cubefs_fuse.attrs import Attr
+from cubefs_fuse.backends.base import Backend
 from cubefs_fuse.errors import FsError
 
 

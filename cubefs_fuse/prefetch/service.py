@@ -18,7 +18,7 @@ import numpy as np
 import trio
 
 from cubefs_fuse import __version__
-from cubefs_fuse.backends.localdir import Attr
+from cubefs_fuse.attrs import Attr
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control.server import ApiError, ControlServer, Request, Response
 from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
