@@ -241,3 +241,7 @@ def _file_order(offsets: np.ndarray, samples: np.ndarray) -> np.ndarray:
     # Each sample's run starts at its first file; within a run the index counts up.
     run_starts = np.repeat(starts - (np.cumsum(counts) - counts), counts)
     return run_starts + np.arange(total, dtype=np.int64)
+
+
+# The process's one submitter: the patch hands it plans, the reporter asks it for the last job.
+submitter = Submitter()

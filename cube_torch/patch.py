@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from cube_torch.client import PlanRequest, Submitter, default_job, info_once
+from cube_torch import reporter
+from cube_torch.client import PlanRequest, default_job, info_once, submitter
 
 log = logging.getLogger("cube_torch")
 
@@ -27,7 +28,6 @@ log = logging.getLogger("cube_torch")
 # would cost GBs in the training process.
 MAX_PLANNED_SAMPLES = 50_000_000
 
-submitter = Submitter()
 _epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _original: property | None = None
 
@@ -92,9 +92,7 @@ class PlannedSampler:
         vol_name, rank, job = os.environ["VOL_NAME"], _rank(), default_job()
         submitter.register_job_now(vol_name, job, rank)  # bounded; once per process and daemon
         submitter.submit(PlanRequest(vol_name, self._dataset, order, epoch, rank, job))
-        from cube_torch import reporter
-
-        reporter.ensure_running()
+        reporter.ensure_running(planning_loaders)
 
 
 def _epoch_of(loader: Any, sampler: Any) -> int:

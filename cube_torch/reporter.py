@@ -14,8 +14,10 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
+from cube_torch.client import submitter
 from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
 log = logging.getLogger("cube_torch")
@@ -51,8 +53,6 @@ def format_line(since_last: dict[str, Any], cumulative: dict[str, Any]) -> str:
 
 def stats() -> dict[str, Any] | None:
     """This process's job counters from the daemon (cumulative and since the last call)."""
-    from cube_torch.patch import submitter
-
     last = submitter.last_job
     if last is None:
         return None
@@ -79,17 +79,15 @@ def report_once() -> str | None:
     return line
 
 
-def _run() -> None:
+def _run(still_needed: Callable[[], int]) -> None:
     global _thread
-    from cube_torch import patch
-
     while not _stop.wait(interval()):
         try:
             report_once()
         except Exception as exc:  # a reporting problem must never reach training
             log.debug("cube_torch: metrics report failed: %r", exc)
         with _lock:  # decided under the lock: ensure_running() then starts a fresh thread
-            if not patch.planning_loaders():
+            if not still_needed():
                 # Every loader that planned is gone: nothing left to report on.  The next
                 # plan starts the thread again, so no thread outlives training.
                 if _thread is threading.current_thread():
@@ -97,12 +95,13 @@ def _run() -> None:
                 return
 
 
-def ensure_running() -> None:
+def ensure_running(still_needed: Callable[[], int]) -> None:
+    """Start the reporting thread if it is not running; it ends when ``still_needed()`` is 0."""
     global _thread
     with _lock:
         if _thread is None or not _thread.is_alive():
             _stop.clear()
-            _thread = threading.Thread(target=_run, name="cube_torch-metrics", daemon=True)
+            _thread = threading.Thread(target=_run, args=(still_needed,), name="cube_torch-metrics", daemon=True)
             _thread.start()
 
 

@@ -26,6 +26,7 @@ from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.control import volfile
@@ -191,7 +192,7 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
         os.rename(f"{path}.tmp", path)
     server = ControlServer(AccessPolicy(frozenset(config.control_allow_uids),
                                         frozenset(config.control_allow_gids)), token)
-    service.install(server)
+    Routes(service).install(server)
     socket_path = control_socket_path(config)
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
     try:

@@ -1,4 +1,4 @@
-"""The one place where failures become errno values.
+"""The one place where failures become errno values, and the error kinds of the core.
 
 Every layer below the FUSE adapter raises ordinary exceptions: ``OSError`` from the
 backend (already carrying an errno), :class:`FsError` for conditions the core detects
@@ -29,6 +29,34 @@ class StaleVersion(FsError):
     def __init__(self, path: str) -> None:
         super().__init__(errno.ESTALE, f"{path!r} changed at the source during the read")
         self.path = path
+
+
+class RequestError(Exception):
+    """A control request the daemon cannot serve; the message says why, for the caller.
+
+    Raised by the FUSE-free core (prefetch/); the control API maps each kind to its
+    HTTP status in one table (``control/server.py``), so the core knows nothing of HTTP.
+    """
+
+
+class BadRequest(RequestError):
+    """Malformed or out-of-range input."""
+
+
+class Forbidden(RequestError):
+    """The caller may not do this (e.g. register a job for another user's process)."""
+
+
+class NotFound(RequestError):
+    """The request names something that does not exist (a dataset id, a warmup)."""
+
+
+class TooLarge(RequestError):
+    """The request alone exceeds a bound."""
+
+
+class NoRoom(RequestError):
+    """The request fits the bounds but what is held already leaves no room for it."""
 
 
 class ConfigError(Exception):

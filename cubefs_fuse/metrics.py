@@ -26,6 +26,7 @@ from cubefs_fuse.cache.blockcache import BlockCacheStatistics
 from cubefs_fuse.fs.filesystem import FilesystemStatistics
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.fs.metadata import MetadataStatistics
+from cubefs_fuse.prefetch.jobs import JobSample
 
 log = logging.getLogger(__name__)
 
@@ -97,17 +98,6 @@ METRICS: dict[str, MetricSpec] = {
                    ("job", "rank"), ai_prefetch=True),
     )
 }
-
-
-@dataclass(frozen=True, slots=True)
-class JobSample:
-    job: str
-    rank: int
-    requests: int
-    hits: int
-    misses: int
-    stall_seconds: float
-    plan: dict[str, Any] | None  # the scheduler's summary of its current plan
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import reporter
-from cube_torch.patch import submitter
+from cube_torch.client import submitter
 from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
 from tests.conftest import Mount, wait_until
 from tests.test_cube_torch_mount import ListDataset, keep

@@ -53,7 +53,7 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import reporter
 from cube_torch.client import PlanRequest
-from cube_torch.patch import submitter
+from cube_torch.client import submitter
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
 from tests.conftest import Mount, force_unmount, free_port, wait_until

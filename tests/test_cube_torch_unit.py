@@ -78,7 +78,7 @@ def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PlanRequest]]:
     """Plans cube_torch would send (the daemon is not involved here)."""
     captured: list[PlanRequest] = []
     monkeypatch.setattr(patch.submitter, "submit", captured.append)
-    monkeypatch.setattr(reporter, "ensure_running", lambda: None)
+    monkeypatch.setattr(reporter, "ensure_running", lambda still_needed: None)
     monkeypatch.setattr(ct_client, "_warned", set())
     monkeypatch.setenv("VOL_NAME", "unit-test-volume")
     monkeypatch.setenv("RANK", "0")

@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 import cube_torch
 from cube_torch import reporter
-from cube_torch.patch import submitter
+from cube_torch.client import submitter
 
 class Files(Dataset):
     def __init__(self, paths):

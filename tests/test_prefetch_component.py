@@ -10,7 +10,6 @@ the machine's speed.  Plans are registered through the service's real handlers.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import AsyncIterator, Callable
@@ -26,7 +25,6 @@ from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
-from cubefs_fuse.control.server import Peer, Request, Response
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
@@ -73,24 +71,15 @@ def make_dataset(backend: FakeBackend, files: int, *, per_dir: int = 50, size: i
     return paths
 
 
-def request(query: dict[str, str] | None = None, body: bytes = b"") -> Request:
-    return Request("POST", "/", query or {}, {}, body, Peer(PID, 0, 0, "unix"))
-
-
-def answer(response: Response) -> Any:
-    assert response.status < 400, response.body
-    return json.loads(response.body)
-
-
 async def register(s: System, paths: list[str]) -> str:
     s.service.jobs.register(JOB, 0, PID)
     body = b"\0".join(p.encode() for p in paths)
-    return str(answer(await s.service.register_dataset(request({"columns": "1"}, body)))["dataset"])
+    dataset, _ = await s.service.register_dataset(body, 1)
+    return dataset.id
 
 
 async def submit(s: System, dataset: str, order: list[int], epoch: int, rank: int = 0) -> None:
-    query = {"job": JOB, "rank": str(rank), "epoch": str(epoch), "dataset": dataset, "dtype": "<u4"}
-    answer(await s.service.submit_plan(request(query, np.asarray(order, dtype="<u4").tobytes())))
+    await s.service.submit_plan((JOB, rank), epoch, dataset, np.asarray(order, dtype="<u4").tobytes(), "<u4")
 
 
 async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
@@ -263,8 +252,7 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         backend.write(path, b"n" * BLOCK)
     async with open_system(backend, ram=64 * 1024 * 1024) as s:
         old = await register(s, old_paths)
-        new = answer(await s.service.register_dataset(
-            request({"columns": "1"}, b"\0".join(p.encode() for p in new_paths))))["dataset"]
+        new = await register(s, new_paths)
         await submit(s, old, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5)  # the first chunk is issued, the second is being listed
         old_plan = s.service.scheduler.plans[(JOB, 0)]

@@ -23,19 +23,18 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlencode
 
+# Request bounds, enforced by the daemon and known to clients (standard library only too).
+from cubefs_fuse.limits import MAX_DATASET_BODY as MAX_DATASET_BODY
+from cubefs_fuse.limits import MAX_DATASET_FILES as MAX_DATASET_FILES
+from cubefs_fuse.limits import MAX_JSON_BODY as MAX_JSON_BODY
+from cubefs_fuse.limits import MAX_NAME as MAX_NAME
+from cubefs_fuse.limits import MAX_PATH_BYTES as MAX_PATH_BYTES
+from cubefs_fuse.limits import MAX_PLAN_BODY as MAX_PLAN_BODY
+from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
+
 PROTOCOL_VERSION = 1
 CONFIG_FILE_PREFIX = "cube_torch.config."
 DEFAULT_CONFIG_DIR = "/tmp"
-
-# Request bounds, enforced by the daemon and known to clients.
-MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
-# A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.
-MAX_DATASET_BODY = 1024 * 1024 * 1024
-MAX_DATASET_FILES = 100_000_000  # DESIGN.md 2.3: plans scale to 1e8 samples
-MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
-MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
-MAX_NAME = 128  # job names and other identifiers
-PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
 
 CONTENT_JSON = "application/json"
 CONTENT_BINARY = "application/octet-stream"

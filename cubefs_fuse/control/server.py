@@ -7,8 +7,9 @@ receive a parsed :class:`Request`.  What it enforces for every handler:
   on the optional loopback TCP port, a bearer token instead;
 * a body limit per route, checked against Content-Length before reading and again
   while reading, and a deadline per request so a stalled client cannot pin a task;
-* errors as JSON ``{"error": ...}`` with a 4xx/5xx status; a handler's ApiError is
-  the client's fault (4xx), anything else is logged and answered 500.
+* errors as JSON ``{"error": ...}`` with a 4xx/5xx status: a handler's ApiError or the
+  core's RequestError (mapped by :data:`STATUS_OF`, the one table) is the client's
+  fault, anything else is logged and answered 500.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 import trio
 
-from cubefs_fuse.control.protocol import CONTENT_JSON, MAX_JSON_BODY
+from cubefs_fuse.control.protocol import CONTENT_JSON
+from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, RequestError, TooLarge
+from cubefs_fuse.limits import MAX_JSON_BODY
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,10 @@ REQUEST_DEADLINE = 120.0
 MAX_CONNECTIONS = 64
 _READ_CHUNK = 1024 * 1024
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
+# The HTTP status of each kind of request error the core raises.
+STATUS_OF: dict[type[RequestError], int] = {
+    BadRequest: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, NoRoom: 507,
+}
 
 
 class ApiError(Exception):
@@ -213,6 +220,8 @@ class ControlServer:
             return await route.handler(Request(method, url.path, query, headers, body, peer))
         except ApiError as exc:
             return Response.json({"error": exc.message}, exc.status)
+        except RequestError as exc:
+            return Response.json({"error": str(exc)}, STATUS_OF.get(type(exc), 400))
         except Exception:
             log.exception("control API handler failed")
             return Response.json({"error": "internal error (see the daemon log)"}, 500)

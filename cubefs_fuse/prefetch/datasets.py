@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from cubefs_fuse.control.protocol import MAX_DATASET_FILES, MAX_PATH_BYTES
+from cubefs_fuse.limits import MAX_DATASET_FILES, MAX_PATH_BYTES
 
 # Byte sequences that show an absolute path, an empty path or component or a trailing
 # slash (separators next to each other), and, with "." after a separator, the

@@ -57,6 +57,19 @@ class HitCounters:
         return data
 
 
+@dataclass(frozen=True, slots=True)
+class JobSample:
+    """One job's counters and plan summary, for the metrics exporter."""
+
+    job: str
+    rank: int
+    requests: int
+    hits: int
+    misses: int
+    stall_seconds: float
+    plan: dict[str, Any] | None  # the scheduler's summary of its current plan
+
+
 @dataclass
 class Job:
     name: str

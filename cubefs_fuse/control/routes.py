@@ -1,0 +1,125 @@
+"""The control API's routes: HTTP requests in, :class:`PrefetchService` calls, JSON out.
+
+Everything a client sends is checked here (names, integers, paths, body sizes) before
+the service sees it; the service's :class:`~cubefs_fuse.errors.RequestError` kinds
+become statuses in ``server.py``.  Routes and their bodies are documented in
+docs/ai_prefetch.md.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from cubefs_fuse import __version__
+from cubefs_fuse.control.protocol import PROTOCOL_VERSION
+from cubefs_fuse.control.server import ControlServer, Request, Response
+from cubefs_fuse.errors import BadRequest, NotFound
+from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.prefetch.service import PrefetchService
+from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
+
+_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
+_MAX_RANK = 1 << 20
+_MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
+_MAX_EPOCH = 1 << 40
+
+
+def _name(query: dict[str, str], key: str) -> str:
+    value = query.get(key)
+    if value is None or not _NAME.fullmatch(value):
+        raise BadRequest(f"query parameter {key!r} must be 1-{MAX_NAME} of [A-Za-z0-9_.:@-]")
+    return value
+
+
+def _int(value: Any, key: str, low: int, high: int) -> int:
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise BadRequest(f"{key!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _relative_path(value: Any) -> str:
+    """A path inside the volume: relative, normalised, no NUL; '' for the root."""
+    if not isinstance(value, str) or "\0" in value or len(value.encode()) > MAX_PATH_BYTES:
+        raise BadRequest(f"paths must be strings without NUL bytes, at most {MAX_PATH_BYTES} bytes")
+    if value.startswith("/"):
+        raise BadRequest(f"path {value!r} is absolute: give it relative to the volume root")
+    parts = [p for p in value.split("/") if p]
+    if any(p in (".", "..") for p in parts) or (value and "/".join(parts) != value.rstrip("/")):
+        raise BadRequest(f"path {value!r} is not normalised ('.', '..' and '//' are refused)")
+    return "/".join(parts)
+
+
+class Routes:
+    """The ``/v1`` routes of one daemon, over its prefetch service."""
+
+    def __init__(self, service: PrefetchService) -> None:
+        self.service = service
+
+    def install(self, server: ControlServer) -> None:
+        server.route("GET", "/v1/status", self.status)
+        server.route("POST", "/v1/datasets", self.register_dataset, max_body=MAX_DATASET_BODY)
+        server.route("POST", "/v1/jobs", self.register_job)
+        server.route("POST", "/v1/plans", self.submit_plan, max_body=MAX_PLAN_BODY)
+        server.route("GET", "/v1/stats", self.stats)
+        server.route("POST", "/v1/warmup", self.start_warmup)
+        server.route("GET", "/v1/warmup", self.warmup_progress)
+        server.route("POST", "/v1/cache/drop", self.drop_cache)
+
+    async def status(self, request: Request) -> Response:
+        return Response.json({"version": __version__, "protocol_version": PROTOCOL_VERSION,
+                              **self.service.status()})
+
+    async def register_dataset(self, request: Request) -> Response:
+        columns = _int(request.query.get("columns", "1"), "columns", 1, 16)
+        dataset, known = await self.service.register_dataset(request.body, columns)
+        return Response.json({"dataset": dataset.id, "files": dataset.files, "samples": dataset.samples,
+                              "columns": columns, "known": known})
+
+    async def register_job(self, request: Request) -> Response:
+        body = request.json()
+        job = body.get("job")
+        if not isinstance(job, str) or not _NAME.fullmatch(job):
+            raise BadRequest(f"'job' must be 1-{MAX_NAME} of [A-Za-z0-9_.:@-]")
+        rank = _int(body.get("rank", 0), "rank", 0, _MAX_RANK)
+        unix = request.peer.transport == "unix"
+        if "pid" not in body and unix and request.peer.pid == 0:
+            # The caller lives in another pid namespace (a container without hostPID).
+            self.service.register_job(job, rank, 0, caller_uid=request.peer.uid)
+            return Response.json({"job": job, "rank": rank, "pid": 0, "attribution": "pid-namespace"})
+        pid = _int(body.get("pid", request.peer.pid), "pid", 1, _MAX_PID)
+        self.service.register_job(job, rank, pid, caller_uid=request.peer.uid if unix else None)
+        return Response.json({"job": job, "rank": rank, "pid": pid})
+
+    async def submit_plan(self, request: Request) -> Response:
+        q = request.query
+        job = _name(q, "job")
+        rank = _int(q.get("rank", "0"), "rank", 0, _MAX_RANK)
+        epoch = _int(q.get("epoch", "0"), "epoch", 0, _MAX_EPOCH)
+        count = await self.service.submit_plan((job, rank), epoch, q.get("dataset", ""), request.body,
+                                               q.get("dtype", "<i8"))
+        return Response.json({"job": job, "rank": rank, "epoch": epoch, "samples": count})
+
+    async def stats(self, request: Request) -> Response:
+        return Response.json(self.service.stats(request.query.get("job")))
+
+    async def drop_cache(self, request: Request) -> Response:
+        return Response.json({"dropped_bytes": await self.service.drop_cache()})
+
+    async def start_warmup(self, request: Request) -> Response:
+        body = request.json()
+        paths = body.get("paths")
+        if not isinstance(paths, list) or not paths or len(paths) > MAX_WARMUP_PATHS:
+            raise BadRequest(f"'paths' must be a list of 1-{MAX_WARMUP_PATHS} relative paths")
+        clean = [_relative_path(p) for p in paths]
+        warmup = self.service.warmups.start(clean, bool(body.get("check", False)))
+        return Response.json(warmup.summary(), 202)
+
+    async def warmup_progress(self, request: Request) -> Response:
+        warmup_id = _int(request.query.get("id", ""), "id", 1, 1 << 62)
+        warmup = self.service.warmups.get(warmup_id)
+        if warmup is None:
+            raise NotFound(f"no warmup {warmup_id}")
+        return Response.json(warmup.summary())
