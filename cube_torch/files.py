@@ -67,10 +67,6 @@ def _from_array(array: np.ndarray) -> SampleFiles:
     raise Unsupported(f"train_data_list() returned a {array.ndim}-D array (1-D or 2-D expected)")
 
 
-def dataset_length(dataset: Any) -> int:
-    return len(dataset)
-
-
 def relative_to_mount(path: str, mount_point: str) -> str | None:
     """``path`` relative to the mount point, or None when it lies outside the mount."""
     absolute = os.path.abspath(path)
