@@ -1,4 +1,4 @@
-"""The filesystem without FUSE: inodes, handles, reads assembled from cached blocks.
+"""The filesystem core without FUSE: names, handles, reads assembled from cached blocks.
 
 Everything here is testable without a kernel; the adapter (``fs.adapter``) only translates.  The
 volume is read-only: every write fails with EROFS.  Failures are raised as exceptions
@@ -17,9 +17,10 @@ from itertools import count
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import Backend
-from cubefs_fuse.cache.blockcache import BlockCache, Fetcher, Source
+from cubefs_fuse.cache.blockcache import BlockCache, Source
 from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
+from cubefs_fuse.fs.blocks import FileBlocks
 from cubefs_fuse.fs.inodes import InodeTable, child_path
 from cubefs_fuse.fs.metadata import MetadataCache
 
@@ -94,6 +95,7 @@ class Filesystem:
         self.backend = backend
         self.block_size = block_size
         self.inodes = InodeTable()
+        self.blocks = FileBlocks(meta, cache, backend, block_size)
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
@@ -212,7 +214,7 @@ class Filesystem:
                 # Start every block's fetch, then collect them in order: each get() joins
                 # (and promotes to foreground) the flight its prefetch started.
                 for index in range(first + 1, last + 1):
-                    self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
+                    self.cache.prefetch(block_key(f.path, f.version, index), self.blocks.fetcher(f.path, f.version, index))
                 parts = []
                 for index in range(first, last + 1):
                     served = min(end, (index + 1) * bs) - max(offset, index * bs)
@@ -231,7 +233,7 @@ class Filesystem:
         """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
         start = time.perf_counter()
         data, source = await self.cache.get(block_key(f.path, f.version, index),
-                                            self._fetcher(f.path, f.version, index), tag=f.tag)
+                                            self.blocks.fetcher(f.path, f.version, index), tag=f.tag)
         if source is Source.BACKEND:
             f.waited = True
             f.stall += time.perf_counter() - start
@@ -239,62 +241,12 @@ class Filesystem:
         self._c.bytes_by_source[source.value] += served
         return data
 
-    def _fetcher(self, path: str, version: FileVersion, index: int) -> Fetcher:
-        bs = self.block_size
-        length = min(bs, version.size - index * bs)
-
-        async def fetch() -> bytes:
-            return await self.backend.read_block(path, version, index * bs, length)
-
-        return fetch
-
-    def _block_count(self, size: int) -> int:
-        return -(-size // self.block_size)
-
     def _readahead(self, f: OpenFile, first: int, last: int) -> None:
         sequential = first == f.next_block or first == f.next_block - 1
         f.next_block = last + 1
         if not sequential:
             return
-        blocks = self._block_count(f.version.size)
-        for index in range(last + 1, min(last + 1 + READAHEAD_BLOCKS, blocks)):
-            self.cache.prefetch(block_key(f.path, f.version, index), self._fetcher(f.path, f.version, index))
-
-    async def prefetch_file(self, path: str, next_use: int | None = None) -> int:
-        """Start bringing every block of ``path`` into RAM; its size (0 if not a file).
-
-        ``next_use``: the plan position that will read it (protects it from eviction)."""
-        attr = await self.meta.stat(path)
-        if not attr.is_file:
-            return 0
-        version, tag = attr.version, path_tag(path)
-        for index in range(self._block_count(attr.size)):
-            self.cache.prefetch(block_key(path, version, index), self._fetcher(path, version, index),
-                                next_use=next_use, tag=tag)
-        return attr.size
-
-    def unplan_file(self, path: str, version: FileVersion) -> None:
-        """No plan reads this version of ``path`` again (it was just consumed)."""
-        for index in range(self._block_count(version.size)):
-            self.cache.unplan(block_key(path, version, index))
-
-    async def warm_file(self, path: str) -> int:
-        """Bring every block of ``path`` into the cache and wait; its size (0 if not a file)."""
-        attr = await self.meta.stat(path)
-        if not attr.is_file:
-            return 0
-        version = attr.version
-        for index in range(self._block_count(attr.size)):
-            await self.cache.warm(block_key(path, version, index), self._fetcher(path, version, index))
-        return attr.size
-
-    def cached_fraction(self, path: str, attr: Attr) -> float:
-        """The fraction of ``path``'s blocks (at version ``attr``) held by a cache tier."""
-        blocks = self._block_count(attr.size)
-        if not blocks:
-            return 1.0
-        held = sum(self.cache.contains(block_key(path, attr.version, i)) for i in range(blocks))
-        return held / blocks
+        self.blocks.prefetch_range(f.path, f.version, last + 1, last + 1 + READAHEAD_BLOCKS)
 
     def statistics(self) -> FilesystemStatistics:
         c = self._c

@@ -229,7 +229,7 @@ class Scheduler:
     async def _issue(self, plan: Plan, position: int, slots: trio.Semaphore) -> None:
         try:
             for path in plan.dataset.sample_paths(int(plan.order[position])):
-                await self.fs.prefetch_file(path, next_use=position)
+                await self.fs.blocks.prefetch_file(path, next_use=position)
             plan.counters.issued += 1
         except (OSError, FsError):
             plan.counters.errors += 1

@@ -55,7 +55,7 @@ class PrefetchService:
         key = f.owner if isinstance(f.owner, tuple) else None
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:
-            self.fs.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
+            self.fs.blocks.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
 
     def job_samples(self) -> tuple[JobSample, ...]:
         plans = {(p["job"], p["rank"]): p for p in self.scheduler.summaries()}

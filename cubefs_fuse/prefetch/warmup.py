@@ -97,11 +97,11 @@ class Warmups:
 
     async def _warm_one(self, path: str, attr: Attr, warmup: Warmup, slots: trio.Semaphore) -> None:
         try:
-            if self._fs.cached_fraction(path, attr) == 1.0:
+            if self._fs.blocks.cached_fraction(path, attr) == 1.0:
                 warmup.files_cached += 1
                 warmup.bytes_cached += attr.size
             elif not warmup.check_only:
-                await self._fs.warm_file(path)
+                await self._fs.blocks.warm_file(path)
                 warmup.files_cached += 1
                 warmup.bytes_cached += attr.size
         except (OSError, FsError):

@@ -1,0 +1,76 @@
+"""Whole-file block operations: the blocks of one version of a file in the cache.
+
+The read path takes its keys and fetchers from here; ai_prefetch and warmup bring whole
+files in (``prefetch_file``, ``warm_file``), mark consumed ones (``unplan_file``) and
+ask what is held (``cached_fraction``).  A block is ``block_size`` bytes of the file at
+one :class:`FileVersion`; its key is ``cache.keys.block_key``.
+"""
+
+from __future__ import annotations
+
+from cubefs_fuse.attrs import Attr, FileVersion
+from cubefs_fuse.backends.base import Backend
+from cubefs_fuse.cache.blockcache import BlockCache, Fetcher
+from cubefs_fuse.cache.keys import block_key, path_tag
+from cubefs_fuse.fs.metadata import MetadataCache
+
+
+class FileBlocks:
+    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, block_size: int) -> None:
+        self.meta = meta
+        self.cache = cache
+        self.backend = backend
+        self.block_size = block_size
+
+    def fetcher(self, path: str, version: FileVersion, index: int) -> Fetcher:
+        bs = self.block_size
+        length = min(bs, version.size - index * bs)
+
+        async def fetch() -> bytes:
+            return await self.backend.read_block(path, version, index * bs, length)
+
+        return fetch
+
+    def count(self, size: int) -> int:
+        return -(-size // self.block_size)
+
+    async def prefetch_file(self, path: str, next_use: int | None = None) -> int:
+        """Start bringing every block of ``path`` into RAM; its size (0 if not a file).
+
+        ``next_use``: the plan position that will read it (protects it from eviction)."""
+        attr = await self.meta.stat(path)
+        if not attr.is_file:
+            return 0
+        version, tag = attr.version, path_tag(path)
+        for index in range(self.count(attr.size)):
+            self.cache.prefetch(block_key(path, version, index), self.fetcher(path, version, index),
+                                next_use=next_use, tag=tag)
+        return attr.size
+
+    def unplan_file(self, path: str, version: FileVersion) -> None:
+        """No plan reads this version of ``path`` again (it was just consumed)."""
+        for index in range(self.count(version.size)):
+            self.cache.unplan(block_key(path, version, index))
+
+    async def warm_file(self, path: str) -> int:
+        """Bring every block of ``path`` into the cache and wait; its size (0 if not a file)."""
+        attr = await self.meta.stat(path)
+        if not attr.is_file:
+            return 0
+        version = attr.version
+        for index in range(self.count(attr.size)):
+            await self.cache.warm(block_key(path, version, index), self.fetcher(path, version, index))
+        return attr.size
+
+    def cached_fraction(self, path: str, attr: Attr) -> float:
+        """The fraction of ``path``'s blocks (at version ``attr``) held by a cache tier."""
+        blocks = self.count(attr.size)
+        if not blocks:
+            return 1.0
+        held = sum(self.cache.contains(block_key(path, attr.version, i)) for i in range(blocks))
+        return held / blocks
+
+    def prefetch_range(self, path: str, version: FileVersion, first: int, end: int) -> None:
+        """Start fetching blocks ``first`` up to ``end`` (exclusive, cut at the file's end)."""
+        for index in range(first, min(end, self.count(version.size))):
+            self.cache.prefetch(block_key(path, version, index), self.fetcher(path, version, index))
