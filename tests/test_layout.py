@@ -1,4 +1,4 @@
-"""The package's layout rules (docs/architecture.md, "Layout"), read from the code's imports.
+"""The package's layout rules (docs/architecture.md, "Layout rules"), read from the code's imports.
 
 An AST scan of every module of ``cubefs_fuse`` and ``cube_torch``: no import cycle, each
 third-party library with a single owner, and every import pointing down the flow

@@ -1,4 +1,4 @@
-"""The thin pyfuse3 adapter: translate requests to ``core.Filesystem`` calls and back.
+"""The thin pyfuse3 adapter: translate requests to ``fs.filesystem.Filesystem`` calls and back.
 
 No logic lives here beyond type conversion.  Every handler goes through
 ``_translating``, which turns any exception into ``FUSEError(errors.errno_of(exc))``;
