@@ -24,7 +24,7 @@ from benchmarks.suite import report
 from benchmarks.suite.cleanup import Registry, mounts_below, processes_naming
 from benchmarks.suite.remote import Remote
 from cubefs_fuse import mounts
-from tests.conftest import REPO, wait_until
+from tests.helpers import REPO, wait_until
 
 pytestmark = pytest.mark.mounted
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from cubefs_fuse import __version__, mounts
-from tests.conftest import REPO, Mount, cli, free_port
+from tests.helpers import REPO, Mount, cli, free_port
 
 ERROR = "cubefs-fuse: error: "
 

@@ -21,8 +21,8 @@ from cubefs_fuse.config import (
     to_json_dict,
 )
 from cubefs_fuse.errors import ConfigError
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = {"mountPoint": "/mnt/data", "volName": "ltptest", "source": "/nfs/data"}
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 

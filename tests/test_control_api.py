@@ -31,7 +31,7 @@ from cubefs_fuse.control.protocol import (
     ProtocolError,
     read_volume_config,
 )
-from tests.conftest import REPO, Mount, free_port, wait_until
+from tests.helpers import REPO, Mount, free_port, wait_until
 
 pytestmark = pytest.mark.mounted
 

@@ -56,7 +56,7 @@ from cube_torch.client import PlanRequest
 from cube_torch.patch import submitter
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
-from tests.conftest import Mount, force_unmount, free_port, wait_until
+from tests.helpers import Mount, force_unmount, free_port, wait_until
 
 SEED = 20240607
 

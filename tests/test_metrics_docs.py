@@ -6,14 +6,12 @@ import errno
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
 from cubefs_fuse.metrics import METRICS
-from tests.conftest import Mount
+from tests.helpers import REPO, Mount
 
-REPO = Path(__file__).resolve().parent.parent
 DOC = (REPO / "docs" / "metrics.md").read_text()
 # The sample names each metric kind shows in the text exposition.
 SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, metric, wait_until
+from tests.helpers import Mount, metric, wait_until
 
 pytestmark = pytest.mark.mounted
 

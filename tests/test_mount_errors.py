@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cubefs_fuse import mounts
-from tests.conftest import SlowMount, metric
+from tests.helpers import SlowMount, metric
 
 pytestmark = pytest.mark.mounted
 

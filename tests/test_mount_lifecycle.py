@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from cubefs_fuse import mounts
-from tests.conftest import REPO, Mount, cli, wait_until
+from tests.helpers import REPO, Mount, cli, wait_until
 
 pytestmark = pytest.mark.mounted
 

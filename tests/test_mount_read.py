@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, metric
+from tests.helpers import Mount, metric
 
 pytestmark = pytest.mark.mounted
 

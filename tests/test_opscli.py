@@ -22,7 +22,7 @@ import numpy as np
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import ControlClient, config_file_path
-from tests.conftest import REPO, Mount, cli, metric, wait_until
+from tests.helpers import REPO, Mount, cli, metric, wait_until
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.
 AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}

@@ -17,7 +17,7 @@ import pytest
 
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.conftest import SlowMount, metric, wait_until
+from tests.helpers import SlowMount, metric, wait_until
 
 pytestmark = pytest.mark.mounted
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from cubefs_fuse import mounts
-from tests.conftest import REPO, wait_until
+from tests.helpers import REPO, wait_until
 from tests.emulator_checks import check_latency, check_overlap, mount_dir
 from tools.slowfs import INODE_SHIFT, STATS_NAME, FailRule, SlowFSProcess, first_match, is_mounted
 

@@ -22,7 +22,7 @@ import pytest
 from benchmarks.suite import remote
 from benchmarks.suite.remote import EMULATOR_THREADS, SLOWFS_C_BUILD, RemoteStats, SlowFSCProcess
 from cubefs_fuse import mounts
-from tests.conftest import wait_until
+from tests.helpers import wait_until
 from tests.emulator_checks import check_latency, check_overlap, mount_dir
 from tools.slowfs import INODE_SHIFT, STATS_NAME, SlowFSProcess, is_mounted
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ControlClient, ProtocolError, VolumeConfig, read_volume_config
-from tests.conftest import Mount, cli
+from tests.helpers import Mount, cli
 
 FIELDS = {"prof", "mount_point", "vol_name", "local_ip", "control_socket", "pid", "protocol_version", "token_file"}
 

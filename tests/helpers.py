@@ -1,0 +1,121 @@
+"""Helpers the tests import (fixtures live in tests/conftest.py): running the CLI, waiting,
+real daemons on real mounts (:class:`Mount`) and their metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cubefs_fuse import mounts
+from tools import harness
+from tools.harness import free_port as free_port  # re-exported for the tests
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``cubefs-fuse ARGS`` as a real subprocess."""
+    return subprocess.run([sys.executable, "-m", "cubefs_fuse", *args], capture_output=True, text=True,
+                          timeout=timeout, check=check, cwd=REPO)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- real daemons on real FUSE mounts (the make_mount and make_slow_mount fixtures) -----------
+
+
+@dataclass
+class Mount:
+    """A daemon started with ``cubefs-fuse mount`` on a real FUSE mount point."""
+
+    base: Path
+    source: Path
+    mount_point: Path
+    cache_dir: Path
+    config_path: Path
+    port: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    mounted: bool = False
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "mountPoint": str(self.mount_point),
+            "volName": f"test{self.port}",
+            "source": str(self.source),
+            "diskCacheDir": str(self.cache_dir),
+            "exporterPort": self.port,
+            "logDir": str(self.base / "log"),
+            "logLevel": "debug",
+            **self.overrides,
+        }
+
+    def mount(self) -> None:
+        self.config_path.write_text(json.dumps(self.config()))
+        result = cli("mount", "-c", str(self.config_path))
+        assert result.returncode == 0, f"mount failed: {result.stderr}\n{self.log()}"
+        self.mounted = True
+
+    def umount(self) -> None:
+        if self.mounted:
+            result = cli("umount", str(self.mount_point))
+            assert result.returncode == 0, f"umount failed: {result.stderr}\n{self.log()}"
+            self.mounted = False
+
+    def pid(self) -> int:
+        info = mounts.registered(str(self.mount_point))
+        assert info is not None, "daemon not registered"
+        return int(info["pid"])
+
+    def log(self) -> str:
+        logs = list((self.base / "log").glob("*.log"))
+        return "\n".join(p.read_text(errors="replace")[-20000:] for p in logs)
+
+    def scrape(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v",...}': value}."""
+        return harness.scrape(self.port)
+
+    def path(self, relative: str) -> Path:
+        return self.mount_point / relative
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """One sample of ``Mount.scrape()`` by name and labels; 0 if the daemon has not emitted it."""
+    if labels:
+        name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    return samples.get(name, 0.0)
+
+
+def force_unmount(m: Mount) -> None:
+    """Detach ``m`` and kill its daemon if it is still mounted (teardown after a failure)."""
+    if mounts.find_mount(str(m.mount_point)) is None:
+        return
+    info = mounts.registered(str(m.mount_point))
+    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+    if info:
+        try:
+            os.kill(int(info["pid"]), 9)
+        except ProcessLookupError:
+            pass
+    m.mounted = False
+
+
+@dataclass
+class SlowMount:
+    """A Mount whose source is a slowfs mount (the emulated remote) of the directory ``real``."""
+
+    mount: Mount
+    real: Path  # the files behind slowfs: tests create, change and delete them here
+    slowfs: Any  # tools.slowfs.SlowFSProcess
