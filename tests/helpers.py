@@ -119,3 +119,51 @@ class SlowMount:
     mount: Mount
     real: Path  # the files behind slowfs: tests create, change and delete them here
     slowfs: Any  # tools.slowfs.SlowFSProcess
+
+
+# -- files and processes -------------------------------------------------------------------
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> dict[str, bytes]:
+    """Write ``files`` ({relative path: content}) under ``root``, making directories; returns ``files``."""
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def stat_tree(root: Path) -> dict[str, os.stat_result]:
+    """``os.lstat`` of every directory, file and link under ``root``, by relative path."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(directory) / name
+            found[str(path.relative_to(root))] = os.lstat(path)
+    return found
+
+
+def allocated_on_disk(cache_dir: Path) -> int:
+    """Bytes the filesystem has allocated to a disk tier's block files (finished, in
+    ``blocks/``, and being written, in ``tmp/``), summed file by file.
+
+    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
+    file renamed during the walk is missed at worst, never counted twice.  Not atomic: a
+    file evicted after it was counted and another written before the walk ends are both
+    counted, so under churn this may exceed what was on disk at any one instant.
+    """
+    total = 0
+    for sub in ("blocks", "tmp"):
+        for directory, _, files in os.walk(cache_dir / sub):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass  # evicted or renamed while we looked
+    return total
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(proc.stdout)

@@ -10,7 +10,6 @@ import copy
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ from benchmarks.suite import report
 from benchmarks.suite.cleanup import Registry, mounts_below, processes_naming
 from benchmarks.suite.remote import Remote
 from cubefs_fuse import mounts
+from tests.emulator_checks import trimmed_mean
 from tests.helpers import REPO, wait_until
 
 pytestmark = pytest.mark.mounted
@@ -34,13 +34,6 @@ FILES = 16  # files of the latency test's tree
 
 def _suite(*args: str, out: Path, workdir: Path) -> list[str]:
     return [sys.executable, "-m", "benchmarks.suite", "--out", str(out), "--workdir", str(workdir), *args]
-
-
-def _trimmed_mean(values: list[float], fraction: float = 0.1) -> float:
-    """Mean without the lowest and highest ``fraction`` (scheduler noise on a shared machine)."""
-    ordered = sorted(values)
-    k = int(len(ordered) * fraction)
-    return statistics.mean(ordered[k : len(ordered) - k])
 
 
 @pytest.fixture
@@ -78,7 +71,7 @@ def test_emulator_latency(tmp_path: Path, backing: Path, latency_us: int, files_
                 differences.append((middle - start) - (time.perf_counter() - middle))
             delta = slow.stats().minus(before)
             per_file_delays = delta.delays / len(names)
-            added_per_op_us = _trimmed_mean(differences) * 1e6 / per_file_delays
+            added_per_op_us = trimmed_mean(differences) * 1e6 / per_file_delays
             seen.append(f"slept {delta.mean_delay_us:.0f} us, +{added_per_op_us:.0f} us per operation seen "
                         f"({per_file_delays:.1f} delayed operations per file)")
             if max(abs(delta.mean_delay_us - latency_us), abs(added_per_op_us - latency_us)) <= 0.1 * latency_us:

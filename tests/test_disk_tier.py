@@ -14,6 +14,7 @@ import trio
 
 from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier, allocated_bytes
 from cubefs_fuse.errors import ConfigError
+from tests.helpers import allocated_on_disk
 
 # The tier accounts in 4 KiB allocation units (ext4/xfs); the limits below are counted in them.
 PAGE = 4096
@@ -30,23 +31,6 @@ def payload(i: int, size: int) -> bytes:
 def block_path(directory: Path, k: bytes) -> Path:
     """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py)."""
     return directory / "blocks" / k.hex()[:2] / k.hex()
-
-
-def allocated_on_disk(directory: Path) -> int:
-    """Bytes the filesystem has allocated to block files (finished and in progress).
-
-    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
-    file renamed during the walk is missed at worst, never counted twice.
-    """
-    total = 0
-    for sub in ("blocks", "tmp"):
-        for root, _, files in os.walk(directory / sub):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass  # unlinked by a concurrent eviction
-    return total
 
 
 async def test_put_get_roundtrip(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from cubefs_fuse.metrics import METRICS
-from tests.helpers import REPO, Mount
+from tests.helpers import REPO, Mount, write_tree
 
 DOC = (REPO / "docs" / "metrics.md").read_text()
 # The sample names each metric kind shows in the text exposition.
@@ -52,9 +52,7 @@ def sample_names(scrape: dict[str, float]) -> set[str]:
 def test_live_daemon_exposes_exactly_the_metric_table(make_mount: Callable[..., Mount]) -> None:
     m = make_mount(blockSize=8192)  # small blocks: the multi-block file exercises readahead
     files = {"a.bin": os.urandom(100), "dir/b.bin": os.urandom(5 * 8192 + 7), "gone.bin": b"x" * 10}
-    for rel, data in files.items():
-        (m.source / rel).parent.mkdir(parents=True, exist_ok=True)
-        (m.source / rel).write_bytes(data)
+    write_tree(m.source, files)
     (m.source / "link").symlink_to("a.bin")
     m.mount()
     try:

@@ -22,7 +22,7 @@ import numpy as np
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import ControlClient, config_file_path
-from tests.helpers import REPO, Mount, cli, metric, wait_until
+from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.
 AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}
@@ -54,10 +54,7 @@ def _tree(source: Path) -> dict[str, bytes]:
     files = {f"a/f{i}": rng.bytes(3000 + 1000 * i) for i in range(6)}
     files |= {"a/deep/big0": rng.bytes(1_300_000), "a/deep/big1": rng.bytes(2_100_000)}
     files |= {"b/g0": rng.bytes(5000), "b/g1": rng.bytes(7000)}
-    for rel, data in files.items():
-        (source / rel).parent.mkdir(parents=True, exist_ok=True)
-        (source / rel).write_bytes(data)
-    return files
+    return write_tree(source, files)
 
 
 def _mount(make_mount: Callable[..., Mount], **overrides: Any) -> tuple[Mount, dict[str, bytes]]:

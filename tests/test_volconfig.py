@@ -6,15 +6,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ControlClient, ProtocolError, VolumeConfig, read_volume_config
-from tests.helpers import Mount, cli
+from tests.helpers import Mount, cli, dead_pid
 
 FIELDS = {"prof", "mount_point", "vol_name", "local_ip", "control_socket", "pid", "protocol_version", "token_file"}
 
@@ -23,13 +21,6 @@ def config_dir(tmp_path: Path) -> Path:
     d = tmp_path / "cfg"
     d.mkdir(exist_ok=True)
     return d
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited (and been reaped)."""
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True)
-    return int(proc.stdout)
 
 
 @pytest.mark.mounted
