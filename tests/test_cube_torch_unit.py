@@ -29,8 +29,8 @@ from cube_torch import patch, reporter
 from cube_torch.client import PlanRequest, _collect, _file_order
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, VolumeConfig, config_file_path, read_volume_config
-from tests.test_cube_torch_mount import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep,
-                                         make_dataset, populate, wrap)
+from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
+                                  populate, wrap)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
