@@ -29,6 +29,7 @@ from cube_torch import patch, reporter
 from cube_torch.client import PlanRequest, _collect, _file_order
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, VolumeConfig, config_file_path, read_volume_config
+from tests.helpers import REPO
 from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
                                   populate, wrap)
 
@@ -352,7 +353,7 @@ def test_documented_line_is_what_format_line_writes() -> None:
                "miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 "
                "hit_rate:99.95% miss_rate:0.05%])")
     # The user guide documents exactly this line (CubeFS's format, which log parsers rely on).
-    assert example in (Path(__file__).resolve().parents[1] / "docs" / "cube_torch.md").read_text()
+    assert example in (REPO / "docs" / "cube_torch.md").read_text()
     assert LINE.fullmatch(example)
     assert reporter.format_line({"requests": 4801, "hits": 4801, "misses": 0},
                                 {"requests": 295154, "hits": 295001, "misses": 153}) == example
