@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -160,6 +161,16 @@ def allocated_on_disk(cache_dir: Path) -> int:
                 except FileNotFoundError:
                     pass  # evicted or renamed while we looked
     return total
+
+
+def block_key(i: int) -> bytes:
+    """Cache key number ``i`` (16 bytes, like the keys the block cache makes)."""
+    return i.to_bytes(16, "big")
+
+
+def block_payload(i: int, size: int) -> bytes:
+    """``size`` bytes of content for block ``i``: the same bytes on every call."""
+    return random.Random(i).randbytes(size)
 
 
 def dead_pid() -> int:
