@@ -1,20 +1,13 @@
-"""The metric table, its documentation and a live daemon's /metrics agree."""
+"""The metric table and its documentation agree (a live daemon's /metrics: tests/mounted/test_metrics_live.py)."""
 
 from __future__ import annotations
 
-import errno
-import os
 import re
-from collections.abc import Callable
-
-import pytest
 
 from cubefs_fuse.metrics import METRICS
-from tests.helpers import REPO, Mount, write_tree
+from tests.helpers import REPO
 
 DOC = (REPO / "docs" / "metrics.md").read_text()
-# The sample names each metric kind shows in the text exposition.
-SUFFIXES = {"counter": ("",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
 
 def documented_rows() -> dict[str, list[str]]:
@@ -43,55 +36,3 @@ def test_metric_names_follow_prometheus_conventions() -> None:
         assert name.startswith("cubefs_fuse_") and spec.name == name
         assert name.endswith("_total") == (spec.kind == "counter"), name
         assert spec.help.strip(), name
-
-
-def sample_names(scrape: dict[str, float]) -> set[str]:
-    return {key.split("{", 1)[0] for key in scrape}
-
-
-def test_live_daemon_exposes_exactly_the_metric_table(make_mount: Callable[..., Mount]) -> None:
-    m = make_mount(blockSize=8192)  # small blocks: the multi-block file exercises readahead
-    files = {"a.bin": os.urandom(100), "dir/b.bin": os.urandom(5 * 8192 + 7), "gone.bin": b"x" * 10}
-    write_tree(m.source, files)
-    (m.source / "link").symlink_to("a.bin")
-    m.mount()
-    try:
-        for rel in ("a.bin", "dir/b.bin"):
-            assert m.path(rel).read_bytes() == files[rel]
-        assert os.readlink(m.path("link")) == "a.bin"
-        assert not m.path("missing").exists()
-        assert sorted(os.listdir(m.mount_point)) == ["a.bin", "dir", "gone.bin", "link"]
-        os.statvfs(m.mount_point)
-        # A backend error: open while the file exists, then remove it at the source.
-        fd = os.open(m.path("gone.bin"), os.O_RDONLY)
-        try:
-            (m.source / "gone.bin").unlink()
-            with pytest.raises(OSError) as info:
-                os.read(fd, 10)
-            assert info.value.errno == errno.ENOENT
-        finally:
-            os.close(fd)
-
-        scrape = m.scrape()
-        exposed = sample_names(scrape)
-        # Per-job metrics need "profile": "ai_prefetch" and a registered job (tests/test_prefetch_mount.py).
-        expected = {name + suffix for name, spec in METRICS.items() if not spec.ai_prefetch
-                    for suffix in SUFFIXES[spec.kind]}
-        assert expected - exposed == set(), "metrics in METRICS missing from /metrics"
-        ours = {name for name in exposed if name.startswith("cubefs_fuse_")}
-        assert ours - expected == set(), "/metrics exposes cubefs_fuse_* names not in METRICS"
-
-        # The values reflect what was just done.
-        assert scrape["cubefs_fuse_opens_total"] >= 3
-        # The kernel may retry a failed page read, so the count can exceed one; the log may not.
-        assert scrape['cubefs_fuse_backend_errors_total{errno="ENOENT",op="read"}'] >= 1
-        assert m.log().count("backend read of 'gone.bin' failed") == 1
-        assert scrape['cubefs_fuse_cache_misses_total'] >= 1
-        assert scrape['cubefs_fuse_backend_read_bytes_total'] >= sum(len(files[r]) for r in ("a.bin", "dir/b.bin"))
-        assert scrape['cubefs_fuse_backend_latency_seconds_count{op="read"}'] == sum(
-            v for k, v in scrape.items() if k.startswith('cubefs_fuse_backend_operations_total{op="read"}'))
-        assert scrape['cubefs_fuse_cache_used_bytes{tier="ram"}'] <= scrape['cubefs_fuse_cache_limit_bytes{tier="ram"}']
-        for tier in ("ram", "disk"):
-            assert f'cubefs_fuse_cache_hits_total{{tier="{tier}"}}' in scrape
-    finally:
-        m.umount()
