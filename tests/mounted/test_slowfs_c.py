@@ -19,12 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.suite import remote
 from benchmarks.suite.remote import SLOWFS_C_BUILD, RemoteStats, SlowFSCProcess
 from cubefs_fuse import mounts
-from tests.helpers import stat_tree, wait_until
 from tests.emulator_checks import check_latency, check_overlap, emulator_options, mount_dir
-from tools.slowfs import INODE_SHIFT, STATS_NAME, SlowFSProcess, is_mounted
+from tests.helpers import stat_tree, wait_until
+from tools.slowfs import INODE_SHIFT, STATS_NAME, is_mounted
 
 pytestmark = pytest.mark.mounted
 
@@ -87,23 +86,6 @@ def test_build_is_idempotent(binary: Path) -> None:
     assert Path(done.stdout.strip()) == binary
     after = os.stat(binary)
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rebuilt
-
-
-def test_suite_falls_back_to_python_when_the_build_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    broken = tmp_path / "build.sh"
-    broken.write_text("#!/bin/sh\necho 'slowfs-c: gcc is missing' >&2\nexit 1\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(remote, "SLOWFS_C_BUILD", broken)
-    remote.slowfs_c_binary.cache_clear()
-    try:
-        name, fs = remote.emulator_process("c", tmp_path, tmp_path / "mnt", **emulator_options())
-    finally:
-        remote.slowfs_c_binary.cache_clear()  # the next caller builds the real one again
-    assert name == "python" and type(fs) is SlowFSProcess and "tools.slowfs" in fs.argv
-    assert "warning: cannot build the C emulated remote (slowfs-c: gcc is missing)" in capsys.readouterr().err
-    with pytest.raises(ValueError):
-        remote.emulator_process("rust", tmp_path, tmp_path / "mnt", **emulator_options())
 
 
 def test_passthrough_is_byte_identical(slowfs: SlowFSCProcess, source: Path) -> None:
