@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from tests.cli_checks import Env
 from tests.helpers import Mount, SlowMount, force_unmount, free_port
 
 
@@ -56,3 +57,9 @@ def make_slow_mount(make_mount: Callable[..., Mount]) -> Iterator[Callable[..., 
     for s in started:
         force_unmount(s.mount)
         s.slowfs.stop()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    """A valid config for ``cubefs-fuse mount`` in tmp_path, to break one thing at a time."""
+    return Env(tmp_path)
