@@ -14,7 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from cubefs_fuse import mounts
+from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
 from tools import harness
 from tools.harness import free_port as free_port  # re-exported for the tests
 
@@ -171,6 +174,32 @@ def block_key(i: int) -> bytes:
 def block_payload(i: int, size: int) -> bytes:
     """``size`` bytes of content for block ``i``: the same bytes on every call."""
     return random.Random(i).randbytes(size)
+
+
+def write_volume_config(directory: Path, vol: str, mode: int = 0o644, **changes: Any) -> Path:
+    """A daemon's per-volume config file for ``vol`` in ``directory`` (``changes`` to its
+    fields applied), with permissions ``mode``; returns its path."""
+    config = VolumeConfig(prof=0, mount_point="/mnt/x", vol_name=vol, local_ip="127.0.0.1",
+                          control_socket="/run/x.sock", pid=1)
+    data = json.loads(config.to_json())
+    data.update(changes)
+    path = Path(config_file_path(vol, str(directory)))
+    path.write_text(json.dumps(data))
+    os.chmod(path, mode)
+    return path
+
+
+def owned_by_another_user(path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Make ``path`` belong to another user, neither root nor us, as this process sees it;
+    returns that user's uid.  Root gives the file to nobody (65534); anyone else cannot give
+    a file away, so this process pretends to be another non-root user instead
+    (``os.geteuid`` patched until the test ends)."""
+    me = os.geteuid()
+    if me == 0:
+        os.chown(path, 65534, 65534)
+        return 65534
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    return me
 
 
 def dead_pid() -> int:
