@@ -33,8 +33,6 @@ from cubefs_fuse.control.protocol import (
 )
 from tests.helpers import REPO, Mount, dead_pid, free_port, wait_until, write_tree
 
-pytestmark = pytest.mark.mounted
-
 FILES = [f"a/{i}.bin" for i in range(10)] + [f"w/sub/{i}.bin" for i in range(6)]
 SIZE = 20_000
 JOB = "apitest"

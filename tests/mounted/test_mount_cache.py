@@ -17,8 +17,6 @@ import pytest
 
 from tests.helpers import Mount, allocated_on_disk, metric, wait_until
 
-pytestmark = pytest.mark.mounted
-
 KiB, MiB = 1024, 1024 * 1024
 BS = 64 * KiB  # blockSize: small, so a few MiB hold ~100 blocks
 RAM_LIMIT = 2 * MiB

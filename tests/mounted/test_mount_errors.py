@@ -15,8 +15,6 @@ import pytest
 from cubefs_fuse import mounts
 from tests.helpers import SlowMount, metric
 
-pytestmark = pytest.mark.mounted
-
 FAIL_OPEN = ("bad/eio.bin=EIO", "bad/eacces.bin=EACCES")  # the remote refuses to open these
 FAIL_READ = ("bad/readfail.bin=EIO",)  # opens, then every read fails
 REPEATS = 20

@@ -14,8 +14,6 @@ import pytest
 from cubefs_fuse import mounts
 from tests.helpers import REPO, Mount, cli, wait_until
 
-pytestmark = pytest.mark.mounted
-
 CONTENT = b"survives restarts\n" * 1000
 
 

@@ -13,13 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.helpers import SlowMount, metric, wait_until, write_tree
-
-pytestmark = pytest.mark.mounted
 
 FILES = 400
 SIZE = 16 * 1024  # small files, one cache block each

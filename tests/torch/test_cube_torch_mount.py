@@ -83,8 +83,6 @@ class Volume:
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Volume]:
     """One ai_prefetch daemon for the module (a mount costs ~1.5 s; cases only read)."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("mounted tests need root and /dev/fuse (run scripts/test.sh as root)")
     base = tmp_path_factory.mktemp("cube_torch_volume")
     port = free_port()
     name = f"ctmount{port}"  # unique: cube_torch finds the daemon by /tmp/cube_torch.config.<name>
