@@ -46,7 +46,7 @@ def test_live_daemon_exposes_exactly_the_metric_table(make_mount: Callable[..., 
 
         scrape = m.scrape()
         exposed = sample_names(scrape)
-        # Per-job metrics need "profile": "ai_prefetch" and a registered job (tests/test_prefetch_mount.py).
+        # Per-job metrics need "profile": "ai_prefetch" and a registered job (tests/mounted/test_prefetch_mount.py).
         expected = {name + suffix for name, spec in METRICS.items() if not spec.ai_prefetch
                     for suffix in SUFFIXES[spec.kind]}
         assert expected - exposed == set(), "metrics in METRICS missing from /metrics"
