@@ -1,100 +1,98 @@
-"""Shared fixtures: real daemons on real FUSE mounts, metrics scraped over HTTP."""
+"""The test tiers (the one place that says what each needs) and the shared fixtures.
+
+Every test file lives in one tier folder, and its folder is its tier: the hook below gives
+each test its tier's marker (``pytest -m unit``), and ``scripts/test.sh TIER...`` runs some
+tiers only.  No test file marks or guards itself.
+
+  unit/       one module's logic, in process, on plain files: needs nothing
+  component/  layers together over fakes (tests/fakes.py) on trio's virtual clock, or the
+              CLI as a subprocess that fails before mounting: needs nothing
+  mounted/    real mounts: cubefs-fuse daemons, the emulated remotes (tools/slowfs*) and a
+              few tmpfs mounts: needs root and /dev/fuse
+  torch/      real DataLoaders (real worker processes) over a real mount: cube_torch, two
+              nodes, the benchmark suite: needs root and /dev/fuse
+
+Without root or /dev/fuse the mounted and torch tests FAIL, each with a one-line reason,
+so that no run (CI's included) can pass without them.  Only when asked, with
+``CUBEFS_FUSE_SKIP_MOUNTED=1`` in the environment, they are skipped instead, with the
+same reason.  Where root and /dev/fuse are there the variable changes nothing.
+"""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from cubefs_fuse import mounts
-from tools import harness
-from tools.harness import free_port as free_port  # re-exported for the tests
+from tests.cli_checks import Env
+from tests.helpers import Mount, SlowMount, force_unmount, free_port
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
-    """Run ``cubefs-fuse ARGS`` as a real subprocess."""
-    return subprocess.run([sys.executable, "-m", "cubefs_fuse", *args], capture_output=True, text=True,
-                          timeout=timeout, check=check, cwd=REPO)
+TIERS = ("unit", "component", "mounted", "torch")
+NEEDS_ROOT_AND_FUSE = ("mounted", "torch")
+SKIP_ENV = "CUBEFS_FUSE_SKIP_MOUNTED"
+TESTS = Path(__file__).resolve().parent
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+def tier_of(path: Path) -> str | None:
+    """The tier of a file under tests/: the tier folder it is in (None: none, or not under tests/)."""
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
 
 
-@dataclass
-class Mount:
-    """A daemon started with ``cubefs-fuse mount`` on a real FUSE mount point."""
+def missing_root_or_fuse() -> str:
+    """What this machine lacks for the mounted and torch tiers, as words ('' if nothing)."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append(f"not root (euid {os.geteuid()})")
+    if not os.path.exists("/dev/fuse"):
+        missing.append("no /dev/fuse")
+    return " and ".join(missing)
 
-    base: Path
-    source: Path
-    mount_point: Path
-    cache_dir: Path
-    config_path: Path
-    port: int
-    overrides: dict[str, Any] = field(default_factory=dict)
-    mounted: bool = False
 
-    def config(self) -> dict[str, Any]:
-        return {
-            "mountPoint": str(self.mount_point),
-            "volName": f"test{self.port}",
-            "source": str(self.source),
-            "diskCacheDir": str(self.cache_dir),
-            "exporterPort": self.port,
-            "logDir": str(self.base / "log"),
-            "logLevel": "debug",
-            **self.overrides,
-        }
+@pytest.hookimpl(tryfirst=True)  # before -m selects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = tier_of(item.path)
+        if tier is not None:
+            item.add_marker(getattr(pytest.mark, tier))
 
-    def mount(self) -> None:
-        self.config_path.write_text(json.dumps(self.config()))
-        result = cli("mount", "-c", str(self.config_path))
-        assert result.returncode == 0, f"mount failed: {result.stderr}\n{self.log()}"
-        self.mounted = True
 
-    def umount(self) -> None:
-        if self.mounted:
-            result = cli("umount", str(self.mount_point))
-            assert result.returncode == 0, f"umount failed: {result.stderr}\n{self.log()}"
-            self.mounted = False
+@pytest.hookimpl(tryfirst=True)  # before any fixture (module-scoped mounts included) is set up
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    tier = tier_of(item.path)
+    if item.path.resolve().is_relative_to(TESTS) and tier is None:
+        pytest.fail(f"{item.path.relative_to(TESTS.parent)} is in no tier folder: move it to tests/{{"
+                    f"{','.join(TIERS)}}}/ (see tests/conftest.py)", pytrace=False)
+    missing = missing_root_or_fuse() if tier in NEEDS_ROOT_AND_FUSE else ""
+    if missing and os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{tier} tier: needs root and /dev/fuse: {missing} ({SKIP_ENV}=1)")
+    if missing:
+        pytest.fail(f"{tier} tier: needs root and /dev/fuse: {missing} (set {SKIP_ENV}=1 to skip these "
+                    "tests instead)", pytrace=False)
 
-    def pid(self) -> int:
-        info = mounts.registered(str(self.mount_point))
-        assert info is not None, "daemon not registered"
-        return int(info["pid"])
 
-    def log(self) -> str:
-        logs = list((self.base / "log").glob("*.log"))
-        return "\n".join(p.read_text(errors="replace")[-20000:] for p in logs)
+def _only_in_mounting_tiers(request: pytest.FixtureRequest, fixture: str) -> None:
+    """Fixtures that mount refuse tests of tiers that promise to need no root and no FUSE."""
+    tier = tier_of(request.node.path)
+    if tier not in NEEDS_ROOT_AND_FUSE:
+        pytest.fail(f"{fixture} mounts, but this test is in the {tier} tier: move it to "
+                    f"tests/{' or tests/'.join(NEEDS_ROOT_AND_FUSE)}", pytrace=False)
 
-    def scrape(self) -> dict[str, float]:
-        """Every sample of /metrics as {'name{label="v",...}': value}."""
-        return harness.scrape(self.port)
 
-    def path(self, relative: str) -> Path:
-        return self.mount_point / relative
+# -- fixtures -----------------------------------------------------------------------------
 
 
 @pytest.fixture
-def make_mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
+def make_mount(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Mount]]:
     """Factory: ``make_mount(**config_overrides)`` returns an unmounted Mount whose
     ``source`` directory the test fills before calling ``mount()``."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("mounted tests need root and /dev/fuse (run scripts/test.sh as root)")
+    _only_in_mounting_tiers(request, "make_mount")
     created: list[Mount] = []
 
     def factory(**overrides: Any) -> Mount:
@@ -108,39 +106,6 @@ def make_mount(tmp_path: Path) -> Iterator[Callable[..., Mount]]:
     yield factory
     for m in created:
         force_unmount(m)
-
-
-# -- mounts over an emulated remote (tools/slowfs) and metric look-ups ------------------
-
-
-def metric(samples: dict[str, float], name: str, **labels: str) -> float:
-    """One sample of ``Mount.scrape()`` by name and labels; 0 if the daemon has not emitted it."""
-    if labels:
-        name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
-    return samples.get(name, 0.0)
-
-
-def force_unmount(m: Mount) -> None:
-    """Detach ``m`` and kill its daemon if it is still mounted (teardown after a failure)."""
-    if mounts.find_mount(str(m.mount_point)) is None:
-        return
-    info = mounts.registered(str(m.mount_point))
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
-    if info:
-        try:
-            os.kill(int(info["pid"]), 9)
-        except ProcessLookupError:
-            pass
-    m.mounted = False
-
-
-@dataclass
-class SlowMount:
-    """A Mount whose source is a slowfs mount (the emulated remote) of the directory ``real``."""
-
-    mount: Mount
-    real: Path  # the files behind slowfs: tests create, change and delete them here
-    slowfs: Any  # tools.slowfs.SlowFSProcess
 
 
 @pytest.fixture
@@ -166,3 +131,9 @@ def make_slow_mount(make_mount: Callable[..., Mount]) -> Iterator[Callable[..., 
     for s in started:
         force_unmount(s.mount)
         s.slowfs.stop()
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> Env:
+    """A valid config for ``cubefs-fuse mount`` in tmp_path, to break one thing at a time."""
+    return Env(tmp_path)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from benchmarks.suite.remote import RemoteStats
+from benchmarks.suite.remote import EMULATOR_THREADS, RemoteStats
 
 # Latency measurement rounds before the accuracy check fails: other work on a small shared
 # machine can swamp one round of microsecond timings; a systematic error fails every
@@ -26,6 +26,12 @@ class Emulator(Protocol):
     def mount_point(self) -> Path: ...
 
     def stats(self) -> dict[str, Any]: ...
+
+
+def emulator_options(**changes: Any) -> dict[str, Any]:
+    """The keyword arguments the benchmark suite starts an emulated remote with (no
+    latency, no bandwidth cap, no kernel caching, the suite's thread count), with ``changes``."""
+    return {"latency_us": 0, "threads": EMULATOR_THREADS, "cache_timeout": 0, "bandwidth_mb_s": 0, **changes}
 
 
 def mount_dir(tmp_path: Path, name: str) -> Path:

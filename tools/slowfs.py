@@ -22,7 +22,7 @@ trips.  ``trio.sleep`` is not used because it oversleeps badly below ~1 ms.
 plus the thread wake-up (~5-50 us on a loaded VM).  Each worker thread sets its timer
 slack to 1 ns (``prctl(PR_SET_TIMERSLACK)``), and the sleep request is shortened by a
 running mean of the measured overshoot, so the *mean* delay converges to the setting.
-Measured on a quiet 2-core VM (tests/test_slowfs.py): 300 us slept 301-303 us on
+Measured on a quiet 2-core VM (tests/mounted/test_slowfs.py): 300 us slept 301-303 us on
 average and an application saw +290-298 us per read against a zero-latency twin mount;
 2 ms slept ~2.005 ms, +1.98-2.04 ms seen.  Single delays jitter by tens of
 microseconds, and a machine loaded far past its cores (load 7 on 2) stretches them

@@ -31,9 +31,7 @@ from cubefs_fuse.control.protocol import (
     ProtocolError,
     read_volume_config,
 )
-from tests.conftest import REPO, Mount, free_port, wait_until
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import REPO, Mount, dead_pid, free_port, wait_until, write_tree
 
 FILES = [f"a/{i}.bin" for i in range(10)] + [f"w/sub/{i}.bin" for i in range(6)]
 SIZE = 20_000
@@ -44,9 +42,7 @@ def start(make_mount: Callable[..., Mount], tmp_path: Path, **overrides: Any) ->
     cfg = tmp_path / "cfg"
     cfg.mkdir()
     m = make_mount(profile="ai_prefetch", configDir=str(cfg), **overrides)
-    for i, rel in enumerate(FILES):
-        (m.source / rel).parent.mkdir(parents=True, exist_ok=True)
-        (m.source / rel).write_bytes(bytes([i]) * SIZE)
+    write_tree(m.source, {rel: bytes([i]) * SIZE for i, rel in enumerate(FILES)})
     m.mount()
     config = read_volume_config(m.config()["volName"], str(cfg))
     return m, ControlClient(config.control_socket), config
@@ -190,12 +186,6 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
         assert client.register_dataset(FILES[:2]) != dataset
     finally:
         m.umount()
-
-
-def dead_pid() -> int:
-    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True)
-    return int(proc.stdout)
 
 
 # Run as uid 65534 (nobody): imports first, while the interpreter's files are still readable.

@@ -21,8 +21,8 @@ from cubefs_fuse.config import (
     to_json_dict,
 )
 from cubefs_fuse.errors import ConfigError
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 BASE: dict[str, Any] = {"mountPoint": "/mnt/data", "volName": "ltptest", "source": "/nfs/data"}
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
@@ -417,8 +417,22 @@ def test_environment_log_dir_unusable(tmp_path: Path) -> None:
 
 
 def test_environment_stale_mount_point_skips_mount_point_checks(tmp_path: Path) -> None:
-    cfg = env_config(tmp_path, mountPoint=str(tmp_path / "nomnt"))
-    check_environment(cfg, mount_point_may_be_stale=True)
+    # A stale FUSE mount point cannot be listed (ENOTCONN): the remount skips its checks ...
+    missing = env_config(tmp_path, mountPoint=str(tmp_path / "nomnt"))
+    assert "does not exist" in env_error(missing)
+    assert not (tmp_path / "cache").exists()  # the failed check stopped before the cache dir
+    check_environment(missing, mount_point_may_be_stale=True)
+    assert (tmp_path / "cache").is_dir()  # ... and goes on to the checks after them
+    (tmp_path / "mnt" / "leftover").write_text("x")
+    not_empty = env_config(tmp_path)
+    assert "is not empty" in env_error(not_empty)
+    check_environment(not_empty, mount_point_may_be_stale=True)
+    # ... but not the other checks.
+    for changes, expected in (({"source": str(tmp_path / "gone")}, "key 'source': "),
+                              ({"mountPoint": str(tmp_path / "source")}, "must differ from 'source'"),
+                              ({"logDir": str(tmp_path / "mnt" / "leftover" / "log")}, "key 'logDir': ")):
+        with pytest.raises(ConfigError, match=expected):
+            check_environment(env_config(tmp_path, **changes), mount_point_may_be_stale=True)
 
 
 def test_defaults_module_constants_are_consistent() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("cubefs_fuse", "cube_torch")
 
 # Where each third-party library may be imported (module names, or folders ending in ".").

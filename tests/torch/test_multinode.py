@@ -24,7 +24,7 @@ from torch.utils.data import DistributedSampler
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import ControlClient
-from tests.conftest import REPO, Mount, cli, metric
+from tests.helpers import REPO, Mount, cli, metric
 
 WORLD = 2
 EPOCHS = 2

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, metric, wait_until
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import Mount, allocated_on_disk, metric, wait_until
 
 KiB, MiB = 1024, 1024 * 1024
 BS = 64 * KiB  # blockSize: small, so a few MiB hold ~100 blocks
@@ -72,23 +70,6 @@ def _read_in_processes(m: Mount, contents: dict[str, bytes], passes: int) -> Non
     assert not wrong, f"wrong content: {wrong[:10]}"
 
 
-def _block_file_bytes(cache_dir: Path) -> int:
-    """Bytes the cache's block files (stored and being written) occupy, summed file by file.
-
-    Not atomic: a file evicted after it was counted and another written before the scan
-    ends are both counted, so under churn this may exceed what was on disk at any instant.
-    """
-    total = 0
-    for sub in ("blocks", "tmp"):
-        for directory, _, files in os.walk(cache_dir / sub):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(directory, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass  # evicted or renamed while we looked
-    return total
-
-
 @contextlib.contextmanager
 def tmpfs(path: Path) -> Iterator[Callable[[], int]]:
     """A private tmpfs on ``path``; yields a function giving its used bytes, read atomically
@@ -138,7 +119,7 @@ def _read_and_sample(m: Mount, contents: dict[str, bytes], on_disk: Callable[[],
         scraped = m.scrape()
         samples.append((metric(scraped, "cubefs_fuse_cache_used_bytes", tier="ram"),
                         metric(scraped, "cubefs_fuse_cache_used_bytes", tier="disk"),
-                        on_disk(), _block_file_bytes(m.cache_dir)))
+                        on_disk(), allocated_on_disk(m.cache_dir)))
 
     def sample_until_stopped() -> None:
         while not stop.is_set():

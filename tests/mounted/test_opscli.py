@@ -22,7 +22,7 @@ import numpy as np
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import ControlClient, config_file_path
-from tests.conftest import REPO, Mount, cli, metric, wait_until
+from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.
 AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}
@@ -54,10 +54,7 @@ def _tree(source: Path) -> dict[str, bytes]:
     files = {f"a/f{i}": rng.bytes(3000 + 1000 * i) for i in range(6)}
     files |= {"a/deep/big0": rng.bytes(1_300_000), "a/deep/big1": rng.bytes(2_100_000)}
     files |= {"b/g0": rng.bytes(5000), "b/g1": rng.bytes(7000)}
-    for rel, data in files.items():
-        (source / rel).parent.mkdir(parents=True, exist_ok=True)
-        (source / rel).write_bytes(data)
-    return files
+    return write_tree(source, files)
 
 
 def _mount(make_mount: Callable[..., Mount], **overrides: Any) -> tuple[Mount, dict[str, bytes]]:
@@ -200,6 +197,8 @@ def test_warmup_check_list_and_drop_cache(make_mount: Callable[..., Mount]) -> N
 
 def test_stats_prints_rate_lines(make_mount: Callable[..., Mount]) -> None:
     m, files = _mount(make_mount, **AI_PREFETCH)
+    sizes = [len(data) for data in files.values()]
+    mean_size, round_bytes = sum(sizes) / len(sizes), sum(sizes) + max(sizes)
     proc = subprocess.Popen([sys.executable, "-m", "cubefs_fuse", "stats", str(m.mount_point), "-n", "2",
                              "-i", "0.5"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
     stop = threading.Event()
@@ -230,7 +229,13 @@ def test_stats_prints_rate_lines(make_mount: Callable[..., Mount]) -> None:
         fields = row.replace("|", " ").split()
         assert re.fullmatch(r"\d\d:\d\d:\d\d", fields[0]), row
         opens, reads, mib = float(fields[1]), float(fields[2]), float(fields[3])
-        assert opens > 0 and reads > 0 and mib >= 0, row
+        assert opens > 0 and reads > 0, row
+        # The reader reads whole files, every file in turn, one at a time: the bytes read in an
+        # interval are its opens times the mean file size, give or take less than one round of
+        # files and one file across each end of the interval (of at least 0.5 s), and rounding.
+        tolerance = round_bytes / 0.5 + mean_size / 2 + 0.05 * 2**20
+        expected = opens * mean_size
+        assert abs(mib * 2**20 - expected) <= tolerance, (row, f"expected {expected / 2**20:.1f} MiB/s")
         assert 0.0 <= float(fields[4]) <= 100.0, row  # hit% over the interval
         assert len(fields) == 12, row
     assert opened > 0

@@ -28,9 +28,10 @@ from cube_torch import client as ct_client
 from cube_torch import patch, reporter
 from cube_torch.client import PlanRequest, _collect, _file_order
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
-from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, VolumeConfig, config_file_path, read_volume_config
-from tests.test_cube_torch_mount import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep,
-                                         make_dataset, populate, wrap)
+from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, read_volume_config
+from tests.helpers import REPO, owned_by_another_user, write_volume_config
+from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
+                                  populate, wrap)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
@@ -318,30 +319,20 @@ def test_collect_ignores_paths_outside_the_mount_and_file_order() -> None:
 # -- the per-volume config file --------------------------------------------------------------
 
 
-def _write_config(directory: Path, name: str, mode: int, **changes: Any) -> Path:
-    config = VolumeConfig(prof=0, mount_point="/mnt/x", vol_name=name, local_ip="127.0.0.1",
-                          control_socket="/run/x.sock", pid=1)
-    data = json.loads(config.to_json())
-    data.update(changes)
-    path = Path(config_file_path(name, str(directory)))
-    path.write_text(json.dumps(data))
-    os.chmod(path, mode)
-    return path
-
-
-def test_config_file_is_verified(tmp_path: Path) -> None:
-    _write_config(tmp_path, "good", 0o644)
+def test_config_file_is_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_volume_config(tmp_path, "good", 0o644)
     assert read_volume_config("good", str(tmp_path)).control_socket == "/run/x.sock"
-    _write_config(tmp_path, "world", 0o646)
-    _write_config(tmp_path, "group", 0o664)
-    _write_config(tmp_path, "version", 0o644, protocol_version=PROTOCOL_VERSION + 1)
-    owned = _write_config(tmp_path, "owned", 0o644)
-    os.chown(owned, 65534, 65534)  # nobody: another non-root user
+    write_volume_config(tmp_path, "world", 0o646)
+    write_volume_config(tmp_path, "group", 0o664)
+    write_volume_config(tmp_path, "version", 0o644, protocol_version=PROTOCOL_VERSION + 1)
     (tmp_path / "cube_torch.config.link").symlink_to(tmp_path / "cube_torch.config.good")
     for name, reason in (("world", "writable"), ("group", "writable"), ("version", "protocol"),
-                         ("owned", "owned by uid 65534"), ("link", "cannot open"), ("absent", "no daemon")):
+                         ("link", "cannot open"), ("absent", "no daemon")):
         with pytest.raises(ProtocolError, match=reason):
             read_volume_config(name, str(tmp_path))
+    owner = owned_by_another_user(write_volume_config(tmp_path, "owned", 0o644), monkeypatch)
+    with pytest.raises(ProtocolError, match=f"owned by uid {owner}"):
+        read_volume_config("owned", str(tmp_path))
 
 
 # -- the hit-rate line -----------------------------------------------------------------------
@@ -352,7 +343,7 @@ def test_documented_line_is_what_format_line_writes() -> None:
                "miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 "
                "hit_rate:99.95% miss_rate:0.05%])")
     # The user guide documents exactly this line (CubeFS's format, which log parsers rely on).
-    assert example in (Path(__file__).resolve().parents[1] / "docs" / "cube_torch.md").read_text()
+    assert example in (REPO / "docs" / "cube_torch.md").read_text()
     assert LINE.fullmatch(example)
     assert reporter.format_line({"requests": 4801, "hits": 4801, "misses": 0},
                                 {"requests": 295154, "hits": 295001, "misses": 153}) == example

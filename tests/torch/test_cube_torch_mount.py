@@ -42,12 +42,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torch.utils.data import (BatchSampler, ConcatDataset, DataLoader, Dataset, DistributedSampler,
-                              RandomSampler, Subset, get_worker_info)
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
@@ -56,66 +54,17 @@ from cube_torch.client import PlanRequest
 from cube_torch.client import submitter
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
-from tests.conftest import Mount, force_unmount, free_port, wait_until
+from tests.helpers import Mount, force_unmount, free_port, wait_until
+from tests.torch_datasets import LINE, ListDataset, RepeatingBatchSampler, canon, keep, make_dataset, populate, read_bytes, wrap
 
 SEED = 20240607
 
 # 3 workers on a 2-core test machine is the point (more workers than cores); not a problem here.
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-IMAGE = 8  # JPEG side in pixels: tiny, collatable, still decoded by PIL
 WORLD = 2  # DistributedSampler world size
 
 
 # -- the volume: every dataset kind, generated once per module ---------------------------
-
-
-def write_jpeg(path: Path, seed: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(seed)
-    Image.new("RGB", (IMAGE, IMAGE), (rng.randrange(256), rng.randrange(256), rng.randrange(256))).save(path)
-
-
-def populate(root: Path) -> None:
-    """ImageFolder (24), DatasetFolder (20), VOC (12 x image + XML), COCO (12 + JSON),
-    a 1-D list (20) and a 2-D list (12 x image + caption)."""
-    for c, name in enumerate(("cat", "dog")):
-        for i in range(12):
-            write_jpeg(root / "imagefolder" / name / f"{i:02d}.jpg", 100 * c + i)
-    for c, name in enumerate(("a", "b")):
-        folder = root / "datasetfolder" / name
-        folder.mkdir(parents=True)
-        for i in range(10):
-            (folder / f"{i:02d}.bin").write_bytes(bytes([c, i]) * (i + 1))
-    voc = root / "voc" / "VOCdevkit" / "VOC2012"
-    names = [f"2012_{i:06d}" for i in range(12)]
-    for i, name in enumerate(names):
-        write_jpeg(voc / "JPEGImages" / f"{name}.jpg", 1000 + i)
-        (voc / "Annotations").mkdir(parents=True, exist_ok=True)
-        (voc / "Annotations" / f"{name}.xml").write_text(
-            f"<annotation><filename>{name}.jpg</filename><object><name>obj{i % 3}</name>"
-            f"<bndbox><xmin>1</xmin><ymin>1</ymin><xmax>{i + 2}</xmax><ymax>5</ymax></bndbox>"
-            "</object></annotation>")
-    (voc / "ImageSets" / "Main").mkdir(parents=True)
-    (voc / "ImageSets" / "Main" / "train.txt").write_text("\n".join(names) + "\n")
-    # COCO: image ids that are neither contiguous nor in file-name order, so that a mapping
-    # from the sample index (or the id) straight to a file name would read the wrong file.
-    ids = random.Random(3).sample(range(100, 999), 12)
-    images = [{"id": image_id, "file_name": f"img_{k:02d}.jpg", "width": IMAGE, "height": IMAGE}
-              for k, image_id in enumerate(ids)]
-    for k in range(12):
-        write_jpeg(root / "coco" / "images" / f"img_{k:02d}.jpg", 2000 + k)
-    annotations = [{"id": n + 1, "image_id": image_id, "category_id": 1, "bbox": [0, 0, 2, 2], "area": 4,
-                    "iscrowd": 0} for n, image_id in enumerate(ids)]
-    (root / "coco" / "annotations.json").write_text(json.dumps(
-        {"images": images, "annotations": annotations, "categories": [{"id": 1, "name": "thing"}]}))
-    for i in range(20):
-        path = root / "list1d" / f"{i:02d}.txt"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"sample {i}\n")
-    for i in range(12):
-        write_jpeg(root / "list2d" / "img" / f"{i:02d}.jpg", 3000 + i)
-        (root / "list2d" / "cap").mkdir(parents=True, exist_ok=True)
-        (root / "list2d" / "cap" / f"{i:02d}.txt").write_text(f"caption {i}")
 
 
 @dataclass
@@ -134,8 +83,6 @@ class Volume:
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Volume]:
     """One ai_prefetch daemon for the module (a mount costs ~1.5 s; cases only read)."""
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("mounted tests need root and /dev/fuse (run scripts/test.sh as root)")
     base = tmp_path_factory.mktemp("cube_torch_volume")
     port = free_port()
     name = f"ctmount{port}"  # unique: cube_torch finds the daemon by /tmp/cube_torch.config.<name>
@@ -272,103 +219,7 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch, volume: Volume, request: pytest
     cube_torch.install()
 
 
-# -- datasets ------------------------------------------------------------------------------
-
-
-def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
-class ListDataset(Dataset[bytes]):
-    """A custom dataset: ``train_data_list()`` is a 1-D array of paths."""
-
-    def __init__(self, paths: list[str]) -> None:
-        self.paths = paths
-
-    def train_data_list(self) -> np.ndarray:
-        return np.array(self.paths)
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> bytes:
-        return read_bytes(self.paths[i])
-
-
-class PairDataset(Dataset[tuple[bytes, str]]):
-    """A custom dataset: ``train_data_list()`` is a 2-D array (images, captions)."""
-
-    def __init__(self, images: list[str], captions: list[str]) -> None:
-        self.images, self.captions = images, captions
-
-    def train_data_list(self) -> np.ndarray:
-        return np.array([self.images, self.captions])
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> tuple[bytes, str]:
-        return read_bytes(self.images[i]), read_bytes(self.captions[i]).decode()
-
-
-def make_dataset(kind: str, root: Path) -> Dataset[Any]:
-    to_tensor = transforms.PILToTensor()
-    if kind == "imagefolder":
-        return datasets.ImageFolder(str(root / "imagefolder"), transform=to_tensor)
-    if kind == "datasetfolder":
-        return datasets.DatasetFolder(str(root / "datasetfolder"), loader=read_bytes, extensions=(".bin",))
-    if kind == "voc":
-        return datasets.VOCDetection(str(root / "voc"), year="2012", image_set="train", transform=to_tensor)
-    if kind == "coco":
-        return datasets.CocoDetection(str(root / "coco" / "images"), str(root / "coco" / "annotations.json"),
-                                      transform=to_tensor)
-    if kind == "list1d":
-        return ListDataset(sorted(str(p) for p in (root / "list1d").iterdir()))
-    if kind == "list2d":
-        return PairDataset(sorted(str(p) for p in (root / "list2d" / "img").iterdir()),
-                           sorted(str(p) for p in (root / "list2d" / "cap").iterdir()))
-    raise AssertionError(kind)
-
-
-def wrap(dataset: Dataset[Any], wrapper: str, root: Path) -> Dataset[Any]:
-    n = len(dataset)  # type: ignore[arg-type]
-    if wrapper == "plain":
-        return dataset
-    if wrapper == "subset":
-        return Subset(dataset, random.Random(5).sample(range(n), n - 3))
-    if wrapper == "nested":  # a reversed view, then a pick with a repeated index
-        inner = Subset(dataset, list(range(n - 1, -1, -1)))
-        return Subset(inner, [0, 2, 2, 5, 1, 7, 3, 8, 4, 6])
-    if wrapper == "concat":
-        return ConcatDataset([dataset, make_dataset("list1d", root)])
-    raise AssertionError(wrapper)
-
-
 # -- loaders -------------------------------------------------------------------------------
-
-
-def keep(batch: Any) -> Any:
-    """collate_fn: the samples as they are (VOC/COCO targets do not collate)."""
-    return batch
-
-
-class RepeatingBatchSampler:
-    """A custom batch_sampler: uneven batches, some indices twice, a new draw each epoch."""
-
-    def __init__(self, n: int, seed: int) -> None:
-        self.n, self.rng = n, random.Random(seed)
-        self.sizes = [3, 1, 4, 2, 5]
-
-    def __len__(self) -> int:
-        return len(self.sizes)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        for size in self.sizes:
-            batch = [self.rng.randrange(self.n) for _ in range(size)]
-            if size > 2:
-                batch[-1] = batch[0]  # the same sample twice in one batch
-            yield batch
 
 
 @dataclass(frozen=True)
@@ -411,19 +262,6 @@ def build_loader(case: Case, dataset: Dataset[Any]) -> tuple[DataLoader[Any], Ca
                                                                   shuffle=True, seed=SEED)
         return DataLoader(dataset, batch_size=3, sampler=distributed, **common), distributed.set_epoch
     raise AssertionError(case.sampler)
-
-
-def canon(obj: Any) -> Any:
-    """A comparable, exact form of a sample (tensors, images, nested targets)."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), str(obj.dtype), obj.numpy().tobytes())
-    if isinstance(obj, Image.Image):
-        return ("image", obj.size, obj.mode, obj.tobytes())
-    if isinstance(obj, dict):
-        return ("dict", tuple((k, canon(obj[k])) for k in sorted(obj)))
-    if isinstance(obj, (list, tuple)):
-        return (type(obj).__name__, tuple(canon(x) for x in obj))
-    return obj
 
 
 def run_epochs(loader: DataLoader[Any], start_epoch: Callable[[int], None], epochs: int,
@@ -603,13 +441,6 @@ def test_hit_rate_from_epoch_one_on_slow_source(make_slow_mount: Callable[..., A
 
 
 # -- the hit-rate line ---------------------------------------------------------------------
-
-LINE = re.compile(
-    r"user memory last_cycle_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
-    r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)% \]\)  "
-    r"sum_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
-    r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)%\]\)")
-
 
 def test_hit_rate_lines_every_interval(volume: Volume, fresh_state: str, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:

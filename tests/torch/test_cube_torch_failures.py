@@ -32,8 +32,8 @@ from cube_torch import client as ct_client
 from cube_torch import reporter
 from cube_torch.client import submitter
 from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
-from tests.conftest import Mount, wait_until
-from tests.test_cube_torch_mount import ListDataset, keep
+from tests.helpers import Mount, wait_until
+from tests.torch_datasets import ListDataset, keep
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

@@ -12,9 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from cubefs_fuse import mounts
-from tests.conftest import REPO, Mount, cli, wait_until
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import REPO, Mount, cli, wait_until
 
 CONTENT = b"survives restarts\n" * 1000
 

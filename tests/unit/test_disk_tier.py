@@ -1,12 +1,11 @@
-"""DiskTier on real files: limits (accounting and on-disk), free-space floor, corruption,
-restart from the index and from a scan, and the directory lock."""
+"""DiskTier on real files: limits (accounting and on-disk), corruption, restart from the
+index and from a scan, and the directory lock.  The free-space floor, which needs a small
+filesystem of its own (a tmpfs, so root), is in tests/mounted/test_disk_tier_full_fs.py."""
 
 from __future__ import annotations
 
 import os
 import random
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,39 +13,15 @@ import trio
 
 from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier, allocated_bytes
 from cubefs_fuse.errors import ConfigError
+from tests.helpers import allocated_on_disk, block_key as key, block_payload as payload
 
 # The tier accounts in 4 KiB allocation units (ext4/xfs); the limits below are counted in them.
 PAGE = 4096
 
 
-def key(i: int) -> bytes:
-    return i.to_bytes(16, "big")
-
-
-def payload(i: int, size: int) -> bytes:
-    return random.Random(i).randbytes(size)
-
-
 def block_path(directory: Path, k: bytes) -> Path:
     """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py)."""
     return directory / "blocks" / k.hex()[:2] / k.hex()
-
-
-def allocated_on_disk(directory: Path) -> int:
-    """Bytes the filesystem has allocated to block files (finished and in progress).
-
-    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
-    file renamed during the walk is missed at worst, never counted twice.
-    """
-    total = 0
-    for sub in ("blocks", "tmp"):
-        for root, _, files in os.walk(directory / sub):
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(root, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass  # unlinked by a concurrent eviction
-    return total
 
 
 async def test_put_get_roundtrip(tmp_path: Path) -> None:
@@ -109,63 +84,6 @@ async def test_limit_shrunk_between_runs(tmp_path: Path) -> None:
     # The most recently written blocks are the ones kept.
     assert all(key(i) in tier for i in range(30, 40))
     assert await tier.get(key(39)) == payload(39, 100)
-    await tier.close()
-
-
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A real 8 MiB tmpfs, so the free-space floor is exercised against a full filesystem."""
-    mnt = tmp_path / "fs"
-    mnt.mkdir()
-    result = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)],
-                            capture_output=True, text=True)
-    if result.returncode != 0:
-        pytest.fail(f"mounting a tmpfs needs root: {result.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
-async def test_free_space_floor(small_fs: Path) -> None:
-    free_ratio = 0.25
-    directory = small_fs / "cache"
-    # The byte limit (100 MiB) is far above the filesystem (8 MiB): only the floor limits.
-    tier = await DiskTier.open(str(directory), 100 * 1024 * 1024, free_ratio)
-    st = os.statvfs(small_fs)
-    floor = int(free_ratio * st.f_blocks * st.f_frsize)
-    block = 64 * 1024
-    for i in range(200):  # 200 x 68 KiB = 13.3 MiB, well past what the filesystem holds
-        await tier.put(key(i), payload(i, block))
-        st = os.statvfs(small_fs)
-        assert st.f_bavail * st.f_frsize >= floor, f"floor broken after put {i}"
-        assert tier.used_bytes <= tier.effective_limit_bytes
-        assert allocated_on_disk(directory) == tier.used_bytes
-    stats = tier.statistics()
-    assert stats.effective_limit_bytes < stats.limit_bytes
-    assert stats.evictions > 0  # a full cache keeps taking new blocks by evicting old ones
-    assert key(199) in tier and await tier.get(key(199)) == payload(199, block)
-    # The cache used most of what the floor allows (not just a token amount).
-    assert tier.used_bytes > (8 * 1024 * 1024 - floor) // 2
-
-    # Concurrent writers (as the block cache's write-behind issues them): the floor still
-    # holds whenever a writer looks, with other writes and unlinks in flight.
-    lowest = st.f_bavail * st.f_frsize
-
-    async def writer(w: int) -> None:
-        nonlocal lowest
-        for j in range(10):
-            i = 1000 + w * 100 + j
-            await tier.put(key(i), payload(i, block * (1 + j % 3)))
-            now = os.statvfs(small_fs)
-            lowest = min(lowest, now.f_bavail * now.f_frsize)
-            assert tier.used_bytes <= tier.limit_bytes
-
-    async with trio.open_nursery() as nursery:
-        for w in range(24):
-            nursery.start_soon(writer, w)
-    assert lowest >= floor, f"free space fell to {lowest} below the floor {floor}"
-    assert allocated_on_disk(directory) == tier.used_bytes
     await tier.close()
 
 

@@ -13,13 +13,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.conftest import SlowMount, metric, wait_until
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import SlowMount, metric, wait_until, write_tree
 
 FILES = 400
 SIZE = 16 * 1024  # small files, one cache block each
@@ -48,9 +45,7 @@ def test_plan_over_the_socket_then_workers_read_in_order(make_slow_mount: Callab
                         memCacheSize=4 * FILES * SIZE)
     m = s.mount
     paths = [f"class{i % 8}/img{i:04d}.jpg" for i in range(FILES)]
-    for i, rel in enumerate(paths):
-        (s.real / rel).parent.mkdir(parents=True, exist_ok=True)
-        (s.real / rel).write_bytes(bytes([i % 251]) * SIZE)
+    write_tree(s.real, {rel: bytes([i % 251]) * SIZE for i, rel in enumerate(paths)})
     m.mount()
     try:
         client = ControlClient(read_volume_config(m.config()["volName"], str(cfg)).control_socket)
@@ -121,9 +116,7 @@ def test_reads_by_other_processes_do_not_count_for_the_job(make_slow_mount: Call
     s = make_slow_mount(latency_us=LATENCY_US, profile="ai_prefetch", configDir=str(cfg))
     m = s.mount
     paths = [f"d/{i}.bin" for i in range(20)]
-    for rel in paths:
-        (s.real / rel).parent.mkdir(parents=True, exist_ok=True)
-        (s.real / rel).write_bytes(os.urandom(SIZE))
+    write_tree(s.real, {rel: os.urandom(SIZE) for rel in paths})
     m.mount()
     try:
         client = ControlClient(read_volume_config(m.config()["volName"], str(cfg)).control_socket)

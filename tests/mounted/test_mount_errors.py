@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 from cubefs_fuse import mounts
-from tests.conftest import SlowMount, metric
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import SlowMount, metric
 
 FAIL_OPEN = ("bad/eio.bin=EIO", "bad/eacces.bin=EACCES")  # the remote refuses to open these
 FAIL_READ = ("bad/readfail.bin=EIO",)  # opens, then every read fails

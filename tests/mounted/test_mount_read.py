@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, metric
-
-pytestmark = pytest.mark.mounted
+from tests.helpers import Mount, metric, stat_tree
 
 BS = 64 * 1024  # the mount's blockSize: small, so boundaries and multi-block files stay cheap
 READERS = 4  # reader processes (the issue asks for "several"; 4 on 2 cores still overlap)
@@ -134,18 +132,9 @@ def test_random_reads_from_several_processes(tree_mount: tuple[Mount, dict[str, 
     assert metric(samples, "cubefs_fuse_backend_errors_total", op="read", errno="EIO") == 0
 
 
-def _walk(root: Path) -> dict[str, os.stat_result]:
-    found = {}
-    for directory, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(directory) / name
-            found[str(path.relative_to(root))] = os.lstat(path)
-    return found
-
-
 def test_readdir_and_stat_match_source(tree_mount: tuple[Mount, dict[str, bytes]]) -> None:
     m, _ = tree_mount
-    source, mounted = _walk(m.source), _walk(m.mount_point)
+    source, mounted = stat_tree(m.source), stat_tree(m.mount_point)
     assert sorted(mounted) == sorted(source)
     for rel, want in source.items():
         got = mounted[rel]

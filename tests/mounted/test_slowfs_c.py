@@ -19,14 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.suite import remote
-from benchmarks.suite.remote import EMULATOR_THREADS, SLOWFS_C_BUILD, RemoteStats, SlowFSCProcess
+from benchmarks.suite.remote import SLOWFS_C_BUILD, RemoteStats, SlowFSCProcess
 from cubefs_fuse import mounts
-from tests.conftest import wait_until
-from tests.emulator_checks import check_latency, check_overlap, mount_dir
-from tools.slowfs import INODE_SHIFT, STATS_NAME, SlowFSProcess, is_mounted
-
-pytestmark = pytest.mark.mounted
+from tests.emulator_checks import check_latency, check_overlap, emulator_options, mount_dir
+from tests.helpers import stat_tree, wait_until
+from tools.slowfs import INODE_SHIFT, STATS_NAME, is_mounted
 
 BLOCK = 128 * 1024  # the kernel's largest FUSE read without max_pages negotiation: boundary sizes
 
@@ -43,8 +40,6 @@ def binary() -> Path:
 
 @pytest.fixture
 def source(tmp_path: Path) -> Path:
-    if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
-        pytest.fail("slowfs_c tests need root and /dev/fuse")
     src = tmp_path / "src"
     (src / "a" / "b" / "c").mkdir(parents=True)
     (src / "empty").mkdir()
@@ -67,10 +62,8 @@ def source(tmp_path: Path) -> Path:
     return src
 
 
-def _process(binary: Path, source: Path, mount_point: Path, *, latency_us: float = 0,
-             bandwidth_mb_s: float = 0) -> SlowFSCProcess:
-    return SlowFSCProcess(binary, source, mount_point, latency_us=latency_us, threads=EMULATOR_THREADS,
-                          cache_timeout=0, bandwidth_mb_s=bandwidth_mb_s)
+def _process(binary: Path, source: Path, mount_point: Path, **changes: float) -> SlowFSCProcess:
+    return SlowFSCProcess(binary, source, mount_point, **emulator_options(**changes))
 
 
 @pytest.fixture
@@ -82,15 +75,6 @@ def slowfs(binary: Path, tmp_path: Path, source: Path) -> Iterator[SlowFSCProces
     assert not is_mounted(fs.mount_point)
 
 
-def _tree(root: Path) -> dict[str, os.stat_result]:
-    found = {}
-    for parent, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(parent) / name
-            found[str(path.relative_to(root))] = os.lstat(path)
-    return found
-
-
 def test_build_is_idempotent(binary: Path) -> None:
     before = os.stat(binary)
     done = subprocess.run([str(SLOWFS_C_BUILD)], capture_output=True, text=True, timeout=120)
@@ -100,28 +84,9 @@ def test_build_is_idempotent(binary: Path) -> None:
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)  # not rebuilt
 
 
-def test_suite_falls_back_to_python_when_the_build_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    broken = tmp_path / "build.sh"
-    broken.write_text("#!/bin/sh\necho 'slowfs-c: gcc is missing' >&2\nexit 1\n")
-    broken.chmod(0o755)
-    monkeypatch.setattr(remote, "SLOWFS_C_BUILD", broken)
-    remote.slowfs_c_binary.cache_clear()
-    try:
-        name, fs = remote.emulator_process("c", tmp_path, tmp_path / "mnt", latency_us=0, threads=4,
-                                           cache_timeout=0, bandwidth_mb_s=0)
-    finally:
-        remote.slowfs_c_binary.cache_clear()  # the next caller builds the real one again
-    assert name == "python" and type(fs) is SlowFSProcess and "tools.slowfs" in fs.argv
-    assert "warning: cannot build the C emulated remote (slowfs-c: gcc is missing)" in capsys.readouterr().err
-    with pytest.raises(ValueError):
-        remote.emulator_process("rust", tmp_path, tmp_path / "mnt", latency_us=0, threads=4, cache_timeout=0,
-                                bandwidth_mb_s=0)
-
-
 def test_passthrough_is_byte_identical(slowfs: SlowFSCProcess, source: Path) -> None:
     mnt = slowfs.mount_point
-    seen, want = _tree(mnt), _tree(source)
+    seen, want = stat_tree(mnt), stat_tree(source)
     assert sorted(seen) == sorted(want)  # every name, nested; the stats file is not listed
     assert STATS_NAME not in os.listdir(mnt)
     for rel, b in want.items():

@@ -30,7 +30,7 @@ from cubefs_fuse import mounts
 from cubefs_fuse.config import parse_config, parse_size
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient
-from tests.conftest import REPO, Mount, wait_until
+from tests.helpers import REPO, Mount, wait_until
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "cubefs-fuse.json"

@@ -1,0 +1,133 @@
+"""The command line as users run it: real `python -m cubefs_fuse` subprocesses, for the
+mistakes caught before anything is mounted (tests/mounted/test_cli_mounts.py has the rest).
+
+Every user mistake must be exactly one line on stderr naming the problem, exit code 2,
+no traceback, and nothing left mounted or running (tests/cli_checks.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cubefs_fuse import __version__
+from tests.cli_checks import ERROR, FOREGROUND, Env
+from tests.helpers import cli
+
+
+# -- bad configs ------------------------------------------------------------------------
+
+
+@FOREGROUND
+def test_unknown_key_suggests_the_closest(env: Env, foreground: bool) -> None:
+    env.write(memCachSize="1GiB")
+    assert env.fails(foreground=foreground) == (
+        f"config file {str(env.config_path)!r}: unknown key 'memCachSize' (did you mean 'memCacheSize'?)")
+
+
+@FOREGROUND
+def test_wrong_type(env: Env, foreground: bool) -> None:
+    env.write(exporterPort=[9500])
+    message = env.fails(foreground=foreground)
+    assert message.endswith("key 'exporterPort': expected an integer, got list [9500]")
+
+
+@FOREGROUND
+def test_missing_source_key(env: Env, foreground: bool) -> None:
+    env.write(source=None)
+    assert env.fails(foreground=foreground).endswith("missing required key 'source'")
+
+
+@FOREGROUND
+def test_source_does_not_exist(env: Env, foreground: bool) -> None:
+    env.write(source=str(env.base / "nowhere"))
+    assert env.fails(foreground=foreground) == f"key 'source': {str(env.base / 'nowhere')!r} does not exist"
+
+
+@FOREGROUND
+def test_source_is_a_file(env: Env, foreground: bool) -> None:
+    env.write(source=str(env.source / "f.txt"))
+    assert env.fails(foreground=foreground) == f"key 'source': {str(env.source / 'f.txt')!r} is not a directory"
+
+
+@FOREGROUND
+def test_mount_point_missing(env: Env, foreground: bool) -> None:
+    missing = env.base / "nomnt"
+    env.write(mountPoint=str(missing))
+    message = env.fails(foreground=foreground, mount_point=missing)
+    assert message == f"key 'mountPoint': {str(missing)!r} does not exist or is not a directory"
+
+
+@FOREGROUND
+def test_mount_point_not_empty(env: Env, foreground: bool) -> None:
+    (env.mount_point / "leftover").write_text("x")
+    env.write()
+    assert env.fails(foreground=foreground) == f"key 'mountPoint': {str(env.mount_point)!r} is not empty"
+
+
+@FOREGROUND
+def test_cache_dir_under_a_regular_file(env: Env, foreground: bool) -> None:
+    blocker = env.base / "file"
+    blocker.write_text("x")
+    env.write(diskCacheDir=str(blocker / "cache"))
+    assert env.fails(foreground=foreground) == (
+        f"key 'diskCacheDir': cannot create {str(blocker / 'cache')!r}: Not a directory")
+
+
+@FOREGROUND
+@pytest.mark.parametrize(("key", "value"), [("memCacheSize", "lots"), ("diskCacheSize", "8XiB"),
+                                            ("blockSize", "-4KiB")])
+def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: str) -> None:
+    env.write(**{key: value})
+    assert env.fails(foreground=foreground).endswith(
+        f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")")
+
+
+@FOREGROUND
+def test_invalid_json(env: Env, foreground: bool) -> None:
+    env.config_path.write_text('{"mountPoint": "/mnt",\n "volName": ,}')
+    message = env.fails(foreground=foreground)
+    assert message.startswith(f"config file {str(env.config_path)!r} is not valid JSON: ")
+    assert "line 2 column" in message
+
+
+@FOREGROUND
+def test_missing_config_file(env: Env, foreground: bool) -> None:
+    assert env.fails(foreground=foreground) == (
+        f"cannot read config file {str(env.config_path)!r}: No such file or directory")
+
+
+# -- help, version, umount ------------------------------------------------------------
+
+
+def test_version() -> None:
+    result = cli("--version")
+    assert (result.returncode, result.stdout.strip()) == (0, f"cubefs-fuse {__version__}")
+
+
+@pytest.mark.parametrize("args", [[], ["mount"], ["umount"]], ids=["top", "mount", "umount"])
+def test_help(args: list[str]) -> None:
+    result = cli(*args, "--help")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"usage: cubefs-fuse {' '.join(args)}".rstrip())
+    assert result.stderr == ""
+    if args == ["mount"]:
+        assert "--foreground" in result.stdout and "--config" in result.stdout
+    if args == ["umount"]:
+        assert "MOUNTPOINT" in result.stdout and "--lazy" in result.stdout
+
+
+def test_no_command_prints_help_and_fails() -> None:
+    result = cli()
+    assert result.returncode == 2
+    assert "usage: cubefs-fuse" in result.stdout
+
+
+def test_umount_of_a_path_that_is_not_mounted(tmp_path: Path) -> None:
+    result = cli("umount", str(tmp_path))
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [f"{ERROR}{tmp_path} is not mounted"]
+    assert result.returncode == 2
+
+

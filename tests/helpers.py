@@ -1,0 +1,209 @@
+"""Helpers the tests import (fixtures live in tests/conftest.py): running the CLI, waiting,
+real daemons on real mounts (:class:`Mount`) and their metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cubefs_fuse import mounts
+from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
+from tools import harness
+from tools.harness import free_port as free_port  # re-exported for the tests
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str, timeout: float = 120, check: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run ``cubefs-fuse ARGS`` as a real subprocess."""
+    return subprocess.run([sys.executable, "-m", "cubefs_fuse", *args], capture_output=True, text=True,
+                          timeout=timeout, check=check, cwd=REPO)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- real daemons on real FUSE mounts (the make_mount and make_slow_mount fixtures) -----------
+
+
+@dataclass
+class Mount:
+    """A daemon started with ``cubefs-fuse mount`` on a real FUSE mount point."""
+
+    base: Path
+    source: Path
+    mount_point: Path
+    cache_dir: Path
+    config_path: Path
+    port: int
+    overrides: dict[str, Any] = field(default_factory=dict)
+    mounted: bool = False
+
+    def config(self) -> dict[str, Any]:
+        return {
+            "mountPoint": str(self.mount_point),
+            "volName": f"test{self.port}",
+            "source": str(self.source),
+            "diskCacheDir": str(self.cache_dir),
+            "exporterPort": self.port,
+            "logDir": str(self.base / "log"),
+            "logLevel": "debug",
+            **self.overrides,
+        }
+
+    def mount(self) -> None:
+        self.config_path.write_text(json.dumps(self.config()))
+        result = cli("mount", "-c", str(self.config_path))
+        assert result.returncode == 0, f"mount failed: {result.stderr}\n{self.log()}"
+        self.mounted = True
+
+    def umount(self) -> None:
+        if self.mounted:
+            result = cli("umount", str(self.mount_point))
+            assert result.returncode == 0, f"umount failed: {result.stderr}\n{self.log()}"
+            self.mounted = False
+
+    def pid(self) -> int:
+        info = mounts.registered(str(self.mount_point))
+        assert info is not None, "daemon not registered"
+        return int(info["pid"])
+
+    def log(self) -> str:
+        logs = list((self.base / "log").glob("*.log"))
+        return "\n".join(p.read_text(errors="replace")[-20000:] for p in logs)
+
+    def scrape(self) -> dict[str, float]:
+        """Every sample of /metrics as {'name{label="v",...}': value}."""
+        return harness.scrape(self.port)
+
+    def path(self, relative: str) -> Path:
+        return self.mount_point / relative
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """One sample of ``Mount.scrape()`` by name and labels; 0 if the daemon has not emitted it."""
+    if labels:
+        name += "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+    return samples.get(name, 0.0)
+
+
+def force_unmount(m: Mount) -> None:
+    """Detach ``m`` and kill its daemon if it is still mounted (teardown after a failure)."""
+    if mounts.find_mount(str(m.mount_point)) is None:
+        return
+    info = mounts.registered(str(m.mount_point))
+    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+    if info:
+        try:
+            os.kill(int(info["pid"]), 9)
+        except ProcessLookupError:
+            pass
+    m.mounted = False
+
+
+@dataclass
+class SlowMount:
+    """A Mount whose source is a slowfs mount (the emulated remote) of the directory ``real``."""
+
+    mount: Mount
+    real: Path  # the files behind slowfs: tests create, change and delete them here
+    slowfs: Any  # tools.slowfs.SlowFSProcess
+
+
+# -- files and processes -------------------------------------------------------------------
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> dict[str, bytes]:
+    """Write ``files`` ({relative path: content}) under ``root``, making directories; returns ``files``."""
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def stat_tree(root: Path) -> dict[str, os.stat_result]:
+    """``os.lstat`` of every directory, file and link under ``root``, by relative path."""
+    found = {}
+    for directory, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(directory) / name
+            found[str(path.relative_to(root))] = os.lstat(path)
+    return found
+
+
+def allocated_on_disk(cache_dir: Path) -> int:
+    """Bytes the filesystem has allocated to a disk tier's block files (finished, in
+    ``blocks/``, and being written, in ``tmp/``), summed file by file.
+
+    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
+    file renamed during the walk is missed at worst, never counted twice.  Not atomic: a
+    file evicted after it was counted and another written before the walk ends are both
+    counted, so under churn this may exceed what was on disk at any one instant.
+    """
+    total = 0
+    for sub in ("blocks", "tmp"):
+        for directory, _, files in os.walk(cache_dir / sub):
+            for name in files:
+                try:
+                    total += os.lstat(os.path.join(directory, name)).st_blocks * 512
+                except FileNotFoundError:
+                    pass  # evicted or renamed while we looked
+    return total
+
+
+def block_key(i: int) -> bytes:
+    """Cache key number ``i`` (16 bytes, like the keys the block cache makes)."""
+    return i.to_bytes(16, "big")
+
+
+def block_payload(i: int, size: int) -> bytes:
+    """``size`` bytes of content for block ``i``: the same bytes on every call."""
+    return random.Random(i).randbytes(size)
+
+
+def write_volume_config(directory: Path, vol: str, mode: int = 0o644, **changes: Any) -> Path:
+    """A daemon's per-volume config file for ``vol`` in ``directory`` (``changes`` to its
+    fields applied), with permissions ``mode``; returns its path."""
+    config = VolumeConfig(prof=0, mount_point="/mnt/x", vol_name=vol, local_ip="127.0.0.1",
+                          control_socket="/run/x.sock", pid=1)
+    data = json.loads(config.to_json())
+    data.update(changes)
+    path = Path(config_file_path(vol, str(directory)))
+    path.write_text(json.dumps(data))
+    os.chmod(path, mode)
+    return path
+
+
+def owned_by_another_user(path: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Make ``path`` belong to another user, neither root nor us, as this process sees it;
+    returns that user's uid.  Root gives the file to nobody (65534); anyone else cannot give
+    a file away, so this process pretends to be another non-root user instead
+    (``os.geteuid`` patched until the test ends)."""
+    me = os.geteuid()
+    if me == 0:
+        os.chown(path, 65534, 65534)
+        return 65534
+    monkeypatch.setattr(os, "geteuid", lambda: me + 1)
+    return me
+
+
+def dead_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    return int(proc.stdout)

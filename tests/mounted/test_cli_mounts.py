@@ -1,0 +1,121 @@
+"""The command line where a mount is involved: mistakes found on a read-only filesystem
+(a tmpfs) or after the kernel mount was made, umount of a foreign mount, and commands
+against a live daemon.  The mistakes caught before mounting are in tests/component/test_cli.py;
+the failure contract itself is in tests/cli_checks.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from cubefs_fuse import mounts
+from tests.cli_checks import ERROR, FOREGROUND, Env, assert_one_line_error, daemons_using, readonly_tmpfs
+from tests.helpers import REPO, Mount, cli
+
+
+# -- mistakes that need a real mount to find ---------------------------------------------
+
+
+@FOREGROUND
+def test_cache_dir_on_a_readonly_filesystem(env: Env, foreground: bool) -> None:
+    with readonly_tmpfs(env.base / "ro") as ro:
+        # The directory exists but cannot be written (root's os.access() would say yes).
+        env.write(diskCacheDir=str(ro))
+        assert env.fails(foreground=foreground) == (
+            f"key 'diskCacheDir': {str(ro)!r} is not writable: Read-only file system")
+        # The directory would have to be created on the read-only filesystem.
+        env.write(diskCacheDir=str(ro / "cache"))
+        assert env.fails(foreground=foreground) == (
+            f"key 'diskCacheDir': cannot create {str(ro / 'cache')!r}: Read-only file system")
+
+
+def test_exporter_port_in_use(env: Env) -> None:
+    # Fails inside the daemon after the kernel mount was made: it must be taken down again.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env.write(exporterPort=port)
+        message = env.fails()
+    assert message.startswith(f"key 'exporterPort': cannot listen on 127.0.0.1:{port}: Address already in use")
+
+
+def test_umount_of_a_foreign_mount(tmp_path: Path) -> None:
+    with readonly_tmpfs(tmp_path / "ro") as ro:
+        result = cli("umount", str(ro))
+        assert result.stderr.splitlines() == [f"{ERROR}{ro} is not a cubefs-fuse mount (tmpfs)"]
+        assert result.returncode == 2
+        assert mounts.find_mount(str(ro)) is not None, "umount must not touch a foreign mount"
+
+
+# -- against a live daemon ----------------------------------------------------------------
+
+
+def test_second_mount_on_a_mounted_mount_point(make_mount: Callable[..., Mount]) -> None:
+    m = make_mount()
+    (m.source / "f.txt").write_text("live")
+    m.mount()
+    pid = m.pid()
+    result = cli("mount", "-c", str(m.config_path))
+    assert "Traceback" not in result.stderr
+    assert result.stderr.splitlines() == [
+        f"{ERROR}key 'mountPoint': {str(m.mount_point)!r} is already mounted "
+        f"(fuse.cubefs-fuse from cubefs-fuse:{m.config()['volName']})"]
+    assert result.returncode == 2
+    # The live mount is untouched: same daemon, still serving, mounted once.
+    assert m.pid() == pid and mounts.pid_alive(pid)
+    assert daemons_using(m.config_path) == [pid]  # the helper the failure checks rely on sees daemons
+    assert m.path("f.txt").read_text() == "live"
+    assert [e.mount_point for e in mounts.mount_table()].count(str(m.mount_point)) == 1
+    m.umount()
+
+
+def test_second_daemon_on_the_same_cache_dir(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
+    m = make_mount()
+    (m.source / "f.txt").write_text("live")
+    m.mount()
+    other = Env(tmp_path / "other")
+    other.config["diskCacheDir"] = str(m.cache_dir)
+    other.write()
+    message = other.fails()
+    assert message.startswith(
+        f"key 'diskCacheDir': {str(m.cache_dir)!r} is in use by another cubefs-fuse daemon (pid {m.pid()})")
+    assert m.path("f.txt").read_text() == "live"
+    m.umount()
+
+
+def test_block_size_change_on_a_filled_cache_is_refused(make_mount: Callable[..., Mount]) -> None:
+    # Block i of a file means other bytes under another block size: serving the cached
+    # blocks would return wrong data, so the mount is refused until the config is fixed.
+    m = make_mount(blockSize=8192)
+    data = os.urandom(3 * 8192 + 100)  # four blocks of 8 KiB, two of 16 KiB
+    (m.source / "f.bin").write_bytes(data)
+    m.mount()
+    assert m.path("f.bin").read_bytes() == data
+    m.umount()
+    m.overrides["blockSize"] = 16384
+    m.config_path.write_text(json.dumps(m.config()))
+    message = assert_one_line_error(cli("mount", "-c", str(m.config_path)), m.mount_point, m.config_path)
+    assert message.startswith(f"key 'blockSize': 16384 differs from the 8192 bytes the cache in {str(m.cache_dir)!r}")
+    m.overrides["blockSize"] = 8192
+    m.mount()
+    assert m.path("f.bin").read_bytes() == data
+    m.umount()
+
+
+def test_cubefs_client_config_mounts_and_reports_unused_keys_once(make_mount: Callable[..., Mount]) -> None:
+    example = json.loads((REPO / "configs" / "cubefs-compatible.json").read_text())
+    # Keep the CubeFS settings, point the paths and ports at this test's directories.
+    cubefs_keys = {k: v for k, v in example.items()
+                   if k not in {"mountPoint", "source", "logDir", "exporterPort", "profPort", "logLevel"}}
+    m = make_mount(**cubefs_keys)
+    (m.source / "f.txt").write_text("cubefs")
+    m.mount()
+    assert m.path("f.txt").read_text() == "cubefs"
+    m.umount()
+    log = m.log()
+    for key in ("masterAddr", "consulAddr", "rdonly", "enablePosixACL", "icacheTimeout"):
+        assert log.count(f"config key {key!r} is a CubeFS setting with no effect here") == 1, key
