@@ -14,6 +14,12 @@ seconds (default 30).
 
 from __future__ import annotations
 
+import importlib.util
+
+if importlib.util.find_spec("torch") is None:  # before anything imports it: one clear line
+    raise ImportError("cube_torch needs PyTorch, which is not installed: install it, e.g. "
+                      "pip install 'cubefs-fuse[torch]' (or your own torch build)") from None
+
 from cube_torch.patch import install, installed, uninstall
 from cube_torch.reporter import report_once, stats
 

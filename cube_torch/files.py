@@ -2,8 +2,8 @@
 
 Supported: torchvision ``ImageFolder``/``DatasetFolder`` (``samples[i][0]``),
 ``VOCDetection`` (image and annotation XML), ``CocoDetection`` (the file of image id
-``ids[i]``), any dataset with ``train_data_list()`` (a 1-D array of paths, or a 2-D
-array of k parallel path lists), and ``Subset``/``ConcatDataset`` of those, nested.
+``ids[i]``), any dataset with ``train_data_list()`` (see :data:`ACCEPTED_LISTS`), and
+``Subset``/``ConcatDataset`` of those, nested.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from typing import Any
 import numpy as np
 
 SampleFiles = Callable[[int], list[str]]
+
+ACCEPTED_LISTS = ("N paths; a (k, N) array or k lists of N paths (k files per sample, e.g. image and "
+                  "annotation); an (N, k) array or N rows of k paths; paths as str, bytes or os.PathLike")
 
 
 class Unsupported(Exception):
@@ -41,7 +44,7 @@ def sample_files(dataset: Any) -> SampleFiles:
         return concat
     train_data_list = getattr(dataset, "train_data_list", None)
     if callable(train_data_list):
-        return _from_array(np.asarray(train_data_list()))
+        return _from_list(train_data_list(), len(dataset))
     name = type(dataset).__name__
     mro = {cls.__name__ for cls in type(dataset).__mro__}
     if "DatasetFolder" in mro and hasattr(dataset, "samples"):  # ImageFolder is a DatasetFolder
@@ -57,14 +60,46 @@ def sample_files(dataset: Any) -> SampleFiles:
     raise Unsupported(f"{name} does not say which files it reads (add a train_data_list() method)")
 
 
-def _from_array(array: np.ndarray) -> SampleFiles:
+def _path(value: Any) -> str:
+    """A path from ``train_data_list()``: str, bytes (file-system encoding) or os.PathLike."""
+    if isinstance(value, (str, bytes, os.PathLike)):
+        path = os.fsdecode(value)
+    elif isinstance(value, np.str_):
+        path = str(value)
+    elif isinstance(value, np.bytes_):
+        path = os.fsdecode(bytes(value))
+    else:
+        raise Unsupported(f"train_data_list() holds a {type(value).__name__}, not a path ({ACCEPTED_LISTS})")
+    return path
+
+
+def _from_list(listed: Any, samples: int) -> SampleFiles:
+    """Sample index -> paths for what ``train_data_list()`` returned (``samples`` = len(dataset))."""
+    try:
+        array = np.asarray(listed, dtype=object)  # ragged rows mostly stay 1-D: lists are "not a path"
+    except ValueError:  # ragged deeper down
+        raise Unsupported(f"train_data_list() is ragged ({ACCEPTED_LISTS})") from None
     if array.ndim == 1:
-        paths: Sequence[Any] = array.tolist()
-        return lambda i: [str(paths[i])]
+        _check_length(len(array), samples)
+        paths = [_path(v) for v in array.tolist()]
+        return lambda i: [paths[i]]
     if array.ndim == 2:
-        columns = [list(map(str, row)) for row in array.tolist()]
-        return lambda i: [column[i] for column in columns]
-    raise Unsupported(f"train_data_list() returned a {array.ndim}-D array (1-D or 2-D expected)")
+        rows, cols = array.shape
+        # (k, N) when the columns are the samples; (N, k) when the rows are.  A square
+        # array is read as (k, N), the form cube_torch has always accepted.
+        if cols == samples:
+            columns = [[_path(v) for v in column] for column in array.tolist()]
+            return lambda i: [column[i] for column in columns]
+        _check_length(rows, samples)
+        per_sample = [[_path(v) for v in row] for row in array.tolist()]
+        return lambda i: list(per_sample[i])
+    raise Unsupported(f"train_data_list() returned a {array.ndim}-D array ({ACCEPTED_LISTS})")
+
+
+def _check_length(listed: int, samples: int) -> None:
+    if listed != samples:
+        raise Unsupported(f"train_data_list() lists {listed} samples but the dataset has {samples} "
+                          f"({ACCEPTED_LISTS})")
 
 
 def relative_to_mount(path: str, mount_point: str) -> str | None:

@@ -63,6 +63,7 @@ class PlannedSampler:
         except Exception as exc:  # planning must never break the epoch
             info_once("plan-failed", "could not plan this epoch: %r", exc)
         yield from items
+        reporter.epoch_ended()
 
     def _plannable(self) -> bool:
         if not os.environ.get("VOL_NAME"):

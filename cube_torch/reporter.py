@@ -1,4 +1,5 @@
-"""Hit-rate lines: every CUBE_TORCH_METRICS_INTERVAL seconds, from the daemon's counters.
+"""Hit-rate lines: every CUBE_TORCH_METRICS_INTERVAL seconds, at the end of every epoch and
+once at exit, from the daemon's counters.
 
 The line keeps the format of CubeFS's cube_torch so existing log parsers work::
 
@@ -10,6 +11,7 @@ returns the same counters as a dict.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -25,9 +27,14 @@ log = logging.getLogger("cube_torch")
 # Default seconds between hit-rate lines: often enough to watch an epoch of a small job,
 # rare enough to be noise-free in a long one.  Override with CUBE_TORCH_METRICS_INTERVAL.
 DEFAULT_INTERVAL = 30.0
+# The exit line waits at most this long for the daemon: a process on its way out must
+# not hang on a daemon that does not answer.
+EXIT_TIMEOUT = 2.0
 _thread: threading.Thread | None = None
 _stop = threading.Event()
+_wake = threading.Event()  # set by stop() and epoch_ended(): the thread stops waiting
 _lock = threading.Lock()
+_exit_hook_pid = 0  # the process whose exit prints the last line (0: none registered)
 
 
 def interval() -> float:
@@ -51,7 +58,7 @@ def format_line(since_last: dict[str, Any], cumulative: dict[str, Any]) -> str:
             f"sum_metrics:([{_counts(cumulative)}])")
 
 
-def stats() -> dict[str, Any] | None:
+def stats(timeout: float = 5.0) -> dict[str, Any] | None:
     """This process's job counters from the daemon (cumulative and since the last call)."""
     last = submitter.last_job
     if last is None:
@@ -59,7 +66,7 @@ def stats() -> dict[str, Any] | None:
     job, rank, vol_name = last
     try:
         volume = read_volume_config(vol_name)
-        report = ControlClient(volume.control_socket, timeout=5.0).stats(job)
+        report = ControlClient(volume.control_socket, timeout=timeout).stats(job)
     except ProtocolError:
         return None
     for entry in report.get("jobs", []):
@@ -69,8 +76,9 @@ def stats() -> dict[str, Any] | None:
     return None
 
 
-def report_once() -> str | None:
-    current = stats()
+def report_once(timeout: float = 5.0) -> str | None:
+    """Print and log one line now; None (and nothing printed) if no daemon has this job."""
+    current = stats(timeout)
     if current is None:
         return None
     line = format_line(current["since_last"], current["cumulative"])
@@ -81,7 +89,11 @@ def report_once() -> str | None:
 
 def _run(still_needed: Callable[[], int]) -> None:
     global _thread
-    while not _stop.wait(interval()):
+    while True:
+        _wake.wait(interval())
+        if _stop.is_set():
+            return
+        _wake.clear()
         try:
             report_once()
         except Exception as exc:  # a reporting problem must never reach training
@@ -96,18 +108,42 @@ def _run(still_needed: Callable[[], int]) -> None:
 
 
 def ensure_running(still_needed: Callable[[], int]) -> None:
-    """Start the reporting thread if it is not running; it ends when ``still_needed()`` is 0."""
-    global _thread
+    """Start the reporting thread if it is not running; it ends when ``still_needed()`` is 0.
+
+    Also arranges one last line when this process exits (DataLoader workers never print:
+    a forked worker skips atexit, a spawned one never plans).
+    """
+    global _thread, _exit_hook_pid
     with _lock:
+        if _exit_hook_pid != os.getpid():
+            _exit_hook_pid = os.getpid()
+            atexit.register(_report_at_exit, _exit_hook_pid)
         if _thread is None or not _thread.is_alive():
             _stop.clear()
+            _wake.clear()
             _thread = threading.Thread(target=_run, args=(still_needed,), name="cube_torch-metrics", daemon=True)
             _thread.start()
+
+
+def epoch_ended() -> None:
+    """A planned epoch handed out its last index: the reporter prints a line now."""
+    _wake.set()
+
+
+def _report_at_exit(pid: int) -> None:
+    if pid != os.getpid():
+        return  # a forked child that runs atexit handlers: its parent reports
+    stop()
+    try:
+        report_once(EXIT_TIMEOUT)
+    except Exception as exc:  # never turn a clean exit into an error
+        log.debug("cube_torch: final metrics report failed: %r", exc)
 
 
 def stop() -> None:
     global _thread
     _stop.set()
+    _wake.set()
     with _lock:
         thread, _thread = _thread, None
     if thread is not None:

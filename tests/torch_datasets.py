@@ -5,6 +5,7 @@ built over a tree that :func:`populate` writes."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 from collections.abc import Iterator
@@ -114,6 +115,13 @@ class PairDataset(Dataset[tuple[bytes, str]]):
         return read_bytes(self.images[i]), read_bytes(self.captions[i]).decode()
 
 
+class RowsDataset(PairDataset):
+    """``train_data_list()`` as N rows of (image, caption): os.PathLike and bytes paths."""
+
+    def train_data_list(self) -> list[tuple[Path, bytes]]:  # type: ignore[override]
+        return [(Path(image), os.fsencode(caption)) for image, caption in zip(self.images, self.captions)]
+
+
 def make_dataset(kind: str, root: Path) -> Dataset[Any]:
     to_tensor = transforms.PILToTensor()
     if kind == "imagefolder":
@@ -127,9 +135,10 @@ def make_dataset(kind: str, root: Path) -> Dataset[Any]:
                                       transform=to_tensor)
     if kind == "list1d":
         return ListDataset(sorted(str(p) for p in (root / "list1d").iterdir()))
-    if kind == "list2d":
-        return PairDataset(sorted(str(p) for p in (root / "list2d" / "img").iterdir()),
-                           sorted(str(p) for p in (root / "list2d" / "cap").iterdir()))
+    if kind in ("list2d", "rows2d"):
+        pair = PairDataset if kind == "list2d" else RowsDataset
+        return pair(sorted(str(p) for p in (root / "list2d" / "img").iterdir()),
+                    sorted(str(p) for p in (root / "list2d" / "cap").iterdir()))
     raise AssertionError(kind)
 
 

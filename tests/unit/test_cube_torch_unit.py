@@ -10,6 +10,8 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -295,6 +297,38 @@ def test_train_data_list_shapes_and_unsupported(tree: Path) -> None:
         sample_files(Cube([]))
     with pytest.raises(Unsupported, match="train_data_list"):
         sample_files(Indices(3))
+
+
+@pytest.mark.parametrize("listed", [
+    np.array([["i0", "i1", "i2"], ["c0", "c1", "c2"]]),  # (k, N)
+    np.array([["i0", "c0"], ["i1", "c1"], ["i2", "c2"]]),  # (N, k): the form that raised IndexError
+    [["i0", "i1", "i2"], ["c0", "c1", "c2"]],  # k lists
+    [(Path("i0"), b"c0"), (Path("i1"), b"c1"), (Path("i2"), b"c2")],  # N rows, PathLike and bytes
+    np.array([[b"i0", b"c0"], [b"i1", b"c1"], [b"i2", b"c2"]]),  # a bytes array
+])
+def test_train_data_list_accepts_k_by_n_and_n_by_k_of_any_path_type(listed: Any) -> None:
+    class Listed(Indices):
+        def train_data_list(self) -> Any:
+            return listed
+
+    files = sample_files(Listed(3))
+    assert [files(i) for i in range(3)] == [["i0", "c0"], ["i1", "c1"], ["i2", "c2"]]
+
+
+@pytest.mark.parametrize(("listed", "expected"), [
+    (["a", "b"], "lists 2 samples but the dataset has 3"),
+    (np.array([["a", "b"], ["c", "d"]]), "lists 2 samples but the dataset has 3"),
+    ([1, 2, 3], "holds a int, not a path"),
+    ([["a"], ["b", "c"], ["d"]], "holds a list, not a path"),  # ragged rows
+])
+def test_train_data_list_mistakes_name_the_accepted_shapes(listed: Any, expected: str) -> None:
+    class Listed(Indices):
+        def train_data_list(self) -> Any:
+            return listed
+
+    with pytest.raises(Unsupported, match=expected) as exc:
+        sample_files(Listed(3))
+    assert "(k, N) array" in str(exc.value) and "(N, k) array" in str(exc.value)
     with pytest.raises(Unsupported):
         sample_files(ConcatDataset([ListDataset(["a"]), Indices(2)]))
 
@@ -367,3 +401,25 @@ def test_samples_compare_exactly() -> None:
     b[0][0][1, 1] = 1
     assert canon(a) != canon(b)
     assert canon([(torch.zeros(1), 1)]) != canon([(torch.zeros(1), 2)])
+
+
+NO_TORCH = """
+import sys
+from importlib.machinery import PathFinder
+
+class NoTorch(PathFinder):  # what a Python without torch installed finds: nothing
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        return None if name.split(".")[0] == "torch" else PathFinder.find_spec(name, path, target)
+
+sys.meta_path = [NoTorch if finder is PathFinder else finder for finder in sys.meta_path]
+import cube_torch
+"""
+
+
+def test_without_torch_the_import_says_what_to_install() -> None:
+    result = subprocess.run([sys.executable, "-c", NO_TORCH], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: cube_torch needs PyTorch, which is not installed") and "[torch]" in last
+    assert "ModuleNotFoundError" not in result.stderr
