@@ -3,6 +3,12 @@
 Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
 hung remote ties up worker threads, never the trio thread.
+
+Every path is resolved beneath the root's descriptor without following a symlink in any
+component (``backends/beneath.py``; DESIGN.md 3.4 "Never outside the source"): the last
+component's attributes come from ``fstatat(AT_SYMLINK_NOFOLLOW)`` and its target from
+``readlinkat`` relative to the confined parent, so symlinks are served as symlinks and
+never followed by the daemon.  A symlink met on the way fails with ``ELOOP``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import trio
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import BackendStatistics
+from cubefs_fuse.backends.beneath import open_beneath, split_beneath
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram
 
@@ -80,8 +87,31 @@ def raise_fd_limit() -> None:
             pass
 
 
+def fd_path(fd: int) -> str | None:
+    """Where the kernel's dentry cache says ``fd`` is now (``/proc/self/fd``), or None.
+
+    A rename or removal made on this machine moves the dentry at once, so a directory
+    renamed out of the source, or removed (``" (deleted)"``), no longer has the path it
+    was opened at.  In-memory: no request reaches the remote.
+    """
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None  # no /proc, or a path longer than PATH_MAX: never trusted
+
+
 class DirFds:
     """Open descriptors of recently used source directories (thread-safe, bounded).
+
+    Each is opened beneath the root fd without following a symlink in any component
+    (``beneath.open_beneath``), and checked on every use to be still where it was opened
+    (:func:`fd_path` == root path + directory): a cached descriptor of ``a/b`` keeps
+    pointing at the old directory when ``a`` is replaced (by a symlink or another
+    directory) or ``a/b`` is renamed elsewhere, even out of the source tree.  A
+    descriptor that moved is dropped and the directory is opened afresh from the root,
+    so a swapped component is met (``ELOOP`` for a symlink) and a directory moved out
+    of the source is never read through.  Files are opened beneath the directory's
+    descriptor, again without following a symlink.
 
     Callers get a dup() of the cached descriptor, so an eviction that closes the cached
     one can never close (or let the kernel reuse) a descriptor another thread is using.
@@ -89,18 +119,20 @@ class DirFds:
 
     def __init__(self, root_fd: int, capacity: int) -> None:
         self._root_fd = root_fd
+        self._root_path = fd_path(root_fd)
         self._capacity = capacity
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self.moved = 0  # cached descriptors found moved and dropped (tests, debugging)
 
     def open(self, path: str, flags: int) -> int:
         """Open ``path`` (relative to the root) through its parent directory's descriptor."""
         parent, _, name = path.rpartition("/")
         if not parent:
-            return os.open(path or ".", flags, dir_fd=self._root_fd)
+            return open_beneath(self._root_fd, path or ".", flags)
         directory = self._acquire(parent)
         try:
-            return os.open(name, flags, dir_fd=directory)
+            return open_beneath(directory, name, flags)
         finally:
             os.close(directory)
 
@@ -112,13 +144,39 @@ class DirFds:
         if fd is not None:
             os.close(fd)
 
+    def _in_place(self, fd: int, directory: str) -> bool:
+        """Whether ``fd`` is still the directory ``directory`` beneath the root."""
+        where = fd_path(fd)
+        if where is None or self._root_path is None:
+            return False
+        if where == os.path.join(self._root_path, directory):
+            return True
+        # The source root itself may have been renamed (the root fd still is the root):
+        # read its path again before deciding.
+        root_now = fd_path(self._root_fd)
+        if root_now is None or root_now == self._root_path:
+            return False
+        self._root_path = root_now
+        return where == os.path.join(root_now, directory)
+
     def _acquire(self, directory: str) -> int:
         with self._lock:
-            fd = self._fds.get(directory)
-            if fd is not None:
+            cached = self._fds.get(directory)
+            duplicate = None
+            if cached is not None:
                 self._fds.move_to_end(directory)
-                return os.dup(fd)
-        opened = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+                duplicate = os.dup(cached)
+        if duplicate is not None:
+            if self._in_place(duplicate, directory):
+                return duplicate
+            os.close(duplicate)
+            with self._lock:
+                stale = self._fds.pop(directory) if self._fds.get(directory) == cached else None
+                self.moved += 1
+            if stale is not None:
+                os.close(stale)
+            log.info("source directory %r moved or was replaced since it was opened; opening it afresh", directory)
+        opened = open_beneath(self._root_fd, directory, os.O_PATH | os.O_DIRECTORY)
         evicted = []
         with self._lock:
             if directory in self._fds:  # another thread opened it meanwhile
@@ -188,10 +246,26 @@ class LocalDirBackend:
         histogram.observe(elapsed)
         return result
 
+    def _at_parent(self, path: str, fn: Callable[[int, str], T]) -> T:
+        """``fn(parent_fd, name)`` for the last component of ``path``, its parent opened
+        beneath the root without following symlinks (the root fd itself at the top)."""
+        parent, name = split_beneath(path)
+        if parent == ".":
+            return fn(self._root_fd, name)
+        fd = open_beneath(self._root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+        try:
+            return fn(fd, name)
+        finally:
+            os.close(fd)
+
     async def stat(self, path: str) -> Attr:
-        rel = self._rel(path)
+        def lstat() -> os.stat_result:
+            if not path:
+                return os.fstat(self._root_fd)
+            return self._at_parent(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
+
         st = await self._run(
-            "stat", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False),
+            "stat", path, lstat,
             expected=(errno.ENOENT, errno.ENOTDIR),  # a lookup of a missing name is no error
         )
         return Attr.from_stat(st)
@@ -200,7 +274,7 @@ class LocalDirBackend:
         rel = self._rel(path)
 
         def scan() -> list[tuple[str, Attr]]:
-            fd = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+            fd = open_beneath(self._root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 entries = []
                 with os.scandir(fd) as it:
@@ -216,8 +290,6 @@ class LocalDirBackend:
         return await self._run("listdir", path, scan)
 
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
-        rel = self._rel(path)
-
         def read() -> bytes:
             try:
                 fd = self._dirs.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -248,8 +320,12 @@ class LocalDirBackend:
         return data
 
     async def readlink(self, path: str) -> str:
-        rel = self._rel(path)
-        return await self._run("readlink", path, lambda: os.readlink(rel, dir_fd=self._root_fd))
+        def read() -> str:
+            if not path:
+                return os.readlink(".", dir_fd=self._root_fd)  # EINVAL: the root is no symlink
+            return self._at_parent(path, lambda fd, name: os.readlink(name, dir_fd=fd))
+
+        return await self._run("readlink", path, read)
 
     async def statfs(self) -> FsStats:
         st = await self._run("statfs", "", lambda: os.statvfs(self._root_fd))
