@@ -227,3 +227,27 @@ def test_new_opens_after_a_change_and_the_ttl_see_only_the_new_version(
     assert without <= ROUNDS, (with_handles, without)
     assert new_opens == ROUNDS * len(MODES) * 3
     m.umount()
+
+
+def test_an_open_through_a_kernel_entry_still_valid_is_sent_to_the_new_version(make_mount: Callable[..., Mount]) -> None:
+    # The kernel trusts its entry for a long lookupValid, the daemon its attributes for a
+    # short attrValid: after the change and attrValid, a new open still walks to the old
+    # inode.  The daemon answers that open ESTALE, the kernel repeats the walk with a forced
+    # lookup (LOOKUP_REVAL) and opens the new version's inode: the application sees no error.
+    m = make_mount(blockSize="64KiB", attrValid=TTL, lookupValid=3600)
+    old, new = content("f", 0, 3 * BS + 5), content("f", 1, 3 * BS + 5)
+    (m.source / "f.bin").write_bytes(old)
+    m.mount()
+    NewOpen(m.path("f.bin"), old, "before").finish()
+    handle = OldHandle(m.path("f.bin"), old, "old handle")
+    _write_in_place(m.source / "f.bin", new)
+    before = m.scrape()
+    time.sleep(2 * TTL + 0.1)  # the daemon's attributes expire; the kernel's entry does not
+    for n in range(3):
+        NewOpen(m.path("f.bin"), new, f"new open {n}").finish()
+        handle.read_all()
+    handle.close()
+    after = m.scrape()
+    assert metric(after, "cubefs_fuse_stale_opens_total") - metric(before, "cubefs_fuse_stale_opens_total") == 1
+    assert metric(after, METRIC, old_handles="open") - metric(before, METRIC, old_handles="open") == 1
+    m.umount()
