@@ -71,6 +71,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_metadata_cache_hits_total", "counter", "Metadata answered from the daemon's cache.", ("kind",)),
         MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
         MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
+        MetricSpec("cubefs_fuse_retired_inodes", "gauge", "Inodes of old file versions (changed at the source) the kernel still holds."),
+        MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode (old_handles: open or none).", ("old_handles",)),
+        MetricSpec("cubefs_fuse_stale_opens_total", "counter", "Opens of an old version's inode answered ESTALE (the kernel looks the name up again and opens the new version)."),
         MetricSpec("cubefs_fuse_file_requests_total", "counter",
                    "Files opened and closed by applications (one request per open; page-cache reads included)."),
         MetricSpec("cubefs_fuse_file_hits_total", "counter", "File requests none of whose reads waited on the backend."),
@@ -131,6 +134,10 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_opens_total", s.fs.opens)
     f.add("cubefs_fuse_open_files", s.fs.open_files)
     f.add("cubefs_fuse_inodes", s.fs.inodes)
+    f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)
+    f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes_with_handles, "open")
+    f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes_without_handles, "none")
+    f.add("cubefs_fuse_stale_opens_total", s.fs.stale_opens)
     c = s.cache
     f.add("cubefs_fuse_cache_hits_total", c.hits_ram, "ram")
     f.add("cubefs_fuse_cache_hits_total", c.hits_disk, "disk")

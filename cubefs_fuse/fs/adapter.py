@@ -113,17 +113,11 @@ class FuseOperations(pyfuse3.Operations):
 
     @_translating
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:  # type: ignore[override]
-        fh, keep_cache = await self.fs.open(inode, flags, ctx.pid)
-        if not keep_cache:
-            # The file changed at the source.  The kernel may still hold the old size for
-            # up to attrValid (e.g. refreshed from a cached listing) and would cut reads of
-            # the new version at it, or zero-fill past its end: drop those attributes so
-            # the next read asks getattr first.  Attributes only: no page locks, no deadlock.
-            try:
-                pyfuse3.invalidate_inode(pyfuse3.InodeT(inode), attr_only=True)
-            except OSError:
-                pass  # ENOENT: the kernel holds no attributes for it
-        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), keep_cache=keep_cache)
+        fh = await self.fs.open(inode, flags, ctx.pid)
+        # keep_cache always: an inode serves one version of a file (a changed file gets a
+        # new inode, fs/inodes.py), so the pages the kernel holds for it are always good.
+        # No invalidation notices at all: nothing here waits on the kernel's page locks.
+        return pyfuse3.FileInfo(fh=pyfuse3.FileHandleT(fh), keep_cache=True)
 
     @_translating
     async def read(self, fh: int, off: int, size: int) -> bytes:  # type: ignore[override]

@@ -68,7 +68,11 @@ class FilesystemStatistics:
     blocks_by_source: dict[str, int]  # block lookups by the tier that answered
     bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
     stale_reads: int
+    stale_opens: int  # opens of a retired inode (its file changed): ESTALE, the kernel looks up again
     inodes: int
+    retired_inodes: int  # inodes of old versions the kernel still holds
+    version_changes_with_handles: int  # files found changed with handles open on the old version
+    version_changes_without_handles: int  # ... with the old version's inode held, no handle open
     file_requests: int  # opens of regular files, counted at release
     file_misses: int  # of those, the ones with a read that waited on the backend
     stall_seconds: float
@@ -81,6 +85,7 @@ class _Counters:
     reads: int = 0
     read_bytes: int = 0
     stale_reads: int = 0
+    stale_opens: int = 0
     file_requests: int = 0
     file_misses: int = 0
     stall_seconds: float = 0.0
@@ -117,15 +122,25 @@ class Filesystem:
         return self.entry(path, attr)
 
     def entry(self, path: str, attr: Attr) -> Entry:
-        """An entry handed to the kernel (raises the path's lookup count)."""
-        return Entry(self.inodes.remember(path), attr)
+        """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:
+        a new one if the path's file changed, see fs/inodes.py)."""
+        return Entry(self.inodes.remember(path, attr), attr)
 
     def forget(self, inode: int, n: int) -> None:
         self.inodes.forget(inode, n)
 
     async def getattr(self, inode: int) -> Entry:
-        path = self.inodes.node(inode).path
-        return Entry(inode, await self.meta.stat(path))
+        """The inode's attributes: its path's current ones, or, for an inode whose file has
+        changed since (retired), those of its own version.  The kernel must not see the new
+        size or mtime on an old version's inode: it would cut or extend the old handles'
+        reads, or drop their pages and refill them from another version."""
+        node = self.inodes.node(inode)
+        if not node.retired:
+            attr = await self.meta.stat(node.path)
+            if self.inodes.serves(inode, attr):
+                return Entry(inode, attr)
+        assert node.attr is not None  # a retired inode always has the attributes it served
+        return Entry(inode, node.attr)
 
     async def readlink(self, inode: int) -> str:
         path = self.inodes.node(inode).path
@@ -154,37 +169,46 @@ class Filesystem:
             raise FsError(errno.EBADF) from None
         for i in range(start, len(entries)):
             name, attr = entries[i]
-            yield i + 1, name, child_path(path, name), attr
+            child = child_path(path, name)
+            # A listing may be older than the child's attributes (a stat since): never hand
+            # the kernel an older version than the path's current inode serves.
+            yield i + 1, name, child, self.meta.peek(child) or attr
 
     def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
 
     # -- files -----------------------------------------------------------------------
 
-    async def open(self, inode: int, flags: int, pid: int = 0) -> tuple[int, bool]:
-        """A handle and whether the kernel may keep its page cache for the file."""
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
+        """A handle pinned to the version the inode serves.
+
+        The kernel may always keep the inode's page cache: every handle of an inode reads
+        one version (fs/inodes.py).  An inode whose file has changed at the source (found
+        now or before) is not opened: ESTALE, on which the kernel repeats the path walk
+        with a forced lookup (``LOOKUP_REVAL``), which answers the new version's inode."""
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
-        attr = await self.meta.stat(node.path)
+        attr = None if node.retired else await self.meta.stat(node.path)
+        if attr is None or not self.inodes.serves(inode, attr):
+            self._c.stale_opens += 1
+            raise FsError(errno.ESTALE, f"{node.path} changed at the source")
         if attr.is_dir:
             raise FsError(errno.EISDIR)
         if not attr.is_file:
             raise FsError(errno.EINVAL, "only regular files can be opened")
-        version = attr.version
-        # The page cache holds data of the version served before; keep it only if unchanged.
-        keep_cache = node.last_version is None or node.last_version == version
-        node.last_version = version
         fh = next(self._handles)
         owner = self.observer.opened(pid, node.path) if self.observer is not None else None
-        self._files[fh] = OpenFile(inode, node.path, version, tag=path_tag(node.path), owner=owner)
+        self._files[fh] = OpenFile(inode, node.path, attr.version, tag=path_tag(node.path), owner=owner)
+        self.inodes.opened(inode)
         self._c.opens += 1
-        return fh, keep_cache
+        return fh
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
         if f is None:
             return
+        self.inodes.released(f.inode)
         self._c.file_requests += 1
         if f.waited:
             self._c.file_misses += 1
@@ -249,8 +273,9 @@ class Filesystem:
         self.blocks.prefetch_range(f.path, f.version, last + 1, last + 1 + READAHEAD_BLOCKS)
 
     def statistics(self) -> FilesystemStatistics:
-        c = self._c
+        c, i = self._c, self.inodes.statistics()
         return FilesystemStatistics(c.lookups, c.opens, len(self._files), len(self._dirs), c.reads,
                                     c.read_bytes, dict(c.blocks_by_source), dict(c.bytes_by_source),
-                                    c.stale_reads, len(self.inodes), c.file_requests, c.file_misses,
-                                    c.stall_seconds)
+                                    c.stale_reads, c.stale_opens, i.inodes, i.retired,
+                                    i.changes_with_handles, i.changes_without_handles,
+                                    c.file_requests, c.file_misses, c.stall_seconds)

@@ -1,35 +1,63 @@
-"""The inode table: inode numbers for paths, with the kernel's lookup counts.
+"""The inode table: inode numbers for paths, one per version of a file, with the kernel's lookup counts.
 
-An inode lives while the kernel holds a lookup on it (``forget`` brings the count to
-zero) and keeps the version whose pages the kernel page cache may hold.
+The kernel page cache belongs to an inode, so two versions of a file must never share
+one: an inode serves exactly one *identity* of its path (for a regular file its
+:class:`FileVersion`, for anything else its file type).  When the path is found with
+another identity (the file changed at the source), the inode is *retired*: the path gets
+a new inode number, so the kernel builds a fresh inode (fresh pages, fresh size) for new
+opens, while the retired inode keeps serving its own version (its attributes frozen) to
+the handles still open on it until the kernel forgets it.  An inode lives while the
+kernel holds a lookup on it (``forget`` brings the count to zero); numbers are never reused.
 """
 
 from __future__ import annotations
 
 import errno
+import stat
 from dataclasses import dataclass
 from itertools import count
 
-from cubefs_fuse.attrs import FileVersion
+from cubefs_fuse.attrs import Attr, FileVersion
 from cubefs_fuse.errors import FsError
 
 ROOT_INODE = 1
+
+Identity = tuple[int, FileVersion | None]
+
+
+def identity(attr: Attr) -> Identity:
+    """What one inode may serve: a regular file's version (its pages), else only a type
+    (the kernel caches no data of directories and symlinks on this mount)."""
+    return stat.S_IFMT(attr.mode), attr.version if attr.is_file else None
 
 
 @dataclass(slots=True)
 class Node:
     path: str
+    attr: Attr | None  # what this inode serves (None: the root before its first getattr)
     lookups: int = 0
-    last_version: FileVersion | None = None  # the version the kernel page cache may hold
+    handles: int = 0  # open file handles on this inode
+    retired: bool = False  # the path has moved on to another inode (its file changed)
+
+
+@dataclass(frozen=True, slots=True)
+class InodeStatistics:
+    inodes: int
+    retired: int  # retired inodes the kernel still holds
+    changes_with_handles: int  # files found changed while handles were open on the old inode
+    changes_without_handles: int  # ... while the kernel held the old inode without open handles
 
 
 class InodeTable:
-    """Inode numbers for paths, with the kernel's lookup counts (freed at zero)."""
+    """Inode numbers for (path, identity), with the kernel's lookup counts (freed at zero)."""
 
     def __init__(self) -> None:
-        self._nodes: dict[int, Node] = {ROOT_INODE: Node("", lookups=1)}
-        self._by_path: dict[str, int] = {"": ROOT_INODE}
+        self._nodes: dict[int, Node] = {ROOT_INODE: Node("", None, lookups=1)}
+        self._by_path: dict[str, int] = {"": ROOT_INODE}  # the current inode of each path
         self._numbers = count(ROOT_INODE + 1)
+        self._retired = 0
+        self._changes_with_handles = 0
+        self._changes_without_handles = 0
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -40,15 +68,51 @@ class InodeTable:
         except KeyError:
             raise FsError(errno.ESTALE, f"unknown inode {inode}") from None
 
-    def remember(self, path: str) -> int:
-        """The inode of ``path``, its lookup count raised by one."""
+    def remember(self, path: str, attr: Attr) -> int:
+        """The inode serving ``attr`` at ``path``, its lookup count raised by one.
+
+        If the path's current inode serves another identity, it is retired and the path
+        gets a new inode."""
         inode = self._by_path.get(path)
-        if inode is None:
+        if inode is None or not self.serves(inode, attr):
             inode = next(self._numbers)
             self._by_path[path] = inode
-            self._nodes[inode] = Node(path)
+            self._nodes[inode] = Node(path, attr)
         self._nodes[inode].lookups += 1
         return inode
+
+    def serves(self, inode: int, attr: Attr) -> bool:
+        """Whether ``inode`` serves ``attr`` (its path's current attributes).
+
+        True: the node takes the fresh attributes (same identity).  False: the inode is
+        retired (now, if it was its path's current one; the change is counted) and keeps
+        the attributes of its own version."""
+        node = self.node(inode)
+        if node.retired:
+            return False
+        if inode != ROOT_INODE and node.attr is not None and identity(node.attr) != identity(attr):
+            self._retire(inode, node)
+            return False
+        node.attr = attr
+        return True
+
+    def _retire(self, inode: int, node: Node) -> None:
+        node.retired = True
+        self._retired += 1
+        if self._by_path.get(node.path) == inode:
+            del self._by_path[node.path]
+        if node.handles:
+            self._changes_with_handles += 1
+        else:
+            self._changes_without_handles += 1
+
+    def opened(self, inode: int) -> None:
+        self.node(inode).handles += 1
+
+    def released(self, inode: int) -> None:
+        node = self._nodes.get(inode)
+        if node is not None and node.handles:
+            node.handles -= 1
 
     def forget(self, inode: int, n: int) -> None:
         node = self._nodes.get(inode)
@@ -57,8 +121,14 @@ class InodeTable:
         node.lookups -= n
         if node.lookups <= 0:
             del self._nodes[inode]
-            if self._by_path.get(node.path) == inode:
+            if node.retired:
+                self._retired -= 1
+            elif self._by_path.get(node.path) == inode:
                 del self._by_path[node.path]
+
+    def statistics(self) -> InodeStatistics:
+        return InodeStatistics(len(self._nodes), self._retired, self._changes_with_handles,
+                               self._changes_without_handles)
 
 
 def child_path(parent: str, name: str) -> str:

@@ -1,7 +1,7 @@
 """The filesystem core without a kernel: Filesystem over a FakeBackend and a real BlockCache.
 
 What the FUSE adapter relies on: inode numbers and lookup counts, directory handles,
-version pinning at open (and whether the kernel may keep its page cache), reads
+one inode per version of a file, version pinning at open, reads
 assembled from blocks, ESTALE instead of mixed versions, and the observer hooks.
 """
 
@@ -88,8 +88,7 @@ async def test_reads_of_every_range_match_the_source_across_blocks() -> None:
     backend.write("f", data)
     async with filesystem(backend) as fs:
         inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        fh, keep_cache = await fs.open(inode, os.O_RDONLY)
-        assert keep_cache
+        fh = await fs.open(inode, os.O_RDONLY)
         assert await read_all(fs, fh, len(data)) == data
         for offset, size in ((0, 1), (BLOCK - 1, 2), (BLOCK, BLOCK), (10, 3 * BLOCK), (len(data) - 5, 100)):
             assert bytes(await fs.read(fh, offset, size)) == data[offset:offset + size]
@@ -117,23 +116,104 @@ async def test_writes_directories_and_special_files_are_refused() -> None:
         assert exc.value.errno == errno.EINVAL
 
 
-async def test_a_changed_file_gets_estale_on_old_handles_and_a_fresh_page_cache_on_new_opens() -> None:
+async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its_version() -> None:
     backend = FakeBackend()
     backend.write("f", b"old" * 2000)
     async with filesystem(backend, attr_ttl=0.0) as fs:
-        inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        old_fh, keep = await fs.open(inode, os.O_RDONLY)
-        assert keep
+        old = await fs.lookup(ROOT_INODE, "f")
+        old_fh = await fs.open(old.inode, os.O_RDONLY)
         assert bytes(await fs.read(old_fh, 0, 3)) == b"old"
-        backend.write("f", b"new" * 3000)
+        backend.write("f", b"new" * 3000)  # in place: same inode number, new size, mtime, ctime
+        new = await fs.lookup(ROOT_INODE, "f")
+        assert new.inode != old.inode and new.attr.size == 9000
+        # The old inode keeps its own version's attributes: the kernel never sees the new
+        # size or mtime on it (it would cut, extend or drop the old version's pages).
+        assert (await fs.getattr(old.inode)).attr == old.attr
+        assert (await fs.getattr(new.inode)).attr.size == 9000
+        with pytest.raises(FsError) as stale:
+            await fs.open(old.inode, os.O_RDONLY)  # the kernel retries with a fresh lookup
+        assert stale.value.errno == errno.ESTALE
+        new_fh = await fs.open(new.inode, os.O_RDONLY)
+        assert await read_all(fs, new_fh, 9000) == b"new" * 3000
+        assert bytes(await fs.read(old_fh, 0, 3)) == b"old"  # its cached block, its version
         with pytest.raises(StaleVersion):
             await fs.read(old_fh, BLOCK, 10)  # a block of the old version that is not cached
-        assert fs.statistics().stale_reads == 1
-        new_fh, keep = await fs.open(inode, os.O_RDONLY)
-        assert not keep  # the kernel must drop the old version's pages
-        assert await read_all(fs, new_fh, 9000) == b"new" * 3000
-        again, keep = await fs.open(inode, os.O_RDONLY)
-        assert keep  # same version as the last open: the page cache is good
+        stats = fs.statistics()
+        assert (stats.version_changes_with_handles, stats.version_changes_without_handles) == (1, 0)
+        assert (stats.stale_opens, stats.stale_reads, stats.retired_inodes, stats.inodes) == (1, 1, 1, 3)
+        assert (await fs.lookup(ROOT_INODE, "f")).inode == new.inode  # no further change, same inode
+        fs.release(old_fh)
+        fs.forget(old.inode, 1)  # the kernel lets the old inode go
+        stats = fs.statistics()
+        assert (stats.retired_inodes, stats.inodes) == (0, 2)
+        with pytest.raises(FsError) as gone:
+            await fs.getattr(old.inode)
+        assert gone.value.errno == errno.ESTALE
+
+
+@pytest.mark.parametrize("first", ["lookup", "getattr", "open"])
+@pytest.mark.parametrize("change", ["in_place", "replaced", "same_size"])
+async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_path_moves_on(
+        first: str, change: str) -> None:
+    backend = FakeBackend()
+    backend.write("d/f", b"a" * 5000)
+    async with filesystem(backend, attr_ttl=0.0) as fs:
+        d = await fs.lookup(ROOT_INODE, "d")
+        old = await fs.lookup(d.inode, "f")
+        fh = await fs.open(old.inode, os.O_RDONLY)
+        fs.release(fh)  # pages of the old version may stay in the kernel; no handle is open
+        if change == "replaced":
+            backend.remove("d/f")
+            backend.write("d/f", b"b" * 7000)  # a new file renamed over it: a new inode number
+        else:
+            backend.write("d/f", (b"b" * 5000) if change == "same_size" else b"b" * 3000)
+        if first == "lookup":
+            assert (await fs.lookup(d.inode, "f")).inode != old.inode
+        elif first == "getattr":
+            assert (await fs.getattr(old.inode)).attr == old.attr
+        else:
+            with pytest.raises(FsError) as stale:
+                await fs.open(old.inode, os.O_RDONLY)
+            assert stale.value.errno == errno.ESTALE
+        new = await fs.lookup(d.inode, "f")
+        assert new.inode != old.inode and new.attr.version == backend.version("d/f")
+        assert (await fs.getattr(old.inode)).attr == old.attr
+        assert (await fs.lookup(d.inode, "f")).inode == new.inode
+        assert (await fs.lookup(ROOT_INODE, "d")).inode == d.inode  # its directory changed nothing
+        stats = fs.statistics()
+        assert (stats.version_changes_with_handles, stats.version_changes_without_handles) == (0, 1)
+        fh = await fs.open(new.inode, os.O_RDONLY)
+        assert await read_all(fs, fh, new.attr.size) == b"b" * new.attr.size
+
+
+async def test_directories_keep_their_inode_but_a_change_of_type_gets_a_new_one() -> None:
+    backend = FakeBackend()
+    backend.write("d/f", b"x")
+    async with filesystem(backend, attr_ttl=0.0) as fs:
+        d = await fs.lookup(ROOT_INODE, "d")
+        backend.write("d/g", b"y")  # a directory whose mtime changes is the same directory
+        assert (await fs.lookup(ROOT_INODE, "d")).inode == d.inode
+        assert (await fs.getattr(ROOT_INODE)).inode == ROOT_INODE
+        f = await fs.lookup(d.inode, "f")
+        backend.remove("d/f")
+        backend.mkdir("d/f")  # a file replaced by a directory
+        assert (await fs.lookup(d.inode, "f")).inode != f.inode
+        assert fs.statistics().version_changes_without_handles == 1
+
+
+async def test_readdir_never_hands_back_an_older_version_than_the_current_inode() -> None:
+    backend = FakeBackend()
+    backend.write("f", b"old")
+    async with filesystem(backend) as fs:  # attributes and listings cached for an hour
+        listing = await fs.opendir(ROOT_INODE)
+        backend.write("f", b"newer")
+        await fs.meta.fresh_stat("f")  # e.g. a read found the change and invalidated it
+        new = await fs.lookup(ROOT_INODE, "f")
+        fs.releasedir(listing)
+        listing = await fs.opendir(ROOT_INODE)  # the cached listing still says "old"
+        [(_, name, path, attr)] = list(fs.readdir(listing, 0))
+        assert (name, attr.size) == ("f", 5)
+        assert fs.entry(path, attr).inode == new.inode
 
 
 async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
@@ -152,7 +232,7 @@ async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
     async with filesystem(backend) as fs:
         fs.observer = Observer()
         inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        fh, _ = await fs.open(inode, os.O_RDONLY, pid=42)
+        fh = await fs.open(inode, os.O_RDONLY, pid=42)
         await fs.read(fh, 0, 100)
         fs.release(fh)
         fs.release(fh)  # a second release of the same handle is ignored

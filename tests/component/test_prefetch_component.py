@@ -87,7 +87,7 @@ async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
     inode = ROOT_INODE
     for name in path.split("/"):
         inode = (await fs.lookup(inode, name)).inode
-    fh, _ = await fs.open(inode, os.O_RDONLY, pid)
+    fh = await fs.open(inode, os.O_RDONLY, pid)
     try:
         size = fs.open_file(fh).version.size
         offset = 0

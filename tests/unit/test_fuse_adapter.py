@@ -2,8 +2,8 @@
 
 No kernel: handlers are awaited directly.  What it must do is translate: attributes with
 the configured timeouts, every exception to FUSEError(errno) (bugs to EIO, logged once),
-writes refused with EROFS, readdir entries the kernel did not take forgotten, and the
-kernel's attributes dropped when an open finds a new version.
+writes refused with EROFS, readdir entries the kernel did not take forgotten, and every
+open keeping the page cache without any invalidation notice (one inode serves one version).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class FakeCore:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.fail: BaseException | None = None
-        self.keep_cache = True
         self.forgotten: list[tuple[int, int]] = []
 
     def _maybe_fail(self) -> None:
@@ -60,10 +59,10 @@ class FakeCore:
         for i in range(start, len(names)):
             yield i + 1, names[i], names[i], FILE
 
-    async def open(self, inode: int, flags: int, pid: int) -> tuple[int, bool]:
+    async def open(self, inode: int, flags: int, pid: int) -> int:
         self.calls.append(("open", inode, flags, pid))
         self._maybe_fail()
-        return 9, self.keep_cache
+        return 9
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         self._maybe_fail()
@@ -135,17 +134,20 @@ async def test_every_modifying_operation_is_refused_with_erofs(ops: tuple[FuseOp
         assert exc.value.errno == errno.EROFS, name
 
 
-async def test_open_passes_the_pid_and_drops_kernel_attributes_of_a_new_version(
+async def test_open_passes_the_pid_keeps_the_page_cache_and_sends_no_invalidation(
         ops: tuple[FuseOperations, FakeCore], monkeypatch: pytest.MonkeyPatch) -> None:
     fuse, core = ops
-    invalidated: list[tuple[int, bool]] = []
-    monkeypatch.setattr(pyfuse3, "invalidate_inode", lambda inode, attr_only=False: invalidated.append((inode, attr_only)))
+    notices: list[str] = []
+    for name in ("invalidate_inode", "invalidate_entry", "invalidate_entry_async"):
+        monkeypatch.setattr(pyfuse3, name, lambda *_, _name=name, **__: notices.append(_name))
     info = await fuse.open(5, os.O_RDONLY, Ctx())  # type: ignore[arg-type]
-    assert (info.fh, info.keep_cache, invalidated) == (9, True, [])
-    core.keep_cache = False
-    info = await fuse.open(5, os.O_RDONLY, Ctx())  # type: ignore[arg-type]
-    assert (info.keep_cache, invalidated) == (False, [(5, True)])
+    assert (info.fh, info.keep_cache, notices) == (9, True, [])
     assert core.calls[-1] == ("open", 5, os.O_RDONLY, 4242)
+    core.fail = FsError(errno.ESTALE)  # a retired inode: the kernel retries the lookup
+    with pytest.raises(pyfuse3.FUSEError) as exc:
+        await fuse.open(5, os.O_RDONLY, Ctx())  # type: ignore[arg-type]
+    assert (exc.value.errno, notices) == (errno.ESTALE, [])
+    core.fail = None
     await fuse.release(9)
     assert core.calls[-1] == ("release", 9)
 
