@@ -2,7 +2,16 @@
 
 Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
-hung remote ties up worker threads, never the trio thread.
+hung remote ties up worker threads, never the trio thread.  Every call can be cancelled
+(``abandon_on_cancel``): the caller gets ``trio.Cancelled`` at once and the thread is
+left to finish on its own.  Trio releases a thread's limiter token only when the thread
+really returns, so abandoned threads keep their tokens: at most ``threads`` operation
+threads plus one probe thread (its own limiter) exist, however long the remote hangs.
+
+The source root is one ``SourceRoot``: its descriptor can be replaced (``probe`` reopens
+it when the path now names another directory, e.g. the remote was remounted, or when the
+old descriptor answers ENOTCONN/ESTALE/EIO) while threads still use the old one, which
+is closed once its last user returns.
 """
 
 from __future__ import annotations
@@ -15,7 +24,8 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -37,6 +47,11 @@ DIR_FD_CACHE = 1024
 # Open-file limit the daemon asks for (bounded by the hard limit): directory descriptors,
 # NVMe block files in flight, FUSE, sockets.
 WANTED_FD_LIMIT = 65536
+
+# Errors of the root descriptor that mean "this descriptor is dead, the path may be fine":
+# a FUSE remote that was unmounted (ENOTCONN, or ECONNABORTED for a request aborted under
+# it), an NFS handle that went stale with a server-side remount (ESTALE), a failed mount (EIO).
+REOPEN_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ESTALE, errno.EIO})
 
 # Distinct files whose errors are logged individually; past this many the log says so
 # once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
@@ -80,24 +95,94 @@ def raise_fd_limit() -> None:
             pass
 
 
+def is_mount_point(path: str, st: os.stat_result) -> bool:
+    """Whether ``path`` (whose ``stat`` is ``st``) is the root of a mounted filesystem."""
+    parent = os.stat(os.path.join(path, ".."))
+    return parent.st_dev != st.st_dev or parent.st_ino == st.st_ino
+
+
+class SourceRoot:
+    """The source root's directory descriptor, replaceable under threads that use it.
+
+    ``use()`` lends the current descriptor; ``replace()`` opens the path afresh and
+    retires the old descriptor, which is closed when its last borrower returns (never
+    while a thread may still pass it as ``dir_fd``: a reused number would point the
+    thread at another directory).  A thread that never returns keeps one descriptor.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._fd, self.identity = self._open()
+        self._users: dict[int, int] = {self._fd: 0}
+        # A source that was a mount point at start (NFS, a FUSE remote) and no longer is
+        # has gone away: its empty mount-point directory must never be served instead.
+        self.was_mount_point = is_mount_point(path, os.fstat(self._fd))
+
+    def _open(self) -> tuple[int, tuple[int, int]]:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        return fd, (st.st_dev, st.st_ino)
+
+    @contextmanager
+    def use(self) -> Iterator[int]:
+        with self._lock:
+            fd = self._fd
+            self._users[fd] += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users[fd] -= 1
+                retired = fd != self._fd and self._users[fd] == 0
+                if retired:
+                    del self._users[fd]
+            if retired:
+                os.close(fd)
+
+    def replace(self) -> None:
+        fd, identity = self._open()
+        with self._lock:
+            old, self._fd, self.identity = self._fd, fd, identity
+            self._users[fd] = 0
+            retired = self._users[old] == 0
+            if retired:
+                del self._users[old]
+        if retired:
+            os.close(old)
+
+    def close(self) -> None:
+        """Close the descriptors nobody uses (at shutdown; abandoned threads keep theirs)."""
+        with self._lock:
+            idle = [fd for fd, n in self._users.items() if n == 0]
+            for fd in idle:
+                del self._users[fd]
+        for fd in idle:
+            os.close(fd)
+
+
 class DirFds:
     """Open descriptors of recently used source directories (thread-safe, bounded).
 
     Callers get a dup() of the cached descriptor, so an eviction that closes the cached
     one can never close (or let the kernel reuse) a descriptor another thread is using.
+    ``clear()`` (after the root was reopened) drops them all; a directory opened through
+    the old root while it ran is not cached.
     """
 
-    def __init__(self, root_fd: int, capacity: int) -> None:
-        self._root_fd = root_fd
+    def __init__(self, root: SourceRoot, capacity: int) -> None:
+        self._root = root
         self._capacity = capacity
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._generation = 0
 
     def open(self, path: str, flags: int) -> int:
         """Open ``path`` (relative to the root) through its parent directory's descriptor."""
         parent, _, name = path.rpartition("/")
         if not parent:
-            return os.open(path or ".", flags, dir_fd=self._root_fd)
+            with self._root.use() as root_fd:
+                return os.open(path or ".", flags, dir_fd=root_fd)
         directory = self._acquire(parent)
         try:
             return os.open(name, flags, dir_fd=directory)
@@ -118,9 +203,13 @@ class DirFds:
             if fd is not None:
                 self._fds.move_to_end(directory)
                 return os.dup(fd)
-        opened = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+            generation = self._generation
+        with self._root.use() as root_fd:
+            opened = os.open(directory, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root_fd)
         evicted = []
         with self._lock:
+            if generation != self._generation:  # the root was reopened meanwhile: use once, keep nothing
+                return opened
             if directory in self._fds:  # another thread opened it meanwhile
                 evicted.append(opened)
                 opened = self._fds[directory]
@@ -133,11 +222,24 @@ class DirFds:
             os.close(fd)
         return duplicate
 
-    def close(self) -> None:
+    def clear(self) -> None:
         with self._lock:
             fds, self._fds = list(self._fds.values()), OrderedDict()
+            self._generation += 1
         for fd in fds:
             os.close(fd)
+
+    close = clear
+
+
+class _Call:
+    """One worker-thread call, to count threads whose caller gave up on them."""
+
+    __slots__ = ("running", "abandoned")
+
+    def __init__(self) -> None:
+        self.running = False
+        self.abandoned = False
 
 
 class LocalDirBackend:
@@ -145,15 +247,50 @@ class LocalDirBackend:
 
     def __init__(self, root: str, threads: int) -> None:
         self.root = root
-        self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._dirs = DirFds(self._root_fd, DIR_FD_CACHE)
+        self._source = SourceRoot(root)
+        self._dirs = DirFds(self._source, DIR_FD_CACHE)
         self._limiter = trio.CapacityLimiter(threads)
+        # One probe at a time, in its own thread: a probe stuck on a hung remote keeps this
+        # token, so later probes wait for it (under their caller's deadline) instead of
+        # piling up threads, and the operation threads' limit is never taken by probes.
+        self._probe_limiter = trio.CapacityLimiter(1)
         self._counters = _Counters()
         self._errors = ErrorLog()
+        self._calls_lock = threading.Lock()
+        self._abandoned = 0
+        self._reconnects = 0
 
     def close(self) -> None:
         self._dirs.close()
-        os.close(self._root_fd)
+        self._source.close()
+
+    async def _thread(self, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+        """``fn`` in a worker thread; on cancellation the thread is abandoned (and counted
+        until it returns; one that has not started yet never runs ``fn``)."""
+        call = _Call()
+        lock = self._calls_lock
+
+        def run() -> T:
+            with lock:
+                if call.abandoned:
+                    raise OSError(errno.ECANCELED, "abandoned before it started")
+                call.running = True
+            try:
+                return fn()
+            finally:
+                with lock:
+                    call.running = False
+                    if call.abandoned:
+                        self._abandoned -= 1
+
+        try:
+            return await trio.to_thread.run_sync(run, limiter=limiter, abandon_on_cancel=True)
+        except trio.Cancelled:
+            with lock:
+                call.abandoned = True
+                if call.running:
+                    self._abandoned += 1
+            raise
 
     @staticmethod
     def _rel(path: str) -> str:
@@ -176,7 +313,7 @@ class LocalDirBackend:
         if histogram is None:
             histogram = counters.latency[op] = LatencyHistogram()
         try:
-            result, elapsed = await trio.to_thread.run_sync(timed, limiter=self._limiter)
+            result, elapsed = await self._thread(timed, self._limiter)
         except OSError as exc:
             histogram.observe(getattr(exc, "elapsed", 0.0))
             code = exc.errno or errno.EIO
@@ -191,7 +328,7 @@ class LocalDirBackend:
     async def stat(self, path: str) -> Attr:
         rel = self._rel(path)
         st = await self._run(
-            "stat", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False),
+            "stat", path, lambda: self._at_root(lambda root: os.stat(rel, dir_fd=root, follow_symlinks=False)),
             expected=(errno.ENOENT, errno.ENOTDIR),  # a lookup of a missing name is no error
         )
         return Attr.from_stat(st)
@@ -200,7 +337,7 @@ class LocalDirBackend:
         rel = self._rel(path)
 
         def scan() -> list[tuple[str, Attr]]:
-            fd = os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._root_fd)
+            fd = self._at_root(lambda root: os.open(rel, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=root))
             try:
                 entries = []
                 with os.scandir(fd) as it:
@@ -249,12 +386,45 @@ class LocalDirBackend:
 
     async def readlink(self, path: str) -> str:
         rel = self._rel(path)
-        return await self._run("readlink", path, lambda: os.readlink(rel, dir_fd=self._root_fd))
+        return await self._run("readlink", path, lambda: self._at_root(lambda root: os.readlink(rel, dir_fd=root)))
 
     async def statfs(self) -> FsStats:
-        st = await self._run("statfs", "", lambda: os.statvfs(self._root_fd))
+        st = await self._run("statfs", "", lambda: self._at_root(os.statvfs))
         return FsStats(st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail,
                        st.f_files, st.f_ffree, st.f_namemax)
+
+    def _at_root(self, fn: Callable[[int], T]) -> T:
+        with self._source.use() as root:
+            return fn(root)
+
+    async def probe(self) -> bool:
+        """Check the source (ProbedBackend.probe): ``stat`` of its path, then either
+        ``statvfs`` of the open root (same directory) or a reopen (the path now names
+        another directory, or the open root answers one of REOPEN_ERRNOS).  A source that
+        was a mount point and no longer is counts as not answering (ENOTCONN)."""
+        source = self._source
+
+        def check() -> bool:
+            st = os.stat(self.root)
+            if source.was_mount_point and not is_mount_point(self.root, st):
+                raise OSError(errno.ENOTCONN, "the source is no longer a mount point", self.root)
+            if (st.st_dev, st.st_ino) == source.identity:
+                try:
+                    self._at_root(os.statvfs)
+                    return False
+                except OSError as exc:
+                    if exc.errno not in REOPEN_ERRNOS:
+                        raise
+            source.replace()
+            self._dirs.clear()
+            self._at_root(os.statvfs)
+            return True
+
+        reopened = await self._thread(check, self._probe_limiter)
+        if reopened:
+            self._reconnects += 1
+            log.warning("source %s reopened (it was replaced at the same path, or its descriptor died)", self.root)
+        return reopened
 
     def statistics(self) -> BackendStatistics:
         c = self._counters
@@ -265,4 +435,6 @@ class LocalDirBackend:
             latency={op: h.snapshot() for op, h in c.latency.items()},
             threads_busy=self._limiter.borrowed_tokens,
             threads_total=int(self._limiter.total_tokens),
+            reconnects=self._reconnects,
+            threads_abandoned=self._abandoned,
         )
