@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -130,7 +131,8 @@ def test_cached_file_is_served_within_its_ttl_while_the_remote_hangs(
     m.umount()
 
 
-@pytest.mark.parametrize("how", ["cubefs-fuse umount", "fusermount3 -u", "cubefs-fuse umount --lazy, reader waiting"])
+@pytest.mark.parametrize("how", ["cubefs-fuse umount", "fusermount3 -u", "cubefs-fuse umount --lazy, reader waiting",
+                                 "SIGTERM, reader waiting"])
 def test_umount_works_with_a_hung_remote_and_the_daemon_exits(
         make_slow_mount: Callable[..., SlowMount], how: str) -> None:
     s, _ = prepared(make_slow_mount)
@@ -139,11 +141,16 @@ def test_umount_works_with_a_hung_remote_and_the_daemon_exits(
     s.slowfs.hang()
     try:
         reader = start_reader(m.path("d/a.bin"))
-        if how.startswith("cubefs-fuse umount --lazy"):
-            # Detach while the reader waits on the remote: it gets EIO at the deadline, closes
-            # its file, and the daemon, no longer referenced, exits.
+        if how.endswith("reader waiting"):
             wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") >= 1,
                        timeout=SLACK, what="the reader's read to reach the backend")
+        if how.startswith("SIGTERM"):
+            # The daemon fails the waiting read at once and unmounts (lazily: the file is open).
+            os.kill(pid, signal.SIGTERM)
+            assert outcome(reader) in ("err EIO", "err ENOTCONN")
+        elif how.startswith("cubefs-fuse umount --lazy"):
+            # Detach while the reader waits on the remote: it gets EIO at the deadline, closes
+            # its file, and the daemon, no longer referenced, exits.
             lazy = subprocess.Popen([sys.executable, "-m", "cubefs_fuse", "umount", "--lazy", str(m.mount_point)],
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
             assert outcome(reader) in ("err EIO", "err ENOTCONN")
