@@ -44,6 +44,7 @@ PROBE_INTERVAL = 1.0
 # asks the cheapest question there is, so 5 s without an answer means "still hung", and a
 # short deadline keeps the probe loop turning.
 MAX_PROBE_TIMEOUT = 5.0
+OPS = ("stat", "listdir", "read", "readlink", "statfs")
 # Errors that say the remote's mount itself is gone (a FUSE remote that died or was
 # unmounted under an open root): down at once, without waiting for a deadline.
 REMOTE_GONE = frozenset({errno.ENOTCONN, errno.ECONNABORTED})
@@ -68,8 +69,10 @@ class DeadlineBackend:
         self._wake = trio.Event()
         self._scopes: set[trio.CancelScope] = set()
         self._aborted = False
-        self._timeouts: dict[str, int] = {}
-        self._failed_fast: dict[str, int] = {}
+        # Every operation has its sample from the start (a bounded label set), so an alert
+        # on rate() sees 0, not "no data", before the first timeout.
+        self._timeouts: dict[str, int] = dict.fromkeys(OPS, 0)
+        self._failed_fast: dict[str, int] = dict.fromkeys(OPS, 0)
         self._probe_error = ""
 
     @property

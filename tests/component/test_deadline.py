@@ -51,6 +51,10 @@ def fake_with(files: dict[str, bytes]) -> FakeBackend:
     return fake
 
 
+def nonzero(counts: dict[str, int]) -> dict[str, int]:
+    return {op: n for op, n in counts.items() if n}
+
+
 async def expect_eio(call: object) -> None:
     with pytest.raises(OSError) as failure:
         await call  # type: ignore[misc]
@@ -66,7 +70,7 @@ async def test_deadline_gives_eio_marks_down_and_counts(autojump_clock: trio.tes
         await expect_eio(backend.read_block("a", version, 0, 10))
         assert trio.current_time() - start == pytest.approx(TIMEOUT)
         stats = backend.statistics()
-        assert stats.timeouts == {"read": 1} and not stats.up and backend.down
+        assert nonzero(stats.timeouts) == {"read": 1} and not stats.up and backend.down
 
 
 async def test_fail_fast_while_down_then_probe_recovers(autojump_clock: trio.testing.MockClock) -> None:
@@ -80,7 +84,7 @@ async def test_fail_fast_while_down_then_probe_recovers(autojump_clock: trio.tes
             await expect_eio(backend.stat("b"))
             await expect_eio(backend.read_block("b", fake.version("b"), 0, 10))
         assert trio.current_time() == start and sum(fake.operations.values()) == sent
-        assert backend.statistics().failed_fast == {"stat": 50, "read": 50}
+        assert nonzero(backend.statistics().failed_fast) == {"stat": 50, "read": 50}
         # The probe keeps asking, one at a time, each under its own deadline.
         await trio.sleep(60)
         assert backend.down and fake.probes >= 5 and fake.held <= 1 + 1  # the hung stat + one probe
@@ -139,7 +143,7 @@ async def test_abort_ends_operations_in_flight_at_once(autojump_clock: trio.test
             backend.abort()
         assert results == [errno.EIO] * 3 and trio.current_time() == start
         await expect_eio(backend.stat("a"))
-        assert backend.statistics().timeouts == {}
+        assert nonzero(backend.statistics().timeouts) == {}
 
 
 async def test_cached_data_and_metadata_are_served_while_the_remote_hangs(
@@ -210,7 +214,7 @@ async def test_abandoned_threads_stay_bounded_by_backend_threads(
                 clock.jump(TIMEOUT)
             stats = backend.statistics()
             # 12 timed out; 4 had a thread in pread, 8 were still waiting for one.
-            assert stats.timeouts == {"read": 3 * threads} and not stats.up
+            assert nonzero(stats.timeouts) == {"read": 3 * threads} and not stats.up
             assert len(entered) == threads and stats.threads_abandoned == threads == stats.threads_busy
             # The probe (stat + statvfs of the root, its own thread) answers: up again.
             await until(lambda: not backend.down, "the probe")
