@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from cubefs_fuse.backends import beneath
-from cubefs_fuse.backends.localdir import DIR_FD_CACHE, DirFds
+from cubefs_fuse.backends.localdir import DIR_FD_CACHE, DirFds, SourceRoot
 
 # Files per class directory: ImageNet has ~1300 images in each of 1000 classes; 100 keeps
 # the run short while most opens still reuse a cached directory.
@@ -64,7 +64,7 @@ def run(source: Path, paths: list[str]) -> None:
             fd = cache[parent] = os.open(parent, os.O_PATH | os.O_DIRECTORY, dir_fd=root_fd)
         return os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
 
-    dirs = DirFds(root_fd, DIR_FD_CACHE)
+    dirs = DirFds(SourceRoot(str(source)), DIR_FD_CACHE)
     base = time_opens("cached-unchecked", paths, unchecked)
     checked = time_opens("cached-checked", paths, lambda p: dirs.open(p, os.O_RDONLY | os.O_NOFOLLOW))
     walked = time_opens("root-openat2", paths, lambda p: beneath.open_beneath(root_fd, p, os.O_RDONLY))

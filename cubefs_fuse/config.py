@@ -76,6 +76,11 @@ class ClientConfig:
     attr_valid: float = 30.0
     prefetch_threads: int = 16
     backend_threads: int = 32
+    # Seconds any one backend operation may take before the caller gets EIO and the
+    # backend counts as down (DESIGN.md 3.4 "Never stuck"; backends/deadline.py).  30 s
+    # is thousands of times a healthy remote's latency (ms; an NFS soft mount gives up
+    # after 60 s) and still short enough that a reader sees an error, not a dead process.
+    backend_timeout: float = 30.0
     meta_cache_entries: int = 1_000_000
     control_socket: str = ""
     control_allow_uids: tuple[int, ...] = ()
@@ -160,6 +165,13 @@ def _seconds(key: str, value: Any) -> float:
     return float(value)
 
 
+def _positive_seconds(key: str, value: Any) -> float:
+    seconds = _seconds(key, value)
+    if seconds <= 0:
+        raise ConfigError(f"key {key!r}: must be more than 0 seconds, got {value!r}")
+    return seconds
+
+
 def _ratio(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
         raise ConfigError(f"key {key!r}: expected a fraction in [0, 1), got {value!r}")
@@ -221,6 +233,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "attrValid": ("attr_valid", _seconds),
     "prefetchThreads": ("prefetch_threads", _positive_int),
     "backendThreads": ("backend_threads", _positive_int),
+    "backendTimeout": ("backend_timeout", _positive_seconds),
     "metaCacheEntries": ("meta_cache_entries", _positive_int),
     "controlSocket": ("control_socket", _string),
     "controlAllowUids": ("control_allow_uids", _id_list),

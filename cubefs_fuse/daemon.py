@@ -21,6 +21,7 @@ import pyfuse3
 import trio
 
 from cubefs_fuse import __version__, mounts
+from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
@@ -50,7 +51,7 @@ DRAIN_SECONDS = 10.0
 @dataclass
 class Daemon:
     config: ClientConfig
-    backend: LocalDirBackend
+    backend: DeadlineBackend
     disk: DiskTier
     cache: BlockCache
     meta: MetadataCache
@@ -84,13 +85,16 @@ def _user_allow_other() -> bool:
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
     """Serve the mount until it is unmounted or a signal arrives."""
     raise_fd_limit()
-    backend = LocalDirBackend(config.source, config.backend_threads)
+    # Every backend operation has a deadline (DESIGN.md 3.4 "Never stuck"): a hung remote
+    # costs readers EIO, never a stuck process or an unmountable mount.
+    backend = DeadlineBackend(LocalDirBackend(config.source, config.backend_threads), config.backend_timeout)
     try:
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
         record_block_size(config)
         write_index = False
         try:
             async with trio.open_nursery() as nursery:
+                await nursery.start(backend.supervise)
                 cache = BlockCache(nursery, MemoryTier(config.mem_cache_size), disk,
                                    fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
                 meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
@@ -146,7 +150,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         async with trio.open_nursery() as nursery:
             # Handle signals before reporting readiness: a SIGTERM sent as soon as `mount`
             # returns must unmount cleanly, not kill the process and leave a dead mount.
-            await nursery.start(_terminate_on_signal)
+            await nursery.start(_terminate_on_signal, daemon.backend)
             on_ready()
             await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
             nursery.cancel_scope.cancel()
@@ -204,10 +208,14 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
                           f"{exc.strerror or exc}") from None
 
 
-async def _terminate_on_signal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def _terminate_on_signal(backend: DeadlineBackend, *,
+                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for signum in signals:
             log.info("%s received: unmounting", signal.Signals(signum).name)
+            # Requests waiting on a hung remote end now with EIO, so the FUSE loop (which
+            # finishes the requests in flight) ends at once instead of after the deadline.
+            backend.abort()
             pyfuse3.terminate()
             return

@@ -68,6 +68,11 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_backend_errors_total", "counter", "Backend operations that failed, by errno name.", ("op", "errno")),
         MetricSpec("cubefs_fuse_backend_read_bytes_total", "counter", "Bytes read from the backend."),
         MetricSpec("cubefs_fuse_backend_latency_seconds", "histogram", "Backend operation latency.", ("op",)),
+        MetricSpec("cubefs_fuse_backend_timeouts_total", "counter", "Backend operations that got no answer within backendTimeout (the caller got EIO).", ("op",)),
+        MetricSpec("cubefs_fuse_backend_failed_fast_total", "counter", "Backend operations refused at once with EIO because the backend was down.", ("op",)),
+        MetricSpec("cubefs_fuse_backend_up", "gauge", "1 while the backend answers, 0 while it is down (after a timeout, until a probe answers)."),
+        MetricSpec("cubefs_fuse_backend_reconnects_total", "counter", "Times the source root was reopened (the remote came back at the same path)."),
+        MetricSpec("cubefs_fuse_backend_threads_abandoned", "gauge", "Worker threads still inside a backend operation whose caller timed out."),
         MetricSpec("cubefs_fuse_metadata_cache_hits_total", "counter", "Metadata answered from the daemon's cache.", ("kind",)),
         MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
         MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
@@ -169,6 +174,13 @@ def families(s: Snapshot) -> Iterator[Metric]:
     for (op, code), n in sorted(b.errors.items()):
         f.add("cubefs_fuse_backend_errors_total", n, op, _errno_name(code))
     f.add("cubefs_fuse_backend_read_bytes_total", b.bytes_read)
+    for op, n in sorted(b.timeouts.items()):
+        f.add("cubefs_fuse_backend_timeouts_total", n, op)
+    for op, n in sorted(b.failed_fast.items()):
+        f.add("cubefs_fuse_backend_failed_fast_total", n, op)
+    f.add("cubefs_fuse_backend_up", 1 if b.up else 0)
+    f.add("cubefs_fuse_backend_reconnects_total", b.reconnects)
+    f.add("cubefs_fuse_backend_threads_abandoned", b.threads_abandoned)
     m = s.meta
     f.add("cubefs_fuse_metadata_cache_hits_total", m.attr_hits, "attr")
     f.add("cubefs_fuse_metadata_cache_hits_total", m.negative_hits, "negative")

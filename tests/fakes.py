@@ -12,7 +12,11 @@ kernel or a real remote.  It gives tests what a real volume cannot:
   are counted and logged) and then wait until the event is set, so a test can hold a
   fetch in flight for exactly as long as it wants, with no sleeps;
 * **faults**: ``fail(path, errno, ops=...)`` makes operations on a path raise that
-  ``OSError`` until ``heal(path)``.
+  ``OSError`` until ``heal(path)``;
+* **a hung remote**: ``hang()`` holds every operation started from then on, ``probe()``
+  included, until ``unhang()`` (a remote that stopped answering); ``probe_error`` makes
+  probes fail with that errno, ``reopen_on_probe`` makes the next answered probe report
+  a reopened source.
 
 Files change like real files: ``write()`` on an existing path bumps its mtime and
 ctime, so its :class:`FileVersion` changes and a read for the old version raises
@@ -71,6 +75,12 @@ class FakeBackend:
         self._gates: dict[str, trio.Event] = {}
         self._latency_hist: dict[str, LatencyHistogram] = {}
         self.reads_in_flight = 0
+        self._hung: trio.Event | None = None
+        self.held = 0  # operations waiting in hang()
+        self.probes = 0
+        self.probe_error = 0
+        self.reopen_on_probe = False
+        self.reopens = 0
 
     # -- building the tree -------------------------------------------------------------
 
@@ -123,8 +133,28 @@ class FakeBackend:
         event = self._gates[path] = trio.Event()
         return event
 
+    def hang(self) -> None:
+        """Hold every operation started from now on until :meth:`unhang`."""
+        if self._hung is None:
+            self._hung = trio.Event()
+
+    def unhang(self) -> None:
+        if self._hung is not None:
+            self._hung.set()
+            self._hung = None
+
+    async def _held(self) -> None:
+        hung = self._hung
+        if hung is not None:
+            self.held += 1
+            try:
+                await hung.wait()
+            finally:
+                self.held -= 1
+
     async def _enter(self, op: str, path: str) -> None:
         self.operations[op] += 1
+        await self._held()
         delay = self.op_latency.get(op, self.latency)
         if delay:
             start = trio.current_time()
@@ -198,6 +228,21 @@ class FakeBackend:
         total = 1 << 20
         return FsStats(BLKSIZE, BLKSIZE, total, total - used, total - used,
                        total, total - len(self._nodes), 255)
+
+    async def probe(self) -> bool:
+        """The ProbedBackend check: held by hang(), fails with ``probe_error`` if set."""
+        self.probes += 1
+        await self._held()
+        if self.probe_error:
+            raise OSError(self.probe_error, os.strerror(self.probe_error))
+        if self.reopen_on_probe:
+            self.reopen_on_probe = False
+            self.reopens += 1
+            return True
+        return False
+
+    def close(self) -> None:
+        pass
 
     def statistics(self) -> BackendStatistics:
         return BackendStatistics(

@@ -38,6 +38,14 @@ SOURCE matches GLOB (``fnmatch``: ``*`` also matches ``/``) fail with ERRNO (a n
 as ``EIO``/``EACCES``/``ENOENT`` or a number), after the latency.  ``--fail-read`` lets
 the open succeed and fails each ``read`` instead.  The first matching rule wins.
 
+**Hanging.**  ``kill -STOP PID`` (``SlowFSProcess.hang()``) makes the remote hang: every
+operation from then on waits, unanswered, like an NFS server or a CubeFS client that
+stopped answering; ``kill -CONT PID`` (``resume()``) answers them all.  The kernel keeps
+the waiting requests queued (not yet read by slowfs), so a client that gives up on them
+stays killable, as on an NFS hard mount.  Stop slowfs only when no operation is in
+progress, or a request it already took waits for ``resume()``.  ``stop()`` resumes a
+hung slowfs first.
+
 **Kernel caching.**  Entries and attributes are cached by the kernel for
 ``--cache-timeout`` seconds (default 0: every lookup and stat reaches slowfs and pays the
 latency, like an NFS mount with ``noac``).  Files are opened with ``direct_io``: no page
@@ -779,12 +787,24 @@ class SlowFSProcess:
         result: dict[str, Any] = json.loads((self.mount_point / STATS_NAME).read_bytes())
         return result
 
+    def hang(self) -> None:
+        """Make every operation from now on wait unanswered until :meth:`resume` (SIGSTOP)."""
+        assert self.proc is not None and self.proc.poll() is None, "not running"
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Answer the operations held by :meth:`hang` and serve normally again (SIGCONT)."""
+        assert self.proc is not None, "not started"
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM, wait for a clean unmount; past ``timeout`` detach the mount and kill."""
         proc = self.proc
         if proc is None:
             return 0
         if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)  # a hung slowfs would never see the SIGTERM
             proc.send_signal(signal.SIGTERM)
             try:
                 proc.wait(timeout)

@@ -7,7 +7,7 @@ implementation runs every blocking call off the trio thread; ``read_block`` rais
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
@@ -22,6 +22,13 @@ class BackendStatistics:
     latency: dict[str, HistogramSnapshot]
     threads_busy: int
     threads_total: int
+    # Filled by backends/deadline.py's DeadlineBackend (and the threads/reconnects by the
+    # directory backend under it); a bare backend leaves the defaults.
+    timeouts: dict[str, int] = field(default_factory=dict)  # op -> operations past the deadline
+    failed_fast: dict[str, int] = field(default_factory=dict)  # op -> refused at once while down
+    up: bool = True
+    reconnects: int = 0  # times the source root was reopened
+    threads_abandoned: int = 0  # worker threads still inside an operation their caller gave up on
 
 
 class Backend(Protocol):
@@ -31,3 +38,15 @@ class Backend(Protocol):
     async def readlink(self, path: str) -> str: ...
     async def statfs(self) -> FsStats: ...
     def statistics(self) -> BackendStatistics: ...
+
+
+class ProbedBackend(Backend, Protocol):
+    """A backend that can check its remote with a cheap operation (what DeadlineBackend wraps)."""
+
+    async def probe(self) -> bool:
+        """Check that the remote answers; reopen the source root if it was replaced (e.g.
+        remounted at the same path).  True if it was reopened; OSError if it does not answer.
+        Cancellation abandons the check (its thread is bounded by the implementation)."""
+        ...
+
+    def close(self) -> None: ...

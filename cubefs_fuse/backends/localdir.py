@@ -2,7 +2,16 @@
 
 Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
-hung remote ties up worker threads, never the trio thread.
+hung remote ties up worker threads, never the trio thread.  Every call can be cancelled
+(``abandon_on_cancel``): the caller gets ``trio.Cancelled`` at once and the thread is
+left to finish on its own.  Trio releases a thread's limiter token only when the thread
+really returns, so abandoned threads keep their tokens: at most ``threads`` operation
+threads plus one probe thread (its own limiter) exist, however long the remote hangs.
+
+The source root is one ``SourceRoot``: its descriptor can be replaced (``probe`` reopens
+it when the path now names another directory, e.g. the remote was remounted, or when the
+old descriptor answers ENOTCONN/ESTALE/EIO) while threads still use the old one, which
+is closed once its last user returns.
 
 Every path is resolved beneath the root's descriptor without following a symlink in any
 component (``backends/beneath.py``; DESIGN.md 3.4 "Never outside the source"): the last
@@ -21,7 +30,8 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -48,6 +58,11 @@ WANTED_FD_LIMIT = 65536
 # Distinct files whose errors are logged individually; past this many the log says so
 # once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
 MAX_LOGGED_ERROR_FILES = 10_000
+
+# Errors of the root descriptor that mean "this descriptor is dead, the path may be fine":
+# a FUSE remote that was unmounted (ENOTCONN, or ECONNABORTED for a request aborted under
+# it), an NFS handle that went stale with a server-side remount (ESTALE), a failed mount (EIO).
+REOPEN_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ESTALE, errno.EIO})
 
 
 @dataclass
@@ -100,6 +115,72 @@ def fd_path(fd: int) -> str | None:
         return None  # no /proc, or a path longer than PATH_MAX: never trusted
 
 
+def is_mount_point(path: str, st: os.stat_result) -> bool:
+    """Whether ``path`` (whose ``stat`` is ``st``) is the root of a mounted filesystem."""
+    parent = os.stat(os.path.join(path, ".."))
+    return parent.st_dev != st.st_dev or parent.st_ino == st.st_ino
+
+
+class SourceRoot:
+    """The source root's directory descriptor, replaceable under threads that use it.
+
+    ``use()`` lends the current descriptor; ``replace()`` opens the path afresh and
+    retires the old descriptor, which is closed when its last borrower returns (never
+    while a thread may still pass it as ``dir_fd``: a reused number would point the
+    thread at another directory).  A thread that never returns keeps one descriptor.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._fd, self.identity = self._open()
+        self._users: dict[int, int] = {self._fd: 0}
+        # A source that was a mount point at start (NFS, a FUSE remote) and no longer is
+        # has gone away: its empty mount-point directory must never be served instead.
+        self.was_mount_point = is_mount_point(path, os.fstat(self._fd))
+
+    def _open(self) -> tuple[int, tuple[int, int]]:
+        fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        st = os.fstat(fd)
+        return fd, (st.st_dev, st.st_ino)
+
+    @contextmanager
+    def use(self) -> Iterator[int]:
+        with self._lock:
+            fd = self._fd
+            self._users[fd] += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users[fd] -= 1
+                retired = fd != self._fd and self._users[fd] == 0
+                if retired:
+                    del self._users[fd]
+            if retired:
+                os.close(fd)
+
+    def replace(self) -> None:
+        fd, identity = self._open()
+        with self._lock:
+            old, self._fd, self.identity = self._fd, fd, identity
+            self._users[fd] = 0
+            retired = self._users[old] == 0
+            if retired:
+                del self._users[old]
+        if retired:
+            os.close(old)
+
+    def close(self) -> None:
+        """Close the descriptors nobody uses (at shutdown; abandoned threads keep theirs)."""
+        with self._lock:
+            idle = [fd for fd, n in self._users.items() if n == 0]
+            for fd in idle:
+                del self._users[fd]
+        for fd in idle:
+            os.close(fd)
+
+
 class DirFds:
     """Open descriptors of recently used source directories (thread-safe, bounded).
 
@@ -115,21 +196,26 @@ class DirFds:
 
     Callers get a dup() of the cached descriptor, so an eviction that closes the cached
     one can never close (or let the kernel reuse) a descriptor another thread is using.
+    ``clear()`` (after the root was reopened) drops them all; a directory opened through
+    the old root while it ran is not cached.
     """
 
-    def __init__(self, root_fd: int, capacity: int) -> None:
-        self._root_fd = root_fd
-        self._root_path = fd_path(root_fd)
+    def __init__(self, root: SourceRoot, capacity: int) -> None:
+        self._root = root
+        with root.use() as root_fd:
+            self._root_path = fd_path(root_fd)
         self._capacity = capacity
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._generation = 0
         self.moved = 0  # cached descriptors found moved and dropped (tests, debugging)
 
     def open(self, path: str, flags: int) -> int:
         """Open ``path`` (relative to the root) through its parent directory's descriptor."""
         parent, _, name = path.rpartition("/")
         if not parent:
-            return open_beneath(self._root_fd, path or ".", flags)
+            with self._root.use() as root_fd:
+                return open_beneath(root_fd, path or ".", flags)
         directory = self._acquire(parent)
         try:
             return open_beneath(directory, name, flags)
@@ -153,7 +239,8 @@ class DirFds:
             return True
         # The source root itself may have been renamed (the root fd still is the root):
         # read its path again before deciding.
-        root_now = fd_path(self._root_fd)
+        with self._root.use() as root_fd:
+            root_now = fd_path(root_fd)
         if root_now is None or root_now == self._root_path:
             return False
         self._root_path = root_now
@@ -161,6 +248,7 @@ class DirFds:
 
     def _acquire(self, directory: str) -> int:
         with self._lock:
+            generation = self._generation
             cached = self._fds.get(directory)
             duplicate = None
             if cached is not None:
@@ -176,9 +264,12 @@ class DirFds:
             if stale is not None:
                 os.close(stale)
             log.info("source directory %r moved or was replaced since it was opened; opening it afresh", directory)
-        opened = open_beneath(self._root_fd, directory, os.O_PATH | os.O_DIRECTORY)
+        with self._root.use() as root_fd:
+            opened = open_beneath(root_fd, directory, os.O_PATH | os.O_DIRECTORY)
         evicted = []
         with self._lock:
+            if generation != self._generation:  # the root was reopened meanwhile: use once, keep nothing
+                return opened
             if directory in self._fds:  # another thread opened it meanwhile
                 evicted.append(opened)
                 opened = self._fds[directory]
@@ -191,11 +282,26 @@ class DirFds:
             os.close(fd)
         return duplicate
 
-    def close(self) -> None:
+    def clear(self) -> None:
         with self._lock:
             fds, self._fds = list(self._fds.values()), OrderedDict()
+            self._generation += 1
+        with self._root.use() as root_fd:
+            self._root_path = fd_path(root_fd)
         for fd in fds:
             os.close(fd)
+
+    close = clear
+
+
+class _Call:
+    """One worker-thread call, to count threads whose caller gave up on them."""
+
+    __slots__ = ("running", "abandoned")
+
+    def __init__(self) -> None:
+        self.running = False
+        self.abandoned = False
 
 
 class LocalDirBackend:
@@ -203,15 +309,50 @@ class LocalDirBackend:
 
     def __init__(self, root: str, threads: int) -> None:
         self.root = root
-        self._root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        self._dirs = DirFds(self._root_fd, DIR_FD_CACHE)
+        self._source = SourceRoot(root)
+        self._dirs = DirFds(self._source, DIR_FD_CACHE)
         self._limiter = trio.CapacityLimiter(threads)
+        # One probe at a time, in its own thread: a probe stuck on a hung remote keeps this
+        # token, so later probes wait for it (under their caller's deadline) instead of
+        # piling up threads, and the operation threads' limit is never taken by probes.
+        self._probe_limiter = trio.CapacityLimiter(1)
         self._counters = _Counters()
         self._errors = ErrorLog()
+        self._calls_lock = threading.Lock()
+        self._abandoned = 0
+        self._reconnects = 0
 
     def close(self) -> None:
         self._dirs.close()
-        os.close(self._root_fd)
+        self._source.close()
+
+    async def _thread(self, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+        """``fn`` in a worker thread; on cancellation the thread is abandoned (and counted
+        until it returns; one that has not started yet never runs ``fn``)."""
+        call = _Call()
+        lock = self._calls_lock
+
+        def run() -> T:
+            with lock:
+                if call.abandoned:
+                    raise OSError(errno.ECANCELED, "abandoned before it started")
+                call.running = True
+            try:
+                return fn()
+            finally:
+                with lock:
+                    call.running = False
+                    if call.abandoned:
+                        self._abandoned -= 1
+
+        try:
+            return await trio.to_thread.run_sync(run, limiter=limiter, abandon_on_cancel=True)
+        except trio.Cancelled:
+            with lock:
+                call.abandoned = True
+                if call.running:
+                    self._abandoned += 1
+            raise
 
     @staticmethod
     def _rel(path: str) -> str:
@@ -234,7 +375,7 @@ class LocalDirBackend:
         if histogram is None:
             histogram = counters.latency[op] = LatencyHistogram()
         try:
-            result, elapsed = await trio.to_thread.run_sync(timed, limiter=self._limiter)
+            result, elapsed = await self._thread(timed, self._limiter)
         except OSError as exc:
             histogram.observe(getattr(exc, "elapsed", 0.0))
             code = exc.errno or errno.EIO
@@ -250,9 +391,10 @@ class LocalDirBackend:
         """``fn(parent_fd, name)`` for the last component of ``path``, its parent opened
         beneath the root without following symlinks (the root fd itself at the top)."""
         parent, name = split_beneath(path)
-        if parent == ".":
-            return fn(self._root_fd, name)
-        fd = open_beneath(self._root_fd, parent, os.O_PATH | os.O_DIRECTORY)
+        with self._source.use() as root_fd:
+            if parent == ".":
+                return fn(root_fd, name)
+            fd = open_beneath(root_fd, parent, os.O_PATH | os.O_DIRECTORY)
         try:
             return fn(fd, name)
         finally:
@@ -261,7 +403,7 @@ class LocalDirBackend:
     async def stat(self, path: str) -> Attr:
         def lstat() -> os.stat_result:
             if not path:
-                return os.fstat(self._root_fd)
+                return self._at_root(os.fstat)
             return self._at_parent(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
 
         st = await self._run(
@@ -274,7 +416,7 @@ class LocalDirBackend:
         rel = self._rel(path)
 
         def scan() -> list[tuple[str, Attr]]:
-            fd = open_beneath(self._root_fd, rel, os.O_RDONLY | os.O_DIRECTORY)
+            fd = self._at_root(lambda root: open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY))
             try:
                 entries = []
                 with os.scandir(fd) as it:
@@ -322,15 +464,48 @@ class LocalDirBackend:
     async def readlink(self, path: str) -> str:
         def read() -> str:
             if not path:
-                return os.readlink(".", dir_fd=self._root_fd)  # EINVAL: the root is no symlink
+                return self._at_root(lambda root: os.readlink(".", dir_fd=root))  # EINVAL: the root is no symlink
             return self._at_parent(path, lambda fd, name: os.readlink(name, dir_fd=fd))
 
         return await self._run("readlink", path, read)
 
     async def statfs(self) -> FsStats:
-        st = await self._run("statfs", "", lambda: os.statvfs(self._root_fd))
+        st = await self._run("statfs", "", lambda: self._at_root(os.statvfs))
         return FsStats(st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail,
                        st.f_files, st.f_ffree, st.f_namemax)
+    def _at_root(self, fn: Callable[[int], T]) -> T:
+        with self._source.use() as root:
+            return fn(root)
+
+    async def probe(self) -> bool:
+        """Check the source (ProbedBackend.probe): ``stat`` of its path, then either
+        ``statvfs`` of the open root (same directory) or a reopen (the path now names
+        another directory, or the open root answers one of REOPEN_ERRNOS).  A source that
+        was a mount point and no longer is counts as not answering (ENOTCONN)."""
+        source = self._source
+
+        def check() -> bool:
+            st = os.stat(self.root)
+            if source.was_mount_point and not is_mount_point(self.root, st):
+                raise OSError(errno.ENOTCONN, "the source is no longer a mount point", self.root)
+            if (st.st_dev, st.st_ino) == source.identity:
+                try:
+                    self._at_root(os.statvfs)
+                    return False
+                except OSError as exc:
+                    if exc.errno not in REOPEN_ERRNOS:
+                        raise
+            source.replace()
+            self._dirs.clear()
+            self._at_root(os.statvfs)
+            return True
+
+        reopened = await self._thread(check, self._probe_limiter)
+        if reopened:
+            self._reconnects += 1
+            log.warning("source %s reopened (it was replaced at the same path, or its descriptor died)", self.root)
+        return reopened
+
 
     def statistics(self) -> BackendStatistics:
         c = self._counters
@@ -341,4 +516,6 @@ class LocalDirBackend:
             latency={op: h.snapshot() for op, h in c.latency.items()},
             threads_busy=self._limiter.borrowed_tokens,
             threads_total=int(self._limiter.total_tokens),
+            reconnects=self._reconnects,
+            threads_abandoned=self._abandoned,
         )

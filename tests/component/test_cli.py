@@ -85,6 +85,14 @@ def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: s
 
 
 @FOREGROUND
+@pytest.mark.parametrize("value", [0, -1, "soon"])
+def test_backend_timeout_that_is_not_a_positive_number(env: Env, foreground: bool, value: object) -> None:
+    env.write(backendTimeout=value)
+    message = env.fails(foreground=foreground)
+    assert message.startswith(f"config file {str(env.config_path)!r}: key 'backendTimeout': "), message
+
+
+@FOREGROUND
 def test_invalid_json(env: Env, foreground: bool) -> None:
     env.config_path.write_text('{"mountPoint": "/mnt",\n "volName": ,}')
     message = env.fails(foreground=foreground)

@@ -17,7 +17,7 @@ import pytest
 
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.backends import beneath
-from cubefs_fuse.backends.localdir import DirFds, LocalDirBackend
+from cubefs_fuse.backends.localdir import DirFds, LocalDirBackend, SourceRoot
 
 Opener = Callable[[int, str, int], int]
 SECRET = b"outside the source"
@@ -217,7 +217,7 @@ def test_split_beneath() -> None:
 
 def test_dirfds_cached_directory_replaced_by_symlink(tree: tuple[Path, int], tmp_path: Path) -> None:
     root, fd = tree
-    dirs = DirFds(fd, 8)
+    dirs = DirFds(SourceRoot(str(root)), 8)
     assert read_fd(dirs.open("a/b/file", os.O_RDONLY)) == b"inside"  # caches "a/b"
     (tmp_path / "outside" / "file").write_bytes(SECRET)
     os.rename(root / "a" / "b", root / "b.old")
@@ -231,7 +231,7 @@ def test_dirfds_cached_directory_replaced_by_symlink(tree: tuple[Path, int], tmp
 
 def test_dirfds_cached_directory_moved_out_of_the_source(tree: tuple[Path, int], tmp_path: Path) -> None:
     root, fd = tree
-    dirs = DirFds(fd, 8)
+    dirs = DirFds(SourceRoot(str(root)), 8)
     assert read_fd(dirs.open("a/b/file", os.O_RDONLY)) == b"inside"
     os.rename(root / "a" / "b", tmp_path / "outside" / "b")  # the cached fd now points outside
     (tmp_path / "outside" / "b" / "file").write_bytes(SECRET)
@@ -247,7 +247,7 @@ def test_dirfds_cached_directory_moved_out_of_the_source(tree: tuple[Path, int],
 
 def test_dirfds_survive_a_renamed_root_and_keep_their_cache(tree: tuple[Path, int], tmp_path: Path) -> None:
     root, fd = tree
-    dirs = DirFds(fd, 8)
+    dirs = DirFds(SourceRoot(str(root)), 8)
     assert read_fd(dirs.open("a/b/file", os.O_RDONLY)) == b"inside"
     os.rename(root, tmp_path / "moved-root")  # the root fd is still the root
     assert read_fd(dirs.open("a/b/file", os.O_RDONLY)) == b"inside"

@@ -62,6 +62,7 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "attrValid": ("2.5", "attr_valid", 2.5),
     "prefetchThreads": (4, "prefetch_threads", 4),
     "backendThreads": (64, "backend_threads", 64),
+    "backendTimeout": (7.5, "backend_timeout", 7.5),
     "metaCacheEntries": (5000, "meta_cache_entries", 5000),
     "controlSocket": ("/run/cubefs-fuse/x.sock", "control_socket", "/run/cubefs-fuse/x.sock"),
     "configDir": ("/run/cubefs-fuse", "config_dir", "/run/cubefs-fuse"),
@@ -93,6 +94,7 @@ def test_defaults() -> None:
     assert cfg.exporter_addr == "127.0.0.1"  # loopback unless asked otherwise
     assert cfg.cache_dir == "/var/cache/cubefs-fuse/ltptest"
     assert cfg.profile == "" and cfg.log_level == "info"
+    assert cfg.backend_timeout == 30.0
 
 
 def test_exporter_port_null_means_off() -> None:
@@ -172,6 +174,11 @@ def test_negative_size() -> None:
         ("attrValid", "inf", "expected a number of seconds"),
         ("prefetchThreads", 0, "must be at least 1"),
         ("backendThreads", 2.5, "expected an integer"),
+        ("backendTimeout", 0, "must be more than 0 seconds"),
+        ("backendTimeout", -3, "must not be negative"),
+        ("backendTimeout", "never", "expected a number of seconds"),
+        ("backendTimeout", "inf", "expected a number of seconds"),
+        ("backendTimeout", None, "expected a number of seconds"),
         ("metaCacheEntries", "many", "expected an integer"),
         ("owner", 7, "expected a string"),
         ("configDir", "", "must not be empty"),
