@@ -87,6 +87,8 @@ def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> V
             raise ProtocolError(0, f"{path} is not a regular file")
         if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
             raise ProtocolError(0, f"{path} is writable by group or others: refusing it")
+        if st.st_nlink != 1:  # a hard link someone else made to a file of ours or root's
+            raise ProtocolError(0, f"{path} has {st.st_nlink} links: refusing it")
         if st.st_uid not in (0, os.geteuid()):
             raise ProtocolError(0, f"{path} is owned by uid {st.st_uid}, not root or us: refusing it")
         raw = os.read(fd, 65536)
@@ -95,8 +97,10 @@ def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> V
     try:
         data = json.loads(raw)
         config = VolumeConfig(**{k: data[k] for k in VolumeConfig.__dataclass_fields__ if k in data})
-    except (ValueError, TypeError) as exc:
-        raise ProtocolError(0, f"{path} is not a valid volume config: {exc}") from None
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise ProtocolError(0, f"{path} is not a valid volume config: {exc!r}") from None
+    if config.vol_name != vol_name:  # e.g. a link to another volume's file: not ours to trust
+        raise ProtocolError(0, f"{path} names volume {config.vol_name!r}, not {vol_name!r}: refusing it")
     if config.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(0, f"daemon speaks protocol {config.protocol_version}, we speak {PROTOCOL_VERSION}")
     return config
