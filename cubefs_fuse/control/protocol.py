@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import stat
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -112,14 +113,28 @@ class _UnixConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        # A Unix connect() with a timeout fails at once with EAGAIN while the daemon's listen
+        # backlog is full (a burst, or another user flooding it) instead of waiting: retry
+        # until the timeout, backing off from 1 ms to 50 ms.
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else 5.0)
+        pause = 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 class ControlClient:

@@ -61,9 +61,11 @@ HEAD_DEADLINE = 5.0
 # one gets a 503 and is closed at once.
 MAX_CONNECTIONS = 64
 MAX_PER_UID = 32
-# The listen backlog: connections the kernel queues until the accept loop takes them.
-# Refused peers are taken and closed at once, so this only smooths bursts.
-LISTEN_BACKLOG = 128
+# The listen backlog: connections the kernel queues until the accept loop takes them (the
+# kernel caps it at net.core.somaxconn, 4096 by default).  Refused peers are taken and
+# closed at once, so a deep queue only absorbs bursts (every rank of a job at once, or a
+# flood) while clients retry a full one (control/protocol.py's connect).
+LISTEN_BACKLOG = 1024
 # Accepts per wake-up of the accept loop before it yields to other tasks (FUSE requests).
 _ACCEPT_BATCH = 64
 # accept() failed for lack of descriptors or memory: wait this long before retrying
