@@ -115,10 +115,22 @@ def _log_file(config: ClientConfig) -> str:
     return os.path.join(directory, f"{config.vol_name}.log")
 
 
+def _open_log(path: str) -> int:
+    """The daemon's log file for appending, mode 0600: it names the files applications read.
+    A log file of an older version (0644) is tightened; a symlink is not followed."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise ConfigError(f"cannot open the log file {path!r}: {exc.strerror}") from None
+    if os.fstat(fd).st_uid == os.geteuid():
+        os.fchmod(fd, 0o600)
+    return fd
+
+
 def _mount_background(config_path: str, config: ClientConfig) -> int:
     log_path = _log_file(config)
     read_fd, write_fd = os.pipe()
-    with open(log_path, "ab") as log_file:
+    with os.fdopen(_open_log(log_path), "ab") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cubefs_fuse", "mount", "-c", os.path.abspath(config_path),
              "--foreground", f"--ready-fd={write_fd}"],
@@ -167,7 +179,8 @@ def _setup_logging(config: ClientConfig, *, detached: bool) -> None:
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     # Detached, stderr already is the log file the parent opened.
     if config.log_dir and not detached:
-        handlers.append(logging.FileHandler(os.path.join(config.log_dir, f"{config.vol_name}.log")))
+        stream = os.fdopen(_open_log(os.path.join(config.log_dir, f"{config.vol_name}.log")), "a", encoding="utf-8")
+        handlers.append(logging.StreamHandler(stream))
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
 
 

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import re
+import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -136,12 +137,31 @@ def _port(key: str, value: Any) -> int | None:
     return number
 
 
+# The largest number any key takes: sizes and counts end up in int64 fields (the kernel's,
+# numpy's), so anything beyond is a mistake, and refusing it before int() or float() keeps
+# Python's 4300-digit int-str limit and float overflow from ever being reached.
+MAX_NUMBER = (1 << 63) - 1
+# An integer as CubeFS configs often write it, quoted ("exporterPort": "9500"): ASCII digits
+# only (str.isdigit() also says yes to "²" and "١٢٣"), at most 19 of them (MAX_NUMBER has 19).
+_DIGITS = re.compile(r"[0-9]{1,19}")
+# Seconds, quoted: ASCII decimal notation, at most 19 digits before and 9 after the point.
+_DECIMAL = re.compile(r"[0-9]{1,19}(\.[0-9]{1,9})?")
+
+
+def _shown(value: Any) -> str:
+    """``value`` for an error line: its repr, cut to 60 characters (a 5,000-digit number)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}...({len(text)} characters)"
+
+
 def _integer(key: str, value: Any) -> int:
     # CubeFS configs often quote numbers ("exporterPort": "9500"); accept digit strings.
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value.strip())
+    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+        value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"key {key!r}: expected an integer, got {_type_name(value)} {value!r}")
+        raise ConfigError(f"key {key!r}: expected an integer, got {_type_name(value)} {_shown(value)}")
+    if not -MAX_NUMBER <= value <= MAX_NUMBER:
+        raise ConfigError(f"key {key!r}: {_shown(value)} is out of range")
     return value
 
 
@@ -154,11 +174,14 @@ def _positive_int(key: str, value: Any) -> int:
 
 def _seconds(key: str, value: Any) -> float:
     if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"key {key!r}: expected a number of seconds, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not _DECIMAL.fullmatch(value.strip()):
+            raise ConfigError(f"key {key!r}: expected a number of seconds, got {_shown(value)}")
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"key {key!r}: expected a number of seconds, got {_type_name(value)} {_shown(value)}")
+    if isinstance(value, int) and abs(value) > MAX_NUMBER:  # float() of it would overflow
+        raise ConfigError(f"key {key!r}: {_shown(value)} is out of range")
+    if not math.isfinite(value):
         raise ConfigError(f"key {key!r}: expected a number of seconds, got {_type_name(value)} {value!r}")
     if value < 0:
         raise ConfigError(f"key {key!r}: must not be negative, got {value}")
@@ -174,7 +197,7 @@ def _positive_seconds(key: str, value: Any) -> float:
 
 def _ratio(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-        raise ConfigError(f"key {key!r}: expected a fraction in [0, 1), got {value!r}")
+        raise ConfigError(f"key {key!r}: expected a fraction in [0, 1), got {_shown(value)}")
     return float(value)
 
 
@@ -185,20 +208,32 @@ def parse_size(key: str, value: Any) -> int:
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
+        # ASCII only, and at most 40 characters ("1099511627776 bytes" has 19): humanfriendly
+        # reads "١٢٣" as 123 and fails on 5,000 digits with Python's int-str limit.
+        if not value.isascii() or len(value) > 40:
+            raise ConfigError(f"key {key!r}: cannot parse {_shown(value)} as a size "
+                              "(examples: 1073741824, \"512MiB\", \"8GiB\")")
         try:
             size = int(humanfriendly.parse_size(value))
-        except humanfriendly.InvalidSize:
+        except (humanfriendly.InvalidSize, ValueError, OverflowError):
             raise ConfigError(f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")") from None
     else:
-        raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {_type_name(value)} {value!r}")
+        raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {_type_name(value)} {_shown(value)}")
     if size < 0:
-        raise ConfigError(f"key {key!r}: size must not be negative, got {value!r}")
+        raise ConfigError(f"key {key!r}: size must not be negative, got {_shown(value)}")
+    if size > MAX_NUMBER:
+        raise ConfigError(f"key {key!r}: {_shown(value)} is out of range")
     return size
 
 
+# uids and gids are 32-bit; (uid_t)-1 means "no change" to the kernel, never a real id.
+_MAX_ID = (1 << 32) - 2
+
+
 def _id_list(key: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-        raise ConfigError(f"key {key!r}: expected a list of non-negative integer ids, got {value!r}")
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                              and 0 <= v <= _MAX_ID for v in value):
+        raise ConfigError(f"key {key!r}: expected a list of non-negative integer ids (at most {_MAX_ID}), got {_shown(value)}")
     return tuple(value)
 
 
@@ -289,6 +324,10 @@ def load_config(path: str) -> ClientConfig:
         raw = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"config file {path!r} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} is not valid JSON: nested too deeply") from None
+    except ValueError as exc:  # an integer literal beyond Python's int-str limit (4300 digits)
+        raise ConfigError(f"config file {path!r} is not valid JSON: {exc}") from None
     try:
         return parse_config(raw)
     except ConfigError as exc:
@@ -307,6 +346,7 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
     mount_point = config.mount_point
     if os.path.realpath(mount_point) == os.path.realpath(source):
         raise ConfigError("key 'mountPoint': must differ from 'source'")
+    _check_overlaps(config)
     if not mount_point_may_be_stale:
         if not os.path.isdir(mount_point):
             raise ConfigError(f"key 'mountPoint': {mount_point!r} does not exist or is not a directory")
@@ -315,6 +355,12 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
                 raise ConfigError(f"key 'mountPoint': {mount_point!r} is not empty")
         except PermissionError:
             raise ConfigError(f"key 'mountPoint': {mount_point!r} is not readable") from None
+    if config.control_socket:
+        _check_control_socket(config.control_socket)
+    if config.profile == "ai_prefetch":
+        if not os.path.isdir(config.config_dir):
+            raise ConfigError(f"key 'configDir': {config.config_dir!r} does not exist or is not a directory")
+        _check_writable("configDir", config.config_dir)
     cache_dir = config.cache_dir
     try:
         os.makedirs(cache_dir, exist_ok=True)
@@ -328,6 +374,42 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
         except OSError as exc:
             raise ConfigError(f"key 'logDir': cannot create {config.log_dir!r}: {exc.strerror}") from None
         _check_writable("logDir", config.log_dir)
+
+
+def _inside(inner: str, outer: str) -> bool:
+    """True if ``inner`` is ``outer`` or below it (both resolved)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def _check_overlaps(config: ClientConfig) -> None:
+    """No two of source, mount point and cache dir may be one inside the other (after
+    resolving symlinks), nor the log dir inside the source or the mount point: the cache
+    would write into the dataset, the mount would show itself inside itself, and so on."""
+    # The key named first is the one blamed: the cache dir is the likeliest to be changed.
+    paths = {"diskCacheDir": os.path.realpath(config.cache_dir), "mountPoint": os.path.realpath(config.mount_point),
+             "source": os.path.realpath(config.source)}
+    for key, path in paths.items():
+        for other, other_path in paths.items():
+            if key != other and _inside(path, other_path):
+                where = "is" if path == other_path else "is inside"
+                raise ConfigError(f"key {key!r}: {path!r} {where} {other!r} ({other_path!r}); they must not overlap")
+    if config.log_dir:
+        log_dir = os.path.realpath(config.log_dir)
+        for other in ("source", "mountPoint"):
+            if _inside(log_dir, paths[other]):
+                raise ConfigError(f"key 'logDir': {log_dir!r} is inside {other!r} ({paths[other]!r})")
+
+
+def _check_control_socket(path: str) -> None:
+    """The daemon replaces a stale socket at ``controlSocket``; anything else there is not its own."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"key 'controlSocket': cannot check {path!r}: {exc.strerror}") from None
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"key 'controlSocket': {path!r} exists and is not a socket: refusing to replace it")
 
 
 # Records the block size the NVMe cache was filled with.  Cache keys name a block by its

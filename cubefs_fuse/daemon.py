@@ -92,26 +92,37 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
         record_block_size(config)
         write_index = False
+        # What start-up leaves in shared places (the token file) is undone here, whether the
+        # daemon stops normally or fails half-way: nothing outlives it.
+        cleanup = contextlib.ExitStack()
         try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(backend.supervise)
-                cache = BlockCache(nursery, MemoryTier(config.mem_cache_size), disk,
-                                   fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
-                meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
-                                     max_entries=config.meta_cache_entries)
-                fs = Filesystem(meta, cache, backend, block_size=config.block_size)
-                daemon = Daemon(config, backend, disk, cache, meta, fs)
-                if config.profile == "ai_prefetch":
-                    volfile.claim(config.vol_name, config.config_dir)
-                    service = PrefetchService(nursery, fs, config)
-                    fs.observer = daemon.service = service
-                    await _start_control(nursery, service, config)
-                write_index = await _serve(daemon, config_path, on_ready)
-                nursery.cancel_scope.cancel()
+            with cleanup:
+                write_index = await _build_and_serve(config, config_path, on_ready, backend, disk, cleanup)
         finally:
             await _close_disk(disk, write_index)
     finally:
         backend.close()
+
+
+async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Callable[[], None],
+                           backend: DeadlineBackend, disk: DiskTier, cleanup: contextlib.ExitStack) -> bool:
+    """The components in one nursery, then mount and serve; True if the NVMe index is exact."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.supervise)
+        cache = BlockCache(nursery, MemoryTier(config.mem_cache_size), disk,
+                           fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
+        meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
+                             max_entries=config.meta_cache_entries)
+        fs = Filesystem(meta, cache, backend, block_size=config.block_size)
+        daemon = Daemon(config, backend, disk, cache, meta, fs)
+        if config.profile == "ai_prefetch":
+            volfile.claim(config.vol_name, config.config_dir)
+            service = PrefetchService(nursery, fs, config)
+            fs.observer = daemon.service = service
+            await _start_control(nursery, service, config, cleanup)
+        write_index = await _serve(daemon, config_path, on_ready)
+        nursery.cancel_scope.cancel()
+    return write_index
 
 
 async def _close_disk(disk: DiskTier, write_index: bool) -> None:
@@ -159,9 +170,6 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":
             volfile.remove(config.vol_name, config.config_dir)
-            if config.prof_port:  # the token dies with the daemon: leave no stale secret behind
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(token_file_path(config))
         if stop_exporter is not None:
             await trio.to_thread.run_sync(stop_exporter)
         log.info("unmounted %s", config.mount_point)
@@ -180,20 +188,39 @@ def token_file_path(config: ClientConfig) -> str:
     return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
 
 
-async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig) -> None:
-    """Open the control API (Unix socket, and the loopback port with a token if configured)."""
-    token = None
-    if config.prof_port:
-        token = secrets.token_urlsafe(32)
-        path = token_file_path(config)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(f"{path}.tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+def _write_token(path: str, token: str) -> None:
+    """The bearer token, 0600, through an unpredictable temp name (O_EXCL|O_NOFOLLOW)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
         try:
             os.fchmod(fd, 0o600)
             os.write(fd, token.encode())
         finally:
             os.close(fd)
-        os.rename(f"{path}.tmp", path)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _unlink_quietly(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig,
+                         cleanup: contextlib.ExitStack) -> None:
+    """Open the control API (Unix socket, and the loopback port with a token if configured).
+    The token file is removed by ``cleanup`` when the daemon ends, however it ends."""
+    token = None
+    if config.prof_port:
+        token = secrets.token_urlsafe(32)
+        path = token_file_path(config)
+        _write_token(path, token)
+        cleanup.callback(_unlink_quietly, path)  # the token dies with the daemon: no stale secret
     server = ControlServer(AccessPolicy(frozenset(config.control_allow_uids),
                                         frozenset(config.control_allow_gids)), token)
     Routes(service).install(server)

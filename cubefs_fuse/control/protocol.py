@@ -19,6 +19,7 @@ import json
 import os
 import socket
 import stat
+import time
 from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -87,6 +88,8 @@ def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> V
             raise ProtocolError(0, f"{path} is not a regular file")
         if st.st_mode & (stat.S_IWOTH | stat.S_IWGRP):
             raise ProtocolError(0, f"{path} is writable by group or others: refusing it")
+        if st.st_nlink != 1:  # a hard link someone else made to a file of ours or root's
+            raise ProtocolError(0, f"{path} has {st.st_nlink} links: refusing it")
         if st.st_uid not in (0, os.geteuid()):
             raise ProtocolError(0, f"{path} is owned by uid {st.st_uid}, not root or us: refusing it")
         raw = os.read(fd, 65536)
@@ -95,8 +98,10 @@ def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> V
     try:
         data = json.loads(raw)
         config = VolumeConfig(**{k: data[k] for k in VolumeConfig.__dataclass_fields__ if k in data})
-    except (ValueError, TypeError) as exc:
-        raise ProtocolError(0, f"{path} is not a valid volume config: {exc}") from None
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
+        raise ProtocolError(0, f"{path} is not a valid volume config: {exc!r}") from None
+    if config.vol_name != vol_name:  # e.g. a link to another volume's file: not ours to trust
+        raise ProtocolError(0, f"{path} names volume {config.vol_name!r}, not {vol_name!r}: refusing it")
     if config.protocol_version != PROTOCOL_VERSION:
         raise ProtocolError(0, f"daemon speaks protocol {config.protocol_version}, we speak {PROTOCOL_VERSION}")
     return config
@@ -108,14 +113,28 @@ class _UnixConnection(http.client.HTTPConnection):
         self.socket_path = socket_path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        try:
-            sock.connect(self.socket_path)
-        except BaseException:
-            sock.close()
-            raise
-        self.sock = sock
+        # A Unix connect() with a timeout fails at once with EAGAIN while the daemon's listen
+        # backlog is full (a burst, or another user flooding it) instead of waiting: retry
+        # until the timeout, backing off from 1 ms to 50 ms.
+        deadline = time.monotonic() + (self.timeout if self.timeout is not None else 5.0)
+        pause = 0.001
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.socket_path)
+            except BlockingIOError:
+                sock.close()
+                if time.monotonic() + pause > deadline:
+                    raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.05)
+                continue
+            except BaseException:
+                sock.close()
+                raise
+            self.sock = sock
+            return
 
 
 class ControlClient:

@@ -32,8 +32,14 @@ def _name(query: dict[str, str], key: str) -> str:
     return value
 
 
+# A decimal integer as a query string or JSON string carries it: ASCII digits only (str.isdigit
+# also says yes to "²" and "١٢", which int() refuses or reads as other digits), and at most
+# 19 of them (every bound here is below 10^19), so int() never meets Python's 4300-digit limit.
+_DIGITS = re.compile(r"[0-9]{1,19}")
+
+
 def _int(value: Any, key: str, low: int, high: int) -> int:
-    if isinstance(value, str) and value.isdigit():
+    if isinstance(value, str) and _DIGITS.fullmatch(value):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise BadRequest(f"{key!r} must be an integer in [{low}, {high}]")
@@ -41,15 +47,15 @@ def _int(value: Any, key: str, low: int, high: int) -> int:
 
 
 def _relative_path(value: Any) -> str:
-    """A path inside the volume: relative, normalised, no NUL; '' for the root."""
+    """A path inside the volume: relative, normalised, no NUL, no trailing '/'; '' for the root."""
     if not isinstance(value, str) or "\0" in value or len(value.encode()) > MAX_PATH_BYTES:
         raise BadRequest(f"paths must be strings without NUL bytes, at most {MAX_PATH_BYTES} bytes")
     if value.startswith("/"):
         raise BadRequest(f"path {value!r} is absolute: give it relative to the volume root")
-    parts = [p for p in value.split("/") if p]
-    if any(p in (".", "..") for p in parts) or (value and "/".join(parts) != value.rstrip("/")):
-        raise BadRequest(f"path {value!r} is not normalised ('.', '..' and '//' are refused)")
-    return "/".join(parts)
+    parts = value.split("/") if value else []
+    if any(p in ("", ".", "..") for p in parts):
+        raise BadRequest(f"path {value!r} is not normalised ('.', '..', '//' and a trailing '/' are refused)")
+    return value
 
 
 class Routes:

@@ -3,8 +3,14 @@
 It knows nothing about prefetching: handlers are registered per (method, path) and
 receive a parsed :class:`Request`.  What it enforces for every handler:
 
-* peer credentials (SO_PEERCRED) on the Unix socket: only allowed uids/gids get in;
-  on the optional loopback TCP port, a bearer token instead;
+* peer credentials (SO_PEERCRED) on the Unix socket, checked right after accept(): a peer
+  that is not allowed gets a 403 written without waiting and the connection closed at
+  once, so it never holds a task, a slot or a descriptor; on the optional loopback TCP
+  port, a bearer token instead;
+* bounded resources: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_PER_UID` per
+  uid, a connection waiting for a request head is closed after :data:`HEAD_DEADLINE` (and
+  is the first to go when a new connection needs its slot), and no connection is accepted
+  into the last :func:`fd_reserve` descriptors of the process (kept for FUSE and cache I/O);
 * a body limit per route, checked against Content-Length before reading and again
   while reading, and a deadline per request so a stalled client cannot pin a task;
 * errors as JSON ``{"error": ...}`` with a 4xx/5xx status: a handler's ApiError or the
@@ -14,11 +20,15 @@ receive a parsed :class:`Request`.  What it enforces for every handler:
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hmac
 import json
 import logging
 import os
+import resource
 import socket
+import stat
 import struct
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,23 +39,108 @@ import h11
 import trio
 
 from cubefs_fuse.control.protocol import CONTENT_JSON
-from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, RequestError, TooLarge
+from cubefs_fuse.errors import BadRequest, ConfigError, Forbidden, NoRoom, NotFound, RequestError, TooLarge
 from cubefs_fuse.limits import MAX_JSON_BODY
 
 log = logging.getLogger(__name__)
 
-# A request (headers and body) must arrive within this time; a 400 MB file list over a
-# Unix socket takes well under a second, so 120 s only cuts off stalled clients.
+# A request's body must arrive within this time; a 400 MB file list over a Unix socket
+# takes well under a second, so 120 s only cuts off stalled clients.
 REQUEST_DEADLINE = 120.0
-# Connections served at once; more wait in the listen backlog.  Clients are a handful
-# of training processes and operators' tools.
+# A new connection, and a kept-alive one after its last response, must deliver a complete
+# request head within this time or it is closed.  Our clients write the head in one
+# send() right after connect(), so 5 s is orders of magnitude of slack; an idle or
+# dribbling connection holds its slot for at most this long.
+HEAD_DEADLINE = 5.0
+# Connections served at once.  Clients are a handful of training processes (one
+# submitter and one reporter thread each, one short connection per request) and
+# operators' tools: 8 ranks x 2 threads = 16 per node and user, doubled for the
+# operator's tools and retries = 32 per uid; 64 in all lets two such users work at once.
+# A connection beyond a cap first takes the slot of a connection that is waiting for its
+# request head (the longest waiting first); if every connection is mid-request, the new
+# one gets a 503 and is closed at once.
 MAX_CONNECTIONS = 64
+MAX_PER_UID = 32
+# The listen backlog: connections the kernel queues until the accept loop takes them (the
+# kernel caps it at net.core.somaxconn, 4096 by default).  Refused peers are taken and
+# closed at once, so a deep queue only absorbs bursts (every rank of a job at once, or a
+# flood) while clients retry a full one (control/protocol.py's connect).
+LISTEN_BACKLOG = 1024
+# Accepts per wake-up of the accept loop before it yields to other tasks (FUSE requests).
+_ACCEPT_BATCH = 64
+# accept() failed for lack of descriptors or memory: wait this long before retrying
+# (the kernel keeps the pending connections in the backlog meanwhile).
+_ACCEPT_RETRY = 0.1
 _READ_CHUNK = 1024 * 1024
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
 # The HTTP status of each kind of request error the core raises.
 STATUS_OF: dict[type[RequestError], int] = {
     BadRequest: 400, Forbidden: 403, NotFound: 404, TooLarge: 413, NoRoom: 507,
 }
+
+
+def fd_reserve(soft_limit: int) -> int:
+    """Descriptors the control server must leave free for the data path.
+
+    The data path holds up to 1024 cached directory descriptors (backends' DIR_FD_CACHE),
+    one file per backend thread (at most a few hundred), 8 disk-tier threads, /dev/fuse,
+    the metrics exporter's sockets and the disk tier's files: 2048 covers them with room
+    to spare.  Under a small limit (a container's 1024) half of it is kept instead.
+    """
+    return min(2048, soft_limit // 2)
+
+
+def _fd_ceiling() -> int:
+    """The first descriptor number the control server must not accept into."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20  # the kernel's default nr_open
+    return soft - fd_reserve(soft)
+
+
+def _quick_answer(status: int, reason: str, message: str) -> bytes:
+    """A complete HTTP response, written without waiting to a connection about to be closed."""
+    body = json.dumps({"error": message}, separators=(",", ":")).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: {CONTENT_JSON}\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+
+
+def _refuse(sock: socket.socket, answer: bytes) -> None:
+    """Write ``answer`` if the socket buffer takes it at once, then close: no await, no task."""
+    try:
+        sock.send(answer, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL)
+    except OSError:
+        pass  # the peer is gone or its buffer is full: it gets the close alone
+    sock.close()
+
+
+def remove_stale_socket(path: str) -> None:
+    """Remove a socket file left at ``path``; refuse (ConfigError) anything else there.
+
+    ``controlSocket`` may name any path: a regular file, a directory or a symlink there is
+    someone's data or a trap, never ours to delete.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"key 'controlSocket': {path!r} exists and is not a socket: refusing to replace it")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+class _Conn:
+    """One admitted connection: its uid bucket, whether it waits for a request head, and
+    the cancel scope that closes it when its slot is taken."""
+
+    __slots__ = ("uid", "scope", "waiting_since", "released")
+
+    def __init__(self, uid: int, scope: trio.CancelScope) -> None:
+        self.uid = uid
+        self.scope = scope
+        self.waiting_since: float | None = trio.current_time()
+        self.released = False
 
 
 class ApiError(Exception):
@@ -77,7 +172,9 @@ class Request:
             return {}
         try:
             data = json.loads(self.body)
-        except ValueError as exc:
+        except RecursionError:
+            raise ApiError(400, "body is not valid JSON: nested too deeply") from None
+        except ValueError as exc:  # JSONDecodeError, and integers beyond Python's int-str limit
             raise ApiError(400, f"body is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ApiError(400, "body must be a JSON object")
@@ -120,65 +217,164 @@ class ControlServer:
         self.routes: dict[tuple[str, str], Route] = {}
         self.policy = policy
         self.token = token
-        self._limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
         self.requests = 0
         self.rejected = 0
+        self.refused_peers = 0  # connections closed at accept: peer not allowed
+        self.refused_full = 0  # connections closed at accept: caps or descriptor reserve reached
+        self.evicted = 0  # connections waiting for a request head, closed to make room
+        self._conns: list[_Conn] = []  # admitted, oldest first (at most MAX_CONNECTIONS)
+        self._per_uid: dict[int, int] = {}
+        self._fd_ceiling = _fd_ceiling()
+
+    @property
+    def connections(self) -> int:
+        return len(self._conns)
 
     def route(self, method: str, path: str, handler: Handler, *, max_body: int = MAX_JSON_BODY) -> None:
         self.routes[(method, path)] = Route(handler, max_body)
 
     async def serve_unix(self, path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen on a Unix socket (mode 0666: access is decided by peer credentials)."""
+        """Listen on a Unix socket (mode 0666: access is decided by peer credentials).
+
+        A socket file left at ``path`` is replaced; anything else there (a regular file, a
+        directory, a symlink) is refused with a ConfigError and left alone.
+        """
+        remove_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        await sock.bind(path)
-        os.chmod(path, 0o666)
-        sock.listen(MAX_CONNECTIONS)
-        listener = trio.SocketListener(sock)
+            sock.bind(path)
+            os.chmod(path, 0o666)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
         task_status.started()
         try:
-            await trio.serve_listeners(self._serve_unix_stream, [listener])
+            await self._accept_loop(sock, "unix")
         finally:
-            try:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-            except FileNotFoundError:
-                pass
 
     async def serve_tcp(self, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on loopback only; every request needs the bearer token."""
-        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
         task_status.started()
-        await trio.serve_listeners(self._serve_tcp_stream, listeners)
+        try:
+            await self._accept_loop(sock, "tcp")
+        finally:
+            sock.close()
 
-    async def _serve_unix_stream(self, stream: trio.SocketStream) -> None:
-        raw = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        pid, uid, gid = _PEERCRED.unpack(raw)
-        await self._serve(stream, Peer(pid, uid, gid, "unix"))
-
-    async def _serve_tcp_stream(self, stream: trio.SocketStream) -> None:
-        await self._serve(stream, Peer(0, -1, -1, "tcp"))
-
-    async def _serve(self, stream: trio.SocketStream, peer: Peer) -> None:
-        async with self._limiter:
-            try:
-                conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
-                while True:
-                    with trio.move_on_after(REQUEST_DEADLINE) as scope:
-                        keep_going = await self._one_request(conn, stream, peer)
-                    if scope.cancelled_caught or not keep_going:
+    async def _accept_loop(self, listener: socket.socket, transport: str) -> None:
+        """Accept, check and admit or refuse each connection; a refusal costs no task."""
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.lowlevel.wait_readable(listener)
+                for _ in range(_ACCEPT_BATCH):
+                    try:
+                        sock, _ = listener.accept()
+                    except BlockingIOError:
                         break
+                    except OSError as exc:
+                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                            self.refused_full += 1
+                            await trio.sleep(_ACCEPT_RETRY)
+                            break
+                        if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
+                            continue  # that peer gave up; the next one may be fine
+                        raise
+                    self._admit(nursery, sock, transport)
+                await trio.lowlevel.checkpoint()
+
+    def _admit(self, nursery: trio.Nursery, sock: socket.socket, transport: str) -> None:
+        """Decide at once: refuse (a short answer if the buffer takes it, then close) or serve."""
+        if transport == "unix":
+            try:
+                raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            except OSError:
+                sock.close()
+                return
+            pid, uid, gid = _PEERCRED.unpack(raw)
+            peer = Peer(pid, uid, gid, transport)
+            if not self.policy.allows(peer):
+                self.refused_peers += 1
+                _refuse(sock, _quick_answer(403, "Forbidden", f"uid {uid} is not allowed to use the control socket"))
+                return
+        else:
+            peer = Peer(0, -1, -1, transport)
+        if sock.fileno() >= self._fd_ceiling:
+            # Descriptors are handed out lowest first: every one below this number is in use,
+            # so only the reserve is left.  It stays for FUSE and the caches.
+            self.refused_full += 1
+            _refuse(sock, _quick_answer(503, "Service Unavailable", "the daemon is short of file descriptors"))
+            return
+        if not self._make_room(peer.uid):
+            self.refused_full += 1
+            _refuse(sock, _quick_answer(503, "Service Unavailable", "too many control connections: retry later"))
+            return
+        sock.setblocking(False)
+        slot = _Conn(peer.uid, trio.CancelScope())
+        self._conns.append(slot)
+        self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
+        nursery.start_soon(self._serve, trio.SocketStream(trio.socket.from_stdlib_socket(sock)), peer, slot)
+
+    def _make_room(self, uid: int) -> bool:
+        """True if a new connection of ``uid`` fits, after closing a waiting one if needed."""
+        if self._per_uid.get(uid, 0) >= MAX_PER_UID:
+            return self._evict(uid)
+        if len(self._conns) >= MAX_CONNECTIONS:
+            return self._evict(None)
+        return True
+
+    def _evict(self, uid: int | None) -> bool:
+        """Close the connection (of ``uid``, else anyone's) waiting longest for a request head."""
+        victim: _Conn | None = None
+        for slot in self._conns:  # at most MAX_CONNECTIONS
+            since = slot.waiting_since
+            if since is not None and (uid is None or slot.uid == uid):
+                if victim is None or since < (victim.waiting_since or 0.0):
+                    victim = slot
+        if victim is None:
+            return False
+        self._release(victim)
+        victim.scope.cancel()
+        self.evicted += 1
+        return True
+
+    def _release(self, slot: _Conn) -> None:
+        if slot.released:
+            return
+        slot.released = True
+        self._conns.remove(slot)
+        left = self._per_uid[slot.uid] - 1
+        if left:
+            self._per_uid[slot.uid] = left
+        else:
+            del self._per_uid[slot.uid]
+
+    async def _serve(self, stream: trio.SocketStream, peer: Peer, slot: _Conn) -> None:
+        try:
+            with slot.scope:
+                conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 * 1024)
+                while await self._one_request(conn, stream, peer, slot):
                     if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                         break
                     try:
                         conn.start_next_cycle()
                     except h11.LocalProtocolError:
                         break
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                pass
-            finally:
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self._release(slot)
+            with trio.CancelScope(shield=True):
                 await stream.aclose()
 
     async def _next_event(self, conn: h11.Connection, stream: trio.SocketStream) -> Any:
@@ -189,15 +385,22 @@ class ControlServer:
                 continue
             return event
 
-    async def _one_request(self, conn: h11.Connection, stream: trio.SocketStream, peer: Peer) -> bool:
+    async def _one_request(self, conn: h11.Connection, stream: trio.SocketStream, peer: Peer, slot: _Conn) -> bool:
+        """Serve one request; False when the connection is to be closed."""
+        slot.waiting_since = trio.current_time()
         try:
-            event = await self._next_event(conn, stream)
-            if isinstance(event, h11.ConnectionClosed):
-                return False
+            event: Any = None
+            with trio.move_on_after(HEAD_DEADLINE):
+                event = await self._next_event(conn, stream)
             if not isinstance(event, h11.Request):
-                return False
+                return False  # no complete head in time, closed by the peer, or not a request
+            slot.waiting_since = None  # busy: this connection's slot is not taken from it now
             self.requests += 1
-            response = await self._dispatch(conn, stream, event, peer)
+            response: Response | None = None
+            with trio.move_on_after(REQUEST_DEADLINE):
+                response = await self._dispatch(conn, stream, event, peer)
+            if response is None:
+                return False  # the body did not arrive in time
         except h11.RemoteProtocolError as exc:
             response = Response.json({"error": f"bad HTTP request: {exc}"}, exc.error_status_hint)
         if response.status >= 400:
@@ -236,7 +439,9 @@ class ControlServer:
 
     async def _read_body(self, conn: h11.Connection, stream: trio.SocketStream, headers: dict[str, str], limit: int) -> bytes:
         length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+        # h11 has checked the header's syntax; ASCII digits, and a length beyond 19 digits is
+        # over every limit without converting it.
+        if length is not None and length.isascii() and length.isdigit() and (len(length) > 19 or int(length) > limit):
             raise ApiError(413, f"body of {length} bytes exceeds the limit of {limit} bytes")
         chunks = bytearray()
         while True:

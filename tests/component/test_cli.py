@@ -7,12 +7,13 @@ no traceback, and nothing left mounted or running (tests/cli_checks.py).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from cubefs_fuse import __version__
-from tests.cli_checks import ERROR, FOREGROUND, Env
+from tests.cli_checks import ERROR, FOREGROUND, Env, leftovers
 from tests.helpers import cli
 
 
@@ -139,3 +140,66 @@ def test_umount_of_a_path_that_is_not_mounted(tmp_path: Path) -> None:
     assert result.returncode == 2
 
 
+
+
+# -- foot-guns: overlapping paths, a controlSocket that is not a socket, numbers, configDir ----
+
+
+@FOREGROUND
+def test_cache_dir_equal_to_source_writes_nothing_into_the_dataset(env: Env, foreground: bool) -> None:
+    before = sorted(p.name for p in env.source.rglob("*"))
+    env.write(diskCacheDir=str(env.source))
+    message = env.fails(foreground=foreground)
+    assert message.startswith(f"key 'diskCacheDir': {str(env.source)!r} is 'source'")
+    assert sorted(p.name for p in env.source.rglob("*")) == before
+
+
+@FOREGROUND
+def test_mount_point_inside_source_is_refused(env: Env, foreground: bool) -> None:
+    inner = env.source / "mnt"
+    inner.mkdir()
+    env.write(mountPoint=str(inner))
+    message = env.fails(foreground=foreground, mount_point=inner)
+    assert message.startswith(f"key 'mountPoint': {str(inner)!r} is inside 'source'")
+
+
+@FOREGROUND
+def test_control_socket_naming_a_file_deletes_nothing(env: Env, foreground: bool) -> None:
+    precious = env.base / "precious.txt"
+    precious.write_text("keep me")
+    env.write(profile="ai_prefetch", configDir=str(env.base), controlSocket=str(precious), volName=f"hc{os.getpid()}")
+    assert env.fails(foreground=foreground) == (
+        f"key 'controlSocket': {str(precious)!r} exists and is not a socket: refusing to replace it")
+    assert precious.read_text() == "keep me"
+    assert leftovers({**env.config, "controlSocket": "", "configDir": str(env.base),
+                      "volName": f"hc{os.getpid()}"}) == []
+
+
+@FOREGROUND
+def test_missing_config_dir_fails_before_mounting(env: Env, foreground: bool) -> None:
+    missing = env.base / "nocfg"
+    env.write(profile="ai_prefetch", configDir=str(missing), volName=f"hc{os.getpid()}")
+    assert env.fails(foreground=foreground) == f"key 'configDir': {str(missing)!r} does not exist or is not a directory"
+    assert not missing.exists()
+    assert leftovers({**env.config, "configDir": str(missing), "volName": f"hc{os.getpid()}"}) == []
+
+
+@FOREGROUND
+@pytest.mark.parametrize("text", [
+    '{"mountPoint": "/m", "volName": "v", "source": "/s", "memCacheSize": ' + "9" * 5000 + "}",
+    "[" * 100_000 + "]" * 100_000,
+], ids=["5000-digit number", "deeply nested"])
+def test_json_python_cannot_hold_is_one_line(env: Env, foreground: bool, text: str) -> None:
+    env.config_path.write_text(text)
+    assert env.fails(foreground=foreground).startswith(f"config file {str(env.config_path)!r} is not valid JSON: ")
+
+
+@FOREGROUND
+@pytest.mark.parametrize(("key", "value"), [("exporterPort", "٩٥٠٠"), ("backendThreads", "²"),
+                                            ("prefetchThreads", "9" * 5000), ("memCacheSize", "١٢٣"),
+                                            ("attrValid", "1e400"), ("backendThreads", 1.5),
+                                            ("metaCacheEntries", int("9" * 4000))])
+def test_numbers_that_do_not_parse_are_one_line(env: Env, foreground: bool, key: str, value: object) -> None:
+    env.write(**{key: value})
+    message = env.fails(foreground=foreground)
+    assert f"key {key!r}: " in message and len(message) < 300

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import stat
 from collections.abc import Callable
 from pathlib import Path
 
 from cubefs_fuse import mounts
-from tests.cli_checks import ERROR, FOREGROUND, Env, assert_one_line_error, daemons_using, readonly_tmpfs
-from tests.helpers import REPO, Mount, cli
+from tests.cli_checks import ERROR, FOREGROUND, Env, assert_one_line_error, daemons_using, leftovers, readonly_tmpfs
+from tests.helpers import REPO, Mount, cli, free_port
 
 
 # -- mistakes that need a real mount to find ---------------------------------------------
@@ -119,3 +120,54 @@ def test_cubefs_client_config_mounts_and_reports_unused_keys_once(make_mount: Ca
     log = m.log()
     for key in ("masterAddr", "consulAddr", "rdonly", "enablePosixACL", "icacheTimeout"):
         assert log.count(f"config key {key!r} is a CubeFS setting with no effect here") == 1, key
+
+
+# -- a failed start leaves nothing behind; the log file is private --------------------------
+
+
+def test_a_start_that_fails_after_the_control_api_opened_leaves_nothing(env: Env) -> None:
+    # ai_prefetch with profPort: the socket, the token file, the registry entry and the kernel
+    # mount exist before the exporter fails to listen; all of them must go again.
+    cfg = env.base / "cfg"
+    cfg.mkdir()
+    vol = f"leftover{os.getpid()}"
+    overrides = {"profile": "ai_prefetch", "volName": vol, "configDir": str(cfg), "profPort": free_port(),
+                 "controlSocket": str(env.base / "ctl.sock")}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env.write(exporterPort=taken.getsockname()[1], **overrides)
+        message = env.fails()
+    assert message.startswith("key 'exporterPort': cannot listen on")
+    config = {**env.config, **overrides}
+    assert leftovers(config) == []
+    assert not list(cfg.iterdir()) and not list(Path(mounts.runtime_dir()).glob(f"{vol}.*"))
+
+    # The same config with a free port mounts; the daemon's log file is private (it names
+    # the files applications read), and at exit the token file goes with the daemon.
+    env.write(**overrides)
+    result = cli("mount", "-c", str(env.config_path))
+    assert result.returncode == 0, result.stderr
+    try:
+        token_file = Path(mounts.runtime_dir()) / f"{vol}.token"
+        assert token_file.exists() and len(leftovers(config)) == 4  # socket, token, volume file, registry
+        log_file = env.base / "log" / f"{vol}.log"
+        assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+    finally:
+        assert cli("umount", str(env.mount_point)).returncode == 0
+    assert leftovers(config) == []
+
+
+def test_an_old_world_readable_log_file_is_made_private(env: Env) -> None:
+    log_file = env.base / "log" / "clitest.log"
+    log_file.parent.mkdir()
+    log_file.write_text("old lines\n")
+    os.chmod(log_file, 0o644)
+    env.write()
+    result = cli("mount", "-c", str(env.config_path))
+    assert result.returncode == 0, result.stderr
+    try:
+        assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+        assert log_file.read_text().startswith("old lines\n")  # appended to, not replaced
+    finally:
+        assert cli("umount", str(env.mount_point)).returncode == 0

@@ -97,7 +97,7 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
                    and client.status()["cache"]["disk"]["blocks"] == 10, what="plan prefetched")
         before = state(client)
 
-        def dataset_body(body: bytes, columns: int = 1) -> Callable[[], Any]:
+        def dataset_body(body: bytes, columns: int | str = 1) -> Callable[[], Any]:
             return lambda: client.request("POST", "datasets", query={"columns": columns}, body=body,
                                           content_type=CONTENT_BINARY)
 
@@ -151,6 +151,23 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
             ("job pid out of range", 400, lambda: client.request("POST", "jobs", body=b'{"job": "j", "pid": 0}')),
             ("job no such process", 400,
              lambda: client.request("POST", "jobs", body=json.dumps({"job": "j", "pid": dead_pid()}).encode())),
+            # Integers that are digits to str.isdigit() but not to int(), or past its 4300-digit
+            # limit, and JSON nested past the recursion limit: 400, never 500.
+            ("dataset columns superscript", 400, dataset_body(b"a/0.bin", columns="²")),
+            ("plan rank arabic digits", 400, plan(np.arange(3, dtype="<u4").tobytes(), rank="١")),
+            ("plan rank 5000 digits", 400, plan(np.arange(3, dtype="<u4").tobytes(), rank="9" * 5000)),
+            ("warmup progress superscript id", 400, lambda: client.request("GET", "warmup", query={"id": "²"})),
+            ("warmup progress 5000-digit id", 400,
+             lambda: client.request("GET", "warmup", query={"id": "9" * 5000})),
+            ("job deep JSON", 400, lambda: client.request("POST", "jobs", body=b"[" * 100_000 + b"]" * 100_000)),
+            ("warmup deep JSON", 400,
+             lambda: client.request("POST", "warmup", body=b'{"paths": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")),
+            ("job pid 5000 digits", 400,
+             lambda: client.request("POST", "jobs", body=b'{"job": "j", "pid": ' + b"9" * 5000 + b"}")),
+            ("job rank superscript string", 400,
+             lambda: client.request("POST", "jobs", body=json.dumps({"job": "j", "rank": "²"}).encode())),
+            ("warmup trailing slash", 400, warmup(["w/"])),
+            ("warmup file trailing slash", 400, warmup(["a/0.bin/"])),
             # Routing.
             ("unknown route", 404, lambda: client.request("GET", "nope")),
             ("wrong method", 405, lambda: client.request("DELETE", "status")),
@@ -179,6 +196,9 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
         assert code == 413 and "limit" in body["error"]
         code, body = raw(sock, b"GARBAGE\r\n\r\n")
         assert code == 400 and body["error"]
+        for length in (b"9" * 5000, "²".encode(), "١٢".encode()):  # Content-Length h11 and we refuse
+            code, body = raw(sock, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + b"\r\n\r\n")
+            assert code == 400 and body["error"], length
 
         after = state(client)
         assert after == before, f"a refused request changed the daemon's state:\n{before}\n{after}"

@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
-from collections.abc import Callable
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import pytest
 
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ControlClient, read_volume_config
 from tests.helpers import Mount, cli, dead_pid
@@ -58,3 +64,86 @@ def test_config_file_lifecycle_and_one_daemon_per_volume(make_mount: Callable[..
     finally:
         first.umount()
     assert not path.exists(), "the config file outlived the mount"
+
+
+# -- entries another user planted before the daemon started (DESIGN.md 3.4) -------------------
+
+# Run as uid 65534 in a sticky, world-writable directory like /tmp: plant ARGV[1] at ARGV[2].
+PLANT = """
+import json, os, sys
+kind, path, victim, missing, first_pid = sys.argv[1:6]
+os.setgroups([])
+os.setgid(65534)
+os.setuid(65534)
+if kind == "file naming pid 1":
+    with open(path, "w") as f:
+        json.dump({"pid": 1, "vol_name": os.path.basename(path).split(".", 2)[2], "control_socket": "/tmp/evil.sock",
+                   "mount_point": "/", "prof": 0, "local_ip": "127.0.0.1", "protocol_version": 1}, f)
+    os.chmod(path, 0o644)
+elif kind == "symlink to a root file":
+    os.symlink(victim, path)
+elif kind == "symlink to nothing":
+    os.symlink(missing, path)
+elif kind == "directory":
+    os.mkdir(path)
+    with open(os.path.join(path, "inside"), "w") as f:
+        f.write("theirs")
+elif kind == "symlinks at the old temp names":
+    # The old temp name was <path>.<daemon pid>.tmp: cover the pids the next processes get.
+    for pid in range(int(first_pid), int(first_pid) + 3000):
+        os.symlink(victim, f"{path}.{pid}.tmp")
+"""
+PLANTINGS = ["file naming pid 1", "symlink to a root file", "symlink to nothing", "directory",
+             "symlinks at the old temp names"]
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A root-owned, sticky, world-writable directory like /tmp, for the daemon's configDir."""
+    d = Path(tempfile.mkdtemp(prefix="cubefs-shared-", dir="/tmp"))
+    os.chmod(d, 0o1777)
+    yield d
+    shutil.rmtree(d)
+
+
+@pytest.mark.parametrize("kind", PLANTINGS)
+def test_nothing_another_user_planted_blocks_or_redirects_the_volume_file(
+        make_mount: Callable[..., Mount], tmp_path: Path, shared_dir: Path, kind: str) -> None:
+    vol = f"plant{os.getpid()}"
+    path = shared_dir / f"cube_torch.config.{vol}"
+    victim = tmp_path / "victim"  # a root file a symlink could make the daemon overwrite
+    victim.write_text("root's own data\n")
+    missing = shared_dir / "created-by-the-daemon"  # a file a dangling symlink could make it create
+    victim_before = (victim.read_bytes(), os.stat(victim))
+    next_pid = int(Path("/proc/sys/kernel/ns_last_pid").read_text()) + 1
+    subprocess.run([sys.executable, "-c", PLANT, kind, str(path), str(victim), str(missing), str(next_pid)],
+                   check=True, timeout=60)
+    assert os.lstat(path if kind != "symlinks at the old temp names" else f"{path}.{next_pid}.tmp").st_uid == 65534
+    m = make_mount(profile="ai_prefetch", volName=vol, configDir=str(shared_dir))
+    m.mount()
+    try:
+        # A correct file, written by the daemon, that a client trusts and that leads to it.
+        st = os.lstat(path)
+        assert stat.S_ISREG(st.st_mode) and st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o644
+        config = read_volume_config(vol, str(shared_dir))
+        assert config.pid == m.pid() and config.vol_name == vol and config.mount_point == str(m.mount_point)
+        assert ControlClient(config.control_socket).status()["pid"] == m.pid()
+        if kind == "symlinks at the old temp names":
+            assert next_pid <= m.pid() < next_pid + 3000, "the daemon's pid missed the planted names"
+        else:
+            assert "replacing" in m.log()
+    finally:
+        m.umount()
+    assert not os.path.lexists(path), "the config file outlived the mount"
+    # Nothing outside was modified or created.
+    after = os.stat(victim)
+    assert victim.read_bytes() == victim_before[0]
+    assert (after.st_mtime_ns, after.st_ino, after.st_mode) == (victim_before[1].st_mtime_ns,
+                                                               victim_before[1].st_ino, victim_before[1].st_mode)
+    assert not os.path.lexists(missing)
+    if kind == "directory":  # moved aside, its content kept
+        [aside] = shared_dir.glob(f"cube_torch.config.{vol}.planted-*")
+        assert (aside / "inside").read_text() == "theirs"
+    leftovers = [p.name for p in shared_dir.iterdir()
+                 if p.name.endswith(".tmp") and os.lstat(p).st_uid != 65534 or p.name == missing.name]
+    assert leftovers == [], leftovers

@@ -445,3 +445,98 @@ def test_environment_stale_mount_point_skips_mount_point_checks(tmp_path: Path) 
 def test_defaults_module_constants_are_consistent() -> None:
     assert config.MIN_BLOCK_SIZE <= config.DEFAULT_BLOCK_SIZE <= config.MAX_BLOCK_SIZE
     assert set(config.REQUIRED_KEYS) <= KNOWN_KEYS
+
+
+# -- numbers that do not parse, nesting, overlapping paths, controlSocket, configDir ----------
+
+HUGE = int("9" * 4000)  # under Python's int-str limit, so json can produce it
+
+
+@pytest.mark.parametrize(("key", "raw"), [
+    (key, raw)
+    for key in ("exporterPort", "prefetchThreads", "backendThreads", "metaCacheEntries")
+    for raw in ("١٢٣", "²", "٩٥٠٠", "9" * 5000, "9" * 20, HUGE, -HUGE, 1.5, "1.5", float("nan"), float("inf"),
+                "nan", "inf", -1, "-1", True, False)
+] + [
+    (key, raw)
+    for key in ("memCacheSize", "diskCacheSize", "blockSize")
+    for raw in ("١٢٣", "²", "9" * 5000, HUGE, -HUGE, 1.5, float("nan"), float("inf"), "nan", "inf", "-1",
+                True, "1e400")
+] + [
+    (key, raw)
+    for key in ("lookupValid", "attrValid")
+    for raw in ("١٢٣", "²", "9" * 5000, HUGE, -HUGE, float("nan"), float("inf"), "nan", "inf", "1e400", "-1",
+                -1, True)
+] + [("diskFreeRatio", raw) for raw in (HUGE, float("nan"), float("inf"), -1, True, "0.1")]
+  + [("controlAllowUids", raw) for raw in ([HUGE], [1 << 32], [-1], [1.0], [True])])
+def test_numbers_that_do_not_parse_are_one_line(key: str, raw: Any) -> None:
+    message = error_of({**BASE, key: raw})
+    assert message.startswith(f"key {key!r}: ") and len(message) < 300, message
+
+
+@pytest.mark.parametrize("text", [
+    '{"volName": "v", "memCacheSize": ' + "9" * 5000 + "}",  # past Python's int-str limit
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in json.loads
+    '{"volName": ' + "[" * 100_000 + "]" * 100_000 + "}",
+])
+def test_load_unparsable_json_is_one_line(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "client.json"
+    path.write_text(text)
+    message = load_error(path)
+    assert message.startswith(f"config file {str(path)!r} is not valid JSON: ") and len(message) < 300, message
+
+
+def overlap_tree(tmp_path: Path) -> dict[str, Path]:
+    dirs = {name: tmp_path / name for name in ("source", "mnt", "cache", "data")}
+    for d in dirs.values():
+        d.mkdir(exist_ok=True)
+    (tmp_path / "link-to-source").symlink_to(dirs["source"])
+    return dirs
+
+
+@pytest.mark.parametrize(("changes", "key"), [
+    ({"diskCacheDir": "{source}"}, "diskCacheDir"),
+    ({"diskCacheDir": "{source}/cache"}, "diskCacheDir"),
+    ({"diskCacheDir": "{link}/cache"}, "diskCacheDir"),  # through a symlink
+    ({"source": "{cache}/data", "diskCacheDir": "{cache}"}, "source"),
+    ({"mountPoint": "{source}/mnt"}, "mountPoint"),
+    ({"mountPoint": "{link}/mnt"}, "mountPoint"),
+    ({"source": "{mnt}/src"}, "source"),
+    ({"diskCacheDir": "{mnt}"}, "diskCacheDir"),
+    ({"diskCacheDir": "{mnt}/cache"}, "diskCacheDir"),
+    ({"mountPoint": "{cache}/mnt"}, "mountPoint"),
+    ({"logDir": "{source}/log"}, "logDir"),
+    ({"logDir": "{mnt}/log"}, "logDir"),
+])
+def test_environment_overlapping_paths_are_refused_before_anything_is_created(
+        tmp_path: Path, changes: dict[str, str], key: str) -> None:
+    dirs = overlap_tree(tmp_path)
+    names = {"source": dirs["source"], "mnt": dirs["mnt"], "cache": dirs["cache"], "link": tmp_path / "link-to-source"}
+    for sub in ("source/mnt", "cache/data", "cache/mnt", "mnt/src"):  # what the cases name as existing dirs
+        (tmp_path / sub).mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    resolved = {k: v.format(**names) for k, v in changes.items()}
+    cfg = parse_config({"mountPoint": str(dirs["mnt"]), "volName": "t", "source": str(dirs["source"]),
+                        "diskCacheDir": str(dirs["cache"]), **resolved})
+    message = env_error(cfg)
+    assert message.startswith(f"key {key!r}: ") and ("must not overlap" in message or "is inside" in message), message
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing created
+
+
+def test_environment_control_socket_that_is_not_a_socket_is_refused(tmp_path: Path) -> None:
+    victim = tmp_path / "precious.txt"
+    victim.write_text("data")
+    (tmp_path / "link").symlink_to(victim)
+    for path in (victim, tmp_path / "link", tmp_path / "source"):
+        message = env_error(env_config(tmp_path, controlSocket=str(path)))
+        assert message == f"key 'controlSocket': {str(path)!r} exists and is not a socket: refusing to replace it"
+    assert victim.read_text() == "data"
+    check_environment(env_config(tmp_path, controlSocket=str(tmp_path / "new.sock")))  # absent: fine
+
+
+def test_environment_config_dir_must_exist_for_ai_prefetch(tmp_path: Path) -> None:
+    missing = tmp_path / "nocfg"
+    cfg = env_config(tmp_path, profile="ai_prefetch", configDir=str(missing))
+    assert env_error(cfg) == f"key 'configDir': {str(missing)!r} does not exist or is not a directory"
+    assert not missing.exists()
+    check_environment(env_config(tmp_path, configDir=str(missing)))  # unused without ai_prefetch
