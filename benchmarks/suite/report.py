@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 # 2: issue 12 added the nvme workload (runs' ram_fraction), epochs' ram/disk block hits,
-# the daemon_cpu figures and each bar's issues.
+# the daemon_cpu figures, each bar's issues and runs' stop_error.
 SCHEMA = "cubefs-fuse-bench/2"
 WORKLOAD_TITLES = {
     "raw_io": "(a) raw I/O: DataLoader reading bytes only",
@@ -54,7 +54,7 @@ _RUN_FIELDS: dict[str, tuple[type, ...]] = {
     "workload": (str,), "system": (str,), "latency_us": (int, float, type(None)), "workers": (int,),
     "cache_fraction": (float, type(None)), "drop_page_cache_each_epoch": (bool,),
     "ram_fraction": (float, type(None)), "setup_s": (float,),
-    "warmup_s": (float,), "epochs": (list,), "error": (str, type(None)),
+    "warmup_s": (float,), "epochs": (list,), "error": (str, type(None)), "stop_error": (str, type(None)),
 }
 _TOP_FIELDS: dict[str, tuple[type, ...]] = {
     "schema": (str,), "preset": (dict,), "started": (str,), "finished": (str,), "duration_s": (float,),
@@ -407,7 +407,7 @@ def markdown_table(runs: list[dict[str, Any]], workload: str, epochs: int) -> st
             f"{max(rss) / 2**20:,.0f}" if rss else "-",
             f"{ops / ep[0]['samples']:.1f}" if ops is not None else "-",
             _cell(ep[0]["remote_cpu_s"], ".1f") if ep else "-",
-            (run["error"] or "").replace("|", "/")[:120],
+            (run["error"] or (f"stopping: {run['stop_error']}" if run.get("stop_error") else "")).replace("|", "/")[:120],
         ]
         if blocks:
             cells.insert(-1, ", ".join(f"{x['ram_block_hits']} / {x['disk_block_hits']}" for x in ep

@@ -78,6 +78,19 @@ def plan(preset: Preset, systems: list[str]) -> list[Planned]:
     return runs
 
 
+# What fails one run (recorded in its ``error``), not the whole suite.
+RUN_FAILURES = (HarnessError, OSError, RuntimeError, ValueError, AssertionError)
+
+
+def _stop(system: System) -> str | None:
+    """Stop the system; why it failed, if it did (the run's epochs stand: ``stop_error``)."""
+    try:
+        system.stop()
+    except RUN_FAILURES as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -178,8 +191,10 @@ class Suite:
                                    total_bytes=dataset.total_bytes, epochs=preset.epochs, seed=SEED,
                                    on_epoch=on_epoch)
                     finally:
-                        system.stop()
-                except (HarnessError, OSError, RuntimeError, ValueError, AssertionError) as exc:
+                        result.stop_error = _stop(system)
+                        if result.stop_error:
+                            progress.console.print(f"[yellow]  {label}: stopping failed:[/] {result.stop_error}")
+                except RUN_FAILURES as exc:
                     result.error = f"{type(exc).__name__}: {exc}"
                     progress.console.print(f"[red]  {label} failed:[/] {result.error}")
                     progress.advance(task, preset.epochs - len(result.epochs))

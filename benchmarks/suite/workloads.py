@@ -166,6 +166,9 @@ class RunResult:
     warmup_s: float = 0.0  # starting the persistent workers
     epochs: list[EpochRecord] = field(default_factory=list)
     error: str | None = None
+    # Stopping the system after the epochs failed (e.g. a daemon slow to exit): the
+    # epochs still count, unlike with ``error``.
+    stop_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)

@@ -31,7 +31,7 @@ def _run(workload: str, system: str, ratios: list[float], *, latency_us: int | N
     drop = workload in ("cache", "nvme")
     return {"workload": workload, "system": system, "latency_us": None if system == "local" else latency_us,
             "workers": workers, "cache_fraction": cache_fraction, "drop_page_cache_each_epoch": drop,
-            "ram_fraction": ram_fraction, "setup_s": 0.1, "warmup_s": 0.1, "error": None,
+            "ram_fraction": ram_fraction, "setup_s": 0.1, "warmup_s": 0.1, "error": None, "stop_error": None,
             "epochs": [_epoch(i, r * LOCAL_FILES_PER_S, (hit_rates or [None] * len(ratios))[i])  # type: ignore[list-item]
                        for i, r in enumerate(ratios)]}
 
@@ -113,6 +113,11 @@ def test_nvme_regime_bar_with_and_without_cube_torch() -> None:
     low = bar([0.95, 0.95, 0.89], [0.4, 0.5, 0.6])
     assert low["passed"] is False and "0.95 / 0.89" in low["measured"]
     assert "without cube_torch 0.50 / 0.60" in low["measured"]  # reported, not judged
+    # A system that failed to stop after its epochs still measured them; a failed run did not.
+    runs = _with_locals(dict(_run("nvme", "cubefs+ct", [0.5, 0.95, 0.95]), stop_error="HarnessError: umount failed"))
+    assert _bar(report.evaluate_bars(runs), starts)["passed"] is True
+    runs = _with_locals(dict(_run("nvme", "cubefs+ct", [0.5, 0.95, 0.95]), error="HarnessError: epoch 3 read 9 samples"))
+    assert _bar(report.evaluate_bars(runs), starts)["passed"] is None
     only_plain = _bar(report.evaluate_bars(_with_locals(_run("nvme", "cubefs", [0.4, 0.5, 0.6]))), starts)
     assert only_plain["passed"] is None and "without cube_torch 0.50 / 0.60" in only_plain["measured"]
 
