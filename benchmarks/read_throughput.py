@@ -96,14 +96,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Row]:
     def through(m: DaemonMount, name: str, drop: bool, *, cold: bool = False) -> None:
         nonlocal seed
         seed += 1
-        dropped = drop_page_cache() if drop else False
-        before = m.scrape()
-        cpu_before = m.cpu_seconds()
-        result = _checked(readers.read(m.mount_point, dataset.files, seed=seed), dataset)
-        if cold and not m.wait_for_disk_blocks(dataset.blocks):
-            print("warning: the NVMe write-behind did not finish within 60 s", file=sys.stderr)
-        cpu_after = m.cpu_seconds()
-        rows.append(Row(name, dropped, result, cpu_after - cpu_before, cache_delta(before, m.scrape())))
+        rows.append(mount_pass(readers, m, dataset, name, seed=seed, drop=drop, cold=cold))
         _progress(rows[-1])
 
     try:
@@ -125,6 +118,25 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Row]:
         if mount is not None:
             mount.cleanup()
     return rows
+
+
+def mount_pass(readers: Readers, mount: DaemonMount, dataset: Dataset, name: str, *, seed: int, drop: bool,
+               cold: bool = False) -> Row:
+    """One pass over every file through ``mount`` (page cache dropped first if ``drop``),
+    with the daemon's CPU seconds over it and what its /metrics counted.
+
+    ``cold``: the pass fills the NVMe tier; its write-behind is waited for (by counting
+    block files, which costs the daemon nothing) and charged to the pass.
+    The benchmark suite's daemon-CPU figures (benchmarks/suite/daemon_cpu.py) use it too.
+    """
+    dropped = drop_page_cache() if drop else False
+    before = mount.scrape()
+    cpu_before = mount.cpu_seconds()
+    result = _checked(readers.read(mount.mount_point, dataset.files, seed=seed), dataset)
+    if cold and not mount.wait_for_disk_blocks(dataset.blocks):
+        print("warning: the NVMe write-behind did not finish within 60 s", file=sys.stderr)
+    cpu_after = mount.cpu_seconds()
+    return Row(name, dropped, result, cpu_after - cpu_before, cache_delta(before, mount.scrape()))
 
 
 def _checked(result: PassResult, dataset: Dataset) -> PassResult:

@@ -18,12 +18,12 @@ from humanfriendly import format_size
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from benchmarks.suite import report
+from benchmarks.suite import daemon_cpu, report
 from benchmarks.suite.cleanup import Registry, signals_ignored, signals_interrupt
 from benchmarks.suite.presets import Preset, build_parser, resolve
 from benchmarks.suite.remote import EMULATOR_THREADS, EMULATOR_TITLES, Remote, measure_ceiling
 from benchmarks.suite.systems import DATASET_DIR, SYSTEMS, Context, RunSpec, System, describe
-from tools.harness import HarnessError, machine, make_class_images, remove_workdir
+from tools.harness import Dataset, HarnessError, machine, make_class_images, remove_workdir
 
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch
@@ -37,6 +37,7 @@ class Planned:
     workers: int
     cache_fraction: float | None
     drop_each_epoch: bool
+    ram_fraction: float | None = None  # our RAM tier alone (the NVMe regime)
 
 
 def plan(preset: Preset, systems: list[str]) -> list[Planned]:
@@ -66,7 +67,28 @@ def plan(preset: Preset, systems: list[str]) -> list[Planned]:
         for fraction in preset.cache_fractions:
             runs += [Planned("cache", s, latency, workers, fraction, True)
                      for s in systems if SYSTEMS[s].caches]
+    if "nvme" in preset.workloads:
+        # The NVMe regime (issue 12): the training loop, page cache dropped before every
+        # epoch for every system, local included; disk caches hold the dataset, our RAM tier
+        # a fraction of it.  The raw remote has no cache, so nothing to compare here.
+        workers, latency, ram = preset.train_workers, preset.nvme_latency_us, preset.nvme_ram_fraction
+        if "local" in systems:
+            runs.append(Planned("nvme", "local", None, workers, None, True))
+        runs += [Planned("nvme", s, latency, workers, None, True, ram) for s in systems if SYSTEMS[s].caches]
     return runs
+
+
+# What fails one run (recorded in its ``error``), not the whole suite.
+RUN_FAILURES = (HarnessError, OSError, RuntimeError, ValueError, AssertionError)
+
+
+def _stop(system: System) -> str | None:
+    """Stop the system; why it failed, if it did (the run's epochs stand: ``stop_error``)."""
+    try:
+        system.stop()
+    except RUN_FAILURES as exc:
+        return f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return None
 
 
 def _now() -> str:
@@ -86,7 +108,7 @@ class Suite:
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
-            "systems": {}, "skipped": {}, "runs": [], "bars": [],
+            "systems": {}, "skipped": {}, "daemon_cpu": None, "runs": [], "bars": [],
         }
 
     def run(self) -> None:
@@ -124,6 +146,9 @@ class Suite:
                       f"({ceiling['mb_per_s']:,.0f} MB/s, {ceiling['readers']} readers, "
                       f"{ceiling['ops_per_file']:.1f} ops/file) with zero latency")
 
+        if "daemon_cpu" in preset.workloads and {"cubefs", "cubefs+ct"} & set(systems):
+            self._daemon_cpu(dataset)
+
         remotes: dict[int, Remote] = {}
         if any(s.uses_remote for s in systems.values()):
             for latency in preset.latencies():
@@ -143,9 +168,11 @@ class Suite:
             for number, p in enumerate(runs, 1):
                 label = (f"[{number}/{len(runs)}] {p.workload} {p.system} "
                          + report.config_label({"latency_us": p.latency_us, "workers": p.workers,
-                                                "workload": p.workload, "cache_fraction": p.cache_fraction}))
+                                                "workload": p.workload, "cache_fraction": p.cache_fraction,
+                                                "ram_fraction": p.ram_fraction}))
                 progress.update(task, description=label)
-                result = RunResult(p.workload, p.system, p.latency_us, p.workers, p.cache_fraction, p.drop_each_epoch)
+                result = RunResult(p.workload, p.system, p.latency_us, p.workers, p.cache_fraction, p.drop_each_epoch,
+                                   p.ram_fraction)
                 system = systems[p.system]
                 remote = remotes.get(p.latency_us) if p.latency_us is not None else None
                 run_dir = self.workdir / f"run-{number:03d}"
@@ -158,14 +185,16 @@ class Suite:
                                            f"files/s, {record.mb_per_s:,.1f} MB/s{extra}")
 
                 try:
-                    root = system.start(RunSpec(remote, p.cache_fraction, run_dir))
+                    root = system.start(RunSpec(remote, p.cache_fraction, run_dir, p.ram_fraction))
                     try:
                         run_epochs(result, system, root, remote, files=dataset.files,
                                    total_bytes=dataset.total_bytes, epochs=preset.epochs, seed=SEED,
                                    on_epoch=on_epoch)
                     finally:
-                        system.stop()
-                except (HarnessError, OSError, RuntimeError, ValueError, AssertionError) as exc:
+                        result.stop_error = _stop(system)
+                        if result.stop_error:
+                            progress.console.print(f"[yellow]  {label}: stopping failed:[/] {result.stop_error}")
+                except RUN_FAILURES as exc:
                     result.error = f"{type(exc).__name__}: {exc}"
                     progress.console.print(f"[red]  {label} failed:[/] {result.error}")
                     progress.advance(task, preset.epochs - len(result.epochs))
@@ -186,13 +215,36 @@ class Suite:
             })
             remote.stop()
 
+    def _daemon_cpu(self, dataset: Dataset) -> None:
+        """Our daemon's CPU per file over the local source (benchmarks/suite/daemon_cpu.py)."""
+        console.print(f"daemon CPU per file: one reader, {len(dataset.files):,} files read through our mount of "
+                      "the local source (no emulator, no latency) ...")
+        workdir = self.workdir / "daemon-cpu"
+        workdir.mkdir()
+
+        def on_pass(figure: dict[str, Any]) -> None:
+            console.print(f"  {daemon_cpu.PASS_TITLES[figure['kind']]}: [bold]{figure['cpu_us_per_file']:,.0f} µs[/] "
+                          f"of daemon CPU per file (± {figure['resolution_us_per_file']:,.0f}), "
+                          f"{figure['files_per_s']:,.0f} files/s")
+
+        try:
+            figures = daemon_cpu.measure(dataset, workdir, self.registry, ram_fraction=self.preset.nvme_ram_fraction,
+                                         seed=SEED, on_pass=on_pass)
+        finally:
+            remove_workdir(workdir, workdir / "mnt")  # never through a live mount
+        if figures["error"]:
+            console.print(f"[red]  daemon CPU per file failed:[/] {figures['error']}")
+        self.results["daemon_cpu"] = figures
+        self._write(partial=True)
+
     def _write(self, *, partial: bool = False) -> None:
         self.results["finished"] = _now()
         self.results["duration_s"] = time.time() - self.started
         self.results["load_average"]["end"] = list(os.getloadavg())
         report.fill_ratios(self.results["runs"])
         ceiling = self.results["emulator"].get("ceiling") or {}
-        self.results["bars"] = report.evaluate_bars(self.results["runs"], ceiling.get("files_per_s"))
+        self.results["bars"] = report.evaluate_bars(self.results["runs"], ceiling.get("files_per_s"),
+                                                    self.results["daemon_cpu"])
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1, ensure_ascii=False) + "\n")

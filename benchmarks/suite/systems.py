@@ -9,7 +9,9 @@
   bucket (``--storage file``) read through the emulated remote, a local cache directory.
 
 Every caching system gets the same budget: "holds everything" (2 × the dataset) or a
-fraction of the dataset, and the same metadata timeout (30 s, our default).
+fraction of the dataset, and the same metadata timeout (30 s, our default).  The NVMe
+regime gives our RAM tier alone a fraction of the dataset (``ram_fraction``); the disk
+caches (our NVMe tier, rclone's, JuiceFS's) then still hold everything.
 """
 
 from __future__ import annotations
@@ -67,10 +69,20 @@ class RunSpec:
     remote: Remote | None  # None for ``local``
     cache_fraction: float | None  # None: the cache holds the whole dataset
     run_dir: Path
+    # Our RAM tier alone as a fraction of the dataset (the NVMe regime), with the disk
+    # cache as cache_fraction says; None: the RAM tier as cache_fraction says.
+    ram_fraction: float | None = None
 
 
-def cache_budget(dataset: Dataset, fraction: float | None) -> tuple[int, int]:
-    """(bytes of file data, NVMe allocated bytes) a cache of this fraction may hold."""
+def cache_budget(dataset: Dataset, fraction: float | None, ram_fraction: float | None = None) -> tuple[int, int]:
+    """(bytes of file data, NVMe allocated bytes) a cache of this fraction may hold.
+
+    ``ram_fraction``: the first figure (our RAM tier) is that fraction of the dataset's
+    bytes instead, whatever the disk cache holds.
+    """
+    if ram_fraction is not None:
+        _, disk = cache_budget(dataset, fraction)
+        return int(ram_fraction * dataset.total_bytes), disk
     if fraction is None:
         total = FULL_CACHE_FACTOR * dataset.total_bytes + FULL_CACHE_EXTRA
         return total, total
@@ -208,7 +220,7 @@ class Ours(System):
 
     def start(self, spec: RunSpec) -> Path:
         assert spec.remote is not None
-        memory, disk = cache_budget(self.ctx.dataset, spec.cache_fraction)
+        memory, disk = cache_budget(self.ctx.dataset, spec.cache_fraction, spec.ram_fraction)
         self._runs += 1
         mount = DaemonMount(spec.run_dir, spec.remote.mount_point / DATASET_DIR, spec.run_dir / "cache",
                             vol_name=f"bench{os.getpid()}-{self._runs}", mem_cache_size=memory,

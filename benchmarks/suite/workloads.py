@@ -4,6 +4,8 @@
   count), batches of :data:`RAW_BATCH`, N workers, shuffled epochs.
 * training: torchvision ``ImageFolder`` over the JPEGs, decode + RandomResizedCrop(64)
   + flip + normalise in the workers, a tiny CNN trained on CPU in this process.
+* nvme (the NVMe regime of issue 12): the training loop, with the page cache dropped
+  before every epoch and our RAM tier a fraction of the dataset (the runner sets both).
 
 Worker processes are persistent and started by a warm-up pass of dummy samples (index
 :data:`WARMUP`, no I/O) before the first timed epoch: forking workers costs the same on
@@ -132,6 +134,9 @@ class EpochRecord:
     hit_rate: float | None = None
     stall_s: float | None = None
     prefetched_blocks: int | None = None
+    # Block lookups our daemon's RAM and NVMe tiers answered (None for the other systems).
+    ram_block_hits: int | None = None
+    disk_block_hits: int | None = None
     # The daemon process (ours, rclone, JuiceFS), None for local and raw remote.
     daemon_cpu_s: float | None = None
     daemon_peak_rss_bytes: int | None = None
@@ -156,10 +161,14 @@ class RunResult:
     workers: int
     cache_fraction: float | None
     drop_page_cache_each_epoch: bool
+    ram_fraction: float | None = None  # our RAM tier alone, as a fraction of the dataset (nvme)
     setup_s: float = 0.0  # dataset construction (listing) on the system
     warmup_s: float = 0.0  # starting the persistent workers
     epochs: list[EpochRecord] = field(default_factory=list)
     error: str | None = None
+    # Stopping the system after the epochs failed (e.g. a daemon slow to exit): the
+    # epochs still count, unlike with ``error``.
+    stop_error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -199,6 +208,8 @@ class Meter:
             record.hit_rate = record.hits / record.requests if record.requests else None
             record.stall_s = d("cubefs_fuse_stall_seconds_total")
             record.prefetched_blocks = int(d("cubefs_fuse_prefetch_issued_total"))
+            record.ram_block_hits = int(d('cubefs_fuse_cache_hits_total{tier="ram"}'))
+            record.disk_block_hits = int(d('cubefs_fuse_cache_hits_total{tier="disk"}'))
         pids = self.system.pids()
         if pids:
             record.daemon_cpu_s = cpu - before[1]
@@ -235,7 +246,7 @@ def run_epochs(result: RunResult, system: System, root: Path, remote: Remote | N
     else:
         cube_torch.uninstall()  # "without cube_torch": not even the idle patch
     os.environ.pop("VOL_NAME", None)  # the warm-up pass must not be planned
-    training = result.workload == "training"
+    training = result.workload in ("training", "nvme")  # nvme: the same loop, other caches
     started = time.perf_counter()
     dataset: Dataset[Any]
     if training:

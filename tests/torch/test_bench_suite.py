@@ -27,13 +27,14 @@ def _suite(*args: str, out: Path, workdir: Path) -> list[str]:
 
 
 def test_results_schema_end_to_end(tmp_path: Path) -> None:
-    """The smallest real run (local copy vs our mount with cube_torch, raw I/O, 1 worker,
-    2 epochs, 300 us remote) writes a results.json that validates, a Markdown table and a plot."""
+    """The smallest real run (local copy vs our mount with cube_torch, raw I/O with 1 worker
+    and the NVMe regime, 2 epochs, 300 us remote, and the daemon's CPU per file) writes a
+    results.json that validates, Markdown tables and plots."""
     out = tmp_path / "out"
     result = subprocess.run(
-        _suite("--files", "20", "--classes", "2", "--mean-kb", "8", "--epochs", "2", "--workloads", "raw_io",
-               "--systems", "local,cubefs+ct", "--raw-workers", "1", "--raw-latencies-us", "300",
-               out=out, workdir=tmp_path / "w"),
+        _suite("--files", "20", "--classes", "2", "--mean-kb", "8", "--epochs", "2",
+               "--workloads", "raw_io,nvme,daemon_cpu", "--systems", "local,cubefs+ct", "--raw-workers", "1",
+               "--raw-latencies-us", "300", "--nvme-latency-us", "300", out=out, workdir=tmp_path / "w"),
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     results: dict[str, Any] = json.loads((out / "results.json").read_text())
@@ -42,9 +43,10 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert results["dataset"]["files"] == 20
     assert results["emulator"]["ceiling"]["files_per_s"] > 0
     assert [p["latency_us"] for p in results["emulator"]["presets"]] == [300]
-    runs = {r["system"]: r for r in results["runs"]}
-    assert sorted(runs) == ["cubefs+ct", "local"]
-    assert all(r["error"] is None and len(r["epochs"]) == 2 for r in runs.values()), runs
+    assert [(r["workload"], r["system"]) for r in results["runs"]] == [
+        ("raw_io", "local"), ("raw_io", "cubefs+ct"), ("nvme", "local"), ("nvme", "cubefs+ct")]
+    runs = {r["system"]: r for r in results["runs"] if r["workload"] == "raw_io"}
+    assert all(r["error"] is None and r["stop_error"] is None and len(r["epochs"]) == 2 for r in runs.values()), runs
     assert [e["ratio_to_local"] for e in runs["local"]["epochs"]] == [1.0, 1.0]
     ours = runs["cubefs+ct"]["epochs"]
     # Our daemon counted every file the loader opened, and the remote served the first epoch.
@@ -54,16 +56,46 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert ours[0]["daemon_peak_rss_bytes"] > 0
     assert ours[0]["remote_cpu_s"] is not None and ours[0]["remote_ops"] >= 3 * 20  # lookup, open, read per file
     assert runs["local"]["epochs"][0]["remote_ops"] is None
+    # The NVMe regime: the training loop with the page cache dropped before every epoch for
+    # both; our RAM tier a quarter of the dataset, so epoch 2 comes from NVMe, not the remote.
+    nvme = {r["system"]: r for r in results["runs"] if r["workload"] == "nvme"}
+    assert all(r["error"] is None and r["drop_page_cache_each_epoch"] for r in nvme.values()), nvme
+    assert (nvme["local"]["ram_fraction"], nvme["cubefs+ct"]["ram_fraction"]) == (None, 0.25)
+    assert nvme["local"]["epochs"][0]["loss"] is not None  # the training loop, not raw reads
+    second = nvme["cubefs+ct"]["epochs"][1]
+    assert second["requests"] == 20 and second["hit_rate"] == 1.0 and second["remote_reads"] == 0
+    # Every file's block from a tier (cube_torch's prefetch may lift NVMe blocks into RAM first).
+    assert second["ram_block_hits"] + second["disk_block_hits"] >= 20
+    # The daemon's CPU per file: cold, page-cache hit (no FUSE read), NVMe-tier hit (no miss).
+    cpu = results["daemon_cpu"]
+    assert cpu["error"] is None and cpu["readers"] == 1 and cpu["clock_tick_us"] > 0
+    figures = {f["kind"]: f for f in cpu["passes"]}
+    assert list(figures) == ["cold", "page_cache", "nvme"]
+    assert figures["cold"]["misses"] >= 20 and figures["cold"]["page_cache_dropped"]
+    assert figures["page_cache"]["fuse_reads"] == 0 and not figures["page_cache"]["page_cache_dropped"]
+    assert figures["page_cache"]["files"] == figures["page_cache"]["passes"] * 20
+    assert figures["nvme"]["misses"] == 0 and figures["nvme"]["disk_hits"] >= 20
+    assert all(f["files_per_s"] > 0 and f["cpu_us_per_file"] >= 0 for f in figures.values())
+    bars = {b["bar"]: b for b in results["bars"]}
+    assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("daemon CPU per")), bars
+    assert sum(text.startswith("daemon CPU per") for text in bars) == 3
+    assert next(b for text, b in bars.items() if text.startswith("NVMe regime"))["passed"] is not None
     markdown = (out / "results.md").read_text()
-    assert "| 0.3 ms, 1 w | cubefs+ct |" in markdown and "## Bars (issue 5)" in markdown
-    assert (out / "raw_io.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 0.3 ms, 1 w | cubefs+ct |" in markdown and "## Bars (issues 5 and 12)" in markdown
+    assert "| 0.3 ms, 2 w, RAM 0.25 | cubefs+ct |" in markdown
+    assert "## Daemon CPU per file" in markdown and "Clock-tick caveat" in markdown
+    assert "| kernel page-cache hit | no | 5 × 20 |" in markdown
+    for plot in ("raw_io.png", "nvme.png"):
+        assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "w").iterdir())  # the scratch directory is gone
     # validate() is no rubber stamp: it catches a wrong type and a missing field.
     broken = copy.deepcopy(results)
     broken["runs"][0]["epochs"][0]["samples_per_s"] = "fast"
     del broken["runs"][1]["workers"]
+    del broken["daemon_cpu"]["passes"][1]["cpu_us_per_file"]
     problems = report.validate(broken)
     assert any("samples_per_s" in p for p in problems) and any("workers" in p for p in problems), problems
+    assert any("daemon_cpu.passes[1]" in p for p in problems), problems
 
 
 def test_interrupt_mid_run_cleans_up(tmp_path: Path) -> None:

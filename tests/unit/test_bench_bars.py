@@ -1,0 +1,221 @@
+"""The benchmark suite's bars (benchmarks.suite.report.evaluate_bars) on synthetic results:
+each of issue 12's bars just above and just below its threshold, "not measured" when the
+run lacks what it needs, and the schema check of the daemon-CPU figures.  The suite's real
+end-to-end runs are in tests/torch/test_bench_suite.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks.suite import report
+
+LOCAL_FILES_PER_S = 1000.0  # every synthetic local epoch: ratios are files/s / 1000
+FILES = 100
+
+
+def _epoch(i: int, files_per_s: float, hit_rate: float | None = None) -> dict[str, Any]:
+    return {"epoch": i, "samples": FILES, "bytes": FILES * 110_000, "seconds": FILES / files_per_s,
+            "samples_per_s": files_per_s, "mb_per_s": files_per_s * 0.11, "loss": None, "requests": None,
+            "hits": None, "hit_rate": hit_rate, "stall_s": None, "prefetched_blocks": None, "ram_block_hits": None,
+            "disk_block_hits": None, "daemon_cpu_s": None, "daemon_peak_rss_bytes": None, "remote_ops": None,
+            "remote_reads": None, "remote_bytes": None, "remote_mean_delay_us": None, "remote_cpu_s": None,
+            "ratio_to_local": None}
+
+
+def _run(workload: str, system: str, ratios: list[float], *, latency_us: int | None = 2000, workers: int = 2,
+         cache_fraction: float | None = None, ram_fraction: float | None = None,
+         hit_rates: list[float] | None = None) -> dict[str, Any]:
+    """A run whose epochs go at ``ratios`` × the local copy (files/s = ratio × 1000)."""
+    drop = workload in ("cache", "nvme")
+    return {"workload": workload, "system": system, "latency_us": None if system == "local" else latency_us,
+            "workers": workers, "cache_fraction": cache_fraction, "drop_page_cache_each_epoch": drop,
+            "ram_fraction": ram_fraction, "setup_s": 0.1, "warmup_s": 0.1, "error": None, "stop_error": None,
+            "epochs": [_epoch(i, r * LOCAL_FILES_PER_S, (hit_rates or [None] * len(ratios))[i])  # type: ignore[list-item]
+                       for i, r in enumerate(ratios)]}
+
+
+def _with_locals(*runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """``runs`` plus the local run each compares with (every epoch at LOCAL_FILES_PER_S), ratios filled."""
+    keys = {report.local_key(r) for r in runs}
+    locals_ = [dict(_run(w, "local", [1.0, 1.0, 1.0], workers=n), drop_page_cache_each_epoch=d) for w, n, d in keys]
+    out = locals_ + list(runs)
+    report.fill_ratios(out)
+    return out
+
+
+def _cpu(**us_per_file: float) -> dict[str, Any]:
+    passes = []
+    for kind in report.CPU_KINDS:
+        if kind in us_per_file:
+            n = 5 if kind == "page_cache" else 1
+            files = n * FILES
+            passes.append({"kind": kind, "passes": n, "files": files, "bytes": files * 110_000, "seconds": 1.0,
+                           "files_per_s": float(files), "daemon_cpu_s": us_per_file[kind] * files / 1e6,
+                           "cpu_us_per_file": float(us_per_file[kind]), "resolution_us_per_file": 10_000 / files,
+                           "page_cache_dropped": kind != "page_cache", "fuse_reads": 0 if kind == "page_cache" else files,
+                           "ram_hits": 0, "disk_hits": files if kind == "nvme" else 0,
+                           "misses": files if kind == "cold" else 0})
+    return {"readers": 1, "files": FILES, "mean_file_bytes": 110_000.0, "ram_fraction": 0.25,
+            "ram_tier_bytes": 2_750_000, "disk_tier_bytes": 100_000_000, "profile": "ai_prefetch",
+            "clock_tick_us": 10_000.0, "passes": passes, "error": None}
+
+
+def _bar(bars: list[dict[str, Any]], starts: str) -> dict[str, Any]:
+    found = [b for b in bars if b["bar"].startswith(starts)]
+    assert len(found) == 1, (starts, [b["bar"] for b in bars])
+    return found[0]
+
+
+@pytest.mark.parametrize(("kind", "starts", "limit"), [
+    ("cold", "daemon CPU per ~110 KB file, cold", 250), ("page_cache", "daemon CPU per file, kernel page-cache", 60),
+    ("nvme", "daemon CPU per file, NVMe-tier hit", 300)])
+def test_daemon_cpu_bars(kind: str, starts: str, limit: float) -> None:
+    assert _bar(report.evaluate_bars([], None, _cpu(**{kind: limit})), starts)["passed"] is True
+    assert _bar(report.evaluate_bars([], None, _cpu(**{kind: limit - 1})), starts)["passed"] is True
+    above = _bar(report.evaluate_bars([], None, _cpu(**{kind: limit + 1})), starts)
+    assert above["passed"] is False and f"{limit + 1:,.0f} µs per file" in above["measured"]
+    assert _bar(report.evaluate_bars([], None, None), starts)["passed"] is None
+    failed = dict(_cpu(), error="HarnessError: cubefs-fuse mount failed")
+    missing = _bar(report.evaluate_bars([], None, failed), starts)
+    assert missing["passed"] is None and "mount failed" in missing["measured"]
+
+
+@pytest.mark.parametrize("latency_us", [300, 2000])
+def test_training_bars_per_latency(latency_us: int) -> None:
+    where = f"training with cube_torch, {latency_us / 1000:g} ms"
+
+    def bars(ratios: list[float]) -> tuple[bool | None, bool | None]:
+        runs = _with_locals(_run("training", "cubefs+ct", ratios, latency_us=latency_us))
+        evaluated = report.evaluate_bars(runs)
+        return (_bar(evaluated, f"{where}, cache ≥ dataset: epoch 1")["passed"],
+                _bar(evaluated, f"{where}, cache ≥ dataset: later")["passed"])
+
+    assert bars([0.90, 0.97, 0.98]) == (True, True)
+    assert bars([0.89, 0.97, 0.98]) == (False, True)
+    assert bars([0.91, 0.98, 0.96]) == (True, False)  # every later epoch counts
+    other = 2000 if latency_us == 300 else 300
+    evaluated = report.evaluate_bars(_with_locals(_run("training", "cubefs+ct", [1, 1, 1], latency_us=latency_us)))
+    unmeasured = _bar(evaluated, f"training with cube_torch, {other / 1000:g} ms, cache ≥ dataset: epoch 1")
+    assert unmeasured["passed"] is None and unmeasured["measured"].startswith("not measured")
+
+
+def test_nvme_regime_bar_with_and_without_cube_torch() -> None:
+    starts = "NVMe regime"
+
+    def bar(planned: list[float], plain: list[float]) -> dict[str, Any]:
+        runs = _with_locals(_run("nvme", "cubefs+ct", planned, ram_fraction=0.25),
+                            _run("nvme", "cubefs", plain, ram_fraction=0.25))
+        return _bar(report.evaluate_bars(runs), starts)
+
+    assert bar([0.5, 0.90, 0.95], [0.4, 0.5, 0.6])["passed"] is True  # epoch 1 is not part of it
+    low = bar([0.95, 0.95, 0.89], [0.4, 0.5, 0.6])
+    assert low["passed"] is False and "0.95 / 0.89" in low["measured"]
+    assert "without cube_torch 0.50 / 0.60" in low["measured"]  # reported, not judged
+    # A system that failed to stop after its epochs still measured them; a failed run did not.
+    runs = _with_locals(dict(_run("nvme", "cubefs+ct", [0.5, 0.95, 0.95]), stop_error="HarnessError: umount failed"))
+    assert _bar(report.evaluate_bars(runs), starts)["passed"] is True
+    runs = _with_locals(dict(_run("nvme", "cubefs+ct", [0.5, 0.95, 0.95]), error="HarnessError: epoch 3 read 9 samples"))
+    assert _bar(report.evaluate_bars(runs), starts)["passed"] is None
+    only_plain = _bar(report.evaluate_bars(_with_locals(_run("nvme", "cubefs", [0.4, 0.5, 0.6]))), starts)
+    assert only_plain["passed"] is None and "without cube_torch 0.50 / 0.60" in only_plain["measured"]
+
+
+def test_raw_io_ten_times_the_raw_remote() -> None:
+    def bar(factor: float) -> dict[str, Any]:
+        runs = _with_locals(_run("raw_io", "remote", [0.05, 0.05], workers=8),
+                            _run("raw_io", "cubefs+ct", [0.05 * factor, 0.5], workers=8))
+        return _bar(report.evaluate_bars(runs, 8000.0), "raw I/O, 8 workers, 2 ms: epoch 1")
+
+    assert bar(10.0)["passed"] is True
+    below = bar(9.9)
+    assert below["passed"] is False and "9.9 × raw remote" in below["measured"] and "ceiling 8,000" in below["measured"]
+    assert bar(10.0)["issues"] == "5, 12"
+
+
+def test_fuse_path_training_bar_takes_every_latency() -> None:
+    starts = "our mount without cube_torch"
+
+    def bar(at_300: list[float], at_2000: list[float]) -> bool | None:
+        runs = _with_locals(_run("training", "cubefs", at_300, latency_us=300),
+                            _run("training", "cubefs", at_2000, latency_us=2000))
+        return _bar(report.evaluate_bars(runs), starts)["passed"]
+
+    assert bar([0.3, 0.95, 1.0], [0.2, 0.96, 0.97]) is True
+    assert bar([0.3, 0.95, 1.0], [0.2, 0.96, 0.94]) is False
+    assert _bar(report.evaluate_bars([]), starts)["passed"] is None
+
+
+def test_cube_torch_never_slower_lists_every_slower_row() -> None:
+    starts = "with cube_torch vs without"
+    same = _with_locals(_run("raw_io", "cubefs", [0.1, 0.5, 0.5], workers=8),
+                        _run("raw_io", "cubefs+ct", [0.2, 0.5, 0.6], workers=8),
+                        _run("cache", "cubefs", [0.1, 0.2, 0.2], workers=4, cache_fraction=0.5),
+                        _run("cache", "cubefs+ct", [0.3, 0.4, 0.4], workers=4, cache_fraction=0.5))
+    ok = _bar(report.evaluate_bars(same), starts)
+    assert ok["passed"] is True and "6 of 6 epochs" in ok["measured"]  # equal is not slower
+    slower = _with_locals(_run("raw_io", "cubefs", [0.1, 0.57, 0.5], workers=8),
+                          _run("raw_io", "cubefs+ct", [0.2, 0.43, 0.5], workers=8),
+                          # another cache fraction: not the same row, not compared
+                          _run("cache", "cubefs", [0.9, 0.9, 0.9], workers=4, cache_fraction=0.25),
+                          _run("cache", "cubefs+ct", [0.3, 0.4, 0.4], workers=4, cache_fraction=0.5))
+    bar = _bar(report.evaluate_bars(slower), starts)
+    assert bar["passed"] is False
+    assert "2 of 3 epochs" in bar["measured"] and "raw_io 2 ms, 8 w epoch 2: 430 vs 570 files/s" in bar["measured"]
+    assert _bar(report.evaluate_bars(_with_locals(_run("raw_io", "cubefs", [0.1]))), starts)["passed"] is None
+
+
+@pytest.mark.parametrize(("peer", "title"), [("rclone", "rclone's VFS cache"), ("juicefs", "JuiceFS")])
+def test_ahead_of_each_peer_on_every_row(peer: str, title: str) -> None:
+    starts = f"with cube_torch vs {title}"
+    rows = [_run("training", "cubefs+ct", [0.6, 0.9, 0.9], latency_us=300),
+            _run("nvme", "cubefs+ct", [0.5, 0.9, 0.9], ram_fraction=0.25)]
+    ahead = _with_locals(*rows, _run("training", peer, [0.5, 0.89, 0.5], latency_us=300),
+                         _run("nvme", peer, [0.4, 0.5, 0.89], ram_fraction=0.25))
+    bar = _bar(report.evaluate_bars(ahead), starts)
+    assert bar["passed"] is True and "ahead on 6 of 6 epochs" in bar["measured"]
+    tied = _with_locals(*rows, _run("nvme", peer, [0.4, 0.9, 0.5], ram_fraction=0.25))
+    bar = _bar(report.evaluate_bars(tied), starts)
+    assert bar["passed"] is False and "nvme 2 ms, 2 w, RAM 0.25 epoch 2" in bar["measured"]  # a tie is not ahead
+    absent = _bar(report.evaluate_bars(_with_locals(*rows)), starts)
+    assert absent["passed"] is None and f"{peer} not run" in absent["measured"]
+
+
+def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
+    runs = _with_locals(_run("cache", "cubefs", [0.1, 0.1, 0.1], workers=4, cache_fraction=0.5),
+                        _run("cache", "cubefs+ct", [0.2, 0.2, 0.14], workers=4, cache_fraction=0.5,
+                             hit_rates=[0.5, 0.9, 0.44]))
+    bars = report.evaluate_bars(runs)
+    assert _bar(bars, "cache = 0.5 × dataset: hit rate")["passed"] is False  # 0.44 in epoch 3
+    assert _bar(bars, "cache = 0.5 × dataset: cube_torch ≥ 1.5")["passed"] is True  # 0.54 / 0.3 = 1.8 ×
+    assert _bar(bars, "raw I/O, 8 workers, 2 ms: later epochs")["issues"] == "5"
+    assert all(b["issues"] in ("5", "12", "5, 12") for b in bars)
+    # Every bar once: nothing superseded is left twice.
+    assert len({b["bar"] for b in bars}) == len(bars) == 16
+
+
+def _results(cpu: dict[str, Any] | None) -> dict[str, Any]:
+    runs = _with_locals(_run("nvme", "cubefs+ct", [0.5, 0.9, 0.9], ram_fraction=0.25))
+    return {"schema": report.SCHEMA, "preset": {}, "started": "", "finished": "", "duration_s": 1.0,
+            "interrupted": False, "machine": {}, "load_average": {}, "dataset": {"files": FILES},
+            "emulator": {}, "systems": {"local": {}, "cubefs+ct": {}}, "skipped": {}, "daemon_cpu": cpu,
+            "runs": runs, "bars": report.evaluate_bars(runs)}
+
+
+def test_schema_checks_the_daemon_cpu_figures() -> None:
+    assert report.validate(_results(_cpu(cold=200, page_cache=50, nvme=250))) == []
+    assert report.validate(_results(None)) == []  # not measured (workload left out)
+    failed = dict(_cpu(cold=200), error="HarnessError: x")  # stopped after the first pass, with its reason
+    assert report.validate(_results(failed)) == []
+    problems = report.validate(_results(_cpu(cold=200, nvme=250)))  # a pass missing without an error
+    assert any("daemon_cpu.passes: kinds" in p for p in problems), problems
+    wrong = _cpu(cold=200, page_cache=50, nvme=250)
+    wrong["passes"][1]["files"] = FILES  # 5 passes cannot have read the dataset once
+    wrong["passes"][2]["cpu_us_per_file"] = "fast"
+    problems = report.validate(_results(wrong))
+    assert any("passes[1]" in p and "5 passes" in p for p in problems), problems
+    assert any("passes[2].cpu_us_per_file" in p for p in problems), problems
+    no_issue = _results(None)
+    del no_issue["bars"][0]["issues"]
+    assert any("bars[0]" in p and "issues" in p for p in report.validate(no_issue))
