@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from cubefs_fuse import __version__, mounts
+from cubefs_fuse import __version__, mounts, sdnotify
 from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
@@ -148,9 +148,11 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             # returns must unmount cleanly, not kill the process and leave a dead mount.
             await nursery.start(_terminate_on_signal)
             on_ready()
+            sdnotify.ready(f"serving {config.source} on {config.mount_point}")
             await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
             nursery.cancel_scope.cancel()
     finally:
+        sdnotify.stopping(f"unmounting {config.mount_point}")
         pyfuse3.close(unmount=True)
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":
