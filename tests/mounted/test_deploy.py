@@ -9,14 +9,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
-import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -34,6 +30,7 @@ from cubefs_fuse.config import parse_config, parse_size
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient
 from tests.helpers import REPO, Mount, wait_until
+from tests.systemd_units import next_notification, notify_socket, parse_unit, unit_command
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "cubefs-fuse.json"
@@ -44,6 +41,8 @@ METRIC_NAME = re.compile(r"\bcubefs_fuse_[A-Za-z0-9_:]*")
 # Kubernetes version the manifests are validated against: the newest schema the
 # installed kubernetes-validate ships.
 K8S_VERSION = kubernetes_validate.utils.latest_version()
+# kubelet's default hard eviction threshold: nodefs.available<10%.
+KUBELET_NODEFS_EVICTION = 0.10
 
 
 # -- Grafana dashboard and Prometheus rules vs. the daemon's /metrics --------------------------
@@ -121,7 +120,7 @@ def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[.
     assert not missing, f"queried but not exported by the daemon: {missing}"
     assert all(_base_name(name) in METRICS for name in referenced)
 
-    # The dashboard covers what operators need (issue: hit rate per job and global, stall,
+    # The dashboard covers what operators need (hit rate per job and global, stall,
     # cache use vs limit per tier, backend latency quantiles, lookahead, waste, evictions, errors).
     text = DASHBOARD.read_text()
     for needle in ("cubefs_fuse_job_hits_total", "cubefs_fuse_file_hits_total", "cubefs_fuse_stall_seconds_total",
@@ -190,31 +189,6 @@ def test_prometheus_scrape_config() -> None:
 # -- systemd ---------------------------------------------------------------------------------
 
 
-def parse_unit(text: str) -> dict[str, dict[str, list[str]]]:
-    """A systemd unit file as {section: {key: [values]}} (keys may repeat; '\\' continues lines)."""
-    sections: dict[str, dict[str, list[str]]] = {}
-    current: dict[str, list[str]] | None = None
-    for raw in text.replace("\\\n", " ").splitlines():
-        line = raw.strip()
-        if not line or line[0] in "#;":
-            continue
-        if line.startswith("[") and line.endswith("]"):
-            current = sections.setdefault(line[1:-1], {})
-            continue
-        assert current is not None, f"key outside a section: {line!r}"
-        key, sep, value = line.partition("=")
-        assert sep, f"not a key=value line: {line!r}"
-        current.setdefault(key.strip(), []).append(value.strip())
-    return sections
-
-
-def _command(value: str, substitutions: dict[str, str]) -> list[str]:
-    """An Exec*= value as argv, with systemd's prefixes ('-', '@', ...) removed."""
-    for old, new in substitutions.items():
-        value = value.replace(old, new)
-    return shlex.split(value.lstrip("-@:+!"))
-
-
 # File-system namespace options: each gives the service a mount namespace whose mounts do
 # not propagate to the host (systemd.exec(5), MountFlags=), so the FUSE mount would be
 # invisible outside the daemon.  The unit must use none of them.
@@ -234,9 +208,9 @@ def test_systemd_unit_keys() -> None:
     assert {"network-online.target", "remote-fs.target"} <= set(after)
     assert "network-online.target" in " ".join(unit["Unit"].get("Wants", []))
     service = {k: v[-1] for k, v in unit["Service"].items()}
-    start = _command(service["ExecStart"], {})
+    start = unit_command(service["ExecStart"], {})
     assert start[1:] == ["mount", "-c", "/etc/cubefs-fuse/%i.json", "--foreground"]
-    stop = _command(service["ExecStop"], {})
+    stop = unit_command(service["ExecStop"], {})
     assert stop[1:3] == ["umount", "-c"] and stop[3] == "/etc/cubefs-fuse/%i.json"
     assert start[0] == stop[0] == BINARY
     assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
@@ -315,29 +289,6 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     print("systemd-analyze verify: ran")
 
 
-def _notify_socket(kind: str, tmp_path: Path) -> tuple[socket.socket, str]:
-    """A datagram socket as systemd's $NOTIFY_SOCKET: a path, or an abstract '@' name."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    if kind == "abstract":
-        name = f"cubefs-fuse-test-{uuid.uuid4().hex}"
-        sock.bind(b"\0" + name.encode())
-        return sock, "@" + name
-    path = str(tmp_path / "notify")
-    sock.bind(path)
-    return sock, path
-
-
-def _next_notification(sock: socket.socket, daemon: subprocess.Popen[str], timeout: float) -> dict[str, str]:
-    """The next sd_notify datagram as {KEY: value}, waiting while the daemon runs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if select.select([sock], [], [], 0.2)[0]:
-            lines = sock.recv(4096).decode().splitlines()
-            return dict(line.partition("=")[::2] for line in lines)
-        assert daemon.poll() is None, f"daemon exited {daemon.returncode}: {daemon.stderr.read() if daemon.stderr else ''}"
-    raise AssertionError(f"no notification within {timeout} s")
-
-
 def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
     """Runs the unit's ExecStart as systemd would (instance 'vol', $NOTIFY_SOCKET set): READY=1
     arrives only once the mount is live; then ExecStop, or the KillSignal: both unmount
@@ -350,13 +301,13 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
     binary = str(Path(sys.executable).parent / "cubefs-fuse")
     service = {k: v[-1] for k, v in parse_unit(UNIT.read_text())["Service"].items()}
     subs = {"%i": "vol", "/etc/cubefs-fuse/": f"{etc}/", BINARY: binary}
-    start, stop = _command(service["ExecStart"], subs), _command(service["ExecStop"], subs)
+    start, stop = unit_command(service["ExecStart"], subs), unit_command(service["ExecStop"], subs)
     for how, kind in (("ExecStop", "path"), ("KillSignal", "abstract")):
-        sock, address = _notify_socket(kind, tmp_path)
+        sock, address = notify_socket(kind, tmp_path)
         daemon = subprocess.Popen(start, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                   env={**os.environ, "NOTIFY_SOCKET": address})
         try:
-            ready = _next_notification(sock, daemon, timeout=60)
+            ready = next_notification(sock, daemon, timeout=60)
             # READY=1 means live: the mount is in the kernel's table and serves reads now.
             assert ready["READY"] == "1" and str(m.mount_point) in ready["STATUS"], ready
             assert mounts.find_mount(str(m.mount_point)) is not None
@@ -367,7 +318,7 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
                 assert f"unmounted {m.mount_point}" in result.stdout
             else:
                 daemon.send_signal(getattr(signal, service["KillSignal"]))
-            stopping = _next_notification(sock, daemon, timeout=60)
+            stopping = next_notification(sock, daemon, timeout=60)
             assert stopping["STOPPING"] == "1", stopping
             assert daemon.wait(timeout=90) == 0
             assert mounts.find_mount(str(m.mount_point)) is None
@@ -419,13 +370,13 @@ def test_systemd_syscall_filter_allows_what_the_daemon_calls(make_mount: Callabl
     (etc := tmp_path / "etc").mkdir()
     (etc / "vol.json").write_text(json.dumps(m.config()))
     trace = tmp_path / "strace.out"
-    sock, address = _notify_socket("path", tmp_path)
+    sock, address = notify_socket("path", tmp_path)
     daemon = subprocess.Popen([strace, "-f", "-qq", "-c", "-U", "name", "-o", str(trace),
                                str(Path(sys.executable).parent / "cubefs-fuse"), "mount", "-c", str(etc / "vol.json"),
                                "--foreground"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "NOTIFY_SOCKET": address})
     try:
-        assert _next_notification(sock, daemon, timeout=120)["READY"] == "1"
+        assert next_notification(sock, daemon, timeout=120)["READY"] == "1"
         assert sorted(os.listdir(m.mount_point)) == [f"f{i}" for i in range(4)]
         for i in range(4):
             assert m.path(f"f{i}").read_bytes() == bytes([i]) * 300_000
@@ -549,10 +500,19 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
     assert limit == config.mem_cache_size + overhead, (limit, config.mem_cache_size, overhead)
     assert overhead >= 512 * 2**20
     assert container["resources"]["requests"]["memory"] == container["resources"]["limits"]["memory"]
-    # Liveness from the control API, a clean unmount before the pod stops.
+    # Probes check the mount (test_k8s_probe_checks_the_mount runs them), a clean unmount
+    # before the pod stops.
     for probe in ("livenessProbe", "startupProbe"):
-        assert container[probe]["exec"]["command"] == ["cubefs-fuse", "status", config.mount_point, "--json"]
-        assert container[probe]["timeoutSeconds"] > 10  # the CLI's control-client timeout
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["sh", "-c"] and config.mount_point in command[2] and "cubefs-fuse" not in command[2]
+    assert container["startupProbe"]["periodSeconds"] * container["startupProbe"]["failureThreshold"] >= 300
+    # Updates wait for a deliberate pod deletion (the drain procedure in deploy/README.md).
+    assert daemonset["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    assert "OnDelete" in (DEPLOY / "README.md").read_text()
+    # The cache directory must already exist: a missing NVMe mount fails the pod instead
+    # of filling the root disk; the free-space floor stays above kubelet's eviction line.
+    assert cache["hostPath"]["type"] == "Directory"
+    assert round(config.disk_free_ratio - KUBELET_NODEFS_EVICTION, 6) >= 0.05, config.disk_free_ratio  # a margin
     pre_stop = " ".join(container["lifecycle"]["preStop"]["exec"]["command"])
     assert f"cubefs-fuse umount {config.mount_point}" in pre_stop
     assert daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 60
@@ -572,3 +532,33 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
     run_as = pod["spec"].get("securityContext", {}).get("runAsUser", 0)
     assert run_as == 0 or run_as in config.control_allow_uids  # else the control API refuses it
     assert pod["spec"]["nodeSelector"] == spec["nodeSelector"]
+
+
+def _probe(name: str, mount_point: Path) -> list[str]:
+    """The DaemonSet's probe command, for ``mount_point`` instead of the config's."""
+    docs = _manifests()
+    config = parse_config(json.loads(next(iter(docs["ConfigMap/cubefs-fuse-imagenet"]["data"].values()))))
+    [container] = docs["DaemonSet/cubefs-fuse-imagenet"]["spec"]["template"]["spec"]["containers"]
+    return [arg.replace(config.mount_point, str(mount_point)) for arg in container[name]["exec"]["command"]]
+
+
+def test_k8s_probe_checks_the_mount(make_mount: Callable[..., Mount]) -> None:
+    """The probes pass on a live mount and fail on a dead daemon's (ENOTCONN) and on a
+    lazily detached one (a plain directory is left); without the control API at all."""
+    m = make_mount(volName=f"probe-{uuid.uuid4().hex[:8]}")  # no ai_prefetch: no control API
+    (m.source / "file").write_bytes(b"z")
+    for name in ("startupProbe", "livenessProbe"):
+        probe = _probe(name, m.mount_point)
+
+        def run() -> int:
+            return subprocess.run(probe, capture_output=True, timeout=30).returncode
+
+        assert run() != 0  # not mounted yet: a plain directory
+        m.mount()
+        assert run() == 0
+        os.kill(m.pid(), signal.SIGKILL)
+        wait_until(lambda: mounts.is_stale(str(m.mount_point)), timeout=30, what="a stale mount")
+        assert run() != 0
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True, check=True)
+        m.mounted = False
+        assert run() != 0
