@@ -53,7 +53,7 @@ class Preset:
 
 
 PRESETS = {
-    # Each workload at the latency its bar in issue 5 names (raw I/O and cache smaller
+    # Each workload at the latency its performance bar names (raw I/O and cache smaller
     # than the dataset at 2 ms, training at 300 us).  The whole matrix on 1,000 files took
     # ~17 minutes on 2 cores (a single reader at 2 ms and rclone's first epochs dominate),
     # so quick leaves out the 1-worker raw I/O runs and the 0.25 and 0.9 caches: ~6-8 min.
@@ -102,7 +102,7 @@ def _names(allowed: tuple[str, ...]) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.suite",
-        description="The benchmark of DESIGN.md section 4 / issue 5: local copy, raw emulated remote, "
+        description="The benchmark of docs/benchmarks.md: local copy, raw emulated remote, "
         "cubefs-fuse with and without cube_torch, rclone and JuiceFS on the same data in one run. "
         "Writes results.json, results.md and PNG plots into --out.")
     p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="default: quick (~5 min on 2 cores)")

@@ -1,4 +1,4 @@
-"""results.json, its schema check, the bars of issue 5, results.md and the PNG plots."""
+"""results.json, its schema check, the performance bars, results.md and the PNG plots."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def validate(results: Any) -> list[str]:
     return problems
 
 
-# -- the bars of issue 5 ------------------------------------------------------------------------------
+# -- the performance bars -----------------------------------------------------------------------------------
 
 
 def _find(runs: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -121,7 +121,7 @@ def _bar(text: str, passed: bool | None, measured: str) -> dict[str, Any]:
 
 
 def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None) -> list[dict[str, Any]]:
-    """Where the run stands against each bar of issue 5 (passed None: not measured).
+    """Where the run stands against each performance bar (passed None: not measured).
 
     ``ceiling_files_per_s``: the emulator's own zero-latency ceiling, quoted next to
     epoch-1 figures so that a bar the emulator itself prevents is recognisable.
@@ -284,7 +284,7 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(f"- `{name}`: {info['title']}" + (f" ({info['version']})" if info.get("version") else ""))
     for name, why in results["skipped"].items():
         out.append(f"- `{name}` skipped: {why}")
-    out += ["", "## Bars (issue 5)", "", "| bar | measured | met |", "|---|---|---|"]
+    out += ["", "## Bars", "", "| bar | measured | met |", "|---|---|---|"]
     for bar in results["bars"]:
         met = {True: "yes", False: "**no**", None: "n/a"}[bar["passed"]]
         out.append(f"| {bar['bar']} | {bar['measured']} | {met} |")

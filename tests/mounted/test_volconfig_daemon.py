@@ -1,4 +1,4 @@
-"""The per-volume config file (DESIGN.md 2.2) on the daemon's side: written by a mounted
+"""The per-volume config file (docs/ai_prefetch.md) on the daemon's side: written by a mounted
 ai_prefetch daemon, one daemon per volume name.  Clients' checks of the file are in
 tests/unit/test_volconfig.py."""
 
