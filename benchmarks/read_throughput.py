@@ -16,7 +16,7 @@ every file once per pass, in a shuffled order, with N reader processes:
 For the mount passes it reports the daemon's CPU time per file (utime + stime of
 /proc/<pid>/stat over the pass, all threads) and what its /metrics counted.  This is
 a quick foundation benchmark: the "remote" is a local directory, not the latency-
-emulating remote of DESIGN.md 4; that suite comes with the benchmarks issue.
+emulating remote of the benchmark suite (scripts/bench.sh, docs/benchmarks.md).
 """
 
 from __future__ import annotations

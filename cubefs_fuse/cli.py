@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import logging.handlers
 import os
 import select
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from importlib import resources
 
 from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, load_config
@@ -25,6 +27,8 @@ PROG = "cubefs-fuse"
 # well under 2 s; a crash-recovery scan of a very large NVMe cache can take longer.
 READY_TIMEOUT = 120.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The example client configs installed with the package (cubefs_fuse/examples/NAME.json).
+EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible")
 
 
 class UserError(Exception):
@@ -43,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount = sub.add_parser(
         "mount",
         help="mount a volume described by a JSON client config",
-        description="Mount the volume described by CONFIG (see configs/ for examples). "
+        description="Mount the volume described by CONFIG (`cubefs-fuse example-config` prints examples). "
         "Without --foreground the daemon detaches and the command returns once the mount "
         "is live, or fails with the reason.",
     )
@@ -65,6 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
     umount.add_argument("--timeout", type=float, default=60.0, metavar="SECONDS",
                         help="how long to wait for the daemon to exit (default: 60)")
     opscli.add_commands(sub)
+
+    example = sub.add_parser(
+        "example-config",
+        help="print an example client config (JSON)",
+        description="Print an example client config, to redirect into a file and edit: "
+        f"{', '.join(EXAMPLES)} (default: {EXAMPLES[0]}).",
+    )
+    example.add_argument("name", nargs="?", default=EXAMPLES[0], metavar="NAME")
     return parser
 
 
@@ -79,6 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_mount(args)
         if args.command == "umount":
             return cmd_umount(args)
+        if args.command == "example-config":
+            return cmd_example_config(args)
         return opscli.run(args)
     except (ConfigError, UserError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -174,13 +188,25 @@ def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str | None:
         os.close(fd)
 
 
+class _PrivateLogHandler(logging.handlers.WatchedFileHandler):
+    """WatchedFileHandler whose file, also a new one after logrotate, is opened by
+    :func:`_open_log`: mode 0600 and never through a symlink."""
+
+    def _open(self):  # type: ignore[no-untyped-def]  # typeshed: TextIOWrapper
+        return os.fdopen(_open_log(self.baseFilename), "a", encoding=self.encoding or "utf-8")
+
+
 def _setup_logging(config: ClientConfig, *, detached: bool) -> None:
     level = {"warn": "WARNING"}.get(config.log_level, config.log_level.upper())
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
-    # Detached, stderr already is the log file the parent opened.
+    # Log files are written through WatchedFileHandler, which reopens the file when
+    # logrotate has moved it away (deploy/logrotate/cubefs-fuse): no signal, no copytruncate.
+    # Detached, stderr is the same log file (opened by the parent, for tracebacks); the
+    # handler replaces it so that records follow the rotation.  In the foreground stderr
+    # is the journal under systemd, the container log under Kubernetes.
+    handlers: list[logging.Handler] = [_PrivateLogHandler(_log_file(config)) if detached
+                                       else logging.StreamHandler(sys.stderr)]
     if config.log_dir and not detached:
-        stream = os.fdopen(_open_log(os.path.join(config.log_dir, f"{config.vol_name}.log")), "a", encoding="utf-8")
-        handlers.append(logging.StreamHandler(stream))
+        handlers.append(_PrivateLogHandler(os.path.join(config.log_dir, f"{config.vol_name}.log")))
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
 
 
@@ -249,4 +275,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 1
     print(f"{PROG}: unmounted {mount_point}")
+    return 0
+
+
+# -- example-config ------------------------------------------------------------------
+
+
+def cmd_example_config(args: argparse.Namespace) -> int:
+    if args.name not in EXAMPLES:
+        raise UserError(f"no example config {args.name!r}; choose one of: {', '.join(EXAMPLES)}")
+    text = resources.files("cubefs_fuse").joinpath("examples", f"{args.name}.json").read_text(encoding="utf-8")
+    sys.stdout.write(text)
     return 0

@@ -1,4 +1,4 @@
-"""The JSON client config: parsing and validation (DESIGN.md 2.1).
+"""The JSON client config: parsing and validation (docs/configuration.md).
 
 Parsing (:func:`parse_config`) is pure: it turns a JSON object into a frozen
 :class:`ClientConfig` or raises :class:`ConfigError` with one line naming the key.
@@ -78,7 +78,7 @@ class ClientConfig:
     prefetch_threads: int = 16
     backend_threads: int = 32
     # Seconds any one backend operation may take before the caller gets EIO and the
-    # backend counts as down (DESIGN.md 3.4 "Never stuck"; backends/deadline.py).  30 s
+    # backend counts as down (docs/architecture.md, "Never stuck"; backends/deadline.py).  30 s
     # is thousands of times a healthy remote's latency (ms; an NFS soft mount gives up
     # after 60 s) and still short enough that a reader sees an error, not a dead process.
     backend_timeout: float = 30.0
@@ -247,7 +247,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     return parse
 
 
-# JSON key -> (ClientConfig field, parser).  The key names are the contract (DESIGN.md 2.1).
+# JSON key -> (ClientConfig field, parser).  The key names are the contract (docs/configuration.md).
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "mountPoint": ("mount_point", _nonempty_string),
     "volName": ("vol_name", _vol_name),

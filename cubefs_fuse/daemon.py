@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from cubefs_fuse import __version__, mounts
+from cubefs_fuse import __version__, mounts, sdnotify
 from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
@@ -85,7 +85,7 @@ def _user_allow_other() -> bool:
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
     """Serve the mount until it is unmounted or a signal arrives."""
     raise_fd_limit()
-    # Every backend operation has a deadline (DESIGN.md 3.4 "Never stuck"): a hung remote
+    # Every backend operation has a deadline (docs/architecture.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
     backend = DeadlineBackend(LocalDirBackend(config.source, config.backend_threads), config.backend_timeout)
     try:
@@ -163,9 +163,11 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             # returns must unmount cleanly, not kill the process and leave a dead mount.
             await nursery.start(_terminate_on_signal, daemon.backend)
             on_ready()
+            sdnotify.ready(f"serving {config.source} on {config.mount_point}")
             await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
             nursery.cancel_scope.cancel()
     finally:
+        sdnotify.stopping(f"unmounting {config.mount_point}")
         pyfuse3.close(unmount=True)
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The benchmark command (DESIGN.md section 4, issue 5):
+# The benchmark command (the performance bars and results: docs/benchmarks.md):
 #
 #   scripts/bench.sh [--preset quick|full] [--out DIR] [--with-rclone] [--with-juicefs] [SUITE OPTIONS]
 #
 # Runs scripts/setup.sh (the project's own dependencies, as every script does), then
 # `python -m benchmarks.suite`, which writes results.json, results.md and PNG plots into
-# --out (default: bench-results/).  quick takes ~6-8 minutes on 2 cores, full about an hour.
+# --out (default: bench-results/).  quick takes ~5-7 minutes on 2 cores (measured: 5.3 to 7.2 min), full about an hour.
 # Needs root (FUSE mounts, dropping the page cache) and /dev/fuse.
 #
 # The two peers are installed only when asked for, never by surprise:

@@ -14,6 +14,12 @@ python3 -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
+# The deployment tests: strace (the systemd unit's system-call filter against what the
+# daemon calls), logrotate (deploy/logrotate run for real), podman and mmdebstrap (the
+# container image, built on a local Debian 12 base when no registry is reachable).
+for pkg in strace logrotate podman mmdebstrap; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]} with apt-get" >&2
     SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"

@@ -1,7 +1,7 @@
 """slowfs: a read-only passthrough FUSE mount that behaves like a slow, failing remote volume.
 
 Tests and benchmarks mount a local directory through slowfs and point cubefs-fuse's
-``source`` at the slowfs mount point: the emulated remote of DESIGN.md section 4::
+``source`` at the slowfs mount point: the emulated remote of docs/benchmarks.md::
 
     python -m tools.slowfs SOURCE MOUNTPOINT [--latency-us N] [--fail GLOB=ERRNO ...]
         [--fail-read GLOB=ERRNO ...] [--threads N] [--cache-timeout SECONDS]

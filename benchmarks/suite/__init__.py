@@ -1,4 +1,4 @@
-"""The benchmark suite of DESIGN.md section 4 (issues 5 and 12): ``scripts/bench.sh`` or ``python -m benchmarks.suite``.
+"""The benchmark suite of docs/benchmarks.md: ``scripts/bench.sh`` or ``python -m benchmarks.suite``.
 
 One run: an ImageNet-like dataset, the emulated remote (tools/slowfs.py, one process per
 latency preset, its zero-latency ceiling measured first), our daemon's CPU per file over

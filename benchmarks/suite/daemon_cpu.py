@@ -1,4 +1,4 @@
-"""The daemon's own CPU per file (issue 12): cold, kernel page-cache hit, NVMe-tier hit.
+"""The daemon's own CPU per file : cold, kernel page-cache hit, NVMe-tier hit.
 
 One reader process reads every file of the suite's dataset whole, in a shuffled order,
 through our mount of the dataset's backing directory itself: a local source with no
@@ -13,7 +13,7 @@ passes, all through one cache directory:
 3. **nvme**: unmounted and mounted again on the same cache directory (RAM tier empty),
    page cache dropped: the NVMe tier serves every block.
 
-The RAM tier is ``ram_fraction`` of the dataset (smaller than the data, as issue 12's
+The RAM tier is ``ram_fraction`` of the dataset (smaller than the data, as the fast path's
 NVMe-tier figure asks); the NVMe tier holds it all.  The daemon runs with
 ``"profile": "ai_prefetch"``, as in every other run of the suite.  Each figure is the
 daemon's utime + stime (all threads, ``/proc/<pid>/stat``) over the pass divided by the
@@ -36,7 +36,7 @@ from tools.harness import DaemonMount, Dataset, HarnessError, Readers
 # Repetitions of the page-cache pass: its ~100 µs per file is ~10 clock ticks (10 ms
 # each) over 1,000 files; five passes make one tick ~2 µs per file.
 PAGE_CACHE_PASSES = 5
-READERS = 1  # issue 12's figures are per file with one reader: the daemon's cost, not its parallelism
+READERS = 1  # the fast path's figures are per file with one reader: the daemon's cost, not its parallelism
 PASS_KINDS = ("cold", "page_cache", "nvme")
 PASS_TITLES = {
     "cold": "cold (local source, no latency)",

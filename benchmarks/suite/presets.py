@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-# raw_io, training, cache: issue 5's (a)-(c); nvme and daemon_cpu: issue 12's NVMe regime
+# raw_io, training, cache: the foundation's (a)-(c); nvme and daemon_cpu: the fast path's NVMe regime
 # and the daemon's CPU per file (benchmarks/suite/daemon_cpu.py).
 WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu")
 ALL_SYSTEMS = ("local", "remote", "cubefs", "cubefs+ct", "rclone", "juicefs")
@@ -29,7 +29,7 @@ class Preset:
     cache_latency_us: int  # (c)
     bandwidth_mb_s: float  # remote bandwidth cap, 0: none
     # (d) the NVMe regime: the training loop (train_workers), page cache dropped before
-    # every epoch, our RAM tier this fraction of the dataset (issue 12: the dataset is 4x
+    # every epoch, our RAM tier this fraction of the dataset (the dataset is 4x
     # the RAM tier), NVMe tiers and the peers' caches hold the whole dataset.  2 ms, the
     # raw-I/O preset (object storage): the regime of datasets many times larger than RAM
     # is that of a far remote, and every block or metadata entry the daemon failed to keep
@@ -66,7 +66,7 @@ class Preset:
 
 
 PRESETS = {
-    # Each workload at the latency its bar in issues 5 and 12 names (raw I/O 8 workers,
+    # Each workload at the latency its bar names (raw I/O 8 workers,
     # cache smaller than the dataset and the NVMe regime at 2 ms, training at 300 us and
     # 2 ms), plus the daemon's CPU per file.  The whole matrix on 1,000 files took ~17
     # minutes on 2 cores (a single reader at 2 ms and rclone's first epochs dominate), so
@@ -118,7 +118,7 @@ def _names(allowed: tuple[str, ...]) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.suite",
-        description="The benchmark of DESIGN.md section 4 / issues 5 and 12: local copy, raw emulated remote, "
+        description="The benchmark of docs/benchmarks.md: local copy, raw emulated remote, "
         "cubefs-fuse with and without cube_torch, rclone and JuiceFS on the same data in one run, and "
         "the daemon's CPU per file. "
         "Writes results.json, results.md and PNG plots into --out.")

@@ -1,4 +1,4 @@
-"""results.json, its schema check, the bars of issues 5 and 12, results.md and the PNG plots."""
+"""results.json, its schema check, the performance bars, results.md and the PNG plots."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-# 2: issue 12 added the nvme workload (runs' ram_fraction), epochs' ram/disk block hits,
+# 2: the fast-path bars added the nvme workload (runs' ram_fraction), epochs' ram/disk block hits,
 # the daemon_cpu figures, each bar's issues and runs' stop_error.
 SCHEMA = "cubefs-fuse-bench/2"
 WORKLOAD_TITLES = {
@@ -144,7 +144,7 @@ def _validate_cpu(cpu: dict[str, Any] | None, dataset: dict[str, Any]) -> list[s
     return problems
 
 
-# -- the bars of issues 5 and 12 ------------------------------------------------------------------------
+# -- the performance bars ------------------------------------------------------------------------
 
 
 def _find(runs: list[dict[str, Any]], **match: Any) -> dict[str, Any] | None:
@@ -171,14 +171,14 @@ def _later(run: dict[str, Any]) -> list[float | None]:
     return [e["ratio_to_local"] for e in run["epochs"][1:]]
 
 
-# Issue 12's daemon CPU bars: µs of daemon CPU per ~110 KB file, one reader.
+# the fast path's daemon CPU bars: µs of daemon CPU per ~110 KB file, one reader.
 CPU_BARS_US = {"cold": 250.0, "page_cache": 60.0, "nvme": 300.0}
 _CPU_BAR_TEXT = {
     "cold": "daemon CPU per ~110 KB file, cold (local source, no latency) ≤ 250 µs",
     "page_cache": "daemon CPU per file, kernel page-cache hit ≤ 60 µs",
     "nvme": "daemon CPU per file, NVMe-tier hit (RAM tier smaller than the data, page cache dropped) ≤ 300 µs",
 }
-TRAINING_LATENCIES_US = (300, 2000)  # issue 12's training bars
+TRAINING_LATENCIES_US = (300, 2000)  # the fast path's training bars
 
 
 def _cpu_bars(cpu: dict[str, Any] | None) -> list[dict[str, Any]]:
@@ -201,7 +201,7 @@ def _training_bars(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for latency in TRAINING_LATENCIES_US:
         where = f"training with cube_torch, {latency / 1000:g} ms, cache ≥ dataset"
         text1, text2 = f"{where}: epoch 1 ≥ 0.90 × local", f"{where}: later epochs ≥ 0.97 × local"
-        issues = "5, 12" if latency == 300 else "12"  # issue 5 named 300 µs only
+        issues = "5, 12" if latency == 300 else "12"  # the foundation bars named 300 µs only
         run = _find(runs, workload="training", system=OURS_PLANNED, latency_us=latency, cache_fraction=None)
         if run is None or run["epochs"][0]["ratio_to_local"] is None:
             why = "not measured" + ("" if run is not None else f" (no training run at {latency / 1000:g} ms)")
@@ -328,7 +328,7 @@ def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict
     for peer, title in (("rclone", "rclone's VFS cache"), ("juicefs", "JuiceFS")):
         rows, behind = _versus(runs, peer, strict=True)
         text = f"with cube_torch vs {title}, same runs: ahead on every row and epoch"
-        issues = "5, 12" if peer == "rclone" else "12"  # issue 5 named rclone only
+        issues = "5, 12" if peer == "rclone" else "12"  # the foundation bars named rclone only
         if not rows:
             why = f"{peer} not run" if peer not in systems_run else f"no row has both {peer} and {OURS_PLANNED}"
             bars.append(_bar(issues, text, None, f"not measured ({why})"))
@@ -340,9 +340,9 @@ def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict
 
 def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None,
                   daemon_cpu: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Where the run stands against each bar of issues 5 and 12 (passed None: not measured).
+    """Where the run stands against each performance bars (passed None: not measured).
 
-    Issue 12's bars come first; of issue 5's, those it restates (training at 300 µs, raw
+    The fast-path bars come first; of the foundation's, those it restates (training at 300 µs, raw
     I/O epoch 1 ≥ 10 × the raw remote, ahead of rclone) are kept once, marked "5, 12",
     and those it does not mention (raw I/O later epochs, the cache 0.5 bars) follow.
     ``ceiling_files_per_s``: the emulator's own zero-latency ceiling, quoted next to
@@ -446,7 +446,7 @@ def markdown(results: dict[str, Any]) -> str:
         out.append(f"- `{name}`: {info['title']}" + (f" ({info['version']})" if info.get("version") else ""))
     for name, why in results["skipped"].items():
         out.append(f"- `{name}` skipped: {why}")
-    out += ["", "## Bars (issues 5 and 12)", "", "| issue | bar | measured | met |", "|---|---|---|---|"]
+    out += ["", "## Bars", "", "| issue | bar | measured | met |", "|---|---|---|---|"]
     for bar in results["bars"]:
         met = {True: "yes", False: "**no**", None: "not measured"}[bar["passed"]]
         out.append(f"| {bar['issues']} | {bar['bar']} | {bar['measured']} | {met} |")

@@ -68,7 +68,7 @@ def plan(preset: Preset, systems: list[str]) -> list[Planned]:
             runs += [Planned("cache", s, latency, workers, fraction, True)
                      for s in systems if SYSTEMS[s].caches]
     if "nvme" in preset.workloads:
-        # The NVMe regime (issue 12): the training loop, page cache dropped before every
+        # The NVMe regime : the training loop, page cache dropped before every
         # epoch for every system, local included; disk caches hold the dataset, our RAM tier
         # a fraction of it.  The raw remote has no cache, so nothing to compare here.
         workers, latency, ram = preset.train_workers, preset.nvme_latency_us, preset.nvme_ram_fraction

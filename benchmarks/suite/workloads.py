@@ -4,7 +4,7 @@
   count), batches of :data:`RAW_BATCH`, N workers, shuffled epochs.
 * training: torchvision ``ImageFolder`` over the JPEGs, decode + RandomResizedCrop(64)
   + flip + normalise in the workers, a tiny CNN trained on CPU in this process.
-* nvme (the NVMe regime of issue 12): the training loop, with the page cache dropped
+* nvme (the NVMe regime): the training loop, with the page cache dropped
   before every epoch and our RAM tier a fraction of the dataset (the runner sets both).
 
 Worker processes are persistent and started by a warm-up pass of dummy samples (index

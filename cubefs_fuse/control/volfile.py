@@ -1,4 +1,4 @@
-"""The per-volume config file (DESIGN.md 2.2): written atomically, owned, removed at exit.
+"""The per-volume config file: written atomically, owned, removed at exit.
 
 One daemon per volume name: a file naming a live daemon makes a second one refuse to
 start; a file left by a dead daemon is taken over.  The directory is shared (``/tmp``):

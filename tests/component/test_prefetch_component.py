@@ -33,7 +33,7 @@ from cubefs_fuse.prefetch.service import PrefetchService
 from tests.fakes import FakeBackend
 
 BLOCK = 4096  # one block per file: a file is either resident or not
-LATENCY = 0.002  # 2 ms per remote operation: object-storage-like (DESIGN.md 4)
+LATENCY = 0.002  # 2 ms per remote operation: object-storage-like (docs/benchmarks.md)
 JOB = "train"
 PID = os.getpid()  # the registered "trainer": this process
 

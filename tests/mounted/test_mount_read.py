@@ -15,7 +15,7 @@ import pytest
 from tests.helpers import Mount, metric, stat_tree
 
 BS = 64 * 1024  # the mount's blockSize: small, so boundaries and multi-block files stay cheap
-READERS = 4  # reader processes (the issue asks for "several"; 4 on 2 cores still overlap)
+READERS = 4  # reader processes (several at once; 4 on 2 cores still overlap)
 RANDOM_READS = 300  # random preads per reader process
 NOBODY = 65534
 OWNER = 1000

@@ -21,7 +21,7 @@ from tests.helpers import SlowMount, metric, wait_until, write_tree
 FILES = 400
 SIZE = 16 * 1024  # small files, one cache block each
 WORKERS = 4
-LATENCY_US = 2000  # object-storage-like remote (DESIGN.md 4)
+LATENCY_US = 2000  # object-storage-like remote (docs/benchmarks.md)
 THINK = 0.01  # seconds of per-sample work in a worker (decoding + augmenting a JPEG takes ~5-10 ms)
 JOB = "mounttest"
 

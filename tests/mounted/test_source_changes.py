@@ -1,6 +1,6 @@
 """Mounted: a file changed at the source is never served old or mixed to a new open after the TTL.
 
-DESIGN.md §3.4 "Never wrong bytes": for every kind of change (in place keeping the size,
+"Never wrong bytes": for every kind of change (in place keeping the size,
 growing, shrinking; a new file renamed over it; content changed with the mtime restored,
 in place or as ``cp -p`` would, renamed over it), with or without a handle still open on
 the old version, and whichever reads first (the old handle, a new handle, or both

@@ -1,4 +1,4 @@
-"""The per-volume config file (DESIGN.md 2.2) on the daemon's side: written by a mounted
+"""The per-volume config file (docs/ai_prefetch.md) on the daemon's side: written by a mounted
 ai_prefetch daemon, one daemon per volume name.  Clients' checks of the file are in
 tests/unit/test_volconfig.py."""
 
@@ -66,7 +66,7 @@ def test_config_file_lifecycle_and_one_daemon_per_volume(make_mount: Callable[..
     assert not path.exists(), "the config file outlived the mount"
 
 
-# -- entries another user planted before the daemon started (DESIGN.md 3.4) -------------------
+# -- entries another user planted before the daemon started (docs/architecture.md, ) -------------------
 
 # Run as uid 65534 in a sticky, world-writable directory like /tmp: plant ARGV[1] at ARGV[2].
 PLANT = """

@@ -81,7 +81,7 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert sum(text.startswith("daemon CPU per") for text in bars) == 3
     assert next(b for text, b in bars.items() if text.startswith("NVMe regime"))["passed"] is not None
     markdown = (out / "results.md").read_text()
-    assert "| 0.3 ms, 1 w | cubefs+ct |" in markdown and "## Bars (issues 5 and 12)" in markdown
+    assert "| 0.3 ms, 1 w | cubefs+ct |" in markdown and "## Bars" in markdown
     assert "| 0.3 ms, 2 w, RAM 0.25 | cubefs+ct |" in markdown
     assert "## Daemon CPU per file" in markdown and "Clock-tick caveat" in markdown
     assert "| kernel page-cache hit | no | 5 × 20 |" in markdown

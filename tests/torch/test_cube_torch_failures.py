@@ -188,7 +188,7 @@ class FakeDaemon:
 
 
 def write_volume_config(vol_name: str, socket_path: str, mount_point: str) -> str:
-    """What a daemon would write (DESIGN.md 2.2), by hand: mode 0644, owned by us."""
+    """What a daemon would write (docs/ai_prefetch.md), by hand: mode 0644, owned by us."""
     config = VolumeConfig(prof=0, mount_point=mount_point, vol_name=vol_name, local_ip="127.0.0.1",
                           control_socket=socket_path, pid=os.getpid())
     path = config_file_path(vol_name)

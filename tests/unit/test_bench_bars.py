@@ -1,5 +1,5 @@
 """The benchmark suite's bars (benchmarks.suite.report.evaluate_bars) on synthetic results:
-each of issue 12's bars just above and just below its threshold, "not measured" when the
+each of The fast-path bars just above and just below its threshold, "not measured" when the
 run lacks what it needs, and the schema check of the daemon-CPU figures.  The suite's real
 end-to-end runs are in tests/torch/test_bench_suite.py."""
 

@@ -28,6 +28,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
 FLOORS: dict[str, int] = {
     "cubefs_fuse": 0,  # the package face: __version__
     "cubefs_fuse.attrs": 0, "cubefs_fuse.errors": 0, "cubefs_fuse.limits": 0, "cubefs_fuse.stats": 0,
+    "cubefs_fuse.sdnotify": 0,
     "cubefs_fuse.config": 1, "cubefs_fuse.mounts": 1, "cubefs_fuse.backends": 1,
     "cubefs_fuse.cache": 2,
     "cubefs_fuse.fs": 3,

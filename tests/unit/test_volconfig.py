@@ -1,4 +1,4 @@
-"""The per-volume config file (DESIGN.md 2.2): checked by clients before they trust it.
+"""The per-volume config file (docs/ai_prefetch.md): checked by clients before they trust it.
 The daemon's side (writing it, one daemon per volume name) is in
 tests/mounted/test_volconfig_daemon.py."""
 

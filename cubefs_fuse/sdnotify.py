@@ -1,0 +1,57 @@
+"""systemd's readiness protocol (sd_notify(3)) in a few lines of stdlib.
+
+Under a ``Type=notify`` unit systemd passes ``$NOTIFY_SOCKET``: an AF_UNIX datagram
+socket, a path or an abstract name written with a leading ``@``.  The daemon sends
+``READY=1`` once the mount is live (``systemctl start`` returns only then) and
+``STOPPING=1`` when it starts to unmount; ``STATUS=`` lines show in ``systemctl status``.
+Without ``$NOTIFY_SOCKET`` (a terminal, Kubernetes, a detached mount) every call is a
+no-op.  A notification is best effort: it never blocks (the socket is non-blocking, so
+it is safe on the trio thread) and never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+log = logging.getLogger(__name__)
+
+ENV = "NOTIFY_SOCKET"
+
+
+def address(value: str) -> str | bytes | None:
+    """The socket address of a ``$NOTIFY_SOCKET`` value; None if it is not an AF_UNIX one."""
+    if value.startswith("@"):
+        return b"\0" + value[1:].encode()  # Linux abstract namespace
+    if value.startswith("/"):
+        return value
+    return None  # vsock (vsock:CID:PORT) and relative paths: not used for a host daemon
+
+
+def notify(*lines: str) -> bool:
+    """Send ``lines`` (``KEY=value``) as one datagram; True if it was delivered."""
+    value = os.environ.get(ENV, "")
+    if not value:
+        return False
+    target = address(value)
+    if target is None:
+        log.debug("%s=%r is not an AF_UNIX socket: not notifying", ENV, value)
+        return False
+    message = "\n".join(line.replace("\n", " ") for line in lines).encode()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.setblocking(False)
+            sock.sendto(message, target)
+    except OSError as exc:
+        log.warning("cannot notify systemd at %s: %s", value, exc.strerror or exc)
+        return False
+    return True
+
+
+def ready(status: str) -> bool:
+    return notify("READY=1", f"STATUS={status}")
+
+
+def stopping(status: str) -> bool:
+    return notify("STOPPING=1", f"STATUS={status}")
