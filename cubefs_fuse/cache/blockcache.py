@@ -258,12 +258,20 @@ class BlockCache:
         if self.disk is not None:
             self.disk.unplan(key)
 
-    def tagged(self) -> list[tuple[bytes, int]]:
-        """(key, path tag) of every block in either tier whose tag is known (for re-ranking)."""
-        found = dict(self.memory.tagged())
+    def tagged_shard(self, shard: int) -> list[tuple[bytes, int]]:
+        """(key, path tag) of the blocks of one shard (``tags.SHARDS``) in either tier whose
+        tag is known: a re-ranking walks the cache shard by shard."""
+        found = dict(self.memory.tagged_shard(shard))
         if self.disk is not None:
-            found.update(self.disk.tagged())
+            found.update(self.disk.tagged_shard(shard))
         return [(key, tag) for key, tag in found.items() if tag]
+
+    def unplan_some(self, count: int) -> bool:
+        """Make up to ``count`` planned blocks of each tier unplanned; True if some remain."""
+        more = self.memory.unplan_some(count)
+        if self.disk is not None:
+            more = self.disk.unplan_some(count) or more
+        return more
 
     def _evicted(self, key: bytes) -> None:
         if key in self._unused_prefetched:

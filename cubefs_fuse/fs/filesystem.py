@@ -52,7 +52,7 @@ class OpenFile:
 class AccessObserver(Protocol):
     """Sees every application open and release (hit accounting, plan cursors)."""
 
-    def opened(self, pid: int, path: str) -> object: ...
+    async def opened(self, pid: int, path: str) -> object: ...
 
     def released(self, f: OpenFile) -> None: ...
 
@@ -176,7 +176,7 @@ class Filesystem:
         keep_cache = node.last_version is None or node.last_version == version
         node.last_version = version
         fh = next(self._handles)
-        owner = self.observer.opened(pid, node.path) if self.observer is not None else None
+        owner = await self.observer.opened(pid, node.path) if self.observer is not None else None
         self._files[fh] = OpenFile(inode, node.path, version, tag=path_tag(node.path), owner=owner)
         self._c.opens += 1
         return fh, keep_cache
