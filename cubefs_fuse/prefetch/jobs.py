@@ -81,7 +81,7 @@ class Job:
     rank: int
     pid: int
     registered_at: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=time.monotonic)  # last open or plan of the job
+    last_active: float = field(default_factory=trio.current_time)  # last open or plan (trio clock)
     counters: HitCounters = field(default_factory=HitCounters)
     last_reported: HitCounters = field(default_factory=HitCounters)
 
@@ -168,7 +168,7 @@ class JobRegistry:
     def touch(self, key: JobKey) -> None:
         job = self.jobs.get(key)
         if job is not None:
-            job.last_active = time.monotonic()
+            job.last_active = trio.current_time()
 
     def unregister(self, key: JobKey) -> Job | None:
         """Forget a job (its process exited, or it was idle too long); its counters stay

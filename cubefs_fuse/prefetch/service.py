@@ -227,7 +227,7 @@ class PrefetchService:
 
     def reap_idle(self) -> None:
         """End unwatched jobs and orphan plans idle for ``jobIdleTimeout`` (O(jobs))."""
-        deadline = time.monotonic() - self.idle_timeout
+        deadline = trio.current_time() - self.idle_timeout
         for key, job in list(self.jobs.jobs.items()):
             if key not in self._watchers and job.last_active < deadline:
                 self.end_job(key, f"no open or plan for {self.idle_timeout:.0f} s")
@@ -259,7 +259,7 @@ class PrefetchService:
         if key in self.jobs.jobs:
             self.jobs.touch(key)
         else:
-            self._orphans[key] = time.monotonic()
+            self._orphans[key] = trio.current_time()
         return count
 
     # -- cache -------------------------------------------------------------------------
