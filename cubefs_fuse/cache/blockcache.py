@@ -258,13 +258,16 @@ class BlockCache:
         if self.disk is not None:
             self.disk.unplan(key)
 
-    def tagged_shard(self, shard: int) -> list[tuple[bytes, int]]:
-        """(key, path tag) of the blocks of one shard (``tags.SHARDS``) in either tier whose
-        tag is known: a re-ranking walks the cache shard by shard."""
-        found = dict(self.memory.tagged_shard(shard))
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
+        """Keys and path tags of the blocks of one shard (``tags.SHARDS``) in either tier
+        (a block in both tiers may be listed twice; tag 0: unknown): a re-ranking walks the
+        cache shard by shard."""
+        keys, tags = self.memory.tagged_shard(shard)
         if self.disk is not None:
-            found.update(self.disk.tagged_shard(shard))
-        return [(key, tag) for key, tag in found.items() if tag]
+            disk_keys, disk_tags = self.disk.tagged_shard(shard)
+            keys += disk_keys
+            tags += disk_tags
+        return keys, tags
 
     def unplan_some(self, count: int) -> bool:
         """Make up to ``count`` planned blocks of each tier unplanned; True if some remain."""

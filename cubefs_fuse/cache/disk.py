@@ -431,7 +431,7 @@ class DiskTier:
     def unplan(self, key: bytes) -> None:
         self.policy.unplan(key)
 
-    def tagged_shard(self, shard: int) -> list[tuple[bytes, int]]:
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
         """(key, tag) of the blocks whose tag is known, in one shard (``tags.SHARDS``)."""
         return self._tags.shard(shard)
 

@@ -92,7 +92,7 @@ class MemoryTier:
     def unplan(self, key: bytes) -> None:
         self.policy.unplan(key)
 
-    def tagged_shard(self, shard: int) -> list[tuple[bytes, int]]:
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
         """(key, tag) of the blocks in one shard of the tag index (``tags.SHARDS``)."""
         return self._tags.shard(shard)
 

@@ -48,9 +48,11 @@ class TagIndex:
             shard.clear()
         self._len = 0
 
-    def shard(self, index: int) -> list[tuple[bytes, int]]:
-        """A copy of one shard's (key, tag) pairs."""
-        return list(self._shards[index].items())
+    def shard(self, index: int) -> tuple[list[bytes], list[int]]:
+        """A copy of one shard: its keys and their tags, as two lists (no tuple per block:
+        a million short-lived tuples would make the garbage collector stall the thread)."""
+        shard = self._shards[index]
+        return list(shard), list(shard.values())
 
     def items(self) -> Iterator[tuple[bytes, int]]:
         for shard in self._shards:

@@ -213,26 +213,31 @@ class Scheduler:
                 inverse.append(plan.dataset.inverse_of(plan.order))
             return plan.dataset.positions_of(tags, inverse[0])
 
-        pending: list[tuple[bytes, int]] = []
+        keys: list[bytes] = []
+        tags: list[int] = []
         for shard in range(SHARDS):
-            pending += cache.tagged_shard(shard)
-            if len(pending) < RERANK_BATCH and shard < SHARDS - 1:
+            shard_keys, shard_tags = cache.tagged_shard(shard)
+            keys += shard_keys
+            tags += shard_tags
+            if len(keys) < RERANK_BATCH and shard < SHARDS - 1:
                 await trio.lowlevel.checkpoint()
                 continue
-            if not pending:
+            if not keys:
                 continue
-            tags = np.fromiter((tag for _, tag in pending), dtype=np.uint64, count=len(pending))
-            positions = (await trio.to_thread.run_sync(positions_of, tags)).tolist()
-            for start in range(0, len(pending), RERANK_STEP):
+            tag_array = np.array(tags, dtype=np.uint64)
+            positions = (await trio.to_thread.run_sync(positions_of, tag_array)).tolist()
+            for start in range(0, len(keys), RERANK_STEP):
                 alone = len(self.plans) == 1
-                for (key, _), position in zip(pending[start : start + RERANK_STEP],
+                for key, tag, position in zip(keys[start : start + RERANK_STEP], tags[start : start + RERANK_STEP],
                                               positions[start : start + RERANK_STEP]):
+                    if not tag:
+                        continue  # a block whose file is unknown (after a crash scan) cannot be ranked
                     if position >= 0:
                         cache.plan(key, position)
                     elif alone:
                         cache.unplan(key)
                 await trio.lowlevel.checkpoint()
-            pending = []
+            keys, tags = [], []
 
     async def _fill(self, plan: Plan) -> None:
         slots = trio.Semaphore(ISSUE_CONCURRENCY)
