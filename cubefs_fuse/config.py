@@ -56,6 +56,13 @@ MAX_BLOCK_SIZE = 64 * MiB
 DEFAULT_BLOCK_SIZE = 1 * MiB
 
 
+# Seconds without an open or a plan after which a job the daemon cannot watch (pid 0:
+# another pid namespace) or a plan of a job never registered ends.  30 minutes outlast
+# what a training job does between epochs without reading (validation on other data,
+# checkpointing), and bound what a churn of short container jobs leaves registered.
+DEFAULT_JOB_IDLE_TIMEOUT = 1800.0
+
+
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     mount_point: str
@@ -87,6 +94,7 @@ class ClientConfig:
     control_allow_uids: tuple[int, ...] = ()
     control_allow_gids: tuple[int, ...] = ()
     config_dir: str = "/tmp"
+    job_idle_timeout: float = DEFAULT_JOB_IDLE_TIMEOUT
     unused_keys: tuple[str, ...] = ()
 
     @property
@@ -274,6 +282,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "controlAllowUids": ("control_allow_uids", _id_list),
     "controlAllowGids": ("control_allow_gids", _id_list),
     "configDir": ("config_dir", _nonempty_string),
+    "jobIdleTimeout": ("job_idle_timeout", _positive_seconds),
 }
 REQUIRED_KEYS = ("mountPoint", "volName", "source")
 KNOWN_KEYS = frozenset(_KEYS)

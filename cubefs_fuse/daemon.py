@@ -149,10 +149,12 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
                                              "controlSocket": control_socket_path(config)
                                              if config.profile == "ai_prefetch" else ""})
         if config.profile == "ai_prefetch":
-            written = volfile.write(VolumeConfig(
+            volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
                 local_ip=volfile.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
-                token_file=token_file_path(config) if config.prof_port else ""), config.config_dir)
+                token_file=token_file_path(config) if config.prof_port else "")
+            # The write ends with an fsync: not on the trio thread, which serves FUSE already.
+            written = await trio.to_thread.run_sync(volfile.write, volume, config.config_dir)
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
         for key in config.unused_keys:
             log.info("config key %r is a CubeFS setting with no effect here", key)

@@ -148,16 +148,22 @@ def stat_tree(root: Path) -> dict[str, os.stat_result]:
 
 def allocated_on_disk(cache_dir: Path) -> int:
     """Bytes the filesystem has allocated to a disk tier's block files (finished, in
-    ``blocks/``, and being written, in ``tmp/``), summed file by file.
+    ``blocks/``, and being written, in ``tmp/``) and to its directories (``blocks/``,
+    the fan-outs ``blocks/ab``, ``tmp/``), summed file by file.
 
     ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
     file renamed during the walk is missed at worst, never counted twice.  Not atomic: a
     file evicted after it was counted and another written before the walk ends are both
-    counted, so under churn this may exceed what was on disk at any one instant.
+    counted, so under churn this may exceed what was on disk at any one instant.  For
+    one consistent state, walk inside ``DiskTier.io_paused()``.
     """
     total = 0
     for sub in ("blocks", "tmp"):
         for directory, _, files in os.walk(cache_dir / sub):
+            try:
+                total += os.lstat(directory).st_blocks * 512
+            except FileNotFoundError:
+                continue  # a fan-out removed while we looked
             for name in files:
                 try:
                     total += os.lstat(os.path.join(directory, name)).st_blocks * 512

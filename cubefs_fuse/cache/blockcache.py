@@ -258,12 +258,23 @@ class BlockCache:
         if self.disk is not None:
             self.disk.unplan(key)
 
-    def tagged(self) -> list[tuple[bytes, int]]:
-        """(key, path tag) of every block in either tier whose tag is known (for re-ranking)."""
-        found = dict(self.memory.tagged())
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
+        """Keys and path tags of the blocks of one shard (``tags.SHARDS``) in either tier
+        (a block in both tiers may be listed twice; tag 0: unknown): a re-ranking walks the
+        cache shard by shard."""
+        keys, tags = self.memory.tagged_shard(shard)
         if self.disk is not None:
-            found.update(self.disk.tagged())
-        return [(key, tag) for key, tag in found.items() if tag]
+            disk_keys, disk_tags = self.disk.tagged_shard(shard)
+            keys += disk_keys
+            tags += disk_tags
+        return keys, tags
+
+    def unplan_some(self, count: int) -> bool:
+        """Make up to ``count`` planned blocks of each tier unplanned; True if some remain."""
+        more = self.memory.unplan_some(count)
+        if self.disk is not None:
+            more = self.disk.unplan_some(count) or more
+        return more
 
     def _evicted(self, key: bytes) -> None:
         if key in self._unused_prefetched:

@@ -15,11 +15,16 @@ reported as a miss, never served.
 
 Accounting is in allocated bytes (header + payload rounded up to 4 KiB, what ``du``
 shows), reserved on the trio thread before a write starts and released after an
-unlink, so the bytes on disk never exceed the limit.
+unlink, so the bytes on disk never exceed the limit.  Directories count too:
+``blocks/`` and ``tmp/`` as measured at start-up, each fan-out directory ``blocks/ab``
+as last measured by a worker (``st_blocks``), plus ``DIR_SLACK`` while writes into it
+are in flight (a rename may grow it); a fan-out whose last block goes is removed and
+stops counting once it is gone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -27,6 +32,7 @@ import shutil
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +41,7 @@ import xxhash
 
 from cubefs_fuse.cache.keys import KEY_BYTES
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.cache.tags import TagIndex
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,12 @@ ALLOCATION_UNIT = 4096
 # Concurrent block file reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
 # without starving the backend's threads of the GIL on a 2-core machine.
 DISK_THREADS = 8
+# Bytes reserved for a fan-out directory while writes into it are in flight: creating it
+# takes one allocation unit, and the largest growth one new entry can cause on ext4 is
+# two (a one-block directory turning into an htree: a root and two leaves).  A 4 KiB
+# leaf holds ~100 of our 40-byte entries and is half full after a split, so the at most
+# DISK_THREADS renames between two measurements cannot cause two growths.
+DIR_SLACK = 2 * ALLOCATION_UNIT
 
 
 def allocated_bytes(payload: int) -> int:
@@ -74,6 +87,20 @@ class DiskStatistics:
     read_errors: int
     startup_seconds: float
     startup_source: str  # "index", "scan" or "empty"
+    startup_discarded: int  # files deleted at start-up: partial writes in tmp/, junk and truncated blocks
+    directory_bytes: int  # allocated bytes of the tier's directories (part of used_bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class _Loaded:
+    """What start-up found in the cache directory (read in a worker thread)."""
+
+    entries: OrderedDict[bytes, tuple[int, int]]  # key -> (allocated bytes, path tag), oldest first
+    source: str
+    discarded: int
+    fan_blocks: dict[str, int]
+    dir_bytes: dict[str, int]
+    base_dir_bytes: int
 
 
 class DiskTier:
@@ -85,7 +112,17 @@ class DiskTier:
         self._blocks_dir = os.path.join(directory, "blocks")
         self._tmp_dir = os.path.join(directory, "tmp")
         self._entries: dict[bytes, int] = {}  # key -> allocated bytes
-        self._tags: dict[bytes, int] = {}  # key -> path tag (0: unknown, e.g. after a crash scan)
+        self._tags = TagIndex()  # key -> path tag (absent: unknown, e.g. after a crash scan)
+        # Per fan-out directory ("ab"): blocks stored or being written there (at zero the
+        # directory is removed), its allocated bytes as last measured (part of used_bytes;
+        # absent: no directory, or one whose removal is in flight), and writes in flight.
+        self._fan_blocks: dict[str, int] = {}
+        self._dir_bytes: dict[str, int] = {}
+        self._dir_writes: dict[str, int] = {}
+        # Fan-out directories with DIR_SLACK reserved: 0 while it is part of a put's own
+        # reservation, DIR_SLACK once held apart for the writes into it still in flight.
+        self._slack_held: dict[str, int] = {}
+        self._base_dir_bytes = 0  # blocks/ and tmp/ themselves (constant: see _measure_dirs)
         # Eviction order, as in the RAM tier: unplanned LRU first, then furthest next use.
         self.policy = PlannedLru(limit_bytes // SCRATCH_FRACTION)
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
@@ -98,11 +135,13 @@ class DiskTier:
         self._inserted_bytes = 0  # cumulative bytes of blocks stored by put(), for _set_headroom
         self._headroom = limit_bytes  # used_bytes may grow to this before the free-space floor is hit
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
+        self._pause_lock = trio.Lock()
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
         self._checksum_failures = self._write_errors = self._read_errors = 0
         self._tmp_serial = 0
         self.startup_seconds = 0.0
         self.startup_source = "empty"
+        self.startup_discarded = 0
 
     # -- start-up and shutdown -------------------------------------------------------
 
@@ -113,24 +152,34 @@ class DiskTier:
         lock_fd = await trio.to_thread.run_sync(_lock_directory, directory)
         tier = cls(directory, limit_bytes, free_ratio, lock_fd)
         try:
-            entries, source = await trio.to_thread.run_sync(tier._load)
+            loaded = await trio.to_thread.run_sync(tier._load)
         except BaseException:
             os.close(lock_fd)
             raise
+        entries = loaded.entries
         tier._entries = {key: size for key, (size, _) in entries.items()}
-        tier._tags = {key: tag for key, (_, tag) in entries.items() if tag}
+        for key, (_, tag) in entries.items():
+            if tag:
+                tier._tags.set(key, tag)
         for key, size in tier._entries.items():  # oldest first: the LRU order of the last run
             tier.policy.add(key, size)
-        tier.used_bytes = sum(tier._entries.values())
-        tier.startup_source = source
+        tier._fan_blocks = loaded.fan_blocks
+        tier._dir_bytes = loaded.dir_bytes
+        tier._base_dir_bytes = loaded.base_dir_bytes
+        tier.used_bytes = sum(tier._entries.values()) + tier._base_dir_bytes + sum(tier._dir_bytes.values())
+        tier.startup_source = loaded.source
+        tier.startup_discarded = loaded.discarded
+        if loaded.discarded:
+            log.warning("disk cache %s: deleted %d partial or damaged files at start-up", directory, loaded.discarded)
         await tier._refresh_headroom()
         await tier._shrink_to_fit()
         tier.startup_seconds = time.perf_counter() - start
         log.info("disk cache %s: %d blocks, %d bytes, loaded from %s in %.3f s", directory,
-                 len(entries), tier.used_bytes, source, tier.startup_seconds)
+                 len(entries), tier.used_bytes, loaded.source, tier.startup_seconds)
         return tier
 
-    def _load(self) -> tuple[OrderedDict[bytes, tuple[int, int]], str]:
+    def _load(self) -> _Loaded:
+        discarded = _count_files(self._tmp_dir)  # partial writes of a daemon that died
         shutil.rmtree(self._tmp_dir, ignore_errors=True)
         os.makedirs(self._tmp_dir, exist_ok=True)
         os.makedirs(self._blocks_dir, exist_ok=True)
@@ -139,12 +188,24 @@ class DiskTier:
         if entries is not None:
             # From here on the index is stale: only a clean shutdown writes a new one.
             os.unlink(index_path)
-            return entries, "index"
-        return self._scan(), "scan"
+            source = "index"
+        else:
+            entries, junk = self._scan()
+            discarded += junk
+            source = "scan"
+        fan_blocks: dict[str, int] = {}
+        for key in entries:
+            sub = key[:1].hex()
+            fan_blocks[sub] = fan_blocks.get(sub, 0) + 1
+        dir_bytes = _measure_fanouts(self._blocks_dir, fan_blocks)
+        base = sum(os.lstat(d).st_blocks * 512 for d in (self._blocks_dir, self._tmp_dir))
+        return _Loaded(entries, source, discarded, fan_blocks, dir_bytes, base)
 
-    def _scan(self) -> OrderedDict[bytes, tuple[int, int]]:
-        """Rebuild the block list from the files (after a crash); oldest write first."""
+    def _scan(self) -> tuple[OrderedDict[bytes, tuple[int, int]], int]:
+        """Rebuild the block list from the files (after a crash), oldest write first, and
+        the number of files deleted (names that are no key, files shorter than a header)."""
         found: list[tuple[int, bytes, int]] = []
+        discarded = 0
         for sub in os.scandir(self._blocks_dir):
             if not sub.is_dir(follow_symlinks=False):
                 continue
@@ -153,14 +214,15 @@ class DiskTier:
                     key = bytes.fromhex(entry.name)
                     st = entry.stat(follow_symlinks=False)
                 except (ValueError, FileNotFoundError):
-                    _unlink_quietly(entry.path)
+                    discarded += _unlink_quietly(entry.path)
                     continue
-                if len(key) != KEY_BYTES or st.st_size < HEADER_BYTES:
-                    _unlink_quietly(entry.path)
+                if len(key) != KEY_BYTES or st.st_size < HEADER_BYTES or key[:1].hex() != sub.name:
+                    discarded += _unlink_quietly(entry.path)
                     continue
                 found.append((st.st_mtime_ns, key, allocated_bytes(st.st_size - HEADER_BYTES)))
         found.sort()
-        return OrderedDict((key, (size, 0)) for _, key, size in found)  # tags come back as blocks are read
+        # Tags come back as blocks are read.
+        return OrderedDict((key, (size, 0)) for _, key, size in found), discarded
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
@@ -190,7 +252,7 @@ class DiskTier:
             return None
         self.policy.touch(key)
         if tag and key not in self._tags:
-            self._tags[key] = tag
+            self._tags.set(key, tag)
         path = self._path(key)
         try:
             data = await trio.to_thread.run_sync(_read_block_file, path, key, limiter=self._limiter)
@@ -199,9 +261,9 @@ class DiskTier:
         except _Corrupt as exc:
             self._checksum_failures += 1
             log.warning("disk cache block %s is damaged (%s): discarded, will refetch", path, exc)
-            size = self._entries.pop(key, 0)  # its bytes stay counted until the file is gone
-            self.policy.remove(key)
-            self._tags.pop(key, None)
+            size = 0
+            if key in self._entries:  # its bytes stay counted until the file is gone
+                size = self._drop_entry(key, [])
             self._reserved += size
             try:
                 await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
@@ -227,53 +289,141 @@ class DiskTier:
             if next_use is not None:
                 self.policy.plan(key, next_use)
             return True
+        sub = _fanout(key)
+        # The block's fan-out directory may be created or grow: reserve DIR_SLACK for it
+        # unless it is reserved already (for other writes into it still in flight).
+        slack = 0 if sub in self._slack_held else DIR_SLACK
         need = allocated_bytes(len(data))
         limit = self.effective_limit_bytes
-        chosen = self.policy.victims(need, limit - self.used_bytes, next_use) if need <= limit else None
+        chosen = (self.policy.victims(need + slack, limit - self.used_bytes, next_use)
+                  if need + slack <= limit else None)
         victims = chosen or []
+        self._fan_blocks[sub] = self._fan_blocks.get(sub, 0) + 1  # no rmdir of our own directory
         freed = 0
+        emptied: list[str] = []
         for victim in victims:
-            freed += self._entries.pop(victim)
-            self.policy.remove(victim)
-            self._tags.pop(victim, None)
+            freed += self._drop_entry(victim, emptied)
             self._evictions += 1
-        fits = chosen is not None and self.used_bytes - freed + need <= limit
-        # The victims' files and the new one are never on disk together (the worker
-        # unlinks first), so max() of the two bounds what this put has on disk.
-        reserved = max(need, freed) if fits else freed
+        fits = chosen is not None and self.used_bytes - freed + need + slack <= limit
+        if not fits:
+            self._rejected += 1
+            self._unclaim(sub)
+            slack = 0
+        freed += self._take_emptied(emptied)
+        # The victims' files (and emptied directories) and the new file are never on disk
+        # together (the worker removes first), so max() bounds what this put has on disk.
+        reserved = max(need + slack, freed) if fits else freed
         self.used_bytes += reserved - freed
         self._reserved += reserved
         if fits:
             self._writing[key] = need
-        else:
-            self._rejected += 1
+            self._dir_writes[sub] = self._dir_writes.get(sub, 0) + 1
+            if slack:
+                self._slack_held[sub] = 0  # inside this put's reservation for now
         self._tmp_serial += 1
         tmp = os.path.join(self._tmp_dir, f"{self._tmp_serial}")
         victim_paths = [self._path(v) for v in victims]
         inserted_before = self._inserted_bytes
         try:
-            avail = await trio.to_thread.run_sync(
-                _write_block_file, victim_paths, tmp, self._path(key) if fits else None, key, data,
-                limiter=self._limiter,
+            done = await trio.to_thread.run_sync(
+                _write_block_file, victim_paths, [self._dir_path(e) for e in emptied], tmp,
+                self._path(key) if fits else None, key, data, limiter=self._limiter,
             )
-        except OSError as exc:
-            self._write_errors += 1
-            log.warning("disk cache write failed: %s", exc)
-            fits = False
-            return False
+        except OSError as exc:  # unlinking a victim or statvfs failed: nothing is known
+            done = _Written(0, 0, -1, [-1] * len(emptied), exc)
         finally:
             self._writing.pop(key, None)
             self._reserved -= reserved
-            self.used_bytes -= reserved - (need if fits else 0)
-        self._set_headroom(avail, self._inserted_bytes - inserted_before)
+            self.used_bytes -= reserved
+            if fits:
+                self._dir_writes[sub] -= 1
+                if slack and self._dir_writes[sub]:
+                    # Other writes into the directory still count on the slack: hold it apart.
+                    self._slack_held[sub] = slack
+                    self._reserved += slack
+                    self.used_bytes += slack
+                elif not self._dir_writes[sub]:
+                    del self._dir_writes[sub]
+                    held = self._slack_held.pop(sub, 0)
+                    self._reserved -= held
+                    self.used_bytes -= held
+        # (No await since the worker returned: the measured sizes replace the slack at once.)
+        for name, size in zip(emptied, done.kept_dirs):
+            self._keep_dir(name, size)
+        if fits:
+            self._keep_dir(sub, done.dir_bytes)
+        if done.error is not None:
+            self._write_errors += 1
+            log.warning("disk cache write failed: %s", done.error)
+            if fits:
+                self._unclaim(sub)
+            return False
+        self._set_headroom((done.available, done.total), self._inserted_bytes - inserted_before)
         if fits:
             self._entries[key] = need
+            self.used_bytes += need
             self.policy.add(key, need, next_use)
             if tag:
-                self._tags[key] = tag
+                self._tags.set(key, tag)
             self._inserted_bytes += need
             self._inserts += 1
         return fits
+
+    def _drop_entry(self, key: bytes, emptied: list[str]) -> int:
+        """Forget a stored block (its file is still on disk: the caller removes it and
+        keeps its bytes counted until then); its size.  A fan-out directory left without
+        blocks is appended to ``emptied``."""
+        size = self._entries.pop(key)
+        self.policy.remove(key)
+        self._tags.pop(key)
+        sub = _fanout(key)
+        self._fan_blocks[sub] -= 1
+        if not self._fan_blocks[sub]:
+            del self._fan_blocks[sub]
+            emptied.append(sub)
+        return size
+
+    def _unclaim(self, sub: str) -> None:
+        """A write into ``sub`` that was counted in its blocks did not happen."""
+        self._fan_blocks[sub] -= 1
+        if not self._fan_blocks[sub]:
+            del self._fan_blocks[sub]
+
+    def _take_emptied(self, emptied: list[str]) -> int:
+        """Fan-out directories about to be removed stop being known (a write that comes
+        before the removal is done reserves a new directory); their bytes, which the caller
+        keeps counted until the removal."""
+        freed = 0
+        for sub in emptied:
+            freed += self._dir_bytes.pop(sub, 0)
+        return freed
+
+    def _keep_dir(self, sub: str, size: int) -> None:
+        """A worker found fan-out ``sub`` on disk with ``size`` allocated bytes (-1: absent)."""
+        if size < 0:
+            return
+        # Directories only grow while they exist; measurements may arrive out of order.
+        old = self._dir_bytes.get(sub, 0)
+        if size > old:
+            self._dir_bytes[sub] = size
+            self.used_bytes += size - old
+
+    @contextlib.asynccontextmanager
+    async def io_paused(self) -> AsyncIterator[None]:
+        """Hold every disk worker slot: while inside, no block file or directory of the tier
+        changes (workers in progress finish first), so the directory can be measured as one
+        consistent state.  For tests and tools; the trio thread is not blocked."""
+        borrowers = [object() for _ in range(DISK_THREADS)]
+        acquired = []
+        async with self._pause_lock:  # two pausers each holding half the slots would deadlock
+            try:
+                for borrower in borrowers:
+                    await self._limiter.acquire_on_behalf_of(borrower)
+                    acquired.append(borrower)
+                yield
+            finally:
+                for borrower in acquired:
+                    self._limiter.release_on_behalf_of(borrower)
 
     def plan(self, key: bytes, next_use: int) -> None:
         self.policy.plan(key, next_use)
@@ -281,9 +431,13 @@ class DiskTier:
     def unplan(self, key: bytes) -> None:
         self.policy.unplan(key)
 
-    def tagged(self) -> list[tuple[bytes, int]]:
-        """(key, tag) of every block whose tag is known."""
-        return list(self._tags.items())
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
+        """(key, tag) of the blocks whose tag is known, in one shard (``tags.SHARDS``)."""
+        return self._tags.shard(shard)
+
+    def unplan_some(self, count: int) -> bool:
+        """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
+        return self.policy.unplan_some(count)
 
     def _lru_order(self) -> list[tuple[bytes, int]]:
         """Blocks in eviction order (for the index: the next run starts from it)."""
@@ -292,16 +446,21 @@ class DiskTier:
     async def clear(self) -> None:
         """Drop every stored block and its file (writes in progress still land)."""
         paths = [self._path(k) for k in self._entries]
-        freed = sum(self._entries.values())
-        self._entries.clear()
-        self._tags.clear()
+        emptied: list[str] = []
+        freed = 0
+        for key in list(self._entries):
+            freed += self._drop_entry(key, emptied)
         self.policy = PlannedLru(self.policy.scratch_bytes)
+        freed += self._take_emptied(emptied)
         self._reserved += freed  # counted until the files are gone
         try:
-            await trio.to_thread.run_sync(_unlink_all, paths, limiter=self._limiter)
+            kept = await trio.to_thread.run_sync(_remove_all, paths, [self._dir_path(e) for e in emptied],
+                                                 limiter=self._limiter)
         finally:
             self._reserved -= freed
             self.used_bytes -= freed
+        for name, size in zip(emptied, kept):
+            self._keep_dir(name, size)
 
     @property
     def effective_limit_bytes(self) -> int:
@@ -312,7 +471,8 @@ class DiskTier:
             self.used_bytes, self.limit_bytes, self.effective_limit_bytes, len(self._entries),
             self._hits, self._misses, self._evictions, self._inserts, self._rejected,
             self._checksum_failures, self._write_errors, self._read_errors,
-            self.startup_seconds, self.startup_source,
+            self.startup_seconds, self.startup_source, self.startup_discarded,
+            self._base_dir_bytes + sum(self._dir_bytes.values()),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -321,12 +481,13 @@ class DiskTier:
         name = key.hex()
         return os.path.join(self._blocks_dir, name[:2], name)
 
+    def _dir_path(self, sub: str) -> str:
+        return os.path.join(self._blocks_dir, sub)
+
     def _forget(self, key: bytes) -> None:
-        size = self._entries.pop(key, None)
-        if size is not None:
-            self.used_bytes -= size
-            self.policy.remove(key)
-            self._tags.pop(key, None)
+        """The block's file is gone (its directory stays, counted, until emptied by a put)."""
+        if key in self._entries:
+            self.used_bytes -= self._drop_entry(key, [])
 
     def _set_headroom(self, avail_bytes: tuple[int, int], stored_since: int = 0) -> None:
         """``avail_bytes`` was measured by a worker; ``stored_since`` bytes of blocks were
@@ -349,17 +510,20 @@ class DiskTier:
         """Evict down to the limit (the limit may have shrunk since the last run)."""
         limit = self.effective_limit_bytes
         victims = []
+        emptied: list[str] = []
         if self.used_bytes > limit:
             for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
                 if self.used_bytes <= limit:
                     break
-                self.used_bytes -= self._entries.pop(victim)
-                self.policy.remove(victim)
-                self._tags.pop(victim, None)
+                first = len(emptied)
+                self.used_bytes -= self._drop_entry(victim, emptied)
+                self.used_bytes -= self._take_emptied(emptied[first:])
                 self._evictions += 1
                 victims.append(self._path(victim))
         if victims:
-            await trio.to_thread.run_sync(_unlink_all, victims)
+            kept = await trio.to_thread.run_sync(_remove_all, victims, [self._dir_path(e) for e in emptied])
+            for name, size in zip(emptied, kept):
+                self._keep_dir(name, size)
 
 
 class _Corrupt(Exception):
@@ -400,36 +564,100 @@ def _read_block_file(path: str, key: bytes) -> bytes:
     return payload
 
 
-def _write_block_file(victims: list[str], tmp: str, final: str | None, key: bytes, data: bytes) -> tuple[int, int]:
+@dataclass(frozen=True, slots=True)
+class _Written:
+    available: int  # statvfs of the cache filesystem after the write
+    total: int
+    dir_bytes: int  # allocated bytes of the block's fan-out directory after the write (-1: none)
+    kept_dirs: list[int]  # per emptied directory: -1 if removed, else its allocated bytes
+    error: OSError | None
+
+
+def _write_block_file(victims: list[str], emptied: list[str], tmp: str, final: str | None, key: bytes,
+                      data: bytes) -> _Written:
     # Victims go first so the bytes on disk stay within the reservation at every instant.
-    for victim in victims:
-        _unlink_quietly(victim)
+    kept = _remove_all(victims, emptied)
+    error: OSError | None = None
+    dir_bytes = -1
     if final is not None:
-        header = _HEADER.pack(_MAGIC, _FORMAT, 0, len(data), key, xxhash.xxh3_64_intdigest(data))
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
-            os.writev(fd, [header, data])
-        finally:
-            os.close(fd)
-        try:
-            os.rename(tmp, final)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            os.rename(tmp, final)
+            header = _HEADER.pack(_MAGIC, _FORMAT, 0, len(data), key, xxhash.xxh3_64_intdigest(data))
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.writev(fd, [header, data])
+            finally:
+                os.close(fd)
+            try:
+                os.rename(tmp, final)
+            except FileNotFoundError:  # a new fan-out, or one just removed as emptied
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                os.rename(tmp, final)
+        except OSError as exc:
+            error = exc
+            _unlink_quietly(tmp)
+        dir_bytes = _allocated(os.path.dirname(final))
     st = os.statvfs(tmp.rsplit("/", 1)[0])
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+    return _Written(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, dir_bytes, kept, error)
 
 
-def _unlink_all(paths: list[str]) -> None:
+def _remove_all(paths: list[str], directories: list[str]) -> list[int]:
+    """Unlink ``paths``, then remove ``directories``; per directory -1 if it is gone, else
+    its allocated bytes (a write put a block into it meanwhile)."""
     for path in paths:
         _unlink_quietly(path)
+    kept = []
+    for directory in directories:
+        try:
+            os.rmdir(directory)
+            kept.append(-1)
+        except FileNotFoundError:
+            kept.append(-1)
+        except OSError:
+            kept.append(_allocated(directory))
+    return kept
 
 
-def _unlink_quietly(path: str) -> None:
+def _allocated(path: str) -> int:
+    """Allocated bytes of a file or directory, -1 if it does not exist."""
+    try:
+        return os.lstat(path).st_blocks * 512
+    except FileNotFoundError:
+        return -1
+
+
+def _fanout(key: bytes) -> str:
+    """The fan-out directory of a key: its first byte in hex."""
+    return key[:1].hex()
+
+
+def _measure_fanouts(blocks_dir: str, fan_blocks: dict[str, int]) -> dict[str, int]:
+    """Allocated bytes of each fan-out directory that holds blocks; empty ones are removed."""
+    sizes = {}
+    for sub in os.scandir(blocks_dir):
+        if not sub.is_dir(follow_symlinks=False):
+            continue
+        if sub.name in fan_blocks:
+            sizes[sub.name] = sub.stat(follow_symlinks=False).st_blocks * 512
+        else:
+            with contextlib.suppress(OSError):  # not empty: files we do not know, left alone
+                os.rmdir(sub.path)
+    return sizes
+
+
+def _count_files(directory: str) -> int:
+    try:
+        return sum(1 for _ in os.scandir(directory))
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink_quietly(path: str) -> int:
+    """1 if ``path`` was unlinked, 0 if it was gone already."""
     try:
         os.unlink(path)
+        return 1
     except FileNotFoundError:
-        pass
+        return 0
 
 
 def _read_index(path: str) -> OrderedDict[bytes, tuple[int, int]] | None:

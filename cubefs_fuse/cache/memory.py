@@ -6,10 +6,11 @@ plan will read them and eviction follows ``policy.PlannedLru`` (Belady).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.cache.tags import TagIndex
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class MemoryTier:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
         self._blocks: dict[bytes, bytes] = {}
-        self._tags: dict[bytes, int] = {}  # key -> tag (the file's path hash), for re-planning
+        self._tags = TagIndex()  # key -> tag (the file's path hash), for re-planning
         self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
         self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
@@ -64,7 +65,7 @@ class MemoryTier:
         for victim in victims:
             self._evict(victim)
         self._blocks[key] = data
-        self._tags[key] = tag
+        self._tags.set(key, tag)
         self.policy.add(key, size, next_use)
         self.used_bytes += size
         self._inserts += 1
@@ -73,7 +74,7 @@ class MemoryTier:
     def _evict(self, key: bytes) -> None:
         self.policy.remove(key)
         self.used_bytes -= len(self._blocks.pop(key))
-        self._tags.pop(key, None)
+        self._tags.pop(key)
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict(key)
@@ -82,7 +83,7 @@ class MemoryTier:
         data = self._blocks.pop(key, None)
         if data is not None:
             self.policy.remove(key)
-            self._tags.pop(key, None)
+            self._tags.pop(key)
             self.used_bytes -= len(data)
 
     def plan(self, key: bytes, next_use: int) -> None:
@@ -91,9 +92,13 @@ class MemoryTier:
     def unplan(self, key: bytes) -> None:
         self.policy.unplan(key)
 
-    def tagged(self) -> Iterator[tuple[bytes, int]]:
-        """(key, tag) of every block."""
-        return iter(list(self._tags.items()))
+    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
+        """(key, tag) of the blocks in one shard of the tag index (``tags.SHARDS``)."""
+        return self._tags.shard(shard)
+
+    def unplan_some(self, count: int) -> bool:
+        """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
+        return self.policy.unplan_some(count)
 
     def clear(self) -> None:
         for key in list(self._blocks):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from itertools import count
+from itertools import count, islice
 
 
 # Share of a tier that blocks no plan asks for may take from planned blocks (the block a
@@ -111,6 +111,13 @@ class PlannedLru:
     def unplan_all(self) -> None:
         for key in list(self._planned):
             self.unplan(key)
+
+    def unplan_some(self, count: int) -> bool:
+        """Unplan up to ``count`` blocks (O(count): the first ones are always planned ones,
+        since unplanning removes them); True if planned blocks remain."""
+        for key in list(islice(self._planned, count)):
+            self.unplan(key)
+        return bool(self._planned)
 
     def victims(self, need: int, free: int, next_use: int | None) -> list[bytes] | None:
         """Keys to evict so that ``need`` bytes fit beside ``free``; None: do not admit.

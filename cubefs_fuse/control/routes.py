@@ -93,10 +93,10 @@ class Routes:
         unix = request.peer.transport == "unix"
         if "pid" not in body and unix and request.peer.pid == 0:
             # The caller lives in another pid namespace (a container without hostPID).
-            self.service.register_job(job, rank, 0, caller_uid=request.peer.uid)
+            await self.service.register_job(job, rank, 0, caller_uid=request.peer.uid)
             return Response.json({"job": job, "rank": rank, "pid": 0, "attribution": "pid-namespace"})
         pid = _int(body.get("pid", request.peer.pid), "pid", 1, _MAX_PID)
-        self.service.register_job(job, rank, pid, caller_uid=request.peer.uid if unix else None)
+        await self.service.register_job(job, rank, pid, caller_uid=request.peer.uid if unix else None)
         return Response.json({"job": job, "rank": rank, "pid": pid})
 
     async def submit_plan(self, request: Request) -> Response:

@@ -52,7 +52,7 @@ class OpenFile:
 class AccessObserver(Protocol):
     """Sees every application open and release (hit accounting, plan cursors)."""
 
-    def opened(self, pid: int, path: str) -> object: ...
+    async def opened(self, pid: int, path: str) -> object: ...
 
     def released(self, f: OpenFile) -> None: ...
 
@@ -198,7 +198,7 @@ class Filesystem:
         if not attr.is_file:
             raise FsError(errno.EINVAL, "only regular files can be opened")
         fh = next(self._handles)
-        owner = self.observer.opened(pid, node.path) if self.observer is not None else None
+        owner = await self.observer.opened(pid, node.path) if self.observer is not None else None
         self._files[fh] = OpenFile(inode, node.path, attr.version, tag=path_tag(node.path), owner=owner)
         self.inodes.opened(inode)
         self._c.opens += 1

@@ -50,15 +50,20 @@ class Dataset:
             self._tag_index = (tags[order], order)
         return self._tag_index
 
-    def positions_of(self, tags: np.ndarray, order: np.ndarray) -> np.ndarray:
-        """For each tag, its sample's position in ``order`` (-1: not in this plan)."""
+    def inverse_of(self, order: np.ndarray) -> np.ndarray:
+        """Sample -> its first position in ``order`` (-1: not in it).  O(samples): run in a thread."""
+        inverse = np.full(self.samples, -1, dtype=np.int64)
+        # Reversed, so that a sample listed twice gets its earliest (next) position.
+        inverse[order[::-1]] = np.arange(len(order) - 1, -1, -1, dtype=np.int64)
+        return inverse
+
+    def positions_of(self, tags: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+        """For each tag, its sample's position in the plan whose ``inverse_of`` is given
+        (-1: not in this plan).  The first call builds the tag index: run it in a thread."""
         sorted_tags, file_of = self.tag_index()
         at = np.searchsorted(sorted_tags, tags)
         at = np.minimum(at, len(sorted_tags) - 1)
         found = sorted_tags[at] == tags
-        inverse = np.full(self.samples, -1, dtype=np.int64)
-        # Reversed, so that a sample listed twice gets its earliest (next) position.
-        inverse[order[::-1]] = np.arange(len(order) - 1, -1, -1, dtype=np.int64)
         samples = file_of[at] // self.columns
         return np.where(found, inverse[samples], -1)
 

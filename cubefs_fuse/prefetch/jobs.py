@@ -2,9 +2,12 @@
 
 A training job registers its main process per rank.  FUSE requests carry the pid of
 the calling thread; DataLoader workers are children of the registered process, so a
-pid is attributed to a job by walking its ancestry in /proc (a few in-memory reads,
-cached for ``RESOLVE_TTL`` seconds so a pid reused by an unrelated process is not
-credited to the job for long).
+pid is attributed to a job by walking its ancestry in /proc (a few reads of
+``/proc/<pid>/status``, done in a worker thread, cached for ``RESOLVE_TTL`` seconds so a
+pid reused by an unrelated process is not credited to the job for long).
+
+Jobs end (``unregister``) when their process exits or after an idle time; the service
+decides when (prefetch/service.py).  Each job remembers when it was last active.
 
 A *request* is one open of a regular file by an application; it is a *hit* if none of
 its reads waited on the backend.  Reads answered by the kernel page cache never reach
@@ -17,6 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import trio
 
 # Cached pid -> job attributions expire after this many seconds (pid reuse safety).
 RESOLVE_TTL = 10.0
@@ -76,6 +81,7 @@ class Job:
     rank: int
     pid: int
     registered_at: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=trio.current_time)  # last open or plan (trio clock)
     counters: HitCounters = field(default_factory=HitCounters)
     last_reported: HitCounters = field(default_factory=HitCounters)
 
@@ -95,6 +101,25 @@ def _status_fields(pid: int) -> tuple[int, int] | None:
             ppid = int(line.split()[1])
             break  # PPid follows Tgid in /proc/<pid>/status
     return (tgid, ppid) if tgid > 0 else None
+
+
+def _registered_ancestor(pid: int, registered: frozenset[int]) -> int | None:
+    """The registered pid among ``pid``, its thread group leader and its ancestors, if any
+    (reads /proc: run in a worker thread)."""
+    current = pid
+    for _ in range(MAX_ANCESTRY):
+        if current in registered:
+            return current
+        fields = _status_fields(current)
+        if fields is None:
+            return None
+        tgid, ppid = fields
+        if tgid in registered:
+            return tgid
+        if ppid <= 1:
+            return None
+        current = ppid
+    return None
 
 
 class JobRegistry:
@@ -119,8 +144,8 @@ class JobRegistry:
         self._resolved.clear()
         return job
 
-    def resolve(self, pid: int) -> JobKey | None:
-        """The (job, rank) a thread/process belongs to, or None."""
+    async def resolve(self, pid: int) -> JobKey | None:
+        """The (job, rank) a thread/process belongs to, or None; /proc is read in a thread."""
         if pid == 0:
             # Requests from another pid namespace: the job registered from there, if any
             # (with several such jobs the latest registration wins; hostPID avoids that).
@@ -129,26 +154,32 @@ class JobRegistry:
         cached = self._resolved.get(pid)
         if cached is not None and cached[0] > now:
             return cached[1]
-        found: JobKey | None = None
-        current = pid
-        for _ in range(MAX_ANCESTRY):
-            if current in self._by_pid:
-                found = self._by_pid[current]
-                break
-            fields = _status_fields(current)
-            if fields is None:
-                break
-            tgid, ppid = fields
-            if tgid in self._by_pid:
-                found = self._by_pid[tgid]
-                break
-            if ppid <= 1:
-                break
-            current = ppid
+        if pid in self._by_pid:
+            found: JobKey | None = self._by_pid[pid]
+        else:
+            registered = frozenset(self._by_pid)  # O(jobs): a handful
+            owner = await trio.to_thread.run_sync(_registered_ancestor, pid, registered)
+            found = self._by_pid.get(owner) if owner is not None else None
         if len(self._resolved) >= MAX_RESOLVED:
             self._resolved.clear()
         self._resolved[pid] = (now + RESOLVE_TTL, found)
         return found
+
+    def touch(self, key: JobKey) -> None:
+        job = self.jobs.get(key)
+        if job is not None:
+            job.last_active = trio.current_time()
+
+    def unregister(self, key: JobKey) -> Job | None:
+        """Forget a job (its process exited, or it was idle too long); its counters stay
+        in the totals.  The job, or None if it was not registered."""
+        job = self.jobs.pop(key, None)
+        if job is None:
+            return None
+        if self._by_pid.get(job.pid) == key:
+            del self._by_pid[job.pid]
+        self._resolved.clear()  # cached attributions may name it
+        return job
 
     def record(self, key: JobKey | None, waited: bool, stall: float) -> None:
         self.total.record(waited, stall)

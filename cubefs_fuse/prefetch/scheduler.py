@@ -7,7 +7,15 @@ plan's files.  A task per plan keeps the files from the cursor up to a byte budg
 window's directories is listed in bulk first, then each file's blocks are handed to
 ``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
 foreground reads always go first).  A new plan for the same (job, rank) cancels the
-old one's task; its outstanding prefetches finish but nothing new is issued.
+old one's task; its outstanding prefetches finish but nothing new is issued.  A plan
+whose job ended is removed (``remove``); once no plan is left, every cached block
+becomes unplanned again (plain LRU).
+
+Nothing here does work proportional to the cache or the plan on the trio thread in one
+go: re-ranking the cached blocks walks the cache shard by shard (``cache.tags``) with a
+checkpoint every ``RERANK_STEP`` blocks, the numpy work runs in worker threads, and the
+open path's position index grows ``OPEN_INDEX_STEP`` positions per open at most (the
+plan's task extends it ``INDEX_STEP`` positions per checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from cubefs_fuse.cache.tags import SHARDS
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.prefetch.datasets import Dataset
@@ -40,6 +49,20 @@ ISSUE_CONCURRENCY = 32
 WARM_CHUNK = 256
 # Size assumed for a file whose attributes are not cached (an ImageNet JPEG averages ~110 KB).
 AVERAGE_FILE_GUESS = 128 * 1024
+# Cached blocks re-ranked between two checkpoints.  A block costs ~2-4 us (a policy move
+# in each tier), so 512 keep one step near 1-2 ms, far below the 20 ms a FUSE request
+# may wait on the trio thread (docs/benchmarks.md, "Trio thread stalls").
+RERANK_STEP = 512
+# Blocks gathered (a shard at a time) before their positions are computed in one worker
+# call: 64k tags take ~5 ms of numpy there, and a 10^6-block cache needs 16 calls.
+RERANK_BATCH = 65536
+# Plan positions indexed for matching opens per checkpoint of the plan's task (~5 us each
+# for a one-file sample: ~1 ms per step), and at most per open (an open that arrives
+# before the task first ran still finds the first positions; ~80 us at worst).
+INDEX_STEP = 256
+OPEN_INDEX_STEP = 16
+# Planned blocks made unplanned per checkpoint once the last plan is gone (~2 us each).
+UNPLAN_STEP = 1024
 
 
 @dataclass
@@ -97,6 +120,21 @@ class Scheduler:
         self._nursery.start_soon(self._run, plan)
         return plan
 
+    def remove(self, key: JobKey) -> Plan | None:
+        """Cancel and forget ``key``'s plan (its job ended); the last one unplans the cache."""
+        plan = self.plans.pop(key, None)
+        if plan is None:
+            return None
+        plan.scope.cancel()
+        if not self.plans:
+            self._nursery.start_soon(self._unplan_all)
+        return plan
+
+    async def _unplan_all(self) -> None:
+        """No plan is left: every cached block is evicted by recency again (in steps)."""
+        while not self.plans and self.fs.cache.unplan_some(UNPLAN_STEP):
+            await trio.lowlevel.checkpoint()
+
     def observe_open(self, key: JobKey, path: str) -> bool:
         """A process of ``key`` opened ``path``; True if it was a planned file."""
         plan = self.plans.get(key)
@@ -104,8 +142,8 @@ class Scheduler:
             return False
         if plan.indexed_upto < min(plan.length, plan.cursor + MATCH_AHEAD):
             # An open can arrive before the plan's task first ran (right after the submit
-            # was answered): index now, or that open would never count as the plan's.
-            self._extend_index(plan)
+            # was answered): index a few positions now (the task indexes the rest).
+            self._extend_index(plan, OPEN_INDEX_STEP)
         positions = plan.index.get(path)
         if not positions:
             return False
@@ -134,17 +172,27 @@ class Scheduler:
                 plan.window_bytes -= plan.bytes_at.pop(plan.cursor, 0)
             plan.cursor += 1
 
-    def _extend_index(self, plan: Plan) -> None:
-        end = min(plan.length, plan.cursor + MATCH_AHEAD)
+    def _extend_index(self, plan: Plan, most: int) -> bool:
+        """Index up to ``most`` more positions toward ``MATCH_AHEAD`` past the cursor;
+        True if more remain."""
+        target = min(plan.length, plan.cursor + MATCH_AHEAD)
+        start = max(plan.indexed_upto, plan.cursor)
+        end = min(target, start + most)
         dataset = plan.dataset
-        for position in range(plan.indexed_upto, end):
+        for position in range(start, end):
             for path in dataset.sample_paths(int(plan.order[position])):
                 plan.index.setdefault(path, []).append(position)
         plan.indexed_upto = max(plan.indexed_upto, end)
+        return plan.indexed_upto < target
+
+    async def _index_ahead(self, plan: Plan) -> None:
+        while self._extend_index(plan, INDEX_STEP):
+            await trio.lowlevel.checkpoint()
 
     async def _run(self, plan: Plan) -> None:
         with plan.scope:
             try:
+                await self._index_ahead(plan)
                 await self._rerank(plan)
                 await self._fill(plan)
             except Exception:
@@ -152,25 +200,50 @@ class Scheduler:
 
     async def _rerank(self, plan: Plan) -> None:
         """Give every cached block of the plan's files its position (eviction keeps the
-        ones needed soonest); with no other plan active, the rest become unplanned."""
+        ones needed soonest); with no other plan active, the rest become unplanned.
+
+        The cache changes between steps: plan() and unplan() ignore blocks evicted since
+        their shard was copied, and a block added since got its position (or none) from
+        whoever added it."""
         cache = self.fs.cache
-        tagged = cache.tagged()
-        if not tagged:
-            return
-        tags = np.fromiter((tag for _, tag in tagged), dtype=np.uint64, count=len(tagged))
-        positions = await trio.to_thread.run_sync(plan.dataset.positions_of, tags, plan.order)
-        alone = len(self.plans) == 1
-        for (key, _), position in zip(tagged, positions.tolist()):
-            if position >= 0:
-                cache.plan(key, position)
-            elif alone:
-                cache.unplan(key)
+        inverse: list[np.ndarray] = []  # computed once, in the first worker call
+
+        def positions_of(tags: np.ndarray) -> np.ndarray:
+            if not inverse:
+                inverse.append(plan.dataset.inverse_of(plan.order))
+            return plan.dataset.positions_of(tags, inverse[0])
+
+        keys: list[bytes] = []
+        tags: list[int] = []
+        for shard in range(SHARDS):
+            shard_keys, shard_tags = cache.tagged_shard(shard)
+            keys += shard_keys
+            tags += shard_tags
+            if len(keys) < RERANK_BATCH and shard < SHARDS - 1:
+                await trio.lowlevel.checkpoint()
+                continue
+            if not keys:
+                continue
+            tag_array = np.array(tags, dtype=np.uint64)
+            positions = (await trio.to_thread.run_sync(positions_of, tag_array)).tolist()
+            for start in range(0, len(keys), RERANK_STEP):
+                alone = len(self.plans) == 1
+                for key, tag, position in zip(keys[start : start + RERANK_STEP], tags[start : start + RERANK_STEP],
+                                              positions[start : start + RERANK_STEP]):
+                    if not tag:
+                        continue  # a block whose file is unknown (after a crash scan) cannot be ranked
+                    if position >= 0:
+                        cache.plan(key, position)
+                    elif alone:
+                        cache.unplan(key)
+                await trio.lowlevel.checkpoint()
+            keys, tags = [], []
 
     async def _fill(self, plan: Plan) -> None:
         slots = trio.Semaphore(ISSUE_CONCURRENCY)
         async with trio.open_nursery() as nursery:
             while True:
-                self._extend_index(plan)
+                await self._index_ahead(plan)
                 issued_any = False
                 # Issue in chunks: list the chunk's directories (bulk metadata), then take
                 # positions nearest first while the window has files and bytes to spare.

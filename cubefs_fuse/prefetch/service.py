@@ -4,10 +4,19 @@ FUSE-free and HTTP-free: ``control/routes.py`` turns requests into these calls a
 :class:`~cubefs_fuse.errors.RequestError` kinds into statuses.  The service is also the
 filesystem's AccessObserver: every application open is attributed to a job (for
 per-job hit rates) and advances that job's plan cursor.
+
+Nothing leaks (docs/architecture.md, "Contract: jobs end"): a job whose process the
+daemon can watch (a pidfd) ends when that process exits; a job it cannot watch (pid 0:
+another pid namespace) and a plan submitted for a job never registered end after
+``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes its plan
+(its dataset pin goes with it: the dataset then ages out by the LRU budget) and its
+per-job metric series (built from the live job list at each scrape).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import time
 from collections import OrderedDict
@@ -30,6 +39,11 @@ from cubefs_fuse.prefetch.warmup import Warmups
 MAX_DATASET_BYTES = 2 * 1024 * 1024 * 1024
 # Arrays above this many elements are validated in a worker thread (~10 ms of numpy).
 _BIG_ARRAY = 1_000_000
+# The idle check runs this often (at most every minute, at least 4 times per timeout),
+# so an idle job outlives its timeout by at most a quarter of it.
+MAX_REAP_INTERVAL = 60.0
+
+log = logging.getLogger(__name__)
 
 
 class PrefetchService:
@@ -42,12 +56,21 @@ class PrefetchService:
         # Half of the RAM tier for the lookahead window; the rest keeps the resident set.
         self.scheduler = Scheduler(nursery, fs, window_bytes=max(1, config.mem_cache_size // 2))
         self.warmups = Warmups(nursery, fs)
+        self._nursery = nursery
+        self.idle_timeout = config.job_idle_timeout
+        # (job, rank) -> the scope of the task that waits for its process to exit.
+        self._watchers: dict[JobKey, trio.CancelScope] = {}
+        # Plans of jobs never registered: their last activity (they end when idle).
+        self._orphans: dict[JobKey, float] = {}
+        self.ended = 0  # jobs ended (exit or idle), for status
+        nursery.start_soon(self._reap_idle)
 
     # -- AccessObserver ----------------------------------------------------------------
 
-    def opened(self, pid: int, path: str) -> object:
-        key = self.jobs.resolve(pid)
+    async def opened(self, pid: int, path: str) -> object:
+        key = await self.jobs.resolve(pid)
         if key is not None:
+            self.jobs.touch(key)
             self.scheduler.observe_open(key, path)
         return key
 
@@ -79,7 +102,7 @@ class PrefetchService:
             "hits": self.jobs.total.as_dict(), "datasets": len(self.datasets),
             "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict()}
                      for j in self.jobs.jobs.values()],
-            "plans": self.scheduler.summaries(),
+            "plans": self.scheduler.summaries(), "jobs_ended": self.ended,
             "counters": self._counters(),
         }
 
@@ -144,20 +167,73 @@ class PrefetchService:
 
     # -- jobs and plans ----------------------------------------------------------------
 
-    def register_job(self, job: str, rank: int, pid: int, *, caller_uid: int | None) -> None:
+    async def register_job(self, job: str, rank: int, pid: int, *, caller_uid: int | None) -> None:
         """Attribute ``pid``'s opens to (job, rank); ``caller_uid`` must own it (None: trusted).
 
         pid 0 stands for callers in another pid namespace (a container without hostPID):
-        their FUSE requests reach the daemon with pid 0 too.
+        their FUSE requests reach the daemon with pid 0 too.  They cannot be watched and
+        end only when idle; other jobs end when their process exits.
         """
+        key = (job, rank)
+        pidfd: int | None = None
         if pid != 0:
-            try:
-                owner = os.stat(f"/proc/{pid}").st_uid
-            except OSError:
-                raise BadRequest(f"no process {pid}") from None
+            owner, pidfd = await trio.to_thread.run_sync(_inspect_process, pid)
+            if owner is None:
+                raise BadRequest(f"no process {pid}")
             if caller_uid is not None and caller_uid not in (0, owner):
+                if pidfd is not None:
+                    os.close(pidfd)
                 raise Forbidden(f"process {pid} belongs to uid {owner}, not to you")
+        old = self.jobs.jobs.get(key)
         self.jobs.register(job, rank, pid)
+        self._orphans.pop(key, None)
+        if old is not None and old.pid == pid and key in self._watchers and pidfd is not None:
+            os.close(pidfd)  # already watched
+            return
+        scope = self._watchers.pop(key, None)
+        if scope is not None:
+            scope.cancel()
+        if pidfd is not None:
+            self._watchers[key] = scope = trio.CancelScope()
+            self._nursery.start_soon(self._watch, key, pidfd, scope)
+
+    async def _watch(self, key: JobKey, pidfd: int, scope: trio.CancelScope) -> None:
+        """End ``key``'s job when the process behind ``pidfd`` exits."""
+        try:
+            with scope:
+                await trio.lowlevel.wait_readable(pidfd)
+                if self._watchers.get(key) is scope:
+                    self.end_job(key, "its process exited")
+        finally:
+            os.close(pidfd)
+
+    def end_job(self, key: JobKey, why: str) -> None:
+        """Forget a job, cancel and remove its plan, stop watching it."""
+        scope = self._watchers.pop(key, None)
+        if scope is not None:
+            scope.cancel()
+        job = self.jobs.unregister(key)
+        plan = self.scheduler.remove(key)
+        self._orphans.pop(key, None)
+        if job is not None or plan is not None:
+            self.ended += 1
+            log.info("job %s rank %d ended: %s", key[0], key[1], why)
+
+    async def _reap_idle(self) -> None:
+        interval = min(MAX_REAP_INTERVAL, self.idle_timeout / 4)
+        while True:
+            await trio.sleep(interval)
+            self.reap_idle()
+
+    def reap_idle(self) -> None:
+        """End unwatched jobs and orphan plans idle for ``jobIdleTimeout`` (O(jobs))."""
+        deadline = trio.current_time() - self.idle_timeout
+        for key, job in list(self.jobs.jobs.items()):
+            if key not in self._watchers and job.last_active < deadline:
+                self.end_job(key, f"no open or plan for {self.idle_timeout:.0f} s")
+        for key, last in list(self._orphans.items()):
+            if last < deadline:
+                self.end_job(key, f"plan of an unregistered job unused for {self.idle_timeout:.0f} s")
 
     async def submit_plan(self, key: JobKey, epoch: int, dataset_ref: str, order_bytes: bytes, dtype: str) -> int:
         """Plan ``key``'s epoch: ``order_bytes`` is an array of ``dtype`` sample indices; returns its length."""
@@ -180,6 +256,10 @@ class PrefetchService:
         order = await trio.to_thread.run_sync(validate) if count > _BIG_ARRAY else validate()
         self.datasets.move_to_end(dataset.id)
         self.scheduler.submit(key, epoch, dataset, order)
+        if key in self.jobs.jobs:
+            self.jobs.touch(key)
+        else:
+            self._orphans[key] = trio.current_time()
         return count
 
     # -- cache -------------------------------------------------------------------------
@@ -190,3 +270,24 @@ class PrefetchService:
         await self.fs.cache.clear()
         self.fs.meta.clear()
         return before.ram.used_bytes + (before.disk.used_bytes if before.disk else 0)
+
+
+def _inspect_process(pid: int) -> tuple[int | None, int | None]:
+    """(owner uid or None if there is no such process, a pidfd or None if unavailable).
+
+    The pidfd is opened first: if the pid is reused after that, the pidfd (which names
+    the process that had it) reports the exit and the job ends."""
+    pidfd: int | None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError as exc:
+        if exc.errno == errno.ESRCH:
+            return None, None
+        pidfd = None  # no pidfd support: the job ends by idle time only
+    try:
+        owner = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        if pidfd is not None:
+            os.close(pidfd)
+        return None, None
+    return owner, pidfd

@@ -222,7 +222,7 @@ async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
     seen: list[tuple[str, object]] = []
 
     class Observer:
-        def opened(self, pid: int, path: str) -> object:
+        async def opened(self, pid: int, path: str) -> object:
             seen.append(("open", (pid, path)))
             return f"job-of-{pid}"
 

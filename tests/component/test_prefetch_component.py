@@ -54,7 +54,10 @@ async def open_system(backend: FakeBackend, *, ram: int, fetch_slots: int = 16,
         # TTLs far longer than any test: metadata is fetched once.
         meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1_000_000)
         fs = Filesystem(meta, cache, backend, block_size=BLOCK)
+        # Jobs here are registered without a watched process; an autojump clock leaps while a
+        # worker thread runs, which would age them past any realistic idle timeout.
         config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
+                              job_idle_timeout=1e9,
                               mem_cache_size=ram, block_size=BLOCK, prefetch_threads=prefetch_slots,
                               backend_threads=fetch_slots)
         service = PrefetchService(nursery, fs, config)

@@ -66,6 +66,7 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "metaCacheEntries": (5000, "meta_cache_entries", 5000),
     "controlSocket": ("/run/cubefs-fuse/x.sock", "control_socket", "/run/cubefs-fuse/x.sock"),
     "configDir": ("/run/cubefs-fuse", "config_dir", "/run/cubefs-fuse"),
+    "jobIdleTimeout": ("600", "job_idle_timeout", 600.0),
     "controlAllowUids": ([1000, 1001], "control_allow_uids", (1000, 1001)),
     "controlAllowGids": ([100], "control_allow_gids", (100,)),
 }
@@ -182,6 +183,8 @@ def test_negative_size() -> None:
         ("metaCacheEntries", "many", "expected an integer"),
         ("owner", 7, "expected a string"),
         ("configDir", "", "must not be empty"),
+        ("jobIdleTimeout", 0, "more than 0 seconds"),
+        ("jobIdleTimeout", -5, "must not be negative"),
         ("controlAllowUids", 1000, "expected a list of non-negative integer ids"),
         ("controlAllowUids", [-1], "expected a list of non-negative integer ids"),
         ("controlAllowGids", ["wheel"], "expected a list of non-negative integer ids"),
