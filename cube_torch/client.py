@@ -47,6 +47,17 @@ class PlanRequest:
     epoch: int
     rank: int
     job: str
+    world_size: int = 1  # ranks in the job: the hit-rate line names the rank when > 1
+
+
+@dataclass(frozen=True)
+class JobIdentity:
+    """Who the last plan was sent as, for the reporter."""
+
+    job: str
+    rank: int
+    world_size: int
+    vol_name: str
 
 
 @dataclass
@@ -79,11 +90,109 @@ def info_once(kind: str, message: str, *args: Any) -> None:
     log.info("cube_torch: " + message, *args)
 
 
+def _job_name(name: str) -> str:
+    """A name the daemon accepts: other characters become ``_``, at most 128 of them."""
+    return "".join(c if c.isalnum() or c in "_.:@-" else "_" for c in name)[:128]
+
+
+def _host_pid() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+# The key under which the ranks of one process group agree on their job name, in the
+# group's own store (next to torch's keys; the prefix keeps it apart from them).
+STORE_KEY = "cube_torch/job"
+# Job names agreed per store: a store lives as long as its process group, so a new group
+# (a new run in the same process) asks again.  Weak keys: no store is kept alive by us.
+_store_jobs: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _initialized_group() -> Any:
+    """``torch.distributed`` once its default process group is initialised, else None."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist
+    except Exception:
+        pass
+    return None
+
+
+def _process_group_job() -> str | None:
+    """The job name every rank of the initialised process group agrees on, or None.
+
+    The first rank to ask writes its own ``<host>-<pid>`` into the group's store with a
+    compare-and-set; every other rank reads that value back.  The store is created
+    anew by every run (it is the rendezvous itself), so consecutive runs that reuse
+    MASTER_ADDR:MASTER_PORT still get different names; and it is shared by all nodes,
+    so every node's daemon sees the same name.  One round trip to the store, once per
+    process and process group.
+    """
+    dist = _initialized_group()
+    if dist is None or dist.get_world_size() <= 1:
+        return None
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        known = _store_jobs.get(store)
+        if known is None:
+            agreed = store.compare_set(STORE_KEY, "", _host_pid())
+            known = _job_name(agreed.decode() if isinstance(agreed, bytes) else str(agreed))
+            _store_jobs[store] = known
+        return known
+    except Exception as exc:  # a store without compare_set, a private API that moved
+        info_once("store-job", "could not agree on a job name through the process group's store (%r): "
+                  "naming the job after the rendezvous", exc)
+        return None
+
+
+def _rendezvous_job() -> str | None:
+    """A job name from the launcher's environment, for ranks without a process group.
+
+    ``MASTER_ADDR:MASTER_PORT`` names the rendezvous, but a port is reused by the next
+    run; the launcher that started the ranks (torchrun's agent, the parent of
+    ``torch.multiprocessing.spawn``) is new in every run, so its pid is added.
+    """
+    address, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not address or not port or world_size() <= 1:
+        return None
+    return _job_name(f"{address}:{port}@{socket.gethostname()}-{os.getppid()}")
+
+
 def default_job() -> str:
-    job = os.environ.get("CUBE_TORCH_JOB") or os.environ.get("TORCHELASTIC_RUN_ID")
-    if job and job != "none":
-        return "".join(c if c.isalnum() or c in "_.:@-" else "_" for c in job)[:128]
-    return f"{socket.gethostname()}-{os.getpid()}"[:128]
+    """The job this process's plans belong to; every rank of one distributed run gets the same.
+
+    In order: ``CUBE_TORCH_JOB``; torchrun's ``TORCHELASTIC_RUN_ID`` (unless ``none``);
+    the name the ranks of the initialised process group agreed on in its store; the
+    rendezvous (``MASTER_ADDR:MASTER_PORT``) with the launcher's pid; ``<host>-<pid>``.
+    """
+    for variable in ("CUBE_TORCH_JOB", "TORCHELASTIC_RUN_ID"):
+        value = os.environ.get(variable)
+        if value and value != "none":
+            return _job_name(value)
+    return _process_group_job() or _rendezvous_job() or _job_name(_host_pid())
+
+
+def rank() -> int:
+    """This process's rank: ``torch.distributed``'s once initialised, else ``$RANK``, else 0."""
+    dist = _initialized_group()
+    if dist is not None:
+        return int(dist.get_rank())
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def world_size() -> int:
+    """The number of ranks: ``torch.distributed``'s once initialised, else ``$WORLD_SIZE``, else 1."""
+    dist = _initialized_group()
+    if dist is not None:
+        return int(dist.get_world_size())
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 class Submitter:
@@ -96,7 +205,7 @@ class Submitter:
         self._files_by_id: dict[int, _DatasetFiles] = {}  # for datasets that cannot be weakly referenced
         self._jobs: set[tuple[int, str, int]] = set()  # (daemon pid, job, rank) registered
         self._job_attempts: set[tuple[int, str, int]] = set()  # synchronous registrations tried
-        self.last_job: tuple[str, int, str] | None = None  # (job, rank, vol_name) of the last plan sent
+        self.last_job: JobIdentity | None = None  # of the last plan sent
         self.plans_sent = 0
         self._state = threading.Lock()
 
@@ -191,7 +300,7 @@ class Submitter:
             dtype = "<u4" if len(files.paths) < 2**32 else "<u8"
             client.submit_plan(request.job, request.rank, request.epoch, dataset_id,
                                order.astype(dtype).tobytes(), dtype)
-            self.last_job = (request.job, request.rank, request.vol_name)
+            self.last_job = JobIdentity(request.job, request.rank, request.world_size, request.vol_name)
             self.plans_sent += 1
         except ProtocolError as exc:
             if exc.status == 404:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from cube_torch import reporter
-from cube_torch.client import PlanRequest, default_job, info_once, submitter
+from cube_torch.client import PlanRequest, default_job, info_once, rank, submitter, world_size
 
 log = logging.getLogger("cube_torch")
 
@@ -90,9 +90,9 @@ class PlannedSampler:
             flat = [int(i) for i in items]
         order = np.asarray(flat, dtype=np.int64)
         epoch = _epoch_of(self._loader(), self._sampler)
-        vol_name, rank, job = os.environ["VOL_NAME"], _rank(), default_job()
-        submitter.register_job_now(vol_name, job, rank)  # bounded; once per process and daemon
-        submitter.submit(PlanRequest(vol_name, self._dataset, order, epoch, rank, job))
+        vol_name, this_rank, job = os.environ["VOL_NAME"], rank(), default_job()
+        submitter.register_job_now(vol_name, job, this_rank)  # bounded; once per process and daemon
+        submitter.submit(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size()))
         reporter.ensure_running(planning_loaders)
 
 
@@ -108,20 +108,6 @@ def _epoch_of(loader: Any, sampler: Any) -> int:
 def planning_loaders() -> int:
     """How many live DataLoaders have planned an epoch (the reporter stops at 0)."""
     return len(_epochs)
-
-
-def _rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:
-        pass
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
 
 
 def install() -> bool:

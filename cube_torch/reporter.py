@@ -5,14 +5,20 @@ The line keeps the format of CubeFS's cube_torch so existing log parsers work::
 
     user memory last_cycle_metrics:([request_count:4801 hit_count:4801 miss_count:0 hit_rate:100.00% miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 hit_rate:99.95% miss_rate:0.05%])
 
-It is printed to stdout and logged (logger ``cube_torch``, INFO); ``cube_torch.stats()``
-returns the same counters as a dict.
+In a distributed job (world size > 1) the line starts with ``[rank R] `` and the rest is
+unchanged.  It is printed to stdout and logged (logger ``cube_torch``, INFO);
+``cube_torch.stats()`` returns the same counters as a dict.
+
+``last_cycle_metrics`` is computed here, from the job's cumulative counters at this
+process's previous report: the daemon's own since-last counters restart whenever anyone
+asks for the job, and every rank of a job asks for it.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import multiprocessing.util
 import os
 import sys
 import threading
@@ -35,6 +41,7 @@ _stop = threading.Event()
 _wake = threading.Event()  # set by stop() and epoch_ended(): the thread stops waiting
 _lock = threading.Lock()
 _exit_hook_pid = 0  # the process whose exit prints the last line (0: none registered)
+_exit_reported_pid = 0  # the process that printed its exit line (two hooks may ask for it)
 
 
 def interval() -> float:
@@ -53,26 +60,47 @@ def _counts(c: dict[str, Any]) -> str:
             f"hit_rate:{hit_rate:.2f}% miss_rate:{miss_rate:.2f}%")
 
 
-def format_line(since_last: dict[str, Any], cumulative: dict[str, Any]) -> str:
-    return (f"user memory last_cycle_metrics:([{_counts(since_last)} ])  "
+def format_line(since_last: dict[str, Any], cumulative: dict[str, Any], rank: int | None = None) -> str:
+    """The CubeFS line; ``rank`` (a distributed job's) goes in front as ``[rank R] ``."""
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    return (f"{prefix}user memory last_cycle_metrics:([{_counts(since_last)} ])  "
             f"sum_metrics:([{_counts(cumulative)}])")
 
 
+_COUNTERS = ("requests", "hits", "misses", "stall_seconds")
+# Each (volume, job, rank)'s cumulative counters at this process's previous report.
+_previous: dict[tuple[str, str, int], dict[str, Any]] = {}
+_previous_lock = threading.Lock()
+
+
+def _since(previous: dict[str, Any] | None, cumulative: dict[str, Any]) -> dict[str, Any]:
+    if previous is None or int(previous["requests"]) > int(cumulative["requests"]):
+        return dict(cumulative)  # the first report, or the daemon restarted and counts anew
+    since: dict[str, Any] = {key: cumulative[key] - previous[key] for key in _COUNTERS}
+    since["hit_rate"] = since["hits"] / since["requests"] if since["requests"] else 0.0
+    return since
+
+
 def stats(timeout: float = 5.0) -> dict[str, Any] | None:
-    """This process's job counters from the daemon (cumulative and since the last call)."""
+    """This process's (job, rank) counters from the daemon: cumulative and since this
+    process's previous ``stats()`` (or line)."""
     last = submitter.last_job
     if last is None:
         return None
-    job, rank, vol_name = last
     try:
-        volume = read_volume_config(vol_name)
-        report = ControlClient(volume.control_socket, timeout=timeout).stats(job)
+        volume = read_volume_config(last.vol_name)
+        report = ControlClient(volume.control_socket, timeout=timeout).stats(last.job)
     except ProtocolError:
         return None
     for entry in report.get("jobs", []):
-        if entry.get("rank") == rank:
-            return {"job": job, "rank": rank, "cumulative": entry["cumulative"], "since_last": entry["since_last"],
-                    "plan": entry.get("plan")}
+        if entry.get("rank") == last.rank:
+            cumulative = entry["cumulative"]
+            key = (last.vol_name, last.job, last.rank)
+            with _previous_lock:
+                since = _since(_previous.get(key), cumulative)
+                _previous[key] = cumulative
+            return {"job": last.job, "rank": last.rank, "world_size": last.world_size, "cumulative": cumulative,
+                    "since_last": since, "plan": entry.get("plan")}
     return None
 
 
@@ -81,7 +109,8 @@ def report_once(timeout: float = 5.0) -> str | None:
     current = stats(timeout)
     if current is None:
         return None
-    line = format_line(current["since_last"], current["cumulative"])
+    line = format_line(current["since_last"], current["cumulative"],
+                       current["rank"] if current["world_size"] > 1 else None)
     print(line, file=sys.stdout, flush=True)
     log.info("%s", line)
     return line
@@ -111,13 +140,17 @@ def ensure_running(still_needed: Callable[[], int]) -> None:
     """Start the reporting thread if it is not running; it ends when ``still_needed()`` is 0.
 
     Also arranges one last line when this process exits (DataLoader workers never print:
-    a forked worker skips atexit, a spawned one never plans).
+    a forked worker skips atexit, a spawned one never plans).  A rank that multiprocessing
+    started (``torch.multiprocessing.spawn``, Lightning's ``ddp_spawn``, Accelerate's
+    ``notebook_launcher``) ends in ``os._exit`` without atexit; multiprocessing runs its
+    exit finalizers there instead, so the hook is registered with both.
     """
     global _thread, _exit_hook_pid
     with _lock:
         if _exit_hook_pid != os.getpid():
             _exit_hook_pid = os.getpid()
             atexit.register(_report_at_exit, _exit_hook_pid)
+            multiprocessing.util.Finalize(None, _report_at_exit, args=(_exit_hook_pid,), exitpriority=0)
         if _thread is None or not _thread.is_alive():
             _stop.clear()
             _wake.clear()
@@ -131,8 +164,11 @@ def epoch_ended() -> None:
 
 
 def _report_at_exit(pid: int) -> None:
-    if pid != os.getpid():
-        return  # a forked child that runs atexit handlers: its parent reports
+    global _exit_reported_pid
+    with _lock:
+        if pid != os.getpid() or _exit_reported_pid == pid:
+            return  # a forked child that runs exit handlers (its parent reports), or reported already
+        _exit_reported_pid = pid
     stop()
     try:
         report_once(EXIT_TIMEOUT)

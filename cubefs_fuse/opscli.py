@@ -170,15 +170,33 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
         jobs = Table(box=box.SIMPLE, show_header=True)
         for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead"):
             jobs.add_column(column)
-        for j in r["jobs"]:
+        ordered = sorted(r["jobs"], key=lambda j: (j["job"], j["rank"]))  # a job's ranks together
+        for j in ordered:
             p = plans.get((j["job"], j["rank"]))
             progress = f"{p['cursor']}/{p['samples']}" if p else "-"
             lookahead = f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}" if p else "-"
             jobs.add_row(j["job"], str(j["rank"]), str(j["pid"]), str(j["requests"]),
                          f"{100 * j['hit_rate']:.2f}%", str(p["epoch"]) if p else "-", progress, lookahead)
         console.print(jobs)
+        _print_distributed_jobs(console, ordered, plans)
     else:
         console.print("  no jobs registered")
+
+
+def _print_distributed_jobs(console: Console, jobs: list[dict[str, Any]],
+                            plans: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """One line per job of several ranks: its ranks, how many have a plan, its hit rate."""
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for j in jobs:
+        by_name.setdefault(j["job"], []).append(j)
+    for name, ranks in by_name.items():
+        if len(ranks) < 2:
+            continue
+        requests, hits = sum(j["requests"] for j in ranks), sum(j["hits"] for j in ranks)
+        planned = sum((name, j["rank"]) in plans for j in ranks)
+        rate = 100 * hits / requests if requests else 0.0
+        console.print(f"  job {name}: {len(ranks)} ranks ({', '.join(str(j['rank']) for j in ranks)}), "
+                      f"{planned} planned, requests {requests}, hit rate {rate:.2f}%")
 
 
 # -- warmup ---------------------------------------------------------------------------

@@ -197,8 +197,9 @@ def canon(obj: Any) -> Any:
 
 # -- the hit-rate line cube_torch prints ------------------------------------------------------
 
+# A distributed job's line starts with "[rank R] " (non-capturing: the groups stay 1-10).
 LINE = re.compile(
-    r"user memory last_cycle_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
+    r"(?:\[rank \d+\] )?user memory last_cycle_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
     r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)% \]\)  "
     r"sum_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
     r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)%\]\)")

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import reporter
-from cube_torch.client import submitter
+from cube_torch.client import JobIdentity, submitter
 from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
 from tests.helpers import Mount, wait_until
 from tests.torch_datasets import ListDataset, keep
@@ -238,7 +238,7 @@ def test_stats_is_none_when_the_daemon_talks_nonsense(quick_exit: str, monkeypat
                                                       tmp_path: Path) -> None:
     """``cube_torch.stats()`` (user code calls it) returns None, never raises."""
     config = write_volume_config(quick_exit, str(tmp_path / "control.sock"), str(tmp_path))
-    monkeypatch.setattr(submitter, "last_job", ("job", 0, quick_exit))
+    monkeypatch.setattr(submitter, "last_job", JobIdentity("job", 0, 1, quick_exit))
     try:
         with FakeDaemon(str(tmp_path / "control.sock"), "garbage") as fake:
             fake.released.set()

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ from cube_torch import patch, reporter
 from cube_torch.client import PlanRequest, _collect, _file_order
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, read_volume_config
-from tests.helpers import REPO, owned_by_another_user, write_volume_config
+from tests.helpers import REPO, free_port, owned_by_another_user, write_volume_config
 from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
                                   populate, wrap)
 
@@ -423,3 +424,100 @@ def test_without_torch_the_import_says_what_to_install() -> None:
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: cube_torch needs PyTorch, which is not installed") and "[torch]" in last
     assert "ModuleNotFoundError" not in result.stderr
+
+
+# -- one job per distributed run -------------------------------------------------------------
+
+
+def _clean_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for variable in ("CUBE_TORCH_JOB", "TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(variable, raising=False)
+
+
+def test_job_name_from_the_environment_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    _clean_launcher_env(monkeypatch)
+    assert ct_client.default_job() == f"{socket.gethostname()}-{os.getpid()}"
+    assert (ct_client.rank(), ct_client.world_size()) == (0, 1)
+    # A rendezvous without a process group (ranks that only set DistributedSampler's
+    # arguments): the address and port, plus the launcher's pid (a port is reused by the next run).
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.7")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert ct_client.default_job() == f"{socket.gethostname()}-{os.getpid()}", "one rank: not distributed"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert (ct_client.rank(), ct_client.world_size()) == (1, 2)
+    first = ct_client.default_job()
+    assert first == f"10.0.0.7:29500@{socket.gethostname()}-{os.getppid()}"
+    monkeypatch.setattr(os, "getppid", lambda: 1)  # the next run's launcher, same port
+    assert ct_client.default_job() != first
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")  # torchrun without --rdzv-id: not a run id
+    assert ct_client.default_job() == f"10.0.0.7:29500@{socket.gethostname()}-1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run/42")
+    assert ct_client.default_job() == "run_42"
+    monkeypatch.setenv("CUBE_TORCH_JOB", "mine")
+    assert ct_client.default_job() == "mine"
+
+
+RANKS_SCRIPT = """
+import json, os, sys
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+def rank_main(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    from cube_torch import client
+    first = client.default_job()
+    assert client.default_job() == first  # asked again: the same (kept per process group)
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"job": first, "pid": os.getpid(), "rank": client.rank(), "world": client.world_size()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.start_processes(rank_main, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2, start_method="fork")
+"""
+
+
+def test_ranks_of_a_process_group_are_one_job_and_each_run_another(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two runs of two ranks (torch.multiprocessing, gloo), one after the other on the same
+    MASTER_PORT: within a run both ranks get one name (that of the rank that asked first);
+    the second run gets another."""
+    _clean_launcher_env(monkeypatch)
+    port = free_port()
+    runs = []
+    for run in range(2):
+        out = tmp_path / str(run)
+        out.mkdir()
+        result = subprocess.run([sys.executable, "-c", RANKS_SCRIPT, str(port), str(out)], cwd=REPO,
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        ranks = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+        assert [(r["rank"], r["world"]) for r in ranks] == [(0, 2), (1, 2)]
+        [job] = {r["job"] for r in ranks}
+        assert job in {f"{socket.gethostname()}-{r['pid']}" for r in ranks}
+        runs.append(job)
+    assert runs[0] != runs[1]
+
+
+def test_a_distributed_line_names_its_rank() -> None:
+    since = {"requests": 10, "hits": 9, "misses": 1}
+    total = {"requests": 20, "hits": 19, "misses": 1}
+    plain = reporter.format_line(since, total)
+    ranked = reporter.format_line(since, total, rank=3)
+    assert ranked == "[rank 3] " + plain  # CubeFS's line, unchanged, after the prefix
+    assert LINE.fullmatch(plain) and LINE.fullmatch(ranked)
+    assert LINE.fullmatch(ranked).group(6) == "20"  # type: ignore[union-attr]  # the groups did not move
+
+
+def test_since_last_is_this_processes_own() -> None:
+    """The ranks of one job share the daemon's since-last counters (any stats call restarts
+    them): each process computes its own from the cumulative counters."""
+    first = {"requests": 10, "hits": 8, "misses": 2, "stall_seconds": 0.5, "hit_rate": 0.8}
+    later = {"requests": 30, "hits": 27, "misses": 3, "stall_seconds": 0.75, "hit_rate": 0.9}
+    assert reporter._since(None, first) == first
+    since = reporter._since(first, later)
+    assert since == {"requests": 20, "hits": 19, "misses": 1, "stall_seconds": 0.25, "hit_rate": 0.95}
+    assert reporter._since(later, first) == first  # fewer than before: the daemon restarted
