@@ -36,7 +36,7 @@ from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.adapter import FuseOperations
 from cubefs_fuse.fs.metadata import MetadataCache
-from cubefs_fuse.metrics import DaemonCollector, Snapshot, start_exporter
+from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +59,10 @@ class Daemon:
     service: PrefetchService | None = None
 
     def snapshot(self) -> Snapshot:
+        c = self.config
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
-                        self.meta.statistics(), self.service.job_samples() if self.service else ())
+                        self.meta.statistics(), self.service.job_samples() if self.service else (),
+                        MountInfo(c.vol_name, c.mount_point, c.source, c.profile))
 
 
 def mount_options(config: ClientConfig) -> set[str]:

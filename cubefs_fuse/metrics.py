@@ -13,14 +13,17 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from cubefs_fuse import __version__
 from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.cache.blockcache import BlockCacheStatistics
 from cubefs_fuse.fs.filesystem import FilesystemStatistics
@@ -43,6 +46,9 @@ class MetricSpec:
 METRICS: dict[str, MetricSpec] = {
     spec.name: spec
     for spec in (
+        MetricSpec("cubefs_fuse_build_info", "gauge", "Always 1: the daemon's version and Python.", ("version", "python")),
+        MetricSpec("cubefs_fuse_mount_info", "gauge", "Always 1: what this daemon serves (join on it for per-volume views).",
+                   ("volume", "mount_point", "source", "profile")),
         MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests from applications that reached the daemon."),
         MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications by the daemon."),
         MetricSpec("cubefs_fuse_opens_total", "counter", "Files opened through the mount."),
@@ -89,25 +95,35 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_prefetch_used_total", "counter", "Prefetched blocks that an application read."),
         MetricSpec("cubefs_fuse_prefetch_wasted_total", "counter", "Prefetched blocks evicted or refused before any read."),
         MetricSpec("cubefs_fuse_job_requests_total", "counter", "File requests of a registered job's processes.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_job_hits_total", "counter", "File requests of a job served without waiting on the backend.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_job_misses_total", "counter", "File requests of a job that waited on the backend.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_job_stall_seconds_total", "counter", "Seconds a job's reads waited on the backend.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the job's current epoch plan.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_position", "gauge", "The plan's read cursor (samples consumed in order).",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The epoch of the job's current plan.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursor.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursor.",
-                   ("job", "rank"), ai_prefetch=True),
+                   ("training_job", "rank"), ai_prefetch=True),
     )
 }
+
+
+@dataclass(frozen=True, slots=True)
+class MountInfo:
+    """What a daemon serves: the labels of ``cubefs_fuse_mount_info``."""
+
+    volume: str
+    mount_point: str
+    source: str
+    profile: str  # "" or "ai_prefetch"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +133,7 @@ class Snapshot:
     backend: BackendStatistics
     meta: MetadataStatistics
     jobs: tuple[JobSample, ...] = ()
+    mount: MountInfo | None = None
 
 
 class _Families:
@@ -126,16 +143,27 @@ class _Families:
         self.families: dict[str, Metric] = {}
 
     def add(self, name: str, value: float, *labels: str) -> None:
-        spec = METRICS[name]
+        self.declare(name).add_metric(list(labels), value)  # type: ignore[attr-defined]
+
+    def declare(self, name: str) -> Metric:
+        """The family of ``name`` (created without samples if new)."""
         family = self.families.get(name)
         if family is None:
+            spec = METRICS[name]
             cls = CounterMetricFamily if spec.kind == "counter" else GaugeMetricFamily
             family = self.families[name] = cls(name, spec.help, labels=list(spec.labels))
-        family.add_metric(list(labels), value)  # type: ignore[attr-defined]
+        return family
 
 
 def families(s: Snapshot) -> Iterator[Metric]:
+    """Every family of :data:`METRICS`, also those without a sample yet (an alert on a
+    counter that is still zero must see the family, not its absence); the per-job ones
+    only with the ai_prefetch profile."""
     f = _Families()
+    f.add("cubefs_fuse_build_info", 1, __version__, platform.python_version())
+    if s.mount is not None:
+        where = s.mount
+        f.add("cubefs_fuse_mount_info", 1, where.volume, where.mount_point, where.source, where.profile or "none")
     f.add("cubefs_fuse_reads_total", s.fs.reads)
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
     f.add("cubefs_fuse_opens_total", s.fs.opens)
@@ -208,6 +236,10 @@ def families(s: Snapshot) -> Iterator[Metric]:
             f.add("cubefs_fuse_plan_epoch", j.plan["epoch"], *labels)
             f.add("cubefs_fuse_plan_lookahead_files", j.plan["lookahead_files"], *labels)
             f.add("cubefs_fuse_plan_lookahead_bytes", j.plan["lookahead_bytes"], *labels)
+    ai_prefetch = s.mount is not None and s.mount.profile == "ai_prefetch"
+    for spec in METRICS.values():
+        if spec.kind != "histogram" and spec.name not in f.families and (ai_prefetch or not spec.ai_prefetch):
+            f.declare(spec.name)
     yield from f.families.values()
     spec = METRICS["cubefs_fuse_backend_latency_seconds"]
     histogram = HistogramMetricFamily(spec.name, spec.help, labels=list(spec.labels))
@@ -243,6 +275,9 @@ def start_exporter(addr: str, port: int, collector: Collector) -> Callable[[], N
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    # process_* (CPU, resident memory, open and maximum descriptors, start time): memory
+    # against its limit, descriptors against LimitNOFILE, and restarts become visible.
+    ProcessCollector(registry=registry)
     try:
         server, thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:  # port in use, address not local: the user's config to fix

@@ -145,8 +145,8 @@ def test_dashboard_json_structure() -> None:
         grid = p["gridPos"]
         assert grid["x"] + grid["w"] <= 24, p["title"]
         for t in p["targets"]:
-            # The daemon's per-job label arrives as exported_job (prometheus.yml explains why).
-            assert 'job=~"$training_job"' not in t["expr"] or "exported_job" in t["expr"]
+            # The daemon's per-job label is training_job; Prometheus's own job label is the scrape job.
+            assert "exported_job" not in t["expr"] and ' job=~"$training_job"' not in t["expr"], t["expr"]
             assert t["expr"].count("(") == t["expr"].count(")"), t["expr"]
 
 

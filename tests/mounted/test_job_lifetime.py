@@ -77,7 +77,7 @@ def test_jobs_of_100_runs_end_with_their_processes(make_mount: Callable[..., Mou
     series_after_one = set(m.scrape())
     status_after_one = status_json(m)
     rss_after_one = rss(m.pid())
-    assert not [s for s in series_after_one if 'job="' in s]  # per-job series left with the job
+    assert not [s for s in series_after_one if 'training_job="' in s]  # per-job series left with the job
 
     for run in range(1, RUNS):
         training_run(socket_path, m.mount_point, f"run{run}", paths)

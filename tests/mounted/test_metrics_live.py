@@ -67,3 +67,49 @@ def test_live_daemon_exposes_exactly_the_metric_table(make_mount: Callable[..., 
             assert f'cubefs_fuse_cache_hits_total{{tier="{tier}"}}' in scrape
     finally:
         m.umount()
+
+
+def test_every_family_is_declared_from_the_start_with_process_and_info_metrics(
+        make_mount: Callable[..., Mount]) -> None:
+    """A fresh daemon declares families that have no sample yet (errors, per-job ones with
+    ai_prefetch), exports the process_* metrics, and says what it is and what it serves."""
+    import urllib.request
+
+    from cubefs_fuse import __version__
+
+    m = make_mount(profile="ai_prefetch")
+    m.mount()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read().decode()
+        declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        for name, spec in METRICS.items():
+            assert name in declared, name  # per-job families too: this mount has ai_prefetch
+        assert not any(line.startswith("cubefs_fuse_backend_errors_total{") for line in text.splitlines())
+        assert not any(line.startswith("cubefs_fuse_job_requests_total{") for line in text.splitlines())
+        scrape = m.scrape()
+        for name in ("process_resident_memory_bytes", "process_open_fds", "process_max_fds",
+                     "process_start_time_seconds", "process_cpu_seconds_total"):
+            assert scrape[name] > 0, name
+        [build] = [k for k in scrape if k.startswith("cubefs_fuse_build_info{")]
+        assert f'version="{__version__}"' in build and scrape[build] == 1
+        [info] = [k for k in scrape if k.startswith("cubefs_fuse_mount_info{")]
+        assert f'mount_point="{m.mount_point}"' in info and 'profile="ai_prefetch"' in info
+        assert f'source="{m.source}"' in info and scrape[info] == 1
+    finally:
+        m.umount()
+
+
+def test_without_ai_prefetch_the_per_job_families_are_not_declared(make_mount: Callable[..., Mount]) -> None:
+    import urllib.request
+
+    m = make_mount()
+    m.mount()
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{m.port}/metrics", timeout=10).read().decode()
+        declared = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+        assert {name for name, spec in METRICS.items() if not spec.ai_prefetch} <= declared
+        assert not {name for name, spec in METRICS.items() if spec.ai_prefetch} & declared
+        assert 'profile="none"' in next(line for line in text.splitlines()
+                                        if line.startswith("cubefs_fuse_mount_info{"))
+    finally:
+        m.umount()

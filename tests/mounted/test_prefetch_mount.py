@@ -88,7 +88,7 @@ def test_plan_over_the_socket_then_workers_read_in_order(make_slow_mount: Callab
 
         # Prometheus: every ai_prefetch metric, per job, with the same values.
         scrape = m.scrape()
-        labels = {"job": JOB, "rank": "0"}
+        labels = {"training_job": JOB, "rank": "0"}
         for name, spec in METRICS.items():
             if spec.ai_prefetch:
                 key = name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"

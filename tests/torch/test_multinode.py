@@ -147,7 +147,7 @@ def test_each_node_prefetches_only_its_ranks_shard(make_mount: Callable[..., Mou
         assert counters["hit_rate"] == counters["hits"] / requests
         assert metric(samples, "cubefs_fuse_file_requests_total") == requests
         assert metric(samples, "cubefs_fuse_file_hits_total") == counters["hits"]
-        assert not any('job="' in key for key in samples), "no series of an ended job"
+        assert not any('training_job="' in key for key in samples), "no series of an ended job"
         # The rank's own report (cube_torch's line and stats()) comes from its node's daemon.
         assert _line_counts(result["line"]) == {"request_count": requests, "hit_count": counters["hits"],
                                                 "miss_count": counters["misses"]}
