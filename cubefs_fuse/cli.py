@@ -7,18 +7,22 @@ A user mistake is one line on stderr, never a traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import logging.handlers
 import os
 import select
+import stat
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 from importlib import resources
 
 from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, load_config
+from cubefs_fuse.control import volfile
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger("cubefs_fuse")
@@ -257,11 +261,15 @@ def cmd_umount(args: argparse.Namespace) -> int:
         raise UserError("give either MOUNTPOINT or -c CONFIG")
     mount_point = os.path.abspath(args.mount_point or load_config(args.config).mount_point)
     entry = mounts.find_mount(mount_point)
+    info = mounts.registered(mount_point)
     if entry is None:
+        if info is not None and not _alive(info) and _remove_leftovers(mount_point, info):
+            print(f"{PROG}: {mount_point} was not mounted; removed the files its daemon (pid {info.get('pid')}) "
+                  "left behind")
+            return 0
         raise UserError(f"{mount_point} is not mounted")
     if entry.fstype != f"fuse.{mounts.FUSE_SUBTYPE}":
         raise UserError(f"{mount_point} is not a cubefs-fuse mount ({entry.fstype})")
-    info = mounts.registered(mount_point)
     command = ["fusermount3", "-u"] + (["-z"] if args.lazy else []) + [mount_point]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
@@ -274,8 +282,34 @@ def cmd_umount(args: argparse.Namespace) -> int:
         print(f"{PROG}: warning: unmounted, but daemon pid {pid} is still running after {args.timeout:.0f} s",
               file=sys.stderr)
         return 1
+    if info is not None:
+        _remove_leftovers(mount_point, info)  # a crashed daemon cleaned nothing up
     print(f"{PROG}: unmounted {mount_point}")
     return 0
+
+
+def _alive(info: dict[str, Any]) -> bool:
+    pid = info.get("pid")
+    return isinstance(pid, int) and mounts.pid_alive(pid)
+
+
+def _remove_leftovers(mount_point: str, info: dict[str, Any]) -> bool:
+    """Remove what a dead daemon left (its registry entry, control socket, volume file);
+    only what is provably its own: a socket, a volume file naming its pid.  True if the
+    registry entry was there to remove."""
+    pid = info.get("pid")
+    if not isinstance(pid, int) or mounts.pid_alive(pid):
+        return False
+    socket_path = info.get("controlSocket")
+    if isinstance(socket_path, str) and socket_path:
+        with contextlib.suppress(OSError):
+            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
+                os.unlink(socket_path)
+    vol, config_dir = info.get("volName"), info.get("configDir")
+    if isinstance(vol, str) and isinstance(config_dir, str) and config_dir:
+        volfile.remove(vol, config_dir, pid)
+    mounts.unregister(mount_point, pid)
+    return mounts.registered(mount_point) is None
 
 
 # -- example-config ------------------------------------------------------------------

@@ -117,11 +117,13 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
                              max_entries=config.meta_cache_entries)
         fs = Filesystem(meta, cache, backend, block_size=config.block_size)
         daemon = Daemon(config, backend, disk, cache, meta, fs)
+        # The control API is always there (status, stats, warmup, drop-cache work on any
+        # mount); ai_prefetch adds jobs, plans, hit accounting per job and the volume file.
+        service = daemon.service = PrefetchService(nursery, fs, config)
         if config.profile == "ai_prefetch":
             volfile.claim(config.vol_name, config.config_dir)
-            service = PrefetchService(nursery, fs, config)
-            fs.observer = daemon.service = service
-            await _start_control(nursery, service, config, cleanup)
+            fs.observer = service
+        await _start_control(nursery, service, config, cleanup)
         write_index = await _serve(daemon, config_path, on_ready)
         nursery.cancel_scope.cancel()
     return write_index
@@ -148,8 +150,9 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
         mounts.register(config.mount_point, {"volName": config.vol_name, "source": config.source,
                                              "config": os.path.abspath(config_path), "version": __version__,
-                                             "controlSocket": control_socket_path(config)
-                                             if config.profile == "ai_prefetch" else ""})
+                                             "controlSocket": control_socket_path(config),
+                                             "profile": config.profile,
+                                             "configDir": config.config_dir if config.profile == "ai_prefetch" else ""})
         if config.profile == "ai_prefetch":
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
@@ -229,7 +232,7 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
         cleanup.callback(_unlink_quietly, path)  # the token dies with the daemon: no stale secret
     server = ControlServer(AccessPolicy(frozenset(config.control_allow_uids),
                                         frozenset(config.control_allow_gids)), token)
-    Routes(service).install(server)
+    Routes(service, ai_prefetch=config.profile == "ai_prefetch").install(server)
     socket_path = control_socket_path(config)
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
     try:

@@ -152,10 +152,11 @@ def register(mount_point: str, info: dict[str, Any]) -> None:
     os.rename(tmp, path)
 
 
-def unregister(mount_point: str) -> None:
+def unregister(mount_point: str, pid: int | None = None) -> None:
+    """Remove the entry if daemon ``pid`` (default: this process) wrote it."""
     try:
         with open(_registry_path(mount_point)) as f:
-            if json.load(f).get("pid") != os.getpid():
+            if json.load(f).get("pid") != (os.getpid() if pid is None else pid):
                 return  # a newer daemon owns the entry
         os.unlink(_registry_path(mount_point))
     except (OSError, ValueError):
@@ -200,6 +201,41 @@ def all_registered() -> list[dict[str, Any]]:
                     found.append(info)
     alive = [info for info in found if isinstance(info.get("pid"), int) and pid_alive(info["pid"])]
     return sorted(alive, key=lambda i: str(i.get("mountPoint")))
+
+
+@dataclass(frozen=True, slots=True)
+class MountState:
+    """One cubefs-fuse mount point as ``status`` sees it."""
+
+    mount_point: str
+    info: dict[str, Any] | None  # the daemon's registry entry, None if it left none
+    state: str  # "live", "stale" (mounted, daemon gone) or "leftover" (not mounted, entry of a dead daemon)
+
+
+def survey() -> list[MountState]:
+    """Every cubefs-fuse mount on the node, live or left behind by a crashed daemon.
+
+    The union of the registry (daemons' own entries, dead ones included) and the kernel's
+    mount table (``fuse.cubefs-fuse`` entries, whose daemon may have left no entry)."""
+    entries: dict[str, dict[str, Any]] = {}
+    for directory in _registry_dirs():
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith("mount-") and name.endswith(".json"):
+                info = _read_entry(os.path.join(directory, name))
+                if info is not None and isinstance(info.get("mountPoint"), str):
+                    entries.setdefault(info["mountPoint"], info)
+    mounted = {e.mount_point for e in mount_table() if e.fstype == f"fuse.{FUSE_SUBTYPE}"}
+    found = []
+    for mount_point in sorted(set(entries) | mounted):
+        info = entries.get(mount_point)
+        alive = info is not None and isinstance(info.get("pid"), int) and pid_alive(info["pid"])
+        state = "live" if alive else "stale" if mount_point in mounted else "leftover"
+        found.append(MountState(mount_point, info, state))
+    return found
 
 
 def pid_alive(pid: int) -> bool:

@@ -1,6 +1,7 @@
 """Operator commands: status, warmup, drop-cache, stats.  All of them talk to the
-control API of a running daemon (``"profile": "ai_prefetch"``), found through the
-runtime registry that every daemon writes (``mounts.register``).
+control API of a running daemon (every mount has one; jobs and plans need
+``"profile": "ai_prefetch"``), found through the runtime registry that every daemon
+writes (``mounts.register``); ``status`` also lists mounts whose daemon is gone.
 """
 
 from __future__ import annotations
@@ -118,21 +119,10 @@ def _duration(seconds: float) -> str:
 
 def cmd_status(args: argparse.Namespace) -> int:
     if args.mount_point:
-        infos = [_client(args.mount_point)[0]]
+        states = [mounts.MountState(os.path.abspath(args.mount_point), _client(args.mount_point)[0], "live")]
     else:
-        infos = mounts.all_registered()
-    reports = []
-    for info in infos:
-        report: dict[str, Any] = {"mount_point": info.get("mountPoint"), "volume": info.get("volName"),
-                                  "source": info.get("source"), "pid": info.get("pid"), "control_api": False}
-        if info.get("controlSocket"):
-            try:
-                report.update(ControlClient(info["controlSocket"], timeout=10.0).status())
-                report["control_api"] = True
-            except ProtocolError as exc:
-                report["error"] = (f"permission denied on the control socket {info['controlSocket']}"
-                                   if exc.status == 403 else str(exc))
-        reports.append(report)
+        states = mounts.survey()
+    reports = [_report(state) for state in states]
     # A named mount whose control API does not answer fails (the Kubernetes liveness probe).
     code = 1 if args.mount_point and "error" in reports[0] else 0
     if args.json:
@@ -142,14 +132,43 @@ def cmd_status(args: argparse.Namespace) -> int:
     # truncate job names; 256 columns hold a row with a MAX_NAME (128) job name whole.
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 256)
     if not reports:
-        console.print("no cubefs-fuse mounts are running")
+        console.print("no cubefs-fuse mounts on this node")
         return 0
     for report in reports:
         _print_status(console, report)
     return code
 
 
+# What to do about a mount whose daemon is gone, by state (see mounts.survey).
+HINTS = {
+    "stale": "daemon is gone, the mount is dead (ENOTCONN): run 'cubefs-fuse umount --lazy {path}', or mount again",
+    "leftover": "daemon is gone and not mounted; its files are left: run 'cubefs-fuse umount {path}' to remove them",
+}
+
+
+def _report(state: mounts.MountState) -> dict[str, Any]:
+    info = state.info or {}
+    report: dict[str, Any] = {"mount_point": state.mount_point, "state": state.state, "volume": info.get("volName"),
+                              "source": info.get("source"), "pid": info.get("pid"), "control_api": False}
+    if state.state != "live":
+        report["hint"] = HINTS[state.state].format(path=state.mount_point)
+        return report
+    if info.get("controlSocket"):
+        try:
+            report.update(ControlClient(info["controlSocket"], timeout=10.0).status())
+            report["control_api"] = True
+        except ProtocolError as exc:
+            report["error"] = (f"permission denied on the control socket {info['controlSocket']}"
+                               if exc.status == 403 else str(exc))
+    return report
+
+
 def _print_status(console: Console, r: dict[str, Any]) -> None:
+    if r.get("state", "live") != "live":
+        console.print(f"[bold]{r['mount_point']}[/bold]  [red]{r['state']}[/red]  volume {r['volume'] or '?'}  "
+                      f"pid {r['pid'] or '?'}")
+        console.print(f"  {r['hint']}")
+        return
     console.print(f"[bold]{r['mount_point']}[/bold]  volume {r['volume']}  source {r['source']}  pid {r['pid']}")
     if not r["control_api"]:
         console.print("  " + (r.get("error") or 'control API off (set "profile": "ai_prefetch" for cache and job details)'))
@@ -165,6 +184,9 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
     hits = r["hits"]
     console.print(f"  file requests {hits['requests']}  hits {hits['hits']}  misses {hits['misses']}  "
                   f"hit rate {100 * hits['hit_rate']:.2f}%  stall {hits['stall_seconds']:.1f} s")
+    if r.get("profile", "ai_prefetch") != "ai_prefetch":
+        console.print('  jobs and plans: this mount runs without "profile": "ai_prefetch"')
+        return
     plans = {(p["job"], p["rank"]): p for p in r.get("plans", [])}
     if r.get("jobs"):
         jobs = Table(box=box.SIMPLE, show_header=True)

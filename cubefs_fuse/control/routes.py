@@ -61,14 +61,19 @@ def _relative_path(value: Any) -> str:
 class Routes:
     """The ``/v1`` routes of one daemon, over its prefetch service."""
 
-    def __init__(self, service: PrefetchService) -> None:
+    def __init__(self, service: PrefetchService, *, ai_prefetch: bool = True) -> None:
         self.service = service
+        self.ai_prefetch = ai_prefetch
 
     def install(self, server: ControlServer) -> None:
         server.route("GET", "/v1/status", self.status)
-        server.route("POST", "/v1/datasets", self.register_dataset, max_body=MAX_DATASET_BODY)
-        server.route("POST", "/v1/jobs", self.register_job)
-        server.route("POST", "/v1/plans", self.submit_plan, max_body=MAX_PLAN_BODY)
+        if self.ai_prefetch:
+            server.route("POST", "/v1/datasets", self.register_dataset, max_body=MAX_DATASET_BODY)
+            server.route("POST", "/v1/jobs", self.register_job)
+            server.route("POST", "/v1/plans", self.submit_plan, max_body=MAX_PLAN_BODY)
+        else:  # known routes with a reason, not a bare 404
+            for path in ("/v1/datasets", "/v1/jobs", "/v1/plans"):
+                server.route("POST", path, self.needs_ai_prefetch)
         server.route("GET", "/v1/stats", self.stats)
         server.route("POST", "/v1/warmup", self.start_warmup)
         server.route("GET", "/v1/warmup", self.warmup_progress)
@@ -76,7 +81,10 @@ class Routes:
 
     async def status(self, request: Request) -> Response:
         return Response.json({"version": __version__, "protocol_version": PROTOCOL_VERSION,
-                              **self.service.status()})
+                              "profile": "ai_prefetch" if self.ai_prefetch else "", **self.service.status()})
+
+    async def needs_ai_prefetch(self, request: Request) -> Response:
+        raise NotFound('this mount runs without "profile": "ai_prefetch": it keeps no datasets, jobs or plans')
 
     async def register_dataset(self, request: Request) -> Response:
         columns = _int(request.query.get("columns", "1"), "columns", 1, 16)

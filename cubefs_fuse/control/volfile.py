@@ -158,10 +158,13 @@ def write(config: VolumeConfig, config_dir: str) -> str:
     raise ConfigError(f"key 'configDir': {path} keeps being replaced by another user; choose another configDir")
 
 
-def remove(vol_name: str, config_dir: str) -> None:
-    """Remove the file if it is still ours (a trusted file naming this process)."""
+def remove(vol_name: str, config_dir: str, pid: int | None = None) -> bool:
+    """Remove the file if it is still the one daemon ``pid`` (default: this process) wrote
+    (a trusted file naming it); True if removed."""
     path = config_file_path(vol_name, config_dir)
     found = _read_claim(path)
-    if found is not None and _trusted(found[0]) and found[1] == os.getpid():
+    if found is not None and _trusted(found[0]) and found[1] == (os.getpid() if pid is None else pid):
         with contextlib.suppress(OSError):
             os.unlink(path)
+            return True
+    return False

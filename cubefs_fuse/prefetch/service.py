@@ -30,7 +30,7 @@ from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, TooLarge
 from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
-from cubefs_fuse.prefetch.jobs import JobKey, JobRegistry, JobSample
+from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
 from cubefs_fuse.prefetch.scheduler import Scheduler
 from cubefs_fuse.prefetch.warmup import Warmups
 
@@ -99,12 +99,19 @@ class PrefetchService:
             "pid": os.getpid(),
             "volume": self.config.vol_name, "mount_point": self.config.mount_point, "source": self.config.source,
             "uptime": time.time() - self.started, "cache": tiers,
-            "hits": self.jobs.total.as_dict(), "datasets": len(self.datasets),
+            "hits": self._hits().as_dict(), "datasets": len(self.datasets),
             "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict()}
                      for j in self.jobs.jobs.values()],
             "plans": self.scheduler.summaries(), "jobs_ended": self.ended,
             "counters": self._counters(),
         }
+
+    def _hits(self) -> HitCounters:
+        """Every file request of the mount (the per-job registry sees them with ai_prefetch only)."""
+        if self.config.profile == "ai_prefetch":
+            return self.jobs.total
+        fs = self.fs.statistics()
+        return HitCounters(fs.file_requests, fs.file_requests - fs.file_misses, fs.file_misses, fs.stall_seconds)
 
     def _counters(self) -> dict[str, Any]:
         """Monotonic counters for rate views (``cubefs-fuse stats``)."""

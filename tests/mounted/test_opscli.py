@@ -88,6 +88,8 @@ def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> 
 def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> None:
     m, files = _mount(make_mount, **AI_PREFETCH)
     plain = make_mount(volName=_unique("plain"))  # a cubefs-fuse mount without ai_prefetch
+    (plain.source / "a").mkdir()
+    (plain.source / "a" / "f").write_bytes(b"plain" * 100)
     plain.mount()
     socket_path = mounts.registered(str(m.mount_point))["controlSocket"]  # type: ignore[index]
     client = ControlClient(socket_path)
@@ -133,16 +135,18 @@ def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> No
     everything = _json("status", "--json")
     by_mount = {r["mount_point"]: r for r in everything}
     assert by_mount[str(m.mount_point)]["jobs"][0]["job"] == job
-    assert by_mount[str(plain.mount_point)]["control_api"] is False
-    assert by_mount[str(plain.mount_point)]["volume"] == plain.config()["volName"]
+    plain_report = by_mount[str(plain.mount_point)]
+    assert plain_report["control_api"] is True and plain_report["profile"] == "" and plain_report["state"] == "live"
+    assert plain_report["volume"] == plain.config()["volName"] and plain_report["jobs"] == []
     table_all = cli("status").stdout
     assert str(m.mount_point) in table_all and str(plain.mount_point) in table_all
-    assert 'control API off (set "profile": "ai_prefetch"' in table_all
+    assert 'jobs and plans: this mount runs without "profile": "ai_prefetch"' in table_all
 
-    # A cubefs-fuse mount without ai_prefetch: every command says what is missing.
+    # A cubefs-fuse mount without ai_prefetch: the operator commands work there too.
     for args in (("status", str(plain.mount_point)), ("warmup", str(plain.mount_point), "a"),
                  ("drop-cache", str(plain.mount_point)), ("stats", str(plain.mount_point), "-n", "1")):
-        _one_line_error(cli(*args), str(plain.mount_point), '"profile": "ai_prefetch"')
+        result = cli(*args)
+        assert result.returncode == 0 and not result.stderr, (args, result.stdout, result.stderr)
     m.umount()
     plain.umount()
 
@@ -280,12 +284,19 @@ def test_clear_errors_not_a_mount_stale_and_permission(make_mount: Callable[...,
         for args in (("status", str(m.mount_point)), ("warmup", str(m.mount_point), "a")):
             _one_line_error(cli(*args), f"{m.mount_point} is a cubefs-fuse mount but its daemon is not running",
                             "stale mount")
-        everything = _json("status", "--json")
-        assert str(m.mount_point) not in {r["mount_point"] for r in everything}
-        # The remedy the message names works.
+        # `status` lists the dead mount with what to do about it.
+        [stale] = [r for r in _json("status", "--json") if r["mount_point"] == str(m.mount_point)]
+        assert stale["state"] == "stale" and stale["pid"] == pid
+        assert f"cubefs-fuse umount --lazy {m.mount_point}" in stale["hint"]
+        assert "stale" in cli("status").stdout
+        # The remedy it names works, and removes what the killed daemon left behind.
         remedy = cli("umount", "--lazy", str(m.mount_point))
         assert remedy.returncode == 0, remedy.stderr
         assert mounts.find_mount(str(m.mount_point)) is None
+        assert mounts.registered(str(m.mount_point)) is None
+        assert not os.path.exists(info["controlSocket"])
+        assert not os.path.exists(config_file_path(m.config()["volName"]))
+        assert str(m.mount_point) not in {r["mount_point"] for r in _json("status", "--json")}
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
         m.mounted = False
@@ -296,3 +307,27 @@ def test_clear_errors_not_a_mount_stale_and_permission(make_mount: Callable[...,
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
+
+
+def test_leftovers_of_a_crashed_daemon_are_listed_and_removed_by_umount(make_mount: Callable[..., Mount]) -> None:
+    """A daemon killed, then unmounted by someone else (plain fusermount3): status lists
+    what it left behind with the command that removes it, and that command works."""
+    m, _ = _mount(make_mount, **AI_PREFETCH)
+    info = mounts.registered(str(m.mount_point))
+    assert info is not None
+    pid = m.pid()
+    os.kill(pid, 9)
+    wait_until(lambda: not mounts.pid_alive(pid), timeout=30, what="the killed daemon to be gone")
+    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True, check=True)
+    m.mounted = False
+    volume_file = config_file_path(m.config()["volName"])
+    assert os.path.exists(info["controlSocket"]) and os.path.exists(volume_file)
+    [left] = [r for r in _json("status", "--json") if r["mount_point"] == str(m.mount_point)]
+    assert left["state"] == "leftover" and f"cubefs-fuse umount {m.mount_point}" in left["hint"]
+    result = cli("umount", str(m.mount_point))
+    assert result.returncode == 0 and "left behind" in result.stdout, result.stderr
+    assert mounts.registered(str(m.mount_point)) is None
+    assert not os.path.exists(info["controlSocket"]) and not os.path.exists(volume_file)
+    assert str(m.mount_point) not in {r["mount_point"] for r in _json("status", "--json")}
+    again = cli("umount", str(m.mount_point))  # nothing left: the usual one-line error
+    assert again.returncode != 0 and "is not mounted" in again.stderr
