@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,9 +187,8 @@ def registered(mount_point: str) -> dict[str, Any] | None:
     return None
 
 
-def all_registered() -> list[dict[str, Any]]:
-    """Every registered daemon that is still alive, sorted by mount point."""
-    found = []
+def _entries() -> Iterator[dict[str, Any]]:
+    """Every registry entry (live and dead daemons), our own directory first."""
     for directory in _registry_dirs():
         try:
             names = os.listdir(directory)
@@ -197,10 +197,8 @@ def all_registered() -> list[dict[str, Any]]:
         for name in names:
             if name.startswith("mount-") and name.endswith(".json"):
                 info = _read_entry(os.path.join(directory, name))
-                if info is not None:
-                    found.append(info)
-    alive = [info for info in found if isinstance(info.get("pid"), int) and pid_alive(info["pid"])]
-    return sorted(alive, key=lambda i: str(i.get("mountPoint")))
+                if info is not None and isinstance(info.get("mountPoint"), str):
+                    yield info
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,16 +216,8 @@ def survey() -> list[MountState]:
     The union of the registry (daemons' own entries, dead ones included) and the kernel's
     mount table (``fuse.cubefs-fuse`` entries, whose daemon may have left no entry)."""
     entries: dict[str, dict[str, Any]] = {}
-    for directory in _registry_dirs():
-        try:
-            names = os.listdir(directory)
-        except OSError:
-            continue
-        for name in names:
-            if name.startswith("mount-") and name.endswith(".json"):
-                info = _read_entry(os.path.join(directory, name))
-                if info is not None and isinstance(info.get("mountPoint"), str):
-                    entries.setdefault(info["mountPoint"], info)
+    for info in _entries():
+        entries.setdefault(info["mountPoint"], info)
     mounted = {e.mount_point for e in mount_table() if e.fstype == f"fuse.{FUSE_SUBTYPE}"}
     found = []
     for mount_point in sorted(set(entries) | mounted):
