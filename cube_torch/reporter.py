@@ -111,7 +111,10 @@ def report_once(timeout: float = 5.0) -> str | None:
         return None
     line = format_line(current["since_last"], current["cumulative"],
                        current["rank"] if current["world_size"] > 1 else None)
-    print(line, file=sys.stdout, flush=True)
+    # One write of the whole line: ranks printing to one pipe at once must not interleave
+    # (print() writes the line and its newline separately).
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
     log.info("%s", line)
     return line
 

@@ -216,8 +216,8 @@ def survey() -> list[MountState]:
     The union of the registry (daemons' own entries, dead ones included) and the kernel's
     mount table (``fuse.cubefs-fuse`` entries, whose daemon may have left no entry)."""
     entries: dict[str, dict[str, Any]] = {}
-    for info in _entries():
-        entries.setdefault(info["mountPoint"], info)
+    for entry in _entries():
+        entries.setdefault(entry["mountPoint"], entry)
     mounted = {e.mount_point for e in mount_table() if e.fstype == f"fuse.{FUSE_SUBTYPE}"}
     found = []
     for mount_point in sorted(set(entries) | mounted):
