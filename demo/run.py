@@ -183,7 +183,7 @@ def _train(args: argparse.Namespace, mount: DaemonMount, remote: SlowRemote) -> 
         rows.append((result, last[0], mount.scrape()))
         last[0] = rows[-1][2]
         # The daemon's current plan for the job must be this epoch's: cube_torch sent it.
-        if last[0].get(f'cubefs_fuse_plan_epoch{{training_job="{job}",rank="0"}}') != result.epoch:
+        if last[0].get(f'cubefs_fuse_plan_epoch{{rank="0",training_job="{job}"}}') != result.epoch:
             unplanned.append(result.epoch)
 
     try:
@@ -223,7 +223,7 @@ def _print_epochs(rows: list[tuple[Any, dict[str, float], dict[str, float]]], jo
 
         all_opens = int(d("cubefs_fuse_file_requests_total"))
         if job is not None:
-            labels = f'training_job="{job}",rank="0"'
+            labels = f'rank="0",training_job="{job}"'
             requests, hits = d("cubefs_fuse_job_requests_total", labels), d("cubefs_fuse_job_hits_total", labels)
             stall, opens = d("cubefs_fuse_job_stall_seconds_total", labels), f"{int(requests)} / {all_opens}"
         else:
