@@ -265,6 +265,11 @@ def cmd_warmup(args: argparse.Namespace) -> int:
         print(f"{report['files_cached']}/{report['files_total']} files, {_size(report['bytes_cached'])} of "
               f"{_size(report['bytes_total'])} {verb} ({report['cached_percent']:.1f}%), "
               f"{report['errors']} errors, {report['elapsed']:.1f} s")
+        for failure in report.get("error_details", []):
+            print(f"  {failure['path']}: {failure['error']}", file=sys.stderr)
+        if report["errors"] > len(report.get("error_details", [])):
+            print(f"  ... and {report['errors'] - len(report['error_details'])} more (see the daemon log)",
+                  file=sys.stderr)
     return 0 if report["errors"] == 0 else 1
 
 

@@ -6,7 +6,9 @@ queries.  Files are fetched at prefetch priority, behind application reads.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -15,7 +17,7 @@ from typing import Any
 import trio
 
 from cubefs_fuse.attrs import Attr
-from cubefs_fuse.errors import FsError
+from cubefs_fuse.errors import FsError, errno_of
 from cubefs_fuse.fs.filesystem import Filesystem
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,8 @@ MAX_WARMUPS = 64
 WARMUP_CONCURRENCY = 16
 # Paths per warmup request (a subtree counts as one path).
 MAX_WARMUP_PATHS = 100_000
+# Failed paths a warmup keeps with their reason, for its report (the count goes on).
+MAX_ERROR_DETAILS = 10
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Warmup:
     bytes_done: int = 0
     bytes_cached: int = 0
     errors: int = 0
+    error_details: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), the first ones
     done: bool = False
     started: float = field(default_factory=time.time)
     finished: float = 0.0
@@ -51,7 +56,14 @@ class Warmup:
             "bytes_total": self.bytes_total, "bytes_done": self.bytes_done, "bytes_cached": self.bytes_cached,
             "cached_percent": 100.0 * self.bytes_cached / self.bytes_total if self.bytes_total else 100.0,
             "errors": self.errors, "elapsed": (self.finished or time.time()) - self.started,
+            "error_details": [{"path": path, "error": reason} for path, reason in self.error_details],
         }
+
+    def failed(self, path: str, exc: BaseException) -> None:
+        self.errors += 1
+        if len(self.error_details) < MAX_ERROR_DETAILS:
+            code = errno_of(exc)
+            self.error_details.append((path or "/", f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"))
 
 
 class Warmups:
@@ -88,9 +100,9 @@ class Warmups:
                 for path, attr in files:
                     await slots.acquire()
                     nursery.start_soon(self._warm_one, path, attr, warmup, slots)
-        except Exception:
+        except Exception as exc:
             log.exception("warmup %d failed", warmup.id)
-            warmup.errors += 1
+            warmup.failed("", exc)
         finally:
             warmup.done = True
             warmup.finished = time.time()
@@ -104,8 +116,8 @@ class Warmups:
                 await self._fs.blocks.warm_file(path)
                 warmup.files_cached += 1
                 warmup.bytes_cached += attr.size
-        except (OSError, FsError):
-            warmup.errors += 1
+        except (OSError, FsError) as exc:
+            warmup.failed(path, exc)
         finally:
             warmup.files_done += 1
             warmup.bytes_done += attr.size
@@ -114,16 +126,16 @@ class Warmups:
     async def _collect(self, path: str, out: list[tuple[str, Attr]], warmup: Warmup) -> None:
         try:
             attr = await self._fs.meta.stat(path)
-        except (OSError, FsError):
-            warmup.errors += 1
+        except (OSError, FsError) as exc:
+            warmup.failed(path, exc)
             return
         if attr.is_file:
             out.append((path, attr))
         elif attr.is_dir:
             try:
                 entries = await self._fs.meta.listdir(path)
-            except (OSError, FsError):
-                warmup.errors += 1
+            except (OSError, FsError) as exc:
+                warmup.failed(path, exc)
                 return
             for name, child in sorted(entries):
                 child_path = f"{path}/{name}" if path else name

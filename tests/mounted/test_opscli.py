@@ -331,3 +331,19 @@ def test_leftovers_of_a_crashed_daemon_are_listed_and_removed_by_umount(make_mou
     assert str(m.mount_point) not in {r["mount_point"] for r in _json("status", "--json")}
     again = cli("umount", str(m.mount_point))  # nothing left: the usual one-line error
     assert again.returncode != 0 and "is not mounted" in again.stderr
+
+
+def test_warmup_names_the_paths_that_failed_and_why(make_mount: Callable[..., Mount]) -> None:
+    m, _ = _mount(make_mount)
+    try:
+        result = cli("warmup", str(m.mount_point), "a", "no/such/dir", "missing.bin")
+        assert result.returncode == 1
+        assert ", 2 errors," in result.stdout, result.stdout
+        assert result.stderr.splitlines() == ["  no/such/dir: ENOENT: No such file or directory",
+                                              "  missing.bin: ENOENT: No such file or directory"], result.stderr
+        as_json = cli("warmup", str(m.mount_point), "missing.bin", "--json")
+        assert as_json.returncode == 1
+        report = json.loads(as_json.stdout)
+        assert report["error_details"] == [{"path": "missing.bin", "error": "ENOENT: No such file or directory"}]
+    finally:
+        m.umount()
