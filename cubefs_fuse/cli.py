@@ -30,6 +30,8 @@ PROG = "cubefs-fuse"
 # How long `mount` waits for the daemon to report a live mount.  Start-up is normally
 # well under 2 s; a crash-recovery scan of a very large NVMe cache can take longer.
 READY_TIMEOUT = 120.0
+# While waiting, say so this often: a silent minute looks like a hang.
+READY_PROGRESS_EVERY = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The example client configs installed with the package (cubefs_fuse/examples/NAME.json).
 EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible")
@@ -58,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_argument("-c", "--config", required=True, metavar="CONFIG", help="JSON client config file")
     mount.add_argument("-f", "--foreground", action="store_true",
                        help="stay in the foreground and log to stderr (for systemd and Kubernetes)")
+    mount.add_argument("--ready-timeout", type=_seconds, default=READY_TIMEOUT, metavar="SECONDS",
+                       help=f"how long to wait for the detached daemon to mount (default {READY_TIMEOUT:.0f}); "
+                       "past it the command fails but the daemon keeps starting")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     umount = sub.add_parser(
@@ -119,7 +124,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
         return _mount_foreground(args.config, args.ready_fd)
     config = _load_and_check(args.config)
-    return _mount_background(args.config, config)
+    return _mount_background(args.config, config, args.ready_timeout)
 
 
 def _log_file(config: ClientConfig) -> str:
@@ -145,7 +150,7 @@ def _open_log(path: str) -> int:
     return fd
 
 
-def _mount_background(config_path: str, config: ClientConfig) -> int:
+def _mount_background(config_path: str, config: ClientConfig, ready_timeout: float) -> int:
     log_path = _log_file(config)
     read_fd, write_fd = os.pipe()
     with os.fdopen(_open_log(log_path), "ab") as log_file:
@@ -156,14 +161,16 @@ def _mount_background(config_path: str, config: ClientConfig) -> int:
             start_new_session=True, cwd="/",
         )
     os.close(write_fd)
-    message = _read_ready(read_fd, proc)
+    message = _read_ready(read_fd, proc, ready_timeout)
     if message == "ok":
         print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {proc.pid}, log {log_path})")
         return 0
     if message is None:
-        proc.kill()
-        print(f"{PROG}: error: the daemon did not report a mount within {READY_TIMEOUT:.0f} s (log: {log_path})",
-              file=sys.stderr)
+        # Not killed: a daemon recovering a very large NVMe cache may just need longer, and
+        # killing it would throw that work away.  The operator decides.
+        print(f"{PROG}: error: the daemon (pid {proc.pid}) has not mounted {config.mount_point} within "
+              f"{ready_timeout:.0f} s; it keeps starting in the background: follow {log_path}, check "
+              f"'cubefs-fuse status', or stop it with 'kill {proc.pid}'", file=sys.stderr)
         return 1
     code = proc.wait()
     print(f"{PROG}: error: {message.removeprefix('error: ') if message else f'the daemon exited with status {code}'}"
@@ -171,12 +178,29 @@ def _mount_background(config_path: str, config: ClientConfig) -> int:
     return 2 if code == 2 else 1
 
 
-def _read_ready(fd: int, proc: subprocess.Popen[bytes]) -> str | None:
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < 1e6:
+        raise argparse.ArgumentTypeError(f"{text!r}: give seconds between 0 and 1000000")
+    return value
+
+
+def _read_ready(fd: int, proc: subprocess.Popen[bytes], timeout: float) -> str | None:
     """The daemon's one-line report; "" if it exited silently, None on timeout."""
-    deadline = time.monotonic() + READY_TIMEOUT
+    started = time.monotonic()
+    deadline = started + timeout
+    every = min(READY_PROGRESS_EVERY, timeout / 3)
+    next_progress = started + every
     data = b""
     try:
         while time.monotonic() < deadline:
+            if time.monotonic() >= next_progress:
+                print(f"{PROG}: waiting for the daemon (pid {proc.pid}) to mount: "
+                      f"{time.monotonic() - started:.0f} s so far", file=sys.stderr, flush=True)
+                next_progress += every
             ready, _, _ = select.select([fd], [], [], 0.2)
             if ready:
                 chunk = os.read(fd, 4096)

@@ -203,3 +203,36 @@ def test_numbers_that_do_not_parse_are_one_line(env: Env, foreground: bool, key:
     env.write(**{key: value})
     message = env.fails(foreground=foreground)
     assert f"key {key!r}: " in message and len(message) < 300
+
+
+def test_waiting_for_a_slow_daemon_says_so_and_never_kills_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """`mount` shows progress while the detached daemon starts, and on its deadline leaves
+    the daemon running (it may be loading a very large NVMe cache)."""
+    import subprocess
+    import sys
+
+    from cubefs_fuse import cli as cli_module
+
+    read_fd, write_fd = os.pipe()
+    slow = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert cli_module._read_ready(read_fd, slow, 1.5) is None  # no report within the deadline
+        progress = capsys.readouterr().err.splitlines()
+        assert len(progress) >= 2 and all(f"waiting for the daemon (pid {slow.pid}) to mount" in line
+                                          for line in progress), progress
+        assert slow.poll() is None  # still running: the caller decides
+    finally:
+        os.close(write_fd)
+        slow.kill()
+        slow.wait()
+
+
+def test_ready_timeout_must_be_a_positive_number() -> None:
+    from cubefs_fuse import cli as cli_module
+
+    parser = cli_module.build_parser()
+    assert parser.parse_args(["mount", "-c", "x.json", "--ready-timeout", "600"]).ready_timeout == 600.0
+    for bad in ("0", "-1", "soon", "1e9"):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["mount", "-c", "x.json", "--ready-timeout", bad])
+        assert exc.value.code == 2
