@@ -27,10 +27,12 @@ from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.control import volfile
+from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
@@ -57,10 +59,13 @@ class Daemon:
     meta: MetadataCache
     fs: Filesystem
     service: PrefetchService | None = None
+    data_plane: DataPlane | None = None  # the fast path's transport (ai_prefetch)
 
     def snapshot(self) -> Snapshot:
+        plane = self.data_plane
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
-                        self.meta.statistics(), self.service.job_samples() if self.service else ())
+                        self.meta.statistics(), self.service.job_samples() if self.service else (),
+                        plane.resolver.statistics() if plane else None, plane.connections if plane else 0)
 
 
 def mount_options(config: ClientConfig) -> set[str]:
@@ -119,7 +124,7 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
             volfile.claim(config.vol_name, config.config_dir)
             service = PrefetchService(nursery, fs, config)
             fs.observer = daemon.service = service
-            await _start_control(nursery, service, config, cleanup)
+            daemon.data_plane = await _start_control(nursery, service, config, cleanup)
         write_index = await _serve(daemon, config_path, on_ready)
         nursery.cancel_scope.cancel()
     return write_index
@@ -152,7 +157,8 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
                 local_ip=volfile.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
-                token_file=token_file_path(config) if config.prof_port else "")
+                token_file=token_file_path(config) if config.prof_port else "",
+                data_socket=data_socket_path(config))
             # The write ends with an fsync: not on the trio thread, which serves FUSE already.
             written = await trio.to_thread.run_sync(volfile.write, volume, config.config_dir)
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
@@ -188,6 +194,11 @@ def control_socket_path(config: ClientConfig) -> str:
     return config.control_socket or os.path.join(mounts.runtime_dir(), f"{config.vol_name}.sock")
 
 
+def data_socket_path(config: ClientConfig) -> str:
+    """The fast path's socket (control/dataplane.py), beside the control socket."""
+    return control_socket_path(config) + ".data"
+
+
 def token_file_path(config: ClientConfig) -> str:
     return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
 
@@ -216,7 +227,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig,
-                         cleanup: contextlib.ExitStack) -> None:
+                         cleanup: contextlib.ExitStack) -> DataPlane:
     """Open the control API (Unix socket, and the loopback port with a token if configured).
     The token file is removed by ``cleanup`` when the daemon ends, however it ends."""
     token = None
@@ -230,13 +241,16 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
     Routes(service).install(server)
     socket_path = control_socket_path(config)
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+    data_plane = DataPlane(BatchResolver(service, allow_other="allow_other" in mount_options(config)))
     try:
         await nursery.start(server.serve_unix, socket_path)
+        await nursery.start(server.serve_data, data_socket_path(config), data_plane.serve)
         if config.prof_port:
             await nursery.start(server.serve_tcp, config.prof_port)
     except OSError as exc:
         raise ConfigError(f"cannot open the control API ({socket_path}, profPort {config.prof_port}): "
                           f"{exc.strerror or exc}") from None
+    return data_plane
 
 
 async def _terminate_on_signal(backend: DeadlineBackend, *,
