@@ -55,6 +55,9 @@ CONNECT_TIMEOUT = 2.0
 RETRY_AFTER = 30.0
 # Reading the volume file is a few syscalls; re-read at most this often per worker.
 VOLUME_TTL = 30.0
+# Batches in a row whose served files the dataset's code never opened (it reads from C)
+# before a worker stops asking the daemon for that dataset: two tell it is no accident.
+USELESS_BATCHES = 2
 
 _warned: set[str] = set()
 _lock = threading.Lock()
@@ -145,6 +148,11 @@ class Channel:
             out.append(self.ring[offset:offset + length])  # a copy: the ring is the daemon's again
         return out
 
+    def release(self, unused: list[int]) -> None:
+        """The batch is loaded: its ring bytes are the daemon's again; ``unused``: the served
+        files the loading code never opened (not counted as requests by the daemon)."""
+        self.sock.send(json.dumps({"op": "release", "unused": unused}, separators=(",", ":")).encode())
+
     def close(self) -> None:
         self.sock.close()
         self.ring.close()
@@ -171,6 +179,7 @@ class _Worker:
         self.volume: tuple[float, str, str, str] | None = None  # (read at, vol_name, mount point, data socket)
         self.mappings: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.mappings_by_id: dict[int, Any] = {}
+        self.useless: dict[int, int] = {}  # id(dataset) -> batches in a row none of whose served files were opened
 
     def _volume(self, vol_name: str) -> tuple[str, str] | None:
         now = time.monotonic()
@@ -204,16 +213,19 @@ class _Worker:
                 self.mappings_by_id[id(dataset)] = mapping
         return mapping
 
-    def resolve(self, dataset: Any, indices: list[int]) -> dict[str, bytes]:
-        """The served files of these samples: absolute path -> bytes ({} on any failure)."""
+    def resolve(self, dataset: Any, indices: list[int]) -> tuple[list[str], dict[str, bytes]]:
+        """The batch's files (absolute paths, as sent) and the served ones: absolute path ->
+        bytes (nothing on any failure)."""
         if time.monotonic() < self.retry_at:
-            return {}
+            return [], {}
+        if self.useless.get(id(dataset), 0) >= USELESS_BATCHES:
+            return [], {}
         mapping = self._mapping(dataset)
         if not mapping:
-            return {}
+            return [], {}
         found = self._volume(os.environ["VOL_NAME"])
         if found is None:
-            return {}
+            return [], {}
         mount_point, data_socket = found
         relative: dict[str, str] = {}  # relative path -> absolute path, in batch order
         for index in indices:
@@ -222,20 +234,38 @@ class _Worker:
                 if rel and rel not in relative:
                     relative[rel] = os.path.join(mount_point, rel)
         if not relative:
-            return {}
+            return [], {}
         paths = list(relative)[:MAX_BATCH_FILES]
         try:
             if self.channel is None:
                 self.channel = Channel(data_socket)
             answers = self.channel.batch(paths)
         except (OSError, ValueError, ProtocolError) as exc:
-            if self.channel is not None:
-                self.channel.close()
-                self.channel = None
-            self.retry_at = time.monotonic() + RETRY_AFTER
-            _warn_once(f"failed:{type(exc).__name__}", "the daemon's data socket failed: %r", exc)
-            return {}
-        return {relative[p]: data for p, data in zip(paths, answers) if data is not None}
+            self.fail(exc)
+            return [], {}
+        absolute = [relative[p] for p in paths]
+        return absolute, {a: data for a, data in zip(absolute, answers) if data is not None}
+
+    def fail(self, exc: Exception) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.retry_at = time.monotonic() + RETRY_AFTER
+        _warn_once(f"failed:{type(exc).__name__}", "the daemon's data socket failed: %r", exc)
+
+    def release(self, dataset: Any, paths: list[str], served: dict[str, bytes], used: set[str]) -> None:
+        unused = [i for i, p in enumerate(paths) if p in served and p not in used]
+        # A loader that never opens its files from Python (cv2, os.open) gains nothing here:
+        # after USELESS_BATCHES such batches in a row its batches go straight to the mount.
+        if served:
+            key = id(dataset)
+            self.useless[key] = self.useless.get(key, 0) + 1 if len(unused) == len(served) else 0
+        if self.channel is None:
+            return
+        try:
+            self.channel.release(unused)
+        except OSError as exc:
+            self.fail(exc)
 
 
 _state: _Worker | None = None
@@ -251,6 +281,7 @@ def _worker() -> _Worker:
 # -- the scoped open hook -----------------------------------------------------------------
 
 _served: dict[str, bytes] = {}  # the current batch's files (absolute path -> bytes)
+_used: set[str] = set()  # those of them opened so far
 _outer_open: Any = None  # the open in place when the batch's scope began
 
 
@@ -265,6 +296,7 @@ def _hooked_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str 
             path = ""
         data = _served.get(path)
         if data is not None:
+            _used.add(path)
             return FastFile(data, os.fspath(file))
     return _outer_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
 
@@ -273,20 +305,28 @@ def _hooked_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str 
 def batch_scope(dataset: Any, indices: list[int]) -> Iterator[int]:
     """While the worker loads these samples, opens of their served files get the daemon's
     bytes; yields how many files were served (0: everything goes through the mount)."""
-    global _served, _outer_open
-    served = _worker().resolve(dataset, indices)
-    if not served or _served:  # nothing served, or a nested scope: leave the open alone
+    global _served, _outer_open, _used
+    if _served:  # a nested scope: leave the open alone
+        yield 0
+        return
+    worker = _worker()
+    paths, served = worker.resolve(dataset, indices)
+    if not served:
+        if paths:
+            worker.release(dataset, paths, served, set())
         yield 0
         return
     _outer_open = builtins.open
-    _served = served
+    _served, _used = served, set()
     builtins.open = io.open = _hooked_open
     try:
         yield len(served)
     finally:
         if builtins.open is _hooked_open:
             builtins.open = io.open = _outer_open
-        _served, _outer_open = {}, None
+        used = _used
+        _served, _used, _outer_open = {}, set(), None
+        worker.release(dataset, paths, served, used)
 
 
 # -- the worker's fetcher -----------------------------------------------------------------

@@ -18,6 +18,11 @@ The conversation, one connection per DataLoader worker (client: cube_torch/fastp
 * ``{"op": "batch", "paths": [<relative path>, ...]}`` → ``{"files": [[offset, length] |
   null, ...]}``: one entry per path, ``null`` meaning "read it through the mount".  The
   served files' bytes are laid out in the ring from offset 0, in order.
+* ``{"op": "release", "unused": [<index>, ...]}`` (no answer), once the worker has loaded
+  the batch: the served files its loading code never opened (a loader that opens files
+  from C reads them through the mount, where they are counted).  Only then are the served
+  files counted as requests (``BatchResolver.commit``); a worker that goes away without a
+  release has its last batch counted whole, as delivered.
 
 **Who owns the ring's bytes**: the bytes of a response belong to the worker until it sends
 its next message on the connection (cube_torch copies them out before it does); the
@@ -50,7 +55,7 @@ from cubefs_fuse.control.routes import relative_path
 from cubefs_fuse.control.server import HEAD_DEADLINE, Peer, Slot
 from cubefs_fuse.errors import BadRequest
 from cubefs_fuse.limits import FAST_RING_BYTES, MAX_BATCH_FILES, MAX_BATCH_MESSAGE
-from cubefs_fuse.prefetch.batches import BatchResolver, Caller
+from cubefs_fuse.prefetch.batches import BatchResolver, Caller, Resolved
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +117,7 @@ class DataPlane:
         self.connections += 1
         ring: Ring | None = None
         caller = Caller(peer.pid, peer.uid, peer.gid)
+        pending: list[Resolved] | None = None  # served, not yet released (nor counted)
         try:
             deadline = HEAD_DEADLINE
             while True:
@@ -124,11 +130,19 @@ class DataPlane:
                 slot.waiting(False)
                 deadline = IDLE_DEADLINE
                 try:
-                    op, paths = _parse(message)
+                    op, paths, unused = _parse(message)
                 except BadRequest as exc:
                     self.protocol_errors += 1
                     await _send_quietly(sock, {"error": str(exc)})
                     return
+                if pending is not None:
+                    for index in unused:
+                        if index < len(pending):
+                            pending[index].parts = None
+                    self.resolver.commit(pending)
+                    pending = None
+                if op == "release":
+                    continue
                 if op == "hello":
                     if ring is None:
                         ring = await trio.to_thread.run_sync(Ring, self.ring_bytes)
@@ -157,17 +171,19 @@ class DataPlane:
                             copied = 0
                             await trio.lowlevel.checkpoint()
                 await sock.send(json.dumps({"files": layout}, separators=(",", ":")).encode())
-                self.resolver.commit(results)
+                pending = results
         except OSError:
             pass  # the worker went away mid-answer: it reads through the mount
         finally:
+            if pending is not None:
+                self.resolver.commit(pending)  # delivered; the worker left without saying which it used
             self.connections -= 1
             if ring is not None:
                 self.rings -= 1
                 ring.close()
 
 
-def _parse(message: bytes) -> tuple[str, list[str]]:
+def _parse(message: bytes) -> tuple[str, list[str], list[int]]:
     if len(message) > MAX_BATCH_MESSAGE:
         raise BadRequest(f"message over {MAX_BATCH_MESSAGE} bytes")
     try:
@@ -178,16 +194,22 @@ def _parse(message: bytes) -> tuple[str, list[str]]:
         raise BadRequest("message must be a JSON object")
     op = data.get("op")
     if op == "hello":
-        return "hello", []
+        return "hello", [], []
+    if op == "release":
+        unused = data.get("unused", [])
+        if (not isinstance(unused, list) or len(unused) > MAX_BATCH_FILES
+                or not all(type(i) is int and 0 <= i < MAX_BATCH_FILES for i in unused)):
+            raise BadRequest(f"'unused' must be a list of at most {MAX_BATCH_FILES} file indexes")
+        return "release", [], unused
     if op != "batch":
-        raise BadRequest("op must be 'hello' or 'batch'")
+        raise BadRequest("op must be 'hello', 'batch' or 'release'")
     paths = data.get("paths")
     if not isinstance(paths, list) or not 0 < len(paths) <= MAX_BATCH_FILES:
         raise BadRequest(f"'paths' must be a list of 1-{MAX_BATCH_FILES} relative paths")
     clean = [relative_path(p) for p in paths]
     if any(not p for p in clean):
         raise BadRequest("the volume root is not a file")
-    return "batch", clean
+    return "batch", clean, []
 
 
 async def _send_quietly(sock: trio.socket.SocketType, data: dict[str, Any]) -> None:
