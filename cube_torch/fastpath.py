@@ -148,10 +148,11 @@ class Channel:
             out.append(self.ring[offset:offset + length])  # a copy: the ring is the daemon's again
         return out
 
-    def release(self, unused: list[int]) -> None:
-        """The batch is loaded: its ring bytes are the daemon's again; ``unused``: the served
-        files the loading code never opened (not counted as requests by the daemon)."""
-        self.sock.send(json.dumps({"op": "release", "unused": unused}, separators=(",", ":")).encode())
+    def release(self, opens: list[int]) -> None:
+        """The batch is loaded: its ring bytes are the daemon's again; ``opens``: how often
+        the loading code opened each file of the batch from the ring (0: never, e.g. it
+        reads from C; each open is one request for the daemon, as through the mount)."""
+        self.sock.send(json.dumps({"op": "release", "opens": opens}, separators=(",", ":")).encode())
 
     def close(self) -> None:
         self.sock.close()
@@ -253,8 +254,9 @@ class _Worker:
         self.retry_at = time.monotonic() + RETRY_AFTER
         _warn_once(f"failed:{type(exc).__name__}", "the daemon's data socket failed: %r", exc)
 
-    def release(self, dataset: Any, paths: list[str], served: dict[str, bytes], used: set[str]) -> None:
-        unused = [i for i, p in enumerate(paths) if p in served and p not in used]
+    def release(self, dataset: Any, paths: list[str], served: dict[str, bytes], used: dict[str, int]) -> None:
+        opens = [used.get(p, 0) for p in paths]
+        unused = [p for p in served if not used.get(p)]
         # A loader that never opens its files from Python (cv2, os.open) gains nothing here:
         # after USELESS_BATCHES such batches in a row its batches go straight to the mount.
         if served:
@@ -263,7 +265,7 @@ class _Worker:
         if self.channel is None:
             return
         try:
-            self.channel.release(unused)
+            self.channel.release(opens)
         except OSError as exc:
             self.fail(exc)
 
@@ -281,7 +283,7 @@ def _worker() -> _Worker:
 # -- the scoped open hook -----------------------------------------------------------------
 
 _served: dict[str, bytes] = {}  # the current batch's files (absolute path -> bytes)
-_used: set[str] = set()  # those of them opened so far
+_used: dict[str, int] = {}  # how often each of them was opened so far
 _outer_open: Any = None  # the open in place when the batch's scope began
 
 
@@ -296,7 +298,7 @@ def _hooked_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str 
             path = ""
         data = _served.get(path)
         if data is not None:
-            _used.add(path)
+            _used[path] = _used.get(path, 0) + 1
             return FastFile(data, os.fspath(file))
     return _outer_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
 
@@ -313,11 +315,11 @@ def batch_scope(dataset: Any, indices: list[int]) -> Iterator[int]:
     paths, served = worker.resolve(dataset, indices)
     if not served:
         if paths:
-            worker.release(dataset, paths, served, set())
+            worker.release(dataset, paths, served, {})
         yield 0
         return
     _outer_open = builtins.open
-    _served, _used = served, set()
+    _served, _used = served, {}
     builtins.open = io.open = _hooked_open
     try:
         yield len(served)
@@ -325,7 +327,7 @@ def batch_scope(dataset: Any, indices: list[int]) -> Iterator[int]:
         if builtins.open is _hooked_open:
             builtins.open = io.open = _outer_open
         used = _used
-        _served, _used, _outer_open = {}, set(), None
+        _served, _used, _outer_open = {}, {}, None
         worker.release(dataset, paths, served, used)
 
 

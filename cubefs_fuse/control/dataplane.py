@@ -18,11 +18,12 @@ The conversation, one connection per DataLoader worker (client: cube_torch/fastp
 * ``{"op": "batch", "paths": [<relative path>, ...]}`` → ``{"files": [[offset, length] |
   null, ...]}``: one entry per path, ``null`` meaning "read it through the mount".  The
   served files' bytes are laid out in the ring from offset 0, in order.
-* ``{"op": "release", "unused": [<index>, ...]}`` (no answer), once the worker has loaded
-  the batch: the served files its loading code never opened (a loader that opens files
-  from C reads them through the mount, where they are counted).  Only then are the served
-  files counted as requests (``BatchResolver.commit``); a worker that goes away without a
-  release has its last batch counted whole, as delivered.
+* ``{"op": "release", "opens": [<count>, ...]}`` (no answer), once the worker has loaded
+  the batch: how often its loading code opened each file of the batch from the ring (0:
+  never — a loader that opens files from C reads them through the mount, where they are
+  counted; 2: a sample twice in the batch).  Only then are the served files counted, one
+  request per open (``BatchResolver.commit``); a worker that goes away without a release
+  has its last batch counted once per served file, as delivered.
 
 **Who owns the ring's bytes**: the bytes of a response belong to the worker until it sends
 its next message on the connection (cube_torch copies them out before it does); the
@@ -130,16 +131,13 @@ class DataPlane:
                 slot.waiting(False)
                 deadline = IDLE_DEADLINE
                 try:
-                    op, paths, unused = _parse(message)
+                    op, paths, opens = _parse(message)
                 except BadRequest as exc:
                     self.protocol_errors += 1
                     await _send_quietly(sock, {"error": str(exc)})
                     return
                 if pending is not None:
-                    for index in unused:
-                        if index < len(pending):
-                            pending[index].parts = None
-                    self.resolver.commit(pending)
+                    self.resolver.commit(pending, opens if op == "release" else None)
                     pending = None
                 if op == "release":
                     continue
@@ -196,11 +194,13 @@ def _parse(message: bytes) -> tuple[str, list[str], list[int]]:
     if op == "hello":
         return "hello", [], []
     if op == "release":
-        unused = data.get("unused", [])
-        if (not isinstance(unused, list) or len(unused) > MAX_BATCH_FILES
-                or not all(type(i) is int and 0 <= i < MAX_BATCH_FILES for i in unused)):
-            raise BadRequest(f"'unused' must be a list of at most {MAX_BATCH_FILES} file indexes")
-        return "release", [], unused
+        opens = data.get("opens")
+        # An open count per file of the batch; a loader opens a file a few times at most
+        # (a sample repeated in its batch), MAX_BATCH_FILES bounds what one batch may claim.
+        if (not isinstance(opens, list) or len(opens) > MAX_BATCH_FILES
+                or not all(type(n) is int and 0 <= n <= MAX_BATCH_FILES for n in opens)):
+            raise BadRequest(f"'opens' must be a list of at most {MAX_BATCH_FILES} open counts")
+        return "release", [], opens
     if op != "batch":
         raise BadRequest("op must be 'hello', 'batch' or 'release'")
     paths = data.get("paths")

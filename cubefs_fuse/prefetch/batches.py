@@ -13,11 +13,13 @@ source during the read (``StaleVersion``), any error, not done in time — is an
 "read it through the mount", and its flights keep going in the cache's nursery, so the
 worker's read through FUSE joins them.
 
-Accounting is the FUSE path's (prefetch/service.py): every file is attributed to the
-caller's job like an open (``opened``: job touch and plan cursor), and each *served*
-file counts as one request when the transport has handed it over (``commit``): a hit if
-no block waited on the backend.  A file sent back to the mount is counted by its FUSE
-open instead, so each file read is one request, whichever way it went.
+Accounting is the FUSE path's (prefetch/service.py): the caller is attributed to its job
+like an opening process, and each open of a *served* file, as the worker reports them
+when it releases the batch (``commit``), is one request (a hit if no block waited on the
+backend) and advances the job's plan cursor, as an open and release through the mount
+would.  A file sent back to the mount, or served but never opened from Python (a loader
+reading from C), is counted by its FUSE open instead: each open is one request,
+whichever way it went.
 """
 
 from __future__ import annotations
@@ -125,18 +127,27 @@ class BatchResolver:
         return BatchStatistics(s.batches, s.served_hits, s.served_misses, s.to_mount, s.served_bytes,
                                dict(s.by_reason))
 
-    def commit(self, results: list[Resolved]) -> None:
-        """The served files were handed to the worker: count each as one request (a hit if
-        no block waited on the backend), like a release through the mount."""
-        for r in results:
+    def commit(self, results: list[Resolved], opens: list[int] | None = None) -> None:
+        """The served files were handed to the worker: count each open of one as a request,
+        like an open and release through the mount (``opens``: per file of the batch, as the
+        worker reports them; None: once per served file).  The first open is a hit if no
+        block waited on the backend; further opens of the same file are hits (through the
+        mount the kernel's page cache would answer them)."""
+        for i, r in enumerate(results):
             if r.parts is None or r.version is None:
                 continue
-            if r.waited:
-                self.stats.served_misses += 1
-            else:
-                self.stats.served_hits += 1
-            self.stats.served_bytes += r.size
-            self.service.released(OpenFile(0, r.path, r.version, owner=r.owner, waited=r.waited, stall=r.stall))
+            count = 1 if opens is None else (opens[i] if i < len(opens) else 0)
+            for n in range(count):
+                if isinstance(r.owner, tuple):
+                    self.service.scheduler.observe_open(r.owner, r.path)  # the plan's cursor, per open
+                waited = r.waited and n == 0
+                if waited:
+                    self.stats.served_misses += 1
+                else:
+                    self.stats.served_hits += 1
+                self.stats.served_bytes += r.size
+                self.service.released(OpenFile(0, r.path, r.version, owner=r.owner, waited=waited,
+                                               stall=r.stall if waited else 0.0))
 
     def _to_mount(self, count: int, reason: str) -> None:
         self.stats.to_mount += count
@@ -161,7 +172,9 @@ class BatchResolver:
                 self._send_back(entry, "ring full")
                 return
             budget[0] -= attr.size  # reserved before any await: the ring never overflows
-            entry.owner = await self.service.opened(caller.pid, path)
+            entry.owner = key = await self.service.jobs.resolve(caller.pid)  # as an open's attribution
+            if key is not None:
+                self.service.jobs.touch(key)
             version, tag = attr.version, path_tag(path)
             blocks = self.fs.blocks
             parts: list[bytes] = []
