@@ -229,11 +229,15 @@ class _Worker:
             return [], {}
         mount_point, data_socket = found
         relative: dict[str, str] = {}  # relative path -> absolute path, in batch order
-        for index in indices:
-            for path in mapping(int(index)):
-                rel = relative_to_mount(path, mount_point)
-                if rel and rel not in relative:
-                    relative[rel] = os.path.join(mount_point, rel)
+        try:
+            for index in indices:
+                for path in mapping(int(index)):
+                    rel = relative_to_mount(path, mount_point)
+                    if rel and rel not in relative:
+                        relative[rel] = os.path.join(mount_point, rel)
+        except Exception as exc:  # an index the mapping does not know: the dataset's own code decides
+            _warn_once("mapping", "could not map this batch's samples to files: %r", exc)
+            return [], {}
         if not relative:
             return [], {}
         paths = list(relative)[:MAX_BATCH_FILES]
