@@ -15,7 +15,7 @@ import queue
 import socket
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,11 @@ MAX_PENDING = 4
 # is a tiny request; this bounds the wait (once per process and daemon) if the daemon is
 # slow, and a missing daemon costs nothing (no config file, no wait).
 JOB_REGISTRATION_TIMEOUT = 0.5
+# The wait for an epoch's plan to reach the daemon before the loader hands out its first
+# index (so no worker opens a file the daemon has not been told about).  A plan of a
+# registered dataset is one request of a few ms; the first epoch of a large dataset also
+# registers its file list and may take longer: after 1 s it finishes in the background.
+PLAN_SUBMIT_WAIT = 1.0
 
 
 @dataclass
@@ -48,6 +53,7 @@ class PlanRequest:
     rank: int
     job: str
     world_size: int = 1  # ranks in the job: the hit-rate line names the rank when > 1
+    handled: threading.Event = field(default_factory=threading.Event)  # set once sent (or given up)
 
 
 @dataclass(frozen=True)
@@ -214,7 +220,9 @@ class Submitter:
             self._queue.put_nowait(request)
         except queue.Full:
             try:
-                self._queue.get_nowait()  # drop the oldest: a newer epoch supersedes it
+                dropped = self._queue.get_nowait()  # drop the oldest: a newer epoch supersedes it
+                dropped.handled.set()
+                self._queue.task_done()
             except queue.Empty:
                 pass
             try:
@@ -225,6 +233,12 @@ class Submitter:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cube_torch-plans", daemon=True)
                 self._thread.start()
+
+    def submit_and_wait(self, request: PlanRequest, timeout: float) -> bool:
+        """Queue the plan and wait until the background thread has sent it, at most
+        ``timeout`` seconds; True if it was handled in time."""
+        self.submit(request)
+        return request.handled.wait(timeout)
 
     def register_job_now(self, vol_name: str, job: str, rank: int) -> None:
         """Register (job, rank) with the volume's daemon before reading starts (bounded)."""
@@ -266,6 +280,7 @@ class Submitter:
             except Exception as exc:  # never let the thread die on a surprise
                 warn_once("unexpected", "could not submit the epoch plan: %r", exc)
             finally:
+                request.handled.set()
                 self._queue.task_done()
 
     def _send(self, request: PlanRequest) -> None:

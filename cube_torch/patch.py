@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from cube_torch import reporter
-from cube_torch.client import PlanRequest, default_job, info_once, rank, submitter, world_size
+from cube_torch import fastpath, reporter
+from cube_torch.client import PLAN_SUBMIT_WAIT, PlanRequest, default_job, info_once, rank, submitter, world_size
 
 log = logging.getLogger("cube_torch")
 
@@ -92,7 +92,11 @@ class PlannedSampler:
         epoch = _epoch_of(self._loader(), self._sampler)
         vol_name, this_rank, job = os.environ["VOL_NAME"], rank(), default_job()
         submitter.register_job_now(vol_name, job, this_rank)  # bounded; once per process and daemon
-        submitter.submit(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size()))
+        # The plan reaches the daemon before the loader hands out the epoch's first index
+        # (workers open nothing before that), waiting at most PLAN_SUBMIT_WAIT; a slower
+        # submission (a first, large file list) finishes in the background.
+        submitter.submit_and_wait(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size()),
+                                  PLAN_SUBMIT_WAIT)
         reporter.ensure_running(planning_loaders)
 
 
@@ -128,6 +132,7 @@ def install() -> bool:
 
     DataLoader._index_sampler = property(planned_index_sampler)  # type: ignore[method-assign,assignment]
     _original = original
+    fastpath.install()
     return True
 
 
@@ -140,6 +145,7 @@ def uninstall() -> bool:
         return False
     DataLoader._index_sampler = _original  # type: ignore[method-assign,assignment]
     _original = None
+    fastpath.uninstall()
     return True
 
 

@@ -27,10 +27,12 @@ from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.control import volfile
+from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
@@ -57,12 +59,15 @@ class Daemon:
     meta: MetadataCache
     fs: Filesystem
     service: PrefetchService | None = None
+    data_plane: DataPlane | None = None  # the fast path's transport (ai_prefetch)
 
     def snapshot(self) -> Snapshot:
-        c = self.config
+        c, plane = self.config, self.data_plane
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
                         self.meta.statistics(), self.service.job_samples() if self.service else (),
-                        MountInfo(c.vol_name, c.mount_point, c.source, c.profile))
+                        mount=MountInfo(c.vol_name, c.mount_point, c.source, c.profile),
+                        fastpath=plane.resolver.statistics() if plane else None,
+                        fastpath_connections=plane.connections if plane else 0)
 
 
 def mount_options(config: ClientConfig) -> set[str]:
@@ -123,7 +128,7 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
         if config.profile == "ai_prefetch":
             volfile.claim(config.vol_name, config.config_dir)
             fs.observer = service
-        await _start_control(nursery, service, config, cleanup)
+        daemon.data_plane = await _start_control(nursery, service, config, cleanup)
         write_index = await _serve(daemon, config_path, on_ready)
         nursery.cancel_scope.cancel()
     return write_index
@@ -157,7 +162,8 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
                 local_ip=volfile.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
-                token_file=token_file_path(config) if config.prof_port else "")
+                token_file=token_file_path(config) if config.prof_port else "",
+                data_socket=data_socket_path(config))
             # The write ends with an fsync: not on the trio thread, which serves FUSE already.
             written = await trio.to_thread.run_sync(volfile.write, volume, config.config_dir)
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
@@ -193,6 +199,11 @@ def control_socket_path(config: ClientConfig) -> str:
     return config.control_socket or os.path.join(mounts.runtime_dir(), f"{config.vol_name}.sock")
 
 
+def data_socket_path(config: ClientConfig) -> str:
+    """The fast path's socket (control/dataplane.py), beside the control socket."""
+    return control_socket_path(config) + ".data"
+
+
 def token_file_path(config: ClientConfig) -> str:
     return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
 
@@ -221,8 +232,9 @@ def _unlink_quietly(path: str) -> None:
 
 
 async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig,
-                         cleanup: contextlib.ExitStack) -> None:
-    """Open the control API (Unix socket, and the loopback port with a token if configured).
+                         cleanup: contextlib.ExitStack) -> DataPlane | None:
+    """Open the control API (Unix socket, and the loopback port with a token if configured)
+    and, with ai_prefetch, the data socket of cube_torch's fast path.
     The token file is removed by ``cleanup`` when the daemon ends, however it ends."""
     token = None
     if config.prof_port:
@@ -235,13 +247,19 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
     Routes(service, ai_prefetch=config.profile == "ai_prefetch").install(server)
     socket_path = control_socket_path(config)
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
+    ai_prefetch = config.profile == "ai_prefetch"
+    data_plane = DataPlane(BatchResolver(service, allow_other="allow_other" in mount_options(config))) \
+        if ai_prefetch else None
     try:
         await nursery.start(server.serve_unix, socket_path)
+        if data_plane is not None:
+            await nursery.start(server.serve_data, data_socket_path(config), data_plane.serve)
         if config.prof_port:
             await nursery.start(server.serve_tcp, config.prof_port)
     except OSError as exc:
         raise ConfigError(f"cannot open the control API ({socket_path}, profPort {config.prof_port}): "
                           f"{exc.strerror or exc}") from None
+    return data_plane
 
 
 async def _terminate_on_signal(backend: DeadlineBackend, *,

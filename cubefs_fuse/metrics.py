@@ -29,6 +29,7 @@ from cubefs_fuse.cache.blockcache import BlockCacheStatistics
 from cubefs_fuse.fs.filesystem import FilesystemStatistics
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.fs.metadata import MetadataStatistics
+from cubefs_fuse.prefetch.batches import BatchStatistics
 from cubefs_fuse.prefetch.jobs import JobSample
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,15 @@ METRICS: dict[str, MetricSpec] = {
                    ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_job_stall_seconds_total", "counter", "Seconds a job's reads waited on the backend.",
                    ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_fastpath_batches_total", "counter", "Batches cube_torch's workers resolved over the data socket (the fast path).",
+                   ai_prefetch=True),
+        MetricSpec("cubefs_fuse_fastpath_files_total", "counter",
+                   "Files of fast-path batches: served from the cache (hit), served after waiting on the backend (miss), or sent back to read through the mount (mount).",
+                   ("result",), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_fastpath_bytes_total", "counter", "Bytes served through the fast path's shared-memory rings.",
+                   ai_prefetch=True),
+        MetricSpec("cubefs_fuse_fastpath_connections", "gauge", "Open data-socket connections (one per DataLoader worker using the fast path).",
+                   ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the job's current epoch plan.",
                    ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_plan_position", "gauge", "The plan's read cursor (samples consumed in order).",
@@ -134,6 +144,8 @@ class Snapshot:
     meta: MetadataStatistics
     jobs: tuple[JobSample, ...] = ()
     mount: MountInfo | None = None
+    fastpath: BatchStatistics | None = None  # ai_prefetch only
+    fastpath_connections: int = 0
 
 
 class _Families:
@@ -224,6 +236,13 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_stall_seconds_total", s.fs.stall_seconds)
     f.add("cubefs_fuse_prefetch_used_total", c.prefetch_used)
     f.add("cubefs_fuse_prefetch_wasted_total", c.prefetch_wasted)
+    if s.fastpath is not None:
+        f.add("cubefs_fuse_fastpath_batches_total", s.fastpath.batches)
+        f.add("cubefs_fuse_fastpath_files_total", s.fastpath.served_hits, "hit")
+        f.add("cubefs_fuse_fastpath_files_total", s.fastpath.served_misses, "miss")
+        f.add("cubefs_fuse_fastpath_files_total", s.fastpath.to_mount, "mount")
+        f.add("cubefs_fuse_fastpath_bytes_total", s.fastpath.served_bytes)
+        f.add("cubefs_fuse_fastpath_connections", s.fastpath_connections)
     for j in s.jobs:
         labels = (j.job, str(j.rank))
         f.add("cubefs_fuse_job_requests_total", j.requests, *labels)

@@ -73,6 +73,13 @@ def populate(root: Path) -> None:
         write_jpeg(root / "list2d" / "img" / f"{i:02d}.jpg", 3000 + i)
         (root / "list2d" / "cap").mkdir(parents=True, exist_ok=True)
         (root / "list2d" / "cap" / f"{i:02d}.txt").write_text(f"caption {i}")
+    # Images read with PIL and captions (token tensors) with torch.load.
+    import torch
+
+    for i in range(12):
+        write_jpeg(root / "listpt" / "img" / f"{i:02d}.jpg", 4000 + i)
+        (root / "listpt" / "cap").mkdir(parents=True, exist_ok=True)
+        torch.save(torch.arange(i, i + 5 + i), root / "listpt" / "cap" / f"{i:02d}.pt")
 
 
 # -- datasets ------------------------------------------------------------------------------
@@ -122,6 +129,34 @@ class RowsDataset(PairDataset):
         return [(Path(image), os.fsencode(caption)) for image, caption in zip(self.images, self.captions)]
 
 
+class PilTorchDataset(PairDataset):
+    """``train_data_list()`` of (image, caption): images opened by PIL from their path,
+    captions by ``torch.load`` from theirs (the loading code a fast path must serve)."""
+
+    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+        import torch
+        from PIL import Image
+
+        with Image.open(self.images[i]) as image:
+            pixels = transforms.PILToTensor()(image.convert("RGB"))
+        return pixels, torch.load(self.captions[i])
+
+
+class CLevelDataset(ListDataset):
+    """A loader that opens its files from C, as OpenCV does: ``os.open`` and ``mmap``."""
+
+    def __getitem__(self, i: int) -> bytes:
+        import mmap
+
+        fd = os.open(self.paths[i], os.O_RDONLY)
+        try:
+            size = os.fstat(fd).st_size
+            with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mapped:
+                return bytes(mapped)
+        finally:
+            os.close(fd)
+
+
 def make_dataset(kind: str, root: Path) -> Dataset[Any]:
     to_tensor = transforms.PILToTensor()
     if kind == "imagefolder":
@@ -135,6 +170,11 @@ def make_dataset(kind: str, root: Path) -> Dataset[Any]:
                                       transform=to_tensor)
     if kind == "list1d":
         return ListDataset(sorted(str(p) for p in (root / "list1d").iterdir()))
+    if kind == "pilpt":
+        return PilTorchDataset(sorted(str(p) for p in (root / "listpt" / "img").iterdir()),
+                               sorted(str(p) for p in (root / "listpt" / "cap").iterdir()))
+    if kind == "clevel":
+        return CLevelDataset(sorted(str(p) for p in (root / "imagefolder" / "cat").iterdir()))
     if kind in ("list2d", "rows2d"):
         pair = PairDataset if kind == "list2d" else RowsDataset
         return pair(sorted(str(p) for p in (root / "list2d" / "img").iterdir()),

@@ -25,6 +25,9 @@ from typing import Any
 from urllib.parse import urlencode
 
 # Request bounds, enforced by the daemon and known to clients (standard library only too).
+from cubefs_fuse.limits import FAST_RING_BYTES as FAST_RING_BYTES
+from cubefs_fuse.limits import MAX_BATCH_FILES as MAX_BATCH_FILES
+from cubefs_fuse.limits import MAX_BATCH_MESSAGE as MAX_BATCH_MESSAGE
 from cubefs_fuse.limits import MAX_DATASET_BODY as MAX_DATASET_BODY
 from cubefs_fuse.limits import MAX_DATASET_FILES as MAX_DATASET_FILES
 from cubefs_fuse.limits import MAX_JSON_BODY as MAX_JSON_BODY
@@ -62,6 +65,7 @@ class VolumeConfig:
     pid: int
     protocol_version: int = PROTOCOL_VERSION
     token_file: str = ""
+    data_socket: str = ""  # the fast path's socket (control/dataplane.py); "" if none
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"

@@ -58,6 +58,9 @@ def _relative_path(value: Any) -> str:
     return value
 
 
+relative_path = _relative_path  # the data socket (control/dataplane.py) checks its paths the same way
+
+
 class Routes:
     """The ``/v1`` routes of one daemon, over its prefetch service."""
 

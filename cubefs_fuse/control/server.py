@@ -105,6 +105,11 @@ def _quick_answer(status: int, reason: str, message: str) -> bytes:
             f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
+def _data_answer(status: int, reason: str, message: str) -> bytes:
+    """The data socket's refusal: one JSON message (the client reads it as an error)."""
+    return json.dumps({"error": message, "status": status}, separators=(",", ":")).encode()
+
+
 def _refuse(sock: socket.socket, answer: bytes) -> None:
     """Write ``answer`` if the socket buffer takes it at once, then close: no await, no task."""
     try:
@@ -131,8 +136,9 @@ def remove_stale_socket(path: str) -> None:
 
 
 class _Conn:
-    """One admitted connection: its uid bucket, whether it waits for a request head, and
-    the cancel scope that closes it when its slot is taken."""
+    """One admitted connection: its uid bucket, whether it waits for a request head (or,
+    on the data socket, for its next batch), and the cancel scope that closes it when its
+    slot is taken."""
 
     __slots__ = ("uid", "scope", "waiting_since", "released")
 
@@ -141,6 +147,13 @@ class _Conn:
         self.scope = scope
         self.waiting_since: float | None = trio.current_time()
         self.released = False
+
+    def waiting(self, idle: bool) -> None:
+        """Idle connections give up their slot first when the caps are reached."""
+        self.waiting_since = trio.current_time() if idle else None
+
+
+Slot = _Conn
 
 
 class ApiError(Exception):
@@ -193,6 +206,9 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+# A data-socket connection (control/dataplane.py): the admitted socket, its peer, and its
+# slot (``waiting(True/False)`` marks it idle, i.e. the first to give up its slot).
+DataHandler = Callable[[trio.socket.SocketType, "Peer", "Slot"], Awaitable[None]]
 
 
 @dataclass
@@ -256,6 +272,33 @@ class ControlServer:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 
+    async def serve_data(self, path: str, handler: DataHandler, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen on the fast path's data socket (SOCK_SEQPACKET, mode 0666).
+
+        The same admission as the control socket, in the same counters: the peer
+        credentials checked against the same :class:`AccessPolicy` right after accept()
+        (a refused peer gets one error message and the close, never a descriptor), the
+        same connection caps (an idle data connection is the first to give its slot up)
+        and the descriptor reserve.  ``handler`` serves an admitted connection.
+        """
+        remove_stale_socket(path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        try:
+            sock.bind(path)
+            os.chmod(path, 0o666)
+            sock.listen(LISTEN_BACKLOG)
+        except BaseException:
+            sock.close()
+            raise
+        task_status.started()
+        try:
+            await self._accept_loop(sock, "unix", handler)
+        finally:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
     async def serve_tcp(self, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on loopback only; every request needs the bearer token."""
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
@@ -272,7 +315,7 @@ class ControlServer:
         finally:
             sock.close()
 
-    async def _accept_loop(self, listener: socket.socket, transport: str) -> None:
+    async def _accept_loop(self, listener: socket.socket, transport: str, data: DataHandler | None = None) -> None:
         """Accept, check and admit or refuse each connection; a refusal costs no task."""
         async with trio.open_nursery() as nursery:
             while True:
@@ -290,11 +333,13 @@ class ControlServer:
                         if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.EPERM):
                             continue  # that peer gave up; the next one may be fine
                         raise
-                    self._admit(nursery, sock, transport)
+                    self._admit(nursery, sock, transport, data)
                 await trio.lowlevel.checkpoint()
 
-    def _admit(self, nursery: trio.Nursery, sock: socket.socket, transport: str) -> None:
+    def _admit(self, nursery: trio.Nursery, sock: socket.socket, transport: str,
+               data: DataHandler | None = None) -> None:
         """Decide at once: refuse (a short answer if the buffer takes it, then close) or serve."""
+        answer = _quick_answer if data is None else _data_answer
         if transport == "unix":
             try:
                 raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
@@ -305,7 +350,7 @@ class ControlServer:
             peer = Peer(pid, uid, gid, transport)
             if not self.policy.allows(peer):
                 self.refused_peers += 1
-                _refuse(sock, _quick_answer(403, "Forbidden", f"uid {uid} is not allowed to use the control socket"))
+                _refuse(sock, answer(403, "Forbidden", f"uid {uid} is not allowed to use the control socket"))
                 return
         else:
             peer = Peer(0, -1, -1, transport)
@@ -313,17 +358,20 @@ class ControlServer:
             # Descriptors are handed out lowest first: every one below this number is in use,
             # so only the reserve is left.  It stays for FUSE and the caches.
             self.refused_full += 1
-            _refuse(sock, _quick_answer(503, "Service Unavailable", "the daemon is short of file descriptors"))
+            _refuse(sock, answer(503, "Service Unavailable", "the daemon is short of file descriptors"))
             return
         if not self._make_room(peer.uid):
             self.refused_full += 1
-            _refuse(sock, _quick_answer(503, "Service Unavailable", "too many control connections: retry later"))
+            _refuse(sock, answer(503, "Service Unavailable", "too many control connections: retry later"))
             return
         sock.setblocking(False)
         slot = _Conn(peer.uid, trio.CancelScope())
         self._conns.append(slot)
         self._per_uid[peer.uid] = self._per_uid.get(peer.uid, 0) + 1
-        nursery.start_soon(self._serve, trio.SocketStream(trio.socket.from_stdlib_socket(sock)), peer, slot)
+        if data is not None:
+            nursery.start_soon(self._serve_data, data, trio.socket.from_stdlib_socket(sock), peer, slot)
+        else:
+            nursery.start_soon(self._serve, trio.SocketStream(trio.socket.from_stdlib_socket(sock)), peer, slot)
 
     def _make_room(self, uid: int) -> bool:
         """True if a new connection of ``uid`` fits, after closing a waiting one if needed."""
@@ -376,6 +424,14 @@ class ControlServer:
             self._release(slot)
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+
+    async def _serve_data(self, handler: DataHandler, sock: trio.socket.SocketType, peer: Peer, slot: _Conn) -> None:
+        try:
+            with slot.scope:
+                await handler(sock, peer, slot)
+        finally:
+            self._release(slot)
+            sock.close()
 
     async def _next_event(self, conn: h11.Connection, stream: trio.SocketStream) -> Any:
         while True:

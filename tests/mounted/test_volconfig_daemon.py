@@ -19,7 +19,8 @@ import pytest
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ControlClient, read_volume_config
 from tests.helpers import Mount, cli, dead_pid
 
-FIELDS = {"prof", "mount_point", "vol_name", "local_ip", "control_socket", "pid", "protocol_version", "token_file"}
+FIELDS = {"prof", "mount_point", "vol_name", "local_ip", "control_socket", "pid", "protocol_version", "token_file",
+          "data_socket"}
 
 
 def config_dir(tmp_path: Path) -> Path:

@@ -35,6 +35,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -51,12 +52,13 @@ from torchvision import datasets  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
+from cube_torch import fastpath
 from cube_torch import reporter
 from cube_torch.client import PlanRequest
 from cube_torch.client import submitter
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
-from tests.helpers import REPO, Mount, force_unmount, free_port, wait_until
+from tests.helpers import REPO, Mount, force_unmount, free_port, metric, wait_until
 from tests.torch_datasets import LINE, ListDataset, RepeatingBatchSampler, canon, keep, make_dataset, populate, read_bytes, wrap
 
 SEED = 20240607
@@ -108,8 +110,7 @@ _trace_prefix = ""
 _real_open = builtins.open
 
 
-def _traced_open(file: Any, *args: Any, **kwargs: Any) -> Any:
-    """builtins.open, recording opens of files under the mount as (worker id, path)."""
+def _record(file: Any) -> None:
     if _trace_dir is not None and isinstance(file, (str, os.PathLike)):
         path = os.path.abspath(os.fspath(file))
         if path.startswith(_trace_prefix):
@@ -120,7 +121,20 @@ def _traced_open(file: Any, *args: Any, **kwargs: Any) -> Any:
                 os.write(fd, record)  # one write per record: O_APPEND keeps lines whole
             finally:
                 os.close(fd)
+
+
+def _traced_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+    """builtins.open, recording opens of files under the mount as (worker id, path)."""
+    _record(file)
     return _real_open(file, *args, **kwargs)
+
+
+class _TracedFastFile(fastpath.FastFile):
+    """An open the fast path answered (it never reaches ``_traced_open``): recorded too."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        _record(name)
+        super().__init__(data, name)
 
 
 class Trace:
@@ -145,6 +159,7 @@ def trace(volume: Volume, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     _trace_dir, _trace_prefix = str(directory), str(volume.root) + "/"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(builtins, "open", _traced_open)
+        mp.setattr(fastpath, "FastFile", _TracedFastFile)
         yield Trace(directory)
     _trace_dir = None
 
@@ -233,12 +248,13 @@ class Case:
     rank: int = 0
     persistent: bool = False
     epochs: int = 2
+    fast: bool = True  # CUBE_TORCH_FAST_PATH on (the default) or off
 
     @property
     def id(self) -> str:
         parts = [self.dataset, self.wrapper, self.sampler + (str(self.rank) if self.sampler == "distributed" else ""),
                  f"w{self.workers}"]
-        return "-".join(parts + (["persistent"] if self.persistent else []))
+        return "-".join(parts + (["persistent"] if self.persistent else []) + ([] if self.fast else ["nofast"]))
 
 
 def build_loader(case: Case, dataset: Dataset[Any]) -> tuple[DataLoader[Any], Callable[[int], None]]:
@@ -288,6 +304,12 @@ def job_requests(volume: Volume, job: str, rank: int) -> int:
     return 0
 
 
+def fast_files(volume: Volume) -> float:
+    """Files the daemon served through the fast path so far (hits and misses)."""
+    samples = volume.mount.scrape()
+    return sum(metric(samples, "cubefs_fuse_fastpath_files_total", result=r) for r in ("hit", "miss"))
+
+
 def daemon_plan(volume: Volume, job: str, rank: int) -> dict[str, Any]:
     plans = [p for p in volume.client().status()["plans"] if (p["job"], p["rank"]) == (job, rank)]
     assert len(plans) == 1, f"daemon plans for {job}/{rank}: {plans}"
@@ -298,6 +320,7 @@ def check_case(case: Case, volume: Volume, trace: Trace, wire: Wire, job: str,
                monkeypatch: pytest.MonkeyPatch) -> None:
     dataset = wrap(make_dataset(case.dataset, volume.root), case.wrapper, volume.root)
     monkeypatch.setenv("RANK", str(case.rank))  # what torch.distributed would say on that rank
+    monkeypatch.setenv("CUBE_TORCH_FAST_PATH", "1" if case.fast else "0")
 
     cube_torch.uninstall()
     sent_before = len(wire.plans)
@@ -341,9 +364,16 @@ def check_case(case: Case, volume: Volume, trace: Trace, wire: Wire, job: str,
 
     loader, start_epoch = build_loader(case, dataset)
     assert isinstance(loader, DataLoader)
+    fast_before = fast_files(volume)
     planned_run = run_epochs(loader, start_epoch, case.epochs, verify)
     # (c) the samples are those the loader yields without cube_torch.
     assert planned_run == reference
+    # (d) the fast path served files exactly when it should: in workers, unless switched off.
+    served = fast_files(volume) - fast_before
+    if case.fast and case.workers > 0:
+        assert served > 0, "the fast path served nothing"
+    else:
+        assert served == 0
     assert wire.registrations == registrations + 1, "the file list is registered once per dataset"
 
 
@@ -359,9 +389,14 @@ DATASET_CASES = [Case(dataset=d, wrapper=w, sampler=_ROTATION[(i + j) % 6][0], w
                  for i, d in enumerate(("imagefolder", "datasetfolder", "voc", "coco", "list1d", "list2d", "rows2d"))
                  for j, w in enumerate(("plain", "subset", "nested", "concat"))
                  if (d, w) != ("imagefolder", "plain")]  # that one is SAMPLER_CASES
+# The fast path on (the default in every case above) and off, for the dataset kinds whose
+# loading code it serves: torchvision's PIL loaders, and PIL + torch.load in a custom one.
+FASTPATH_CASES = [Case(dataset=d, sampler="random", workers=2, fast=fast)
+                  for d in ("imagefolder", "voc", "coco", "pilpt") for fast in (True, False)]
 
 
-@pytest.mark.parametrize("case", SAMPLER_CASES + PERSISTENT_CASES + DATASET_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("case", SAMPLER_CASES + PERSISTENT_CASES + DATASET_CASES + FASTPATH_CASES,
+                         ids=lambda c: c.id)
 def test_plan_matches_reads_and_samples(case: Case, volume: Volume, trace: Trace, wire: Wire, fresh_state: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     check_case(case, volume, trace, wire, fresh_state, monkeypatch)
@@ -514,3 +549,72 @@ def test_a_short_job_prints_a_line_per_epoch_and_at_exit(volume: Volume, fresh_s
     assert int(lines[-1].group(6)) == 48  # type: ignore[union-attr]  # sum_metrics: both epochs' opens
     before_second = out.index("EPOCH 1 24")
     assert any("last_cycle_metrics" in line for line in out[:before_second]), "no line at the end of epoch 0"
+
+
+# -- the fast path: loaders it cannot serve, and the plan before the first open ---------------
+
+
+def test_a_loader_that_opens_files_from_c_reads_through_the_mount(volume: Volume, wire: Wire,
+                                                                  fresh_state: str) -> None:
+    """``os.open`` + ``mmap`` (as OpenCV reads) never see the fast path's bytes: the samples
+    are read through the mount and equal the reference, the job counts exactly the files
+    read (the batches' served files were never opened, so they are not requests), and the
+    workers stop asking the daemon for that dataset."""
+    dataset = make_dataset("clevel", volume.root)
+    cube_torch.uninstall()
+    reference = [canon(b) for b in DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=keep)]
+    cube_torch.install()
+    before, fast_before = job_requests(volume, fresh_state, 0), fast_files(volume)
+    mount_before = metric(volume.mount.scrape(), "cubefs_fuse_fastpath_files_total", result="mount")
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=keep, persistent_workers=True)
+    for _ in range(3):
+        assert [canon(b) for b in loader] == reference
+    expected = before + 3 * len(dataset)  # type: ignore[arg-type]
+    wait_until(lambda: job_requests(volume, fresh_state, 0) >= expected, what="the daemon to count the opens")
+    assert job_requests(volume, fresh_state, 0) == expected
+    assert fast_files(volume) == fast_before
+    # Each worker asked for its first two batches only (USELESS_BATCHES), then stopped.
+    batches = metric(volume.mount.scrape(), "cubefs_fuse_fastpath_batches_total")
+    assert metric(volume.mount.scrape(), "cubefs_fuse_fastpath_files_total", result="mount") == mount_before
+    assert batches > 0
+    del loader
+
+
+class PlanWitness(Dataset[tuple[int, int]]):
+    """Each sample is (index, the epoch of this job's plan on the daemon when a worker loaded
+    it): the first opens of an epoch must find that epoch's plan there."""
+
+    def __init__(self, root: Path, job: str, socket_path: str) -> None:
+        self.inner = make_dataset("list1d", root)
+        self.job, self.socket_path = job, socket_path
+
+    def train_data_list(self) -> np.ndarray:
+        return self.inner.train_data_list()  # type: ignore[attr-defined, no-any-return]
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        self.inner[i]
+        plans = [p for p in ControlClient(self.socket_path, timeout=10).status()["plans"] if p["job"] == self.job]
+        return i, plans[0]["epoch"] if plans else -1
+
+
+def test_the_plan_is_at_the_daemon_before_an_epochs_first_open(volume: Volume, fresh_state: str,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The epoch's plan is submitted synchronously (bounded: PLAN_SUBMIT_WAIT) before the
+    loader hands out the first index: every sample of every epoch, the very first ones of
+    4 workers included, is loaded with that epoch's plan already on the daemon, even when
+    the submission takes 0.3 s (a busy daemon; within the 1 s bound)."""
+    submit_plan = ControlClient.submit_plan
+
+    def slow_submit(self: ControlClient, *args: Any) -> dict[str, Any]:
+        time.sleep(0.3)  # the emulated slowness, not a wait for a condition
+        return submit_plan(self, *args)
+
+    monkeypatch.setattr(ControlClient, "submit_plan", slow_submit)
+    dataset = PlanWitness(volume.root, fresh_state, read_volume_config(volume.name).control_socket)
+    loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=4, collate_fn=keep)
+    for epoch in range(3):
+        seen = [plan_epoch for batch in loader for _, plan_epoch in batch]
+        assert seen == [epoch] * len(dataset), f"epoch {epoch}: plans seen {seen}"

@@ -1,0 +1,369 @@
+"""The fast path, worker side: a batch's files from the daemon's cache, without FUSE.
+
+Inside a DataLoader worker (``get_worker_info()`` is set) of a map-style dataset, each
+batch the worker is about to load is first sent to the daemon in one message over the
+data socket (``data_socket`` of the per-volume file; daemon side:
+cubefs_fuse/control/dataplane.py).  The daemon answers, per file, where its bytes lie in
+this worker's shared-memory ring (a sealed memfd it handed over once, with SCM_RIGHTS),
+or "read it through the mount".  The served bytes are copied out of the ring at once (so
+the ring is free again before the next batch is asked for).
+
+Then, while the worker's fetcher loads exactly that batch, ``builtins.open`` (= ``io.open``)
+is replaced by a hook that answers a read-only binary open (``"rb"``, no encoding,
+newline, opener or closefd) of one of *the batch's served paths* with an in-memory file
+(:class:`FastFile`) of those bytes.  Every other open — another path, a text or write
+mode, a descriptor, a C-level open (``os.open``, ``mmap``, OpenCV), anything after the
+batch — goes to the real ``open`` and through the mount, as without the fast path.
+
+Never wrong, never stuck: every wait is bounded (connect, the hello, each reply within
+:data:`REPLY_TIMEOUT`); any failure — no daemon, an older daemon without a data socket,
+a refusal, a malformed or late reply, a daemon that dies mid-batch — closes the
+connection, logs once, and that batch (and those of the next :data:`RETRY_AFTER`
+seconds) goes through the mount.  ``CUBE_TORCH_FAST_PATH=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import logging
+import mmap
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from cube_torch.files import Unsupported, relative_to_mount, sample_files
+from cubefs_fuse.control.protocol import MAX_BATCH_FILES, MAX_BATCH_MESSAGE, ProtocolError, read_volume_config
+
+log = logging.getLogger("cube_torch")
+
+ENV_SWITCH = "CUBE_TORCH_FAST_PATH"
+# A reply must arrive within this time: the daemon answers a batch within its own bound
+# (prefetch/batches.py's BATCH_WAIT, 2 s) plus the copy into the ring; 10 s leaves room
+# for a loaded machine, and a hung daemon costs a worker one such wait, then the mount.
+REPLY_TIMEOUT = 10.0
+# Connecting and the hello: a live daemon answers in well under a millisecond.
+CONNECT_TIMEOUT = 2.0
+# After a failure the worker reads through the mount for this long before trying again
+# (a restarted daemon is found again; a broken one costs one try per half minute).
+RETRY_AFTER = 30.0
+# Reading the volume file is a few syscalls; re-read at most this often per worker.
+VOLUME_TTL = 30.0
+# Batches in a row whose served files the dataset's code never opened (it reads from C)
+# before a worker stops asking the daemon for that dataset: two tell it is no accident.
+USELESS_BATCHES = 2
+
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1") != "0" and bool(os.environ.get("VOL_NAME"))
+
+
+def _warn_once(kind: str, message: str, *args: Any) -> None:
+    with _lock:
+        if kind in _warned:
+            return
+        _warned.add(kind)
+    log.warning("cube_torch: fast path: " + message + " (reading through the mount; logged once per process)", *args)
+
+
+class FastFile(io.BytesIO):
+    """A read-only binary file of bytes the daemon served (what ``open(path, "rb")`` gives)."""
+
+    def __init__(self, data: bytes, name: str) -> None:
+        super().__init__(data)  # shares ``data`` (a bytes object): no copy
+        self.name = name
+
+    @property
+    def mode(self) -> str:
+        return "rb"
+
+    def writable(self) -> bool:
+        return False
+
+    def write(self, data: Any) -> int:
+        raise io.UnsupportedOperation("not writable")
+
+    def writelines(self, lines: Any) -> None:
+        raise io.UnsupportedOperation("not writable")
+
+    def truncate(self, size: int | None = None) -> int:
+        raise io.UnsupportedOperation("not writable")
+
+
+class Channel:
+    """One connection to the daemon's data socket, with its ring (one per worker process)."""
+
+    def __init__(self, path: str, *, connect_timeout: float = CONNECT_TIMEOUT,
+                 reply_timeout: float = REPLY_TIMEOUT) -> None:
+        self.reply_timeout = reply_timeout
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            sock.settimeout(connect_timeout)
+            sock.connect(path)
+            sock.send(b'{"op":"hello"}')
+            message, fds, _, _ = socket.recv_fds(sock, 4096, 1)
+            try:
+                reply = _decode(message)
+                if len(fds) != 1 or not isinstance(reply.get("ring"), int):
+                    raise ProtocolError(0, f"bad hello reply {reply!r}")
+                size = reply["ring"]
+                self.ring = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            sock.close()
+            raise
+        sock.settimeout(reply_timeout)
+        self.sock = sock
+        self.size = size
+
+    def batch(self, paths: list[str]) -> list[bytes | None]:
+        """Each path's bytes, or None: read it through the mount.  Raises on any failure."""
+        request = json.dumps({"op": "batch", "paths": paths}, separators=(",", ":")).encode()
+        if len(request) > MAX_BATCH_MESSAGE:
+            raise ValueError("batch too large for one message")
+        self.sock.send(request)
+        reply = _decode(self.sock.recv(MAX_BATCH_MESSAGE))
+        files = reply.get("files")
+        if not isinstance(files, list) or len(files) != len(paths):
+            raise ProtocolError(0, f"bad batch reply ({str(reply)[:200]})")
+        out: list[bytes | None] = []
+        for entry in files:
+            if entry is None:
+                out.append(None)
+                continue
+            offset, length = entry
+            if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset <= offset + length <= self.size):
+                raise ProtocolError(0, f"bad ring slot {entry!r}")
+            out.append(self.ring[offset:offset + length])  # a copy: the ring is the daemon's again
+        return out
+
+    def release(self, opens: list[int]) -> None:
+        """The batch is loaded: its ring bytes are the daemon's again; ``opens``: how often
+        the loading code opened each file of the batch from the ring (0: never, e.g. it
+        reads from C; each open is one request for the daemon, as through the mount)."""
+        self.sock.send(json.dumps({"op": "release", "opens": opens}, separators=(",", ":")).encode())
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ring.close()
+
+
+def _decode(message: bytes) -> dict[str, Any]:
+    if not message:
+        raise ProtocolError(0, "the daemon closed the data connection")
+    data = json.loads(message)
+    if not isinstance(data, dict):
+        raise ProtocolError(0, "reply is not a JSON object")
+    if "error" in data:
+        raise ProtocolError(int(data.get("status", 400)), str(data["error"]))
+    return data
+
+
+class _Worker:
+    """The fast path's state in one process (a forked worker starts afresh: keyed by pid)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.channel: Channel | None = None
+        self.retry_at = 0.0
+        self.volume: tuple[float, str, str, str] | None = None  # (read at, vol_name, mount point, data socket)
+        self.mappings: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self.mappings_by_id: dict[int, Any] = {}
+        self.useless: dict[int, int] = {}  # id(dataset) -> batches in a row none of whose served files were opened
+
+    def _volume(self, vol_name: str) -> tuple[str, str] | None:
+        now = time.monotonic()
+        if self.volume is None or self.volume[1] != vol_name or now - self.volume[0] > VOLUME_TTL:
+            try:
+                config = read_volume_config(vol_name)
+            except ProtocolError as exc:
+                _warn_once("no-daemon", "%s", exc.message)
+                self.retry_at = now + RETRY_AFTER
+                return None
+            self.volume = (now, vol_name, config.mount_point, config.data_socket)
+        if not self.volume[3]:
+            _warn_once("no-data-socket", "the daemon of volume %r has no data socket (an older version)", vol_name)
+            self.retry_at = now + RETRY_AFTER
+            return None
+        return self.volume[2], self.volume[3]
+
+    def _mapping(self, dataset: Any) -> Any:
+        try:
+            mapping = self.mappings.get(dataset)
+        except TypeError:
+            mapping = self.mappings_by_id.get(id(dataset))
+        if mapping is None:
+            try:
+                mapping = sample_files(dataset)
+            except Unsupported:
+                mapping = False
+            try:
+                self.mappings[dataset] = mapping
+            except TypeError:
+                self.mappings_by_id[id(dataset)] = mapping
+        return mapping
+
+    def resolve(self, dataset: Any, indices: list[int]) -> tuple[list[str], dict[str, bytes]]:
+        """The batch's files (absolute paths, as sent) and the served ones: absolute path ->
+        bytes (nothing on any failure)."""
+        if time.monotonic() < self.retry_at:
+            return [], {}
+        if self.useless.get(id(dataset), 0) >= USELESS_BATCHES:
+            return [], {}
+        mapping = self._mapping(dataset)
+        if not mapping:
+            return [], {}
+        found = self._volume(os.environ["VOL_NAME"])
+        if found is None:
+            return [], {}
+        mount_point, data_socket = found
+        relative: dict[str, str] = {}  # relative path -> absolute path, in batch order
+        try:
+            for index in indices:
+                for path in mapping(int(index)):
+                    rel = relative_to_mount(path, mount_point)
+                    if rel and rel not in relative:
+                        relative[rel] = os.path.join(mount_point, rel)
+        except Exception as exc:  # an index the mapping does not know: the dataset's own code decides
+            _warn_once("mapping", "could not map this batch's samples to files: %r", exc)
+            return [], {}
+        if not relative:
+            return [], {}
+        paths = list(relative)[:MAX_BATCH_FILES]
+        try:
+            if self.channel is None:
+                self.channel = Channel(data_socket)
+            answers = self.channel.batch(paths)
+        except (OSError, ValueError, ProtocolError) as exc:
+            self.fail(exc)
+            return [], {}
+        absolute = [relative[p] for p in paths]
+        return absolute, {a: data for a, data in zip(absolute, answers) if data is not None}
+
+    def fail(self, exc: Exception) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        self.retry_at = time.monotonic() + RETRY_AFTER
+        _warn_once(f"failed:{type(exc).__name__}", "the daemon's data socket failed: %r", exc)
+
+    def release(self, dataset: Any, paths: list[str], served: dict[str, bytes], used: dict[str, int]) -> None:
+        opens = [used.get(p, 0) for p in paths]
+        unused = [p for p in served if not used.get(p)]
+        # A loader that never opens its files from Python (cv2, os.open) gains nothing here:
+        # after USELESS_BATCHES such batches in a row its batches go straight to the mount.
+        if served:
+            key = id(dataset)
+            self.useless[key] = self.useless.get(key, 0) + 1 if len(unused) == len(served) else 0
+        if self.channel is None:
+            return
+        try:
+            self.channel.release(opens)
+        except OSError as exc:
+            self.fail(exc)
+
+
+_state: _Worker | None = None
+
+
+def _worker() -> _Worker:
+    global _state
+    if _state is None or _state.pid != os.getpid():
+        _state = _Worker()  # never a parent's connection or ring
+    return _state
+
+
+# -- the scoped open hook -----------------------------------------------------------------
+
+_served: dict[str, bytes] = {}  # the current batch's files (absolute path -> bytes)
+_used: dict[str, int] = {}  # how often each of them was opened so far
+_outer_open: Any = None  # the open in place when the batch's scope began
+
+
+def _hooked_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+                 errors: str | None = None, newline: str | None = None, closefd: bool = True,
+                 opener: Any = None) -> Any:
+    if (_served and mode in ("rb", "br") and encoding is None and errors is None and newline is None
+            and closefd and opener is None and isinstance(file, (str, os.PathLike))):
+        try:
+            path = os.path.abspath(os.fspath(file))
+        except (TypeError, ValueError):
+            path = ""
+        data = _served.get(path)
+        if data is not None:
+            _used[path] = _used.get(path, 0) + 1
+            return FastFile(data, os.fspath(file))
+    return _outer_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+
+
+@contextmanager
+def batch_scope(dataset: Any, indices: list[int]) -> Iterator[int]:
+    """While the worker loads these samples, opens of their served files get the daemon's
+    bytes; yields how many files were served (0: everything goes through the mount)."""
+    global _served, _outer_open, _used
+    if _served:  # a nested scope: leave the open alone
+        yield 0
+        return
+    worker = _worker()
+    paths, served = worker.resolve(dataset, indices)
+    if not served:
+        if paths:
+            worker.release(dataset, paths, served, {})
+        yield 0
+        return
+    _outer_open = builtins.open
+    _served, _used = served, {}
+    builtins.open = io.open = _hooked_open
+    try:
+        yield len(served)
+    finally:
+        if builtins.open is _hooked_open:
+            builtins.open = io.open = _outer_open
+        used = _used
+        _served, _used, _outer_open = {}, {}, None
+        worker.release(dataset, paths, served, used)
+
+
+# -- the worker's fetcher -----------------------------------------------------------------
+
+_original_fetch: Any = None
+
+
+def _fetch(self: Any, possibly_batched_index: Any) -> Any:
+    from torch.utils.data import get_worker_info
+
+    if get_worker_info() is None or not enabled():
+        return _original_fetch(self, possibly_batched_index)
+    indices = list(possibly_batched_index) if self.auto_collation else [possibly_batched_index]
+    with batch_scope(self.dataset, indices):
+        return _original_fetch(self, possibly_batched_index)
+
+
+def install() -> None:
+    """Wrap torch's map-style fetcher (what every worker calls once per batch)."""
+    global _original_fetch
+    from torch.utils.data._utils import fetch
+
+    if _original_fetch is None:
+        _original_fetch = fetch._MapDatasetFetcher.fetch
+        fetch._MapDatasetFetcher.fetch = _fetch  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    global _original_fetch
+    from torch.utils.data._utils import fetch
+
+    if _original_fetch is not None:
+        fetch._MapDatasetFetcher.fetch = _original_fetch  # type: ignore[method-assign]
+        _original_fetch = None

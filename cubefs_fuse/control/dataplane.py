@@ -1,0 +1,219 @@
+"""The fast path's transport: batches in, file bytes out through a per-connection memfd ring.
+
+Why a second socket: the control API is HTTP (h11) over a stream socket, which cannot
+carry a descriptor (ancillary data) in a form h11 sees, and its requests are one-shot.
+The data socket (``<controlSocket>.data``, listed in the per-volume file as
+``data_socket``) is an AF_UNIX SOCK_SEQPACKET socket: every message is one JSON object,
+so framing costs nothing, and the memfd travels once with SCM_RIGHTS.  It is admitted by
+:meth:`ControlServer.serve_data` under the control socket's own peer-credential policy,
+caps and descriptor reserve (control/server.py).
+
+The conversation, one connection per DataLoader worker (client: cube_torch/fastpath.py):
+
+* ``{"op": "hello"}`` → ``{"ring": <bytes>, "version": 1}`` with the ring's memfd
+  (SCM_RIGHTS).  The ring is created per connection: ``memfd_create`` (no path: it can
+  only be reached through this descriptor, or by the daemon's uid through /proc), sized,
+  then sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
+  before it is handed over, so the peer cannot truncate it under the daemon's mapping.
+* ``{"op": "batch", "paths": [<relative path>, ...]}`` → ``{"files": [[offset, length] |
+  null, ...]}``: one entry per path, ``null`` meaning "read it through the mount".  The
+  served files' bytes are laid out in the ring from offset 0, in order.
+* ``{"op": "release", "opens": [<count>, ...]}`` (no answer), once the worker has loaded
+  the batch: how often its loading code opened each file of the batch from the ring (0:
+  never — a loader that opens files from C reads them through the mount, where they are
+  counted; 2: a sample twice in the batch).  Only then are the served files counted, one
+  request per open (``BatchResolver.commit``); a worker that goes away without a release
+  has its last batch counted once per served file, as delivered.
+
+**Who owns the ring's bytes**: the bytes of a response belong to the worker until it sends
+its next message on the connection (cube_torch copies them out before it does); the
+daemon writes a batch only into a ring whose previous batch was thereby released, and a
+connection has at most one batch in flight, so the daemon never rewrites bytes a worker
+may still be reading.  The ring is unmapped when the connection ends.
+
+Deadlines: a new connection must say hello within ``HEAD_DEADLINE`` (5 s) like a control
+request head; an idle connection (between batches) is closed after :data:`IDLE_DEADLINE`,
+and meanwhile is the first to give up its slot when the caps are reached; a batch is
+answered within ``BATCH_WAIT`` (prefetch/batches.py) plus the copy.  A malformed message
+closes the connection (the worker then reads through the mount).
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import logging
+import mmap
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from cubefs_fuse.control.routes import relative_path
+from cubefs_fuse.control.server import HEAD_DEADLINE, Peer, Slot
+from cubefs_fuse.errors import BadRequest
+from cubefs_fuse.limits import FAST_RING_BYTES, MAX_BATCH_FILES, MAX_BATCH_MESSAGE
+from cubefs_fuse.prefetch.batches import BatchResolver, Caller, Resolved
+
+log = logging.getLogger(__name__)
+
+DATA_PROTOCOL_VERSION = 1
+# An idle data connection (no batch for this long) is closed; the worker reconnects on its
+# next batch (a hello and a new ring: well under a millisecond).  Training steps take
+# seconds at most between batches of one worker; a validation pass or a checkpoint may
+# take longer and then costs one reconnect.
+IDLE_DEADLINE = 60.0
+# Bytes copied into a ring between two checkpoints of the trio thread: 8 MiB is ~1 ms of
+# memcpy, so a large batch never holds the thread (FUSE requests) for longer.
+COPY_STEP = 8 * 1024 * 1024
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+@dataclass(slots=True)
+class DataPlaneStatistics:
+    connections: int
+    rings: int
+    batches: int
+    protocol_errors: int
+
+
+class Ring:
+    """A sealed memfd of ``size`` bytes, mapped writable by the daemon."""
+
+    def __init__(self, size: int) -> None:
+        fd = os.memfd_create("cubefs-fuse-ring", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            self.map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+        self.size = size
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+class DataPlane:
+    """Serves admitted data-socket connections (``ControlServer.serve_data``'s handler)."""
+
+    def __init__(self, resolver: BatchResolver, ring_bytes: int = FAST_RING_BYTES) -> None:
+        self.resolver = resolver
+        self.ring_bytes = ring_bytes
+        self.connections = 0
+        self.rings = 0
+        self.batches = 0
+        self.protocol_errors = 0
+
+    def statistics(self) -> DataPlaneStatistics:
+        return DataPlaneStatistics(self.connections, self.rings, self.batches, self.protocol_errors)
+
+    async def serve(self, sock: trio.socket.SocketType, peer: Peer, slot: Slot) -> None:
+        self.connections += 1
+        ring: Ring | None = None
+        caller = Caller(peer.pid, peer.uid, peer.gid)
+        pending: list[Resolved] | None = None  # served, not yet released (nor counted)
+        try:
+            deadline = HEAD_DEADLINE
+            while True:
+                slot.waiting(True)
+                message = b""
+                with trio.move_on_after(deadline):
+                    message = await sock.recv(MAX_BATCH_MESSAGE + 1)
+                if not message:
+                    return  # closed by the worker, or idle past the deadline
+                slot.waiting(False)
+                deadline = IDLE_DEADLINE
+                try:
+                    op, paths, opens = _parse(message)
+                except BadRequest as exc:
+                    self.protocol_errors += 1
+                    await _send_quietly(sock, {"error": str(exc)})
+                    return
+                if pending is not None:
+                    self.resolver.commit(pending, opens if op == "release" else None)
+                    pending = None
+                if op == "release":
+                    continue
+                if op == "hello":
+                    if ring is None:
+                        ring = await trio.to_thread.run_sync(Ring, self.ring_bytes)
+                        self.rings += 1
+                    reply = json.dumps({"ring": ring.size, "version": DATA_PROTOCOL_VERSION}).encode()
+                    await sock.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [ring.fd]))])
+                    continue
+                if ring is None:
+                    self.protocol_errors += 1
+                    await _send_quietly(sock, {"error": "say hello first"})
+                    return
+                self.batches += 1
+                results = await self.resolver.resolve(caller, paths, ring.size)
+                layout: list[list[int] | None] = []
+                offset = copied = 0
+                for entry in results:
+                    if entry.parts is None:
+                        layout.append(None)
+                        continue
+                    layout.append([offset, entry.size])
+                    for part in entry.parts:
+                        ring.map[offset:offset + len(part)] = part
+                        offset += len(part)
+                        copied += len(part)
+                        if copied >= COPY_STEP:
+                            copied = 0
+                            await trio.lowlevel.checkpoint()
+                await sock.send(json.dumps({"files": layout}, separators=(",", ":")).encode())
+                pending = results
+        except OSError:
+            pass  # the worker went away mid-answer: it reads through the mount
+        finally:
+            if pending is not None:
+                self.resolver.commit(pending)  # delivered; the worker left without saying which it used
+            self.connections -= 1
+            if ring is not None:
+                self.rings -= 1
+                ring.close()
+
+
+def _parse(message: bytes) -> tuple[str, list[str], list[int]]:
+    if len(message) > MAX_BATCH_MESSAGE:
+        raise BadRequest(f"message over {MAX_BATCH_MESSAGE} bytes")
+    try:
+        data: Any = json.loads(message)
+    except (ValueError, RecursionError):
+        raise BadRequest("message is not JSON") from None
+    if not isinstance(data, dict):
+        raise BadRequest("message must be a JSON object")
+    op = data.get("op")
+    if op == "hello":
+        return "hello", [], []
+    if op == "release":
+        opens = data.get("opens")
+        # An open count per file of the batch; a loader opens a file a few times at most
+        # (a sample repeated in its batch), MAX_BATCH_FILES bounds what one batch may claim.
+        if (not isinstance(opens, list) or len(opens) > MAX_BATCH_FILES
+                or not all(type(n) is int and 0 <= n <= MAX_BATCH_FILES for n in opens)):
+            raise BadRequest(f"'opens' must be a list of at most {MAX_BATCH_FILES} open counts")
+        return "release", [], opens
+    if op != "batch":
+        raise BadRequest("op must be 'hello', 'batch' or 'release'")
+    paths = data.get("paths")
+    if not isinstance(paths, list) or not 0 < len(paths) <= MAX_BATCH_FILES:
+        raise BadRequest(f"'paths' must be a list of 1-{MAX_BATCH_FILES} relative paths")
+    clean = [relative_path(p) for p in paths]
+    if any(not p for p in clean):
+        raise BadRequest("the volume root is not a file")
+    return "batch", clean, []
+
+
+async def _send_quietly(sock: trio.socket.SocketType, data: dict[str, Any]) -> None:
+    try:
+        await sock.send(json.dumps(data).encode())
+    except OSError:
+        pass

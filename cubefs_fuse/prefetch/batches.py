@@ -1,0 +1,215 @@
+"""Batch resolution for cube_torch's fast path: one request answers every file of a batch.
+
+A DataLoader worker about to load a batch sends the batch's paths at once (over the data
+socket, ``control/dataplane.py``).  For each file the daemon does what an open and a full
+read through the mount would: the attributes from the metadata cache (the same
+``attrValid`` an open sees), the file's version pinned, every block through
+``BlockCache.get`` at foreground priority (RAM, else NVMe with its checksum, else the
+backend with its version check).  A file whose bytes are all there within
+:data:`BATCH_WAIT` is *served*: its blocks go back to the transport, which copies them
+into the worker's ring.  Any other file — not a regular file, too large for the room
+left, not readable by the caller under the mount's own permission rules, changed at the
+source during the read (``StaleVersion``), any error, not done in time — is answered
+"read it through the mount", and its flights keep going in the cache's nursery, so the
+worker's read through FUSE joins them.
+
+Accounting is the FUSE path's (prefetch/service.py): the caller is attributed to its job
+like an opening process, and each open of a *served* file, as the worker reports them
+when it releases the batch (``commit``), is one request (a hit if no block waited on the
+backend) and advances the job's plan cursor, as an open and release through the mount
+would.  A file sent back to the mount, or served but never opened from Python (a loader
+reading from C), is counted by its FUSE open instead: each open is one request,
+whichever way it went.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+
+import trio
+
+from cubefs_fuse.attrs import Attr, FileVersion
+from cubefs_fuse.cache.blockcache import Source
+from cubefs_fuse.cache.keys import block_key, path_tag
+from cubefs_fuse.errors import FsError, StaleVersion
+from cubefs_fuse.fs.filesystem import OpenFile
+from cubefs_fuse.prefetch.service import PrefetchService
+
+# How long a batch may wait for its files' blocks (cache hits need no wait; misses take a
+# few remote round trips each).  Beyond it the late files go through the mount, where the
+# worker's reads join the same flights: the bound keeps a slow remote from holding a
+# whole batch hostage to its slowest file, and stays well below the client's own timeout
+# (cube_torch/fastpath.py's REPLY_TIMEOUT).
+BATCH_WAIT = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """Who asks: the data socket's peer credentials (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(slots=True)
+class Resolved:
+    """One file of a batch: its blocks in order (served), or None (through the mount)."""
+
+    path: str
+    parts: list[bytes] | None = None
+    size: int = 0
+    version: FileVersion | None = None
+    owner: object = None  # the job the open was attributed to
+    waited: bool = False  # a block waited on the backend
+    stall: float = 0.0
+    reason: str | None = None  # why it goes through the mount
+
+
+@dataclass(slots=True)
+class BatchStatistics:
+    batches: int = 0
+    served_hits: int = 0  # files served, every block from RAM or NVMe
+    served_misses: int = 0  # files served after a block waited on the backend
+    to_mount: int = 0  # files answered "read it through the mount"
+    served_bytes: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)  # why files went to the mount
+
+
+def may_read(caller: Caller, attr: Attr, need: int) -> bool:
+    """The kernel's ``default_permissions`` check for one inode, with the caller's primary
+    gid only (supplementary groups are not in SO_PEERCRED: a file readable only through
+    one goes through the mount, where the kernel decides).  ``need``: 4 read, 1 search."""
+    if caller.uid == 0:
+        return True
+    mode = attr.mode
+    if caller.uid == attr.uid:
+        return (mode >> 6) & need == need
+    if caller.gid == attr.gid:
+        return (mode >> 3) & need == need
+    return mode & need == need
+
+
+class BatchResolver:
+    def __init__(self, service: PrefetchService, *, allow_other: bool, wait: float = BATCH_WAIT) -> None:
+        self.service = service
+        self.fs = service.fs
+        self.allow_other = allow_other  # without it the kernel lets only the daemon's uid in
+        self.wait = wait
+        self.stats = BatchStatistics()
+
+    async def resolve(self, caller: Caller, paths: list[str], room: int) -> list[Resolved]:
+        """Every file of the batch, served (at most ``room`` bytes in all) or sent to the mount.
+
+        ``paths`` are checked relative paths (control/dataplane.py).  Nothing is counted
+        until :meth:`commit`."""
+        self.stats.batches += 1
+        results = [Resolved(p) for p in paths]
+        if not self.allow_other and caller.uid != os.geteuid():
+            for r in results:
+                r.reason = "no allow_other"
+            self._to_mount(len(paths), "no allow_other")
+            return results
+        budget = [room]
+        with trio.move_on_after(self.wait):
+            async with trio.open_nursery() as nursery:
+                for entry in results:
+                    nursery.start_soon(self._one, caller, entry, budget)
+        # Files cut off by the deadline (neither served nor sent back with a reason).
+        self._to_mount(sum(1 for r in results if r.parts is None and r.reason is None), "not ready in time")
+        return results
+
+    def statistics(self) -> BatchStatistics:
+        s = self.stats
+        return BatchStatistics(s.batches, s.served_hits, s.served_misses, s.to_mount, s.served_bytes,
+                               dict(s.by_reason))
+
+    def commit(self, results: list[Resolved], opens: list[int] | None = None) -> None:
+        """The served files were handed to the worker: count each open of one as a request,
+        like an open and release through the mount (``opens``: per file of the batch, as the
+        worker reports them; None: once per served file).  The first open is a hit if no
+        block waited on the backend; further opens of the same file are hits (through the
+        mount the kernel's page cache would answer them)."""
+        for i, r in enumerate(results):
+            if r.parts is None or r.version is None:
+                continue
+            count = 1 if opens is None else (opens[i] if i < len(opens) else 0)
+            for n in range(count):
+                if isinstance(r.owner, tuple):
+                    self.service.scheduler.observe_open(r.owner, r.path)  # the plan's cursor, per open
+                waited = r.waited and n == 0
+                if waited:
+                    self.stats.served_misses += 1
+                else:
+                    self.stats.served_hits += 1
+                self.stats.served_bytes += r.size
+                self.service.released(OpenFile(0, r.path, r.version, owner=r.owner, waited=waited,
+                                               stall=r.stall if waited else 0.0))
+
+    def _to_mount(self, count: int, reason: str) -> None:
+        self.stats.to_mount += count
+        if reason and count:
+            self.stats.by_reason[reason] = self.stats.by_reason.get(reason, 0) + count
+
+    def _send_back(self, entry: Resolved, reason: str) -> None:
+        entry.reason = reason
+        self._to_mount(1, reason)
+
+    async def _one(self, caller: Caller, entry: Resolved, budget: list[int]) -> None:
+        path = entry.path
+        try:
+            attr = await self.fs.meta.stat(path)
+            if not attr.is_file:
+                self._send_back(entry, "not a regular file")
+                return
+            if not await self._permitted(caller, path, attr):
+                self._send_back(entry, "permission")
+                return
+            if attr.size > budget[0]:
+                self._send_back(entry, "ring full")
+                return
+            budget[0] -= attr.size  # reserved before any await: the ring never overflows
+            entry.owner = key = await self.service.jobs.resolve(caller.pid)  # as an open's attribution
+            if key is not None:
+                self.service.jobs.touch(key)
+            version, tag = attr.version, path_tag(path)
+            blocks = self.fs.blocks
+            parts: list[bytes] = []
+            start = time.perf_counter()
+            for index in range(blocks.count(attr.size)):
+                data, source = await self.fs.cache.get(block_key(path, version, index),
+                                                       blocks.fetcher(path, version, index), tag=tag)
+                if source is Source.BACKEND:
+                    entry.waited = True
+                parts.append(data)
+            if sum(len(p) for p in parts) != attr.size:
+                raise StaleVersion(path)  # blocks that do not add up to its size
+        except StaleVersion:
+            self.fs.meta.invalidate(path)  # as a read through the mount does: the next open sees the new version
+            self._send_back(entry, "changed at the source")
+            return
+        except (FsError, OSError):
+            self._send_back(entry, "error")
+            return
+        if entry.waited:
+            entry.stall = time.perf_counter() - start
+        entry.version, entry.size, entry.parts = version, attr.size, parts
+
+    async def _permitted(self, caller: Caller, path: str, attr: Attr) -> bool:
+        """Read permission on the file and search permission on every directory above it,
+        from the same attributes the kernel would check (the mount uses default_permissions)."""
+        if caller.uid == 0:
+            return True
+        if not may_read(caller, attr, 4):
+            return False
+        parent = path
+        while parent:
+            parent = parent.rpartition("/")[0]
+            directory = await self.fs.meta.stat(parent)
+            if not stat.S_ISDIR(directory.mode) or not may_read(caller, directory, 1):
+                return False
+        return True
+

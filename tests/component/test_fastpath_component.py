@@ -1,0 +1,225 @@
+"""The fast path's batch protocol without FUSE: ``BatchResolver`` over the real cache and
+prefetch service on a FakeBackend (virtual time), and cube_torch's client against a fake
+data socket that dies mid-batch.
+
+Hits and misses are counted per file exactly like opens through the mount; a file is
+served only from the version the metadata says; late files go to the mount; a worker
+whose daemon dies or hangs mid-batch reads through the mount after a bounded wait.
+"""
+
+from __future__ import annotations
+
+import array
+import fcntl
+import json
+import os
+import socket
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from cube_torch import fastpath
+from cube_torch.fastpath import Channel
+from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.keys import block_key
+from cubefs_fuse.cache.memory import MemoryTier
+from cubefs_fuse.config import ClientConfig
+from cubefs_fuse.control.protocol import ProtocolError
+from cubefs_fuse.fs.filesystem import Filesystem
+from cubefs_fuse.fs.metadata import MetadataCache
+from cubefs_fuse.prefetch.batches import BatchResolver, Caller
+from cubefs_fuse.prefetch.service import PrefetchService
+from tests.fakes import FakeBackend
+
+BLOCK = 4096
+LATENCY = 0.002
+PID = os.getpid()
+ME = Caller(PID, os.geteuid(), os.getegid())
+ATTR_TTL = 1.0
+
+
+@asynccontextmanager
+async def open_resolver(backend: FakeBackend, *, wait: float = 2.0) -> AsyncIterator[BatchResolver]:
+    async with trio.open_nursery() as nursery:
+        cache = BlockCache(nursery, MemoryTier(1 << 24), None, fetch_slots=8, prefetch_slots=4)
+        meta = MetadataCache(backend, attr_ttl=ATTR_TTL, lookup_ttl=ATTR_TTL, max_entries=10_000)
+        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
+        config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
+                              job_idle_timeout=1e9, mem_cache_size=1 << 24, block_size=BLOCK,
+                              prefetch_threads=4, backend_threads=8)
+        service = PrefetchService(nursery, fs, config)
+        fs.observer = service
+        service.jobs.register("train", 0, PID)
+        yield BatchResolver(service, allow_other=True, wait=wait)
+        nursery.cancel_scope.cancel()
+
+
+def served(results: list) -> list[bytes | None]:  # type: ignore[type-arg]
+    return [b"".join(r.parts) if r.parts is not None else None for r in results]
+
+
+def counters(resolver: BatchResolver) -> tuple[int, int, int]:
+    c = resolver.service.jobs.jobs[("train", 0)].counters
+    return c.requests, c.hits, c.misses
+
+
+async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    files = {f"d/{i}.jpg": bytes([i]) * (1000 + 3000 * i) for i in range(5)}  # 1 to 4 blocks
+    for path, data in files.items():
+        backend.write(path, data)
+    async with open_resolver(backend) as resolver:
+        names = list(files)
+        first = await resolver.resolve(ME, names, 1 << 20)
+        assert served(first) == list(files.values())
+        assert counters(resolver) == (0, 0, 0), "nothing counts before the worker has the bytes"
+        resolver.commit(first)
+        assert counters(resolver) == (5, 0, 5)
+        second = await resolver.resolve(ME, names, 1 << 20)
+        resolver.commit(second)
+        assert counters(resolver) == (10, 5, 5)
+        # Not a file, missing, more than the room left: to the mount, not counted.
+        backend.mkdir("dir")
+        third = await resolver.resolve(ME, ["dir", "missing", *names], len(files["d/0.jpg"]))
+        assert served(third) == [None, None, files["d/0.jpg"], None, None, None, None]
+        resolver.commit(third)
+        assert counters(resolver) == (11, 6, 5)
+        assert resolver.stats.by_reason == {"not a regular file": 1, "error": 1, "ring full": 4}
+
+
+async def test_a_batch_waits_for_in_flight_prefetches_and_sends_late_files_to_the_mount(
+        autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    backend.write("slow.jpg", b"s" * 100)
+    backend.write("fast.jpg", b"f" * 100)
+    async with open_resolver(backend, wait=2.0) as resolver:
+        fs = resolver.fs
+        attr = await fs.meta.stat("fast.jpg")
+        # A prefetch in flight: the batch joins it (one backend read in all) and serves it.
+        fs.cache.prefetch(block_key("fast.jpg", attr.version, 0), fs.blocks.fetcher("fast.jpg", attr.version, 0))
+        reads = backend.statistics().operations.get("read", 0)
+        results = await resolver.resolve(ME, ["fast.jpg"], 1 << 20)
+        assert served(results) == [b"f" * 100]
+        assert backend.statistics().operations.get("read", 0) == reads + 1
+        # A file the remote takes 10 s for: after the batch's 2 s it goes to the mount,
+        # its fetch goes on, and the next batch serves it from RAM (a hit).
+        backend.op_latency["read"] = 10.0
+        start = trio.current_time()
+        results = await resolver.resolve(ME, ["slow.jpg"], 1 << 20)
+        assert served(results) == [None] and results[0].reason is None
+        assert trio.current_time() - start == pytest.approx(2.0)
+        assert resolver.stats.by_reason["not ready in time"] == 1
+        await trio.sleep(10)
+        backend.op_latency["read"] = 0.0
+        results = await resolver.resolve(ME, ["slow.jpg"], 1 << 20)
+        assert served(results) == [b"s" * 100] and not results[0].waited
+
+
+async def test_a_changed_file_is_served_only_in_its_new_version(autojump_clock: trio.testing.MockClock) -> None:
+    """Before the attributes expire the daemon's metadata still names the old version (as an
+    open through the mount would); from then on only the new bytes, never the old or mixed."""
+    backend = FakeBackend(latency=LATENCY)
+    backend.write("a.bin", b"1" * 10_000)
+    async with open_resolver(backend) as resolver:
+        assert served(await resolver.resolve(ME, ["a.bin"], 1 << 20)) == [b"1" * 10_000]
+        backend.write("a.bin", b"2" * 10_000)  # same size: a new mtime/ctime
+        await trio.sleep(ATTR_TTL + 0.01)
+        for _ in range(3):
+            assert served(await resolver.resolve(ME, ["a.bin"], 1 << 20)) == [b"2" * 10_000]
+        # Changed between the stat and the read (a writer at the source): never served.
+        backend.write("a.bin", b"3" * 12_000)
+        await trio.sleep(ATTR_TTL + 0.01)
+        await resolver.fs.meta.stat("a.bin")
+        backend.write("a.bin", b"4" * 12_000)
+        results = await resolver.resolve(ME, ["a.bin"], 1 << 20)
+        assert served(results) in ([None], [b"4" * 12_000])
+        assert served(await resolver.resolve(ME, ["a.bin"], 1 << 20)) == [b"4" * 12_000]
+
+
+async def test_permissions_follow_the_mounts_rules(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend()
+    backend.write("open.bin", b"o")
+    backend.write("private.bin", b"p")
+    async with open_resolver(backend) as resolver:
+        attr = await resolver.fs.meta.stat("private.bin")
+        other = Caller(PID, attr.uid + 1, attr.gid + 1)
+        os_mode = attr.mode
+        expected_open = [b"o"] if os_mode & 0o004 else [None]
+        assert served(await resolver.resolve(other, ["open.bin"], 1 << 20)) == expected_open
+        no_allow_other = BatchResolver(resolver.service, allow_other=False)
+        assert served(await no_allow_other.resolve(other, ["open.bin"], 1 << 20)) == [None]
+
+
+# -- the client against a daemon that dies mid-batch ------------------------------------------
+
+
+def _fake_daemon(path: str, behaviour: str, ready: threading.Event) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(1)
+    ready.set()
+    conn, _ = listener.accept()
+    conn.recv(4096)  # hello
+    fd = os.memfd_create("ring", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 4096)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    conn.sendmsg([json.dumps({"ring": 4096, "version": 1}).encode()],
+                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    conn.recv(4096)  # the batch
+    if behaviour == "dies":
+        conn.close()
+    elif behaviour == "lies":
+        conn.send(json.dumps({"files": [[4000, 500]]}).encode())  # beyond the ring
+    elif behaviour == "hangs":
+        conn.recv(4096)  # until the client gives up and closes
+    os.close(fd)
+    listener.close()
+
+
+@pytest.mark.parametrize("behaviour", ["dies", "lies", "hangs"])
+def test_a_daemon_that_fails_mid_batch_costs_a_bounded_wait(behaviour: str, tmp_path: Path) -> None:
+    path = str(tmp_path / "data.sock")
+    ready = threading.Event()
+    server = threading.Thread(target=_fake_daemon, args=(path, behaviour, ready), daemon=True)
+    server.start()
+    assert ready.wait(10)
+    channel = Channel(path, reply_timeout=0.5)
+    with pytest.raises((ProtocolError, OSError)):
+        channel.batch(["a.jpg"])
+    channel.close()
+    server.join(10)
+    assert not server.is_alive()
+
+
+def test_the_open_hook_serves_exactly_the_batchs_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside a batch's scope: the served path in "rb" gets the daemon's bytes; the same path
+    in text mode, another path, and os.open read the file itself; after the scope, nothing."""
+    served_path, other = tmp_path / "served.bin", tmp_path / "other.bin"
+    served_path.write_bytes(b"on disk")
+    other.write_bytes(b"other")
+    worker = fastpath._worker()
+    monkeypatch.setattr(worker, "resolve", lambda dataset, indices: ([str(served_path)], {str(served_path): b"daemon"}))
+    monkeypatch.setattr(worker, "release", lambda *args: None)
+    with fastpath.batch_scope(object(), [0]) as count:
+        assert count == 1
+        with open(served_path, "rb") as f:
+            assert isinstance(f, fastpath.FastFile) and f.read() == b"daemon"
+        with open(str(served_path), mode="rb", buffering=0) as f:
+            assert f.read() == b"daemon"
+        assert served_path.read_bytes() == b"daemon"  # pathlib goes through io.open
+        with open(served_path) as text:
+            assert text.read() == "on disk"
+        with open(other, "rb") as f:
+            assert f.read() == b"other"
+        fd = os.open(served_path, os.O_RDONLY)
+        assert os.read(fd, 100) == b"on disk"
+        os.close(fd)
+        with pytest.raises(OSError):
+            open(served_path, "rb").write(b"x")  # noqa: SIM115
+    with open(served_path, "rb") as f:
+        assert f.read() == b"on disk"
