@@ -12,7 +12,6 @@ from tests.helpers import REPO
 
 
 def test_the_demo_trains_with_hit_rate_lines_and_cleans_up() -> None:
-    before = {e.mount_point for e in mounts.mount_table()}
     result = subprocess.run([sys.executable, "-m", "demo", "--files", "80", "--epochs", "2"], cwd=REPO,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -23,4 +22,5 @@ def test_the_demo_trains_with_hit_rate_lines_and_cleans_up() -> None:
     [epoch1] = [line for line in out.splitlines() if re.match(r"\|\s+1 \|", line)]
     cells = [c.strip() for c in epoch1.strip("|").split("|")]
     assert cells[3] == "80 / 80" and cells[4] == "80" and cells[-1] == "0 bytes", epoch1
-    assert {e.mount_point for e in mounts.mount_table()} == before  # nothing left mounted
+    # Nothing of the demo is left mounted (its remote and its mount live in a cubefs-demo-* workdir).
+    assert not [e.mount_point for e in mounts.mount_table() if "/cubefs-demo-" in e.mount_point]
