@@ -20,11 +20,32 @@ command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 for pkg in strace logrotate podman mmdebstrap; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
+# The monitoring tests: promtool (checks and unit-tests the alert rules) and prometheus
+# (a real server scrapes a live daemon in tests/mounted/test_prometheus.py), both from
+# Debian's `prometheus` package, installed without its recommends (node-exporter and its
+# collectors, another service) and not left running as a service (see below).
+need_prometheus=0
+{ command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || need_prometheus=1
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+if [ ${#need_apt[@]} -gt 0 ] || [ "$need_prometheus" -eq 1 ]; then
+    $SUDO apt-get update -qq
+fi
 if [ ${#need_apt[@]} -gt 0 ]; then
     echo "setup: installing ${need_apt[*]} with apt-get" >&2
-    SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-    $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+if [ "$need_prometheus" -eq 1 ]; then
+    echo "setup: installing prometheus (for promtool and the scrape test) with apt-get" >&2
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    # The package enables prometheus.service and starts it on :9090 (its postinst); the
+    # tests start their own server on a free loopback port and need none, so the one this
+    # script just installed is stopped and disabled (an existing installation is left alone).
+    if [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    elif [ -x /etc/init.d/prometheus ]; then
+        $SUDO /etc/init.d/prometheus stop >/dev/null 2>&1 || true
+        $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
 fi
 
 if [ ! -x .venv/bin/python ]; then
