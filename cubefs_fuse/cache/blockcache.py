@@ -92,6 +92,15 @@ class PrioritySlots:
             self._busy_bg += 1
         waiter.granted = True
 
+    def try_acquire(self) -> _Waiter | None:
+        """A foreground slot now, without waiting, or None if none is free (release it
+        with :meth:`release`)."""
+        if not self._can_grant(True):
+            return None
+        waiter = _Waiter(True)
+        self._grant(waiter)
+        return waiter
+
     async def acquire(self, waiter: _Waiter) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
         if self._can_grant(waiter.foreground):
@@ -201,17 +210,32 @@ class BlockCache:
         self._prefetch_used = self._prefetch_wasted = 0
         self._unused_prefetched: set[bytes] = set()
         self._disk_writes_skipped = 0
+        # Blocks admitted for a reader (``admit``) that no application read yet -> the
+        # seconds that reader waited for them.  Entries go with the block (read, evicted,
+        # cleared), so this never outgrows the RAM tier's block count.
+        self._admitted_unread: dict[bytes, float] = {}
         memory.on_evict = self._evicted
 
     async def get(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source]:
         """The block's bytes and where they came from (an application read)."""
+        data, source, _ = await self.read(key, fetch, tag=tag)
+        return data, source
+
+    async def read(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source, float]:
+        """As :meth:`get`, plus the seconds an earlier wait of this reader cost when the
+        block was brought by ``admit`` (its first read counts as the miss it was)."""
         data = self.memory.get(key)
         if data is not None:
+            if self._admitted_unread:
+                stall = self._admitted_unread.pop(key, None)
+                if stall is not None:
+                    self._misses += 1
+                    return data, Source.BACKEND, stall
             self._hits_ram += 1
             if key in self._unused_prefetched:
                 self._unused_prefetched.discard(key)
                 self._prefetch_used += 1
-            return data, Source.RAM
+            return data, Source.RAM, 0.0
         flight = self._flights.get(key)
         if flight is None:
             flight = self._start(key, fetch, foreground=True, tag=tag)
@@ -230,7 +254,34 @@ class BlockCache:
             self._hits_disk += 1
         else:
             self._misses += 1
-        return flight.data, flight.source
+        return flight.data, flight.source, 0.0
+
+    def wanted(self, key: bytes) -> bool:
+        """Whether ``key`` is in no tier and no flight.  Only reads dicts (one membership
+        test each, atomic under the GIL), so a worker thread may ask it: an answer that is
+        stale by the time it is used costs at most one redundant fetch or one skipped one."""
+        return not (key in self.memory or key in self._flights or (self.disk is not None and key in self.disk))
+
+    def try_fetch_slot(self) -> object | None:
+        """A foreground fetch slot if one is free now (for a fetch made outside a flight,
+        ``admit``): it keeps the bound on concurrent fetches and never queues.  Give it
+        back with :meth:`release_fetch_slot`."""
+        return self.slots.try_acquire()
+
+    def release_fetch_slot(self, slot: object) -> None:
+        assert isinstance(slot, _Waiter)
+        self.slots.release(slot)
+
+    def admit(self, key: bytes, data: bytes, *, tag: int = 0, stall: float = 0.0) -> None:
+        """A block fetched for a reader outside a flight (a lookup that read the whole
+        file): into RAM and, in the background, NVMe, as if fetched.  The reader waited
+        ``stall`` seconds for it: the block's first application read counts as a miss
+        with that stall (``read``).  A block already held or in flight is left alone."""
+        if key in self.memory or key in self._flights:
+            return
+        self._write_behind(key, data, None, tag)
+        if self.memory.put(key, data, tag=tag):
+            self._admitted_unread[key] = stall
 
     def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Bring a block into RAM in the background; False if already there or too busy.
@@ -277,6 +328,7 @@ class BlockCache:
         return more
 
     def _evicted(self, key: bytes) -> None:
+        self._admitted_unread.pop(key, None)
         if key in self._unused_prefetched:
             self._unused_prefetched.discard(key)
             self._prefetch_wasted += 1
@@ -302,6 +354,7 @@ class BlockCache:
     async def clear(self) -> None:
         self.memory.clear()
         self._unused_prefetched.clear()
+        self._admitted_unread.clear()
         if self.disk is not None:
             await self.disk.clear()
 
