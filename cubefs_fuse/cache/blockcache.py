@@ -27,7 +27,7 @@ from enum import Enum
 
 import trio
 
-from cubefs_fuse.cache.disk import DiskStatistics, DiskTier
+from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DiskStatistics, DiskTier
 from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
 from cubefs_fuse.errors import FsError
 
@@ -214,6 +214,10 @@ class BlockCache:
         # seconds that reader waited for them.  Entries go with the block (read, evicted,
         # cleared), so this never outgrows the RAM tier's block count.
         self._admitted_unread: dict[bytes, float] = {}
+        # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
+        self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
+        self._disk_writer = False
+        self._disk_batches = 0  # put_many calls (thread hops) made by the writer
         memory.on_evict = self._evicted
 
     async def get(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source]:
@@ -414,14 +418,29 @@ class BlockCache:
             self._disk_writes_skipped += 1
             return
         self._pending_disk += len(data)
-        self._nursery.start_soon(self._write_to_disk, key, data, next_use, tag)
+        self._disk_queue.append((key, data, next_use, tag))
+        if not self._disk_writer:
+            self._disk_writer = True
+            self._nursery.start_soon(self._write_to_disk)
 
-    async def _write_to_disk(self, key: bytes, data: bytes, next_use: int | None, tag: int) -> None:
+    async def _write_to_disk(self) -> None:
+        """The one write-behind task: drains the queue in batches of up to
+        DISK_BATCH_BLOCKS, one thread hop each (``DiskTier.put_many``); ends when empty."""
         assert self.disk is not None
+        queue = self._disk_queue
         try:
-            await self.disk.put(key, data, next_use=next_use, tag=tag)
+            while queue:
+                batch = [queue.popleft() for _ in range(min(len(queue), DISK_BATCH_BLOCKS))]
+                self._disk_batches += 1
+                try:
+                    await self.disk.put_many(batch)
+                finally:
+                    self._pending_disk -= sum(len(data) for _, data, _, _ in batch)
         finally:
-            self._pending_disk -= len(data)
+            self._disk_writer = False
+            if queue:  # cancelled with blocks queued (shutdown): they are not written
+                self._pending_disk -= sum(len(data) for _, data, _, _ in queue)
+                queue.clear()
 
     def statistics(self) -> BlockCacheStatistics:
         return BlockCacheStatistics(
