@@ -213,7 +213,7 @@ class BlockCache:
         # Blocks admitted for a reader (``admit``) that no application read yet -> the
         # seconds that reader waited for them.  Entries go with the block (read, evicted,
         # cleared), so this never outgrows the RAM tier's block count.
-        self._admitted_unread: dict[bytes, float] = {}
+        self._admitted_unread: dict[bytes, tuple[Source, float]] = {}
         # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
         self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
         self._disk_writer = False
@@ -231,10 +231,14 @@ class BlockCache:
         data = self.memory.get(key)
         if data is not None:
             if self._admitted_unread:
-                stall = self._admitted_unread.pop(key, None)
-                if stall is not None:
-                    self._misses += 1
-                    return data, Source.BACKEND, stall
+                admitted = self._admitted_unread.pop(key, None)
+                if admitted is not None:
+                    source, stall = admitted
+                    if source is Source.DISK:
+                        self._hits_disk += 1
+                    else:
+                        self._misses += 1
+                    return data, source, stall
             self._hits_ram += 1
             if key in self._unused_prefetched:
                 self._unused_prefetched.discard(key)
@@ -276,16 +280,29 @@ class BlockCache:
         assert isinstance(slot, _Waiter)
         self.slots.release(slot)
 
-    def admit(self, key: bytes, data: bytes, *, tag: int = 0, stall: float = 0.0) -> None:
-        """A block fetched for a reader outside a flight (a lookup that read the whole
-        file): into RAM and, in the background, NVMe, as if fetched.  The reader waited
-        ``stall`` seconds for it: the block's first application read counts as a miss
-        with that stall (``read``).  A block already held or in flight is left alone."""
+    def disk_block_in_thread(self, key: bytes) -> bytes | None:
+        """For a worker thread: the block from NVMe if it is there and not in RAM or in
+        flight (``DiskTier.read_in_thread``), else None.  Hand the bytes back to the trio
+        thread with ``admit(..., from_disk=True)``."""
+        if self.disk is None or key in self.memory or key in self._flights:
+            return None
+        return self.disk.read_in_thread(key)
+
+    def admit(self, key: bytes, data: bytes, *, tag: int = 0, stall: float = 0.0, from_disk: bool = False) -> None:
+        """A block read for a reader outside a flight (a lookup that read the whole file,
+        from the source or, ``from_disk``, from NVMe): into RAM (and a source block, in
+        the background, to NVMe) as if a flight had brought it.  Its first application
+        read counts as what it was: a miss that waited ``stall`` seconds, or an NVMe hit
+        (``read``).  A block already in RAM or in flight is left alone."""
         if key in self.memory or key in self._flights:
             return
-        self._write_behind(key, data, None, tag)
+        if from_disk:
+            assert self.disk is not None
+            self.disk.count_hit(key, tag)
+        else:
+            self._write_behind(key, data, None, tag)
         if self.memory.put(key, data, tag=tag):
-            self._admitted_unread[key] = stall
+            self._admitted_unread[key] = (Source.DISK, 0.0) if from_disk else (Source.BACKEND, stall)
 
     def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Bring a block into RAM in the background; False if already there or too busy.

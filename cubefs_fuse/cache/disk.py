@@ -289,6 +289,27 @@ class DiskTier:
         self._hits += 1
         return data
 
+    def read_in_thread(self, key: bytes) -> bytes | None:
+        """The block's checked payload, read by the calling worker thread (not the trio
+        thread), or None if it is not stored, was evicted meanwhile or is damaged (the
+        trio thread's :meth:`get` then deals with it).  Touches no accounting: the trio
+        thread calls :meth:`count_hit` with the bytes.  Block files are immutable once in
+        place, so a concurrent eviction costs at most a None."""
+        if key not in self._entries:
+            return None
+        try:
+            return _read_block_file(self._path(key), key)
+        except (OSError, _Corrupt):
+            return None
+
+    def count_hit(self, key: bytes, tag: int = 0) -> None:
+        """Account a hit read by :meth:`read_in_thread` (on the trio thread)."""
+        self._hits += 1
+        if key in self._entries:
+            self.policy.touch(key)
+            if tag and key not in self._tags:
+                self._tags.set(key, tag)
+
     async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it), evicting by the
         plan-aware policy; False if it was not stored."""

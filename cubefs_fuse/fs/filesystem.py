@@ -138,8 +138,17 @@ class Filesystem:
         if slot is None:
             return await self.meta.stat(path)
 
-        def want(attr: Attr) -> bool:  # runs in the backend's worker thread
-            return cache.wanted(block_key(path, attr.version, 0))
+        on_disk: list[bytes] = []
+
+        def want(attr: Attr) -> bool:
+            # Runs in the backend's worker thread, between the stat and the source read:
+            # a block on NVMe is read right here (same thread call), not from the source.
+            key = block_key(path, attr.version, 0)
+            local = cache.disk_block_in_thread(key)
+            if local is not None:
+                on_disk.append(local)
+                return False
+            return cache.wanted(key)
 
         start = time.perf_counter()
         try:
@@ -149,6 +158,8 @@ class Filesystem:
         if data is not None:
             cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path),
                         stall=time.perf_counter() - start)
+        elif on_disk and len(on_disk[0]) == attr.size:
+            cache.admit(block_key(path, attr.version, 0), on_disk[0], tag=path_tag(path), from_disk=True)
         return attr
 
     def entry(self, path: str, attr: Attr) -> Entry:

@@ -19,6 +19,7 @@ import trio
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.backends.localdir import LocalDirBackend
 from cubefs_fuse.cache.blockcache import BlockCache, Source
+from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.errors import FsError
@@ -32,9 +33,10 @@ LATENCY = 0.01
 
 
 @asynccontextmanager
-async def filesystem(backend: FakeBackend, *, fetch_slots: int = 4) -> AsyncIterator[Filesystem]:
+async def filesystem(backend: FakeBackend, *, fetch_slots: int = 4,
+                     disk: DiskTier | None = None) -> AsyncIterator[Filesystem]:
     async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(64 * BLOCK), None, fetch_slots=fetch_slots, prefetch_slots=2)
+        cache = BlockCache(nursery, MemoryTier(64 * BLOCK), disk, fetch_slots=fetch_slots, prefetch_slots=2)
         meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1000)
         yield Filesystem(meta, cache, backend, block_size=BLOCK)
         nursery.cancel_scope.cancel()
@@ -199,3 +201,37 @@ async def test_the_directory_backend_reads_beneath_the_root_only_the_version_it_
         assert stats.operations["stat"] == 7 and stats.operations["read"] == 1 and stats.bytes_read == 100
     finally:
         backend.close()
+
+
+async def test_a_file_on_nvme_comes_with_its_lookup_and_counts_as_a_disk_hit(tmp_path: Path) -> None:
+    """After a restart (RAM and metadata empty, NVMe kept), a lookup's one backend call
+    stats the file and reads its block from NVMe in the same worker call; the source is
+    not read and the application's read is an NVMe hit."""
+    backend = FakeBackend()
+    backend.write("f", b"n" * 3000)
+    backend.write("bad", b"b" * 3000)
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    try:
+        async with filesystem(backend, disk=disk) as fs:
+            assert await read_file(fs, "f") == b"n" * 3000
+            assert await read_file(fs, "bad") == b"b" * 3000
+            await fs.cache.drain()
+        bad = tmp_path / "blocks" / block_key("bad", backend.version("bad"), 0).hex()[:2]
+        bad_file = bad / block_key("bad", backend.version("bad"), 0).hex()
+        bad_file.write_bytes(bad_file.read_bytes()[:-1] + b"X")  # damaged on NVMe
+        backend.operations.clear()
+        async with filesystem(backend, disk=disk) as fs:  # a fresh RAM tier and metadata cache
+            assert await read_file(fs, "f") == b"n" * 3000
+            assert dict(backend.operations) == {"stat": 1} and backend.stat_reads == 2  # only the first run's
+            s, c = fs.statistics(), fs.cache.statistics()
+            assert (s.file_requests, s.file_misses) == (1, 0)
+            assert s.blocks_by_source[Source.DISK.value] == 1 and c.hits_disk == 1
+            assert c.disk is not None and c.disk.hits == 1
+            assert c.ram.misses == 0  # no read went to a flight: the block was in RAM when read
+            # A damaged block is not admitted: the read path finds it, drops it and refetches.
+            assert await read_file(fs, "bad") == b"b" * 3000
+            c = fs.cache.statistics()
+            assert c.disk is not None and c.disk.checksum_failures == 1 and backend.operations["read"] == 1
+            assert fs.statistics().file_misses == 1
+    finally:
+        await disk.close()
