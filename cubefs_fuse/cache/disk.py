@@ -73,6 +73,11 @@ DIR_SLACK = 2 * ALLOCATION_UNIT
 DISK_BATCH_BLOCKS = 32
 
 
+# The largest payload a block file can hold: blockSize is at most 64 MiB (config.py).  A
+# damaged header claiming more is refused before anything of that size is allocated.
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+
+
 def allocated_bytes(payload: int) -> int:
     """Bytes a block file of ``payload`` bytes occupies on disk."""
     return -(-(HEADER_BYTES + payload) // ALLOCATION_UNIT) * ALLOCATION_UNIT
@@ -605,16 +610,23 @@ def _lock_directory(directory: str) -> int:
 
 
 def _read_block_file(path: str, key: bytes) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        raw = f.read()
-    if len(raw) < HEADER_BYTES:
-        raise _Corrupt("truncated header")
-    magic, fmt, _, length, stored_key, checksum = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or fmt != _FORMAT:
-        raise _Corrupt("bad magic")
-    if stored_key != key:
-        raise _Corrupt("key mismatch")
-    payload = raw[HEADER_BYTES:]
+    # Header and payload in two preads: the payload is read into its own bytes object
+    # (no copy of a whole block out of a header+payload buffer).
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = os.pread(fd, HEADER_BYTES, 0)
+        if len(header) < HEADER_BYTES:
+            raise _Corrupt("truncated header")
+        magic, fmt, _, length, stored_key, checksum = _HEADER.unpack(header)
+        if magic != _MAGIC or fmt != _FORMAT:
+            raise _Corrupt("bad magic")
+        if stored_key != key:
+            raise _Corrupt("key mismatch")
+        if length > MAX_PAYLOAD_BYTES:
+            raise _Corrupt(f"length {length} too large")
+        payload = os.pread(fd, length + 1, HEADER_BYTES)  # one byte more: a longer file is damaged too
+    finally:
+        os.close(fd)
     if len(payload) != length:
         raise _Corrupt(f"length {len(payload)} != {length}")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
