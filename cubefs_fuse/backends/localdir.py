@@ -484,24 +484,28 @@ class LocalDirBackend:
         if not path:
             return await self.stat(path), None
 
-        def job() -> tuple[Attr, bytes | None]:
-            def both(parent: int, name: str) -> tuple[Attr, bytes | None]:
+        # (attributes, bytes, seconds the read part took or None if not attempted, its error)
+        Result = tuple[Attr, bytes | None, float | None, OSError | None]
+
+        def job() -> Result:
+            def both(parent: int, name: str) -> Result:
                 attr = Attr.from_stat(os.stat(name, dir_fd=parent, follow_symlinks=False))
                 if not (attr.is_file and 0 < attr.size <= max_size) or not want(attr):
-                    return attr, None
+                    return attr, None, None, None
+                start = time.perf_counter()
                 try:
                     fd = open_beneath(parent, name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                except OSError:
-                    return attr, None  # the read path meets (and reports) it
+                except OSError as exc:  # the read path meets it again and reports it to the reader
+                    return attr, None, time.perf_counter() - start, exc
                 try:
                     data = os.pread(fd, attr.size, 0)
                     if len(data) != attr.size or Attr.from_stat(os.fstat(fd)).version != attr.version:
-                        return attr, None  # changed meanwhile: the read path checks again
-                except OSError:
-                    return attr, None
+                        return attr, None, time.perf_counter() - start, None  # changed: the read path checks again
+                except OSError as exc:
+                    return attr, None, time.perf_counter() - start, exc
                 finally:
                     os.close(fd)
-                return attr, data
+                return attr, data, time.perf_counter() - start, None
 
             try:
                 return self._dirs.at(path, both)
@@ -509,11 +513,22 @@ class LocalDirBackend:
                 self._dirs.forget(path)  # the directory may have been replaced: resolve afresh next time
                 raise
 
-        attr, data = await self._run("stat", path, job, expected=(errno.ENOENT, errno.ENOTDIR))
-        if data is not None:
+        attr, data, elapsed, error = await self._run("stat", path, job, expected=(errno.ENOENT, errno.ENOTDIR))
+        if elapsed is not None:
+            # The read part is a read operation of its own: counted, timed and its error
+            # counted and logged as read_block's would be (its stat is the "stat").
             c = self._counters
             c.operations["read"] = c.operations.get("read", 0) + 1
-            c.bytes_read += len(data)
+            histogram = c.latency.get("read")
+            if histogram is None:
+                histogram = c.latency["read"] = LatencyHistogram()
+            histogram.observe(elapsed)
+            if error is not None:
+                key = ("read", error.errno or errno.EIO)
+                c.errors[key] = c.errors.get(key, 0) + 1
+                self._errors.report("read", path, error)
+            if data is not None:
+                c.bytes_read += len(data)
         return attr, data
 
     async def readlink(self, path: str) -> str:
