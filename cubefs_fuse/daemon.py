@@ -145,11 +145,15 @@ async def _close_disk(disk: DiskTier, write_index: bool) -> None:
 async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None]) -> bool:
     """Mount, serve, unmount; True if every NVMe write finished (the index is exact)."""
     config = daemon.config
-    ops = FuseOperations(daemon.fs, entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid)
+    # The connection is tuned once the kernel has processed the answer to its INIT
+    # request: that answer sets the readahead to min(current, the daemon's max_readahead
+    # = the kernel's own offer, 128 KiB) and would undo a tuning made before it.  The task
+    # runs as soon as the INIT handler (FuseOperations.init) has returned.
+    ops = FuseOperations(daemon.fs, entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
+                         on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point))
     pyfuse3.init(ops, config.mount_point, mount_options(config))
     stop_exporter: Callable[[], None] | None = None
     try:
-        mounts.tune_connection(config.mount_point)
         if config.exporter_port:
             collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
@@ -193,6 +197,13 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         return True
     log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
     return False
+
+
+async def _tune_connection(mount_point: str) -> None:
+    try:
+        mounts.tune_connection(mount_point)  # sysfs and /proc only: in-memory, never the remote
+    except Exception:  # a system task must not raise: tuning is best effort
+        log.exception("could not tune the FUSE connection of %s", mount_point)
 
 
 def control_socket_path(config: ClientConfig) -> str:

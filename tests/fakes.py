@@ -29,6 +29,7 @@ import errno
 import os
 import stat
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -81,6 +82,7 @@ class FakeBackend:
         self.probe_error = 0
         self.reopen_on_probe = False
         self.reopens = 0
+        self.stat_reads = 0  # stat_read calls that returned the file's bytes
 
     # -- building the tree -------------------------------------------------------------
 
@@ -213,6 +215,28 @@ class FakeBackend:
             self.reads_in_flight -= 1
         self.bytes_read += len(data)
         return data
+
+    async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
+        """One call: counted as one ``stat`` (``stat_reads`` counts those that read too);
+        the read part honours ``fail(..., ops=("read",))`` (no bytes), gates and versions."""
+        await self._enter("stat", path)
+        attr = self._attr(self._lookup(path))
+        if not (attr.is_file and 0 < attr.size <= max_size) or not want(attr):
+            return attr, None
+        failure = self._failures.get(path)
+        if failure is not None and "read" in failure[1]:
+            return attr, None
+        gate = self._gates.get(path)
+        if gate is not None:
+            await gate.wait()
+        node = self._nodes.get(path)
+        if node is None or self._attr(node).version != attr.version:
+            return attr, None
+        self.stat_reads += 1
+        self.read_calls[(path, 0)] += 1
+        self.read_log.append((path, 0))
+        self.bytes_read += len(node.data)
+        return attr, node.data
 
     async def readlink(self, path: str) -> str:
         await self._enter("readlink", path)

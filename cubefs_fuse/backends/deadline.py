@@ -160,6 +160,10 @@ class DeadlineBackend:
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
         return await self._call("read", path, lambda: self.inner.read_block(path, version, offset, size))
 
+    async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
+        # Under the stat deadline: one worker-thread call, counted as a stat (and a read).
+        return await self._call("stat", path, lambda: self.inner.stat_read(path, max_size, want))
+
     async def readlink(self, path: str) -> str:
         return await self._call("readlink", path, lambda: self.inner.readlink(path))
 

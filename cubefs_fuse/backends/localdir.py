@@ -222,6 +222,20 @@ class DirFds:
         finally:
             os.close(directory)
 
+    def at(self, path: str, fn: Callable[[int, str], T]) -> T:
+        """``fn(parent_fd, name)`` for the last component of ``path`` (a plain component,
+        ``split_beneath``), the parent being its cached descriptor (checked in place, as
+        for :meth:`open`) or the root's."""
+        parent, name = split_beneath(path)
+        if parent == ".":
+            with self._root.use() as root_fd:
+                return fn(root_fd, name)
+        directory = self._acquire(parent)
+        try:
+            return fn(directory, name)
+        finally:
+            os.close(directory)
+
     def forget(self, path: str) -> None:
         """Drop the parent directory of ``path`` (it may have been replaced at the source)."""
         parent = path.rpartition("/")[0]
@@ -460,6 +474,62 @@ class LocalDirBackend:
         data = await self._run("read", path, read)
         self._counters.bytes_read += len(data)
         return data
+
+    async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
+        """Backend.stat_read: ``fstatat(AT_SYMLINK_NOFOLLOW)`` and, for a regular file of
+        1 to ``max_size`` bytes that ``want``, open (``O_NOFOLLOW`` beneath the same parent
+        descriptor), ``pread`` and ``fstat`` in one worker-thread call.  The bytes are
+        returned only if the descriptor's version after the read is the stat's version and
+        the read was complete: never bytes of another version than ``attr``."""
+        if not path:
+            return await self.stat(path), None
+
+        # (attributes, bytes, seconds the read part took or None if not attempted, its error)
+        Result = tuple[Attr, bytes | None, float | None, OSError | None]
+
+        def job() -> Result:
+            def both(parent: int, name: str) -> Result:
+                attr = Attr.from_stat(os.stat(name, dir_fd=parent, follow_symlinks=False))
+                if not (attr.is_file and 0 < attr.size <= max_size) or not want(attr):
+                    return attr, None, None, None
+                start = time.perf_counter()
+                try:
+                    fd = open_beneath(parent, name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                except OSError as exc:  # the read path meets it again and reports it to the reader
+                    return attr, None, time.perf_counter() - start, exc
+                try:
+                    data = os.pread(fd, attr.size, 0)
+                    if len(data) != attr.size or Attr.from_stat(os.fstat(fd)).version != attr.version:
+                        return attr, None, time.perf_counter() - start, None  # changed: the read path checks again
+                except OSError as exc:
+                    return attr, None, time.perf_counter() - start, exc
+                finally:
+                    os.close(fd)
+                return attr, data, time.perf_counter() - start, None
+
+            try:
+                return self._dirs.at(path, both)
+            except FileNotFoundError:
+                self._dirs.forget(path)  # the directory may have been replaced: resolve afresh next time
+                raise
+
+        attr, data, elapsed, error = await self._run("stat", path, job, expected=(errno.ENOENT, errno.ENOTDIR))
+        if elapsed is not None:
+            # The read part is a read operation of its own: counted, timed and its error
+            # counted and logged as read_block's would be (its stat is the "stat").
+            c = self._counters
+            c.operations["read"] = c.operations.get("read", 0) + 1
+            histogram = c.latency.get("read")
+            if histogram is None:
+                histogram = c.latency["read"] = LatencyHistogram()
+            histogram.observe(elapsed)
+            if error is not None:
+                key = ("read", error.errno or errno.EIO)
+                c.errors[key] = c.errors.get(key, 0) + 1
+                self._errors.report("read", path, error)
+            if data is not None:
+                c.bytes_read += len(data)
+        return attr, data
 
     async def readlink(self, path: str) -> str:
         def read() -> str:

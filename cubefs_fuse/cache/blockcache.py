@@ -27,7 +27,7 @@ from enum import Enum
 
 import trio
 
-from cubefs_fuse.cache.disk import DiskStatistics, DiskTier
+from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DiskStatistics, DiskTier
 from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
 from cubefs_fuse.errors import FsError
 
@@ -91,6 +91,15 @@ class PrioritySlots:
         else:
             self._busy_bg += 1
         waiter.granted = True
+
+    def try_acquire(self) -> _Waiter | None:
+        """A foreground slot now, without waiting, or None if none is free (release it
+        with :meth:`release`)."""
+        if not self._can_grant(True):
+            return None
+        waiter = _Waiter(True)
+        self._grant(waiter)
+        return waiter
 
     async def acquire(self, waiter: _Waiter) -> None:
         await trio.lowlevel.checkpoint_if_cancelled()
@@ -201,17 +210,40 @@ class BlockCache:
         self._prefetch_used = self._prefetch_wasted = 0
         self._unused_prefetched: set[bytes] = set()
         self._disk_writes_skipped = 0
+        # Blocks admitted for a reader (``admit``) that no application read yet -> the
+        # seconds that reader waited for them.  Entries go with the block (read, evicted,
+        # cleared), so this never outgrows the RAM tier's block count.
+        self._admitted_unread: dict[bytes, tuple[Source, float]] = {}
+        # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
+        self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
+        self._disk_writer = False
+        self._disk_batches = 0  # put_many calls (thread hops) made by the writer
         memory.on_evict = self._evicted
 
     async def get(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source]:
         """The block's bytes and where they came from (an application read)."""
+        data, source, _ = await self.read(key, fetch, tag=tag)
+        return data, source
+
+    async def read(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source, float]:
+        """As :meth:`get`, plus the seconds an earlier wait of this reader cost when the
+        block was brought by ``admit`` (its first read counts as the miss it was)."""
         data = self.memory.get(key)
         if data is not None:
+            if self._admitted_unread:
+                admitted = self._admitted_unread.pop(key, None)
+                if admitted is not None:
+                    source, stall = admitted
+                    if source is Source.DISK:
+                        self._hits_disk += 1
+                    else:
+                        self._misses += 1
+                    return data, source, stall
             self._hits_ram += 1
             if key in self._unused_prefetched:
                 self._unused_prefetched.discard(key)
                 self._prefetch_used += 1
-            return data, Source.RAM
+            return data, Source.RAM, 0.0
         flight = self._flights.get(key)
         if flight is None:
             flight = self._start(key, fetch, foreground=True, tag=tag)
@@ -230,7 +262,47 @@ class BlockCache:
             self._hits_disk += 1
         else:
             self._misses += 1
-        return flight.data, flight.source
+        return flight.data, flight.source, 0.0
+
+    def wanted(self, key: bytes) -> bool:
+        """Whether ``key`` is in no tier and no flight.  Only reads dicts (one membership
+        test each, atomic under the GIL), so a worker thread may ask it: an answer that is
+        stale by the time it is used costs at most one redundant fetch or one skipped one."""
+        return not (key in self.memory or key in self._flights or (self.disk is not None and key in self.disk))
+
+    def try_fetch_slot(self) -> object | None:
+        """A foreground fetch slot if one is free now (for a fetch made outside a flight,
+        ``admit``): it keeps the bound on concurrent fetches and never queues.  Give it
+        back with :meth:`release_fetch_slot`."""
+        return self.slots.try_acquire()
+
+    def release_fetch_slot(self, slot: object) -> None:
+        assert isinstance(slot, _Waiter)
+        self.slots.release(slot)
+
+    def disk_block_in_thread(self, key: bytes) -> bytes | None:
+        """For a worker thread: the block from NVMe if it is there and not in RAM or in
+        flight (``DiskTier.read_in_thread``), else None.  Hand the bytes back to the trio
+        thread with ``admit(..., from_disk=True)``."""
+        if self.disk is None or key in self.memory or key in self._flights:
+            return None
+        return self.disk.read_in_thread(key)
+
+    def admit(self, key: bytes, data: bytes, *, tag: int = 0, stall: float = 0.0, from_disk: bool = False) -> None:
+        """A block read for a reader outside a flight (a lookup that read the whole file,
+        from the source or, ``from_disk``, from NVMe): into RAM (and a source block, in
+        the background, to NVMe) as if a flight had brought it.  Its first application
+        read counts as what it was: a miss that waited ``stall`` seconds, or an NVMe hit
+        (``read``).  A block already in RAM or in flight is left alone."""
+        if key in self.memory or key in self._flights:
+            return
+        if from_disk:
+            assert self.disk is not None
+            self.disk.count_hit(key, tag)
+        else:
+            self._write_behind(key, data, None, tag)
+        if self.memory.put(key, data, tag=tag):
+            self._admitted_unread[key] = (Source.DISK, 0.0) if from_disk else (Source.BACKEND, stall)
 
     def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Bring a block into RAM in the background; False if already there or too busy.
@@ -277,6 +349,7 @@ class BlockCache:
         return more
 
     def _evicted(self, key: bytes) -> None:
+        self._admitted_unread.pop(key, None)
         if key in self._unused_prefetched:
             self._unused_prefetched.discard(key)
             self._prefetch_wasted += 1
@@ -302,6 +375,7 @@ class BlockCache:
     async def clear(self) -> None:
         self.memory.clear()
         self._unused_prefetched.clear()
+        self._admitted_unread.clear()
         if self.disk is not None:
             await self.disk.clear()
 
@@ -361,14 +435,29 @@ class BlockCache:
             self._disk_writes_skipped += 1
             return
         self._pending_disk += len(data)
-        self._nursery.start_soon(self._write_to_disk, key, data, next_use, tag)
+        self._disk_queue.append((key, data, next_use, tag))
+        if not self._disk_writer:
+            self._disk_writer = True
+            self._nursery.start_soon(self._write_to_disk)
 
-    async def _write_to_disk(self, key: bytes, data: bytes, next_use: int | None, tag: int) -> None:
+    async def _write_to_disk(self) -> None:
+        """The one write-behind task: drains the queue in batches of up to
+        DISK_BATCH_BLOCKS, one thread hop each (``DiskTier.put_many``); ends when empty."""
         assert self.disk is not None
+        queue = self._disk_queue
         try:
-            await self.disk.put(key, data, next_use=next_use, tag=tag)
+            while queue:
+                batch = [queue.popleft() for _ in range(min(len(queue), DISK_BATCH_BLOCKS))]
+                self._disk_batches += 1
+                try:
+                    await self.disk.put_many(batch)
+                finally:
+                    self._pending_disk -= sum(len(data) for _, data, _, _ in batch)
         finally:
-            self._pending_disk -= len(data)
+            self._disk_writer = False
+            if queue:  # cancelled with blocks queued (shutdown): they are not written
+                self._pending_disk -= sum(len(data) for _, data, _, _ in queue)
+                queue.clear()
 
     def statistics(self) -> BlockCacheStatistics:
         return BlockCacheStatistics(

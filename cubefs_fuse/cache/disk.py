@@ -25,6 +25,7 @@ stops counting once it is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -62,8 +63,19 @@ DISK_THREADS = 8
 # takes one allocation unit, and the largest growth one new entry can cause on ext4 is
 # two (a one-block directory turning into an htree: a root and two leaves).  A 4 KiB
 # leaf holds ~100 of our 40-byte entries and is half full after a split, so the at most
-# DISK_THREADS renames between two measurements cannot cause two growths.
+# DISK_BATCH_BLOCKS + DISK_THREADS (40 < 50) renames between two measurements that count
+# (a batch's are counted when it returns) cannot cause two growths.
 DIR_SLACK = 2 * ALLOCATION_UNIT
+# Blocks one write-behind batch (put_many: one thread hop, one statvfs) takes at most.
+# 32 amortise the hop (~100 us here) to a few us per block and keep DIR_SLACK sufficient
+# (above); a batch of 32 1 MiB blocks is ~30 ms of NVMe writing, so blocks queued behind
+# it wait little.
+DISK_BATCH_BLOCKS = 32
+
+
+# The largest payload a block file can hold: blockSize is at most 64 MiB (config.py).  A
+# damaged header claiming more is refused before anything of that size is allocated.
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 
 def allocated_bytes(payload: int) -> int:
@@ -282,13 +294,68 @@ class DiskTier:
         self._hits += 1
         return data
 
+    def read_in_thread(self, key: bytes) -> bytes | None:
+        """The block's checked payload, read by the calling worker thread (not the trio
+        thread), or None if it is not stored, was evicted meanwhile or is damaged (the
+        trio thread's :meth:`get` then deals with it).  Touches no accounting: the trio
+        thread calls :meth:`count_hit` with the bytes.  Block files are immutable once in
+        place, so a concurrent eviction costs at most a None."""
+        if key not in self._entries:
+            return None
+        try:
+            return _read_block_file(self._path(key), key)
+        except (OSError, _Corrupt):
+            return None
+
+    def count_hit(self, key: bytes, tag: int = 0) -> None:
+        """Account a hit read by :meth:`read_in_thread` (on the trio thread)."""
+        self._hits += 1
+        if key in self._entries:
+            self.policy.touch(key)
+            if tag and key not in self._tags:
+                self._tags.set(key, tag)
+
     async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it), evicting by the
         plan-aware policy; False if it was not stored."""
+        return (await self.put_many([(key, data, next_use, tag)]))[0]
+
+    async def put_many(self, blocks: list[tuple[bytes, bytes, int | None, int]]) -> list[bool]:
+        """Store blocks ``(key, data, next_use, tag)`` as :meth:`put` does, in one worker
+        thread call (one thread hop and one ``statvfs`` for them all); per block whether
+        it was stored.  Every block's space is reserved before the call, so the limit
+        holds at every instant exactly as for single puts."""
+        puts = [self._reserve(key, data, next_use) for key, data, next_use, _ in blocks]
+        jobs = [p.job for p in puts if p is not None]
+        inserted_before = self._inserted_bytes
+        space: tuple[int, int] | None = None
+        done: list[_Written] = []
+        try:
+            if jobs:
+                done, space = await trio.to_thread.run_sync(_write_block_files, jobs, self._tmp_dir,
+                                                            limiter=self._limiter)
+        except OSError as exc:  # not raised by the worker (it reports per block): nothing is known
+            done = [_Written(-1, [-1] * len(job.emptied), exc) for job in jobs]
+        except BaseException:
+            done = [_Written(-1, [-1] * len(job.emptied), OSError(errno.ECANCELED, "cancelled")) for job in jobs]
+            raise
+        finally:
+            results = iter(done)
+            stored = []
+            for put, (key, _, next_use, tag) in zip(puts, blocks):
+                stored.append(self._settle(put, next(results), next_use, tag) if put is not None else True)
+        if space is not None:
+            own = sum(p.need for p, ok in zip(puts, stored) if p is not None and p.fits and ok)
+            self._set_headroom(space, self._inserted_bytes - inserted_before - own)
+        return stored
+
+    def _reserve(self, key: bytes, data: bytes, next_use: int | None) -> _Put | None:
+        """Reserve a block's space and choose its victims (None: already stored or being
+        written, nothing to do)."""
         if key in self._entries or key in self._writing:
             if next_use is not None:
                 self.policy.plan(key, next_use)
-            return True
+            return None
         sub = _fanout(key)
         # The block's fan-out directory may be created or grow: reserve DIR_SLACK for it
         # unless it is reserved already (for other writes into it still in flight).
@@ -322,33 +389,30 @@ class DiskTier:
                 self._slack_held[sub] = 0  # inside this put's reservation for now
         self._tmp_serial += 1
         tmp = os.path.join(self._tmp_dir, f"{self._tmp_serial}")
-        victim_paths = [self._path(v) for v in victims]
-        inserted_before = self._inserted_bytes
-        try:
-            done = await trio.to_thread.run_sync(
-                _write_block_file, victim_paths, [self._dir_path(e) for e in emptied], tmp,
-                self._path(key) if fits else None, key, data, limiter=self._limiter,
-            )
-        except OSError as exc:  # unlinking a victim or statvfs failed: nothing is known
-            done = _Written(0, 0, -1, [-1] * len(emptied), exc)
-        finally:
-            self._writing.pop(key, None)
-            self._reserved -= reserved
-            self.used_bytes -= reserved
-            if fits:
-                self._dir_writes[sub] -= 1
-                if slack and self._dir_writes[sub]:
-                    # Other writes into the directory still count on the slack: hold it apart.
-                    self._slack_held[sub] = slack
-                    self._reserved += slack
-                    self.used_bytes += slack
-                elif not self._dir_writes[sub]:
-                    del self._dir_writes[sub]
-                    held = self._slack_held.pop(sub, 0)
-                    self._reserved -= held
-                    self.used_bytes -= held
+        job = _Job([self._path(v) for v in victims], [self._dir_path(e) for e in emptied], tmp,
+                   self._path(key) if fits else None, key, data)
+        return _Put(key, sub, need, slack, reserved, fits, emptied, job)
+
+    def _settle(self, put: _Put, done: _Written, next_use: int | None, tag: int) -> bool:
+        """Account a reserved put whose worker returned ``done``; whether it was stored."""
+        key, sub, fits, slack = put.key, put.sub, put.fits, put.slack
+        self._writing.pop(key, None)
+        self._reserved -= put.reserved
+        self.used_bytes -= put.reserved
+        if fits:
+            self._dir_writes[sub] -= 1
+            if slack and self._dir_writes[sub]:
+                # Other writes into the directory still count on the slack: hold it apart.
+                self._slack_held[sub] = slack
+                self._reserved += slack
+                self.used_bytes += slack
+            elif not self._dir_writes[sub]:
+                del self._dir_writes[sub]
+                held = self._slack_held.pop(sub, 0)
+                self._reserved -= held
+                self.used_bytes -= held
         # (No await since the worker returned: the measured sizes replace the slack at once.)
-        for name, size in zip(emptied, done.kept_dirs):
+        for name, size in zip(put.emptied, done.kept_dirs):
             self._keep_dir(name, size)
         if fits:
             self._keep_dir(sub, done.dir_bytes)
@@ -358,14 +422,13 @@ class DiskTier:
             if fits:
                 self._unclaim(sub)
             return False
-        self._set_headroom((done.available, done.total), self._inserted_bytes - inserted_before)
         if fits:
-            self._entries[key] = need
-            self.used_bytes += need
-            self.policy.add(key, need, next_use)
+            self._entries[key] = put.need
+            self.used_bytes += put.need
+            self.policy.add(key, put.need, next_use)
             if tag:
                 self._tags.set(key, tag)
-            self._inserted_bytes += need
+            self._inserted_bytes += put.need
             self._inserts += 1
         return fits
 
@@ -547,16 +610,23 @@ def _lock_directory(directory: str) -> int:
 
 
 def _read_block_file(path: str, key: bytes) -> bytes:
-    with open(path, "rb", buffering=0) as f:
-        raw = f.read()
-    if len(raw) < HEADER_BYTES:
-        raise _Corrupt("truncated header")
-    magic, fmt, _, length, stored_key, checksum = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or fmt != _FORMAT:
-        raise _Corrupt("bad magic")
-    if stored_key != key:
-        raise _Corrupt("key mismatch")
-    payload = raw[HEADER_BYTES:]
+    # Header and payload in two preads: the payload is read into its own bytes object
+    # (no copy of a whole block out of a header+payload buffer).
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        header = os.pread(fd, HEADER_BYTES, 0)
+        if len(header) < HEADER_BYTES:
+            raise _Corrupt("truncated header")
+        magic, fmt, _, length, stored_key, checksum = _HEADER.unpack(header)
+        if magic != _MAGIC or fmt != _FORMAT:
+            raise _Corrupt("bad magic")
+        if stored_key != key:
+            raise _Corrupt("key mismatch")
+        if length > MAX_PAYLOAD_BYTES:
+            raise _Corrupt(f"length {length} too large")
+        payload = os.pread(fd, length + 1, HEADER_BYTES)  # one byte more: a longer file is damaged too
+    finally:
+        os.close(fd)
     if len(payload) != length:
         raise _Corrupt(f"length {len(payload)} != {length}")
     if xxhash.xxh3_64_intdigest(payload) != checksum:
@@ -566,22 +636,64 @@ def _read_block_file(path: str, key: bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class _Written:
-    available: int  # statvfs of the cache filesystem after the write
-    total: int
     dir_bytes: int  # allocated bytes of the block's fan-out directory after the write (-1: none)
     kept_dirs: list[int]  # per emptied directory: -1 if removed, else its allocated bytes
     error: OSError | None
 
 
-def _write_block_file(victims: list[str], emptied: list[str], tmp: str, final: str | None, key: bytes,
-                      data: bytes) -> _Written:
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """What a worker does for one put: unlink the victims, remove emptied directories,
+    write the block through ``tmp`` and rename it to ``final`` (None: no room, only the
+    removals)."""
+
+    victims: list[str]
+    emptied: list[str]
+    tmp: str
+    final: str | None
+    key: bytes
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A put's reservation, from ``_reserve`` to ``_settle``."""
+
+    key: bytes
+    sub: str
+    need: int
+    slack: int
+    reserved: int
+    fits: bool
+    emptied: list[str]
+    job: _Job
+
+
+def _write_block_files(jobs: list[_Job], tmp_dir: str) -> tuple[list[_Written], tuple[int, int] | None]:
+    """The jobs in order, each reported on its own (an error ends only its block), then
+    one ``statvfs`` of the cache filesystem (None if it failed)."""
+    done = []
+    for job in jobs:
+        try:
+            done.append(_write_block_file(job))
+        except OSError as exc:  # unlinking a victim failed: nothing is known of this block
+            done.append(_Written(-1, [-1] * len(job.emptied), exc))
+    try:
+        st = os.statvfs(tmp_dir)
+    except OSError:
+        return done, None
+    return done, (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+
+def _write_block_file(job: _Job) -> _Written:
     # Victims go first so the bytes on disk stay within the reservation at every instant.
-    kept = _remove_all(victims, emptied)
+    kept = _remove_all(job.victims, job.emptied)
     error: OSError | None = None
     dir_bytes = -1
+    final, tmp, data = job.final, job.tmp, job.data
     if final is not None:
         try:
-            header = _HEADER.pack(_MAGIC, _FORMAT, 0, len(data), key, xxhash.xxh3_64_intdigest(data))
+            header = _HEADER.pack(_MAGIC, _FORMAT, 0, len(data), job.key, xxhash.xxh3_64_intdigest(data))
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 os.writev(fd, [header, data])
@@ -596,8 +708,7 @@ def _write_block_file(victims: list[str], emptied: list[str], tmp: str, final: s
             error = exc
             _unlink_quietly(tmp)
         dir_bytes = _allocated(os.path.dirname(final))
-    st = os.statvfs(tmp.rsplit("/", 1)[0])
-    return _Written(st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize, dir_bytes, kept, error)
+    return _Written(dir_bytes, kept, error)
 
 
 def _remove_all(paths: list[str], directories: list[str]) -> list[int]:

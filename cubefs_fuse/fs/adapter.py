@@ -51,11 +51,19 @@ class FuseOperations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, fs: Filesystem, *, entry_timeout: float, attr_timeout: float) -> None:
+    def __init__(self, fs: Filesystem, *, entry_timeout: float, attr_timeout: float,
+                 on_init: Callable[[], object] | None = None) -> None:
         super().__init__()
         self.fs = fs
         self.entry_timeout = entry_timeout
         self.attr_timeout = attr_timeout
+        self.on_init = on_init
+
+    def init(self) -> None:
+        """The kernel's INIT request is being answered (synchronously, on the trio thread):
+        ``on_init`` may schedule work that must come after the kernel took the answer."""
+        if self.on_init is not None:
+            self.on_init()
 
     def _attributes(self, inode: int, attr: Attr) -> pyfuse3.EntryAttributes:
         out = pyfuse3.EntryAttributes()

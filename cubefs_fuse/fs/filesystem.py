@@ -106,6 +106,9 @@ class Filesystem:
         self._handles = count(1)
         self._c = _Counters()
         self.observer: AccessObserver | None = None
+        # Lookups and getattrs that miss the metadata cache bring small files whole
+        # (see _stat_fetching); off: they only stat, as operator tools do.
+        self.lookup_fetch = True
 
     # -- names and attributes --------------------------------------------------------
 
@@ -118,8 +121,46 @@ class Filesystem:
             path = parent.rpartition("/")[0]
         else:
             path = child_path(parent, name)
-        attr = await self.meta.stat(path)
+        attr = await self._stat_fetching(path)
         return self.entry(path, attr)
+
+    async def _stat_fetching(self, path: str) -> Attr:
+        """``path``'s attributes for the kernel (lookup, getattr).  A metadata miss on a
+        regular file of at most one block that no tier holds brings the file too, in the
+        same backend call (``Backend.stat_read``): the open and read that usually follow
+        are then served from RAM.  The process that waited counts the file as a miss
+        (``BlockCache.admit``), exactly as if its read had fetched it."""
+        if not self.lookup_fetch or self.meta.peek(path) is not None:
+            return await self.meta.stat(path)
+        cache = self.cache
+        # A fetch slot, as any fetch has (never waited for: without one it only stats).
+        slot = cache.try_fetch_slot()
+        if slot is None:
+            return await self.meta.stat(path)
+
+        on_disk: list[bytes] = []
+
+        def want(attr: Attr) -> bool:
+            # Runs in the backend's worker thread, between the stat and the source read:
+            # a block on NVMe is read right here (same thread call), not from the source.
+            key = block_key(path, attr.version, 0)
+            local = cache.disk_block_in_thread(key)
+            if local is not None:
+                on_disk.append(local)
+                return False
+            return cache.wanted(key)
+
+        start = time.perf_counter()
+        try:
+            attr, data = await self.meta.stat_read(path, self.block_size, want)
+        finally:
+            cache.release_fetch_slot(slot)
+        if data is not None:
+            cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path),
+                        stall=time.perf_counter() - start)
+        elif on_disk and len(on_disk[0]) == attr.size:
+            cache.admit(block_key(path, attr.version, 0), on_disk[0], tag=path_tag(path), from_disk=True)
+        return attr
 
     def entry(self, path: str, attr: Attr) -> Entry:
         """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:
@@ -136,7 +177,7 @@ class Filesystem:
         reads, or drop their pages and refill them from another version."""
         node = self.inodes.node(inode)
         if not node.retired:
-            attr = await self.meta.stat(node.path)
+            attr = await self._stat_fetching(node.path)
             if self.inodes.serves(inode, attr):
                 return Entry(inode, attr)
         assert node.attr is not None  # a retired inode always has the attributes it served
@@ -256,11 +297,11 @@ class Filesystem:
     async def _block(self, f: OpenFile, index: int, served: int) -> bytes:
         """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
         start = time.perf_counter()
-        data, source = await self.cache.get(block_key(f.path, f.version, index),
-                                            self.blocks.fetcher(f.path, f.version, index), tag=f.tag)
+        data, source, earlier = await self.cache.read(block_key(f.path, f.version, index),
+                                                      self.blocks.fetcher(f.path, f.version, index), tag=f.tag)
         if source is Source.BACKEND:
             f.waited = True
-            f.stall += time.perf_counter() - start
+            f.stall += time.perf_counter() - start + earlier
         self._c.blocks_by_source[source.value] += 1
         self._c.bytes_by_source[source.value] += served
         return data

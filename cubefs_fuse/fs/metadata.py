@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import trio
@@ -62,6 +63,22 @@ class MetadataCache:
             raise FsError(errno.ENOENT) from None
         self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
         return attr
+
+    async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
+        """As :meth:`stat`; on a miss the backend's ``stat_read`` may also bring the whole
+        file (see ``Backend.stat_read``): one backend call for a cold small file."""
+        now = trio.current_time()
+        cached = self._attrs.get(path)
+        if cached is not None and cached[0] > now:
+            return await self.stat(path), None
+        self._attr_misses += 1
+        try:
+            attr, data = await self.backend.stat_read(path, max_size, want)
+        except FileNotFoundError:
+            self._remember(path, None, now + self.lookup_ttl if self.lookup_ttl else 0.0)
+            raise FsError(errno.ENOENT) from None
+        self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
+        return attr, data
 
     def peek(self, path: str) -> Attr | None:
         """Cached, unexpired attributes of ``path`` without asking the backend."""

@@ -332,9 +332,9 @@ class SlowDiskTier(DiskTier):
         super().__init__(directory, limit_bytes, free_ratio, lock_fd)
         self.gate = trio.Event()
 
-    async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
+    async def put_many(self, blocks: list[tuple[bytes, bytes, int | None, int]]) -> list[bool]:
         await self.gate.wait()
-        return await super().put(key, data, next_use=next_use, tag=tag)
+        return await super().put_many(blocks)
 
 
 async def test_pending_disk_writes_capped(tmp_path: Path) -> None:
@@ -364,4 +364,52 @@ async def test_pending_disk_writes_capped(tmp_path: Path) -> None:
             for i in range(10):
                 assert await blocks.get(cache, "f", i) == (blocks.expected("f", i), Source.RAM)
     finally:
+        await disk.close()
+
+
+async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """N blocks fetched at once reach NVMe in at most ceil(N / DISK_BATCH_BLOCKS) worker
+    thread calls (plus the first, which starts before the rest are queued), each with one
+    statvfs; every block lands, checksummed, and the limit is held."""
+    import cubefs_fuse.cache.disk as disk_module
+    from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS
+
+    hops: list[str] = []
+    statvfs_calls = 0
+    real_run_sync = trio.to_thread.run_sync
+    real_statvfs = disk_module.os.statvfs
+
+    async def counting_run_sync(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+        hops.append(getattr(fn, "__name__", "?"))
+        return await real_run_sync(fn, *args, **kwargs)
+
+    def counting_statvfs(path):  # type: ignore[no-untyped-def]
+        nonlocal statvfs_calls
+        statvfs_calls += 1
+        return real_statvfs(path)
+
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = 3 * DISK_BATCH_BLOCKS + 5
+    blocks.file("f", n)
+    disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
+    monkeypatch.setattr(disk_module.trio.to_thread, "run_sync", counting_run_sync)
+    monkeypatch.setattr(disk_module.os, "statvfs", counting_statvfs)
+    try:
+        async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK) as cache:
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(blocks.get, cache, "f", i)
+            await cache.drain()
+            writes = hops.count("_write_block_files")
+            assert writes <= -(-n // DISK_BATCH_BLOCKS) + 1 and writes == statvfs_calls
+            assert cache._disk_batches == writes
+            stats = cache.statistics()
+            assert stats.disk is not None and stats.disk.inserts == n and stats.pending_disk_bytes == 0
+            assert stats.disk.used_bytes <= stats.disk.limit_bytes
+            for i in range(n):
+                assert await disk.get(blocks.key("f", i)) == blocks.expected("f", i)
+    finally:
+        monkeypatch.undo()
         await disk.close()

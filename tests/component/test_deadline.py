@@ -234,3 +234,15 @@ async def test_abandoned_threads_stay_bounded_by_backend_threads(
     finally:
         release.set()
         inner.close()
+
+
+async def test_a_lookup_that_reads_is_under_the_stat_deadline(autojump_clock: trio.testing.MockClock) -> None:
+    fake = fake_with({"a": b"x" * 10})
+    fake.gate("a")  # the read part of stat_read starts and never gets an answer
+    async with supervised(fake) as backend:
+        start = trio.current_time()
+        await expect_eio(backend.stat_read("a", BLOCK, lambda attr: True))
+        assert trio.current_time() - start == pytest.approx(TIMEOUT)
+        assert nonzero(backend.statistics().timeouts) == {"stat": 1} and backend.down
+        await expect_eio(backend.stat_read("a", BLOCK, lambda attr: True))  # fails fast while down
+        assert nonzero(backend.statistics().failed_fast) == {"stat": 1}

@@ -109,7 +109,19 @@ def _truncate_payload(path: Path) -> None:
     os.truncate(path, path.stat().st_size - 1)
 
 
-@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_header, _truncate_payload, "wrong_key"])
+def _extend_payload(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"x")
+
+
+def _huge_length(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[8:12] = ((1 << 32) - 1).to_bytes(4, "little")  # the header's payload length: 4 GiB
+    path.write_bytes(raw)
+
+
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_header, _truncate_payload, _extend_payload,
+                                    _huge_length, "wrong_key"])
 async def test_corrupted_block_is_discarded(tmp_path: Path, damage: object) -> None:
     tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
     good, other = key(1), key(2)
