@@ -93,7 +93,9 @@ class ClientConfig:
     control_socket: str = ""
     control_allow_uids: tuple[int, ...] = ()
     control_allow_gids: tuple[int, ...] = ()
-    config_dir: str = "/tmp"
+    # The per-volume file's directory: the key, else $CUBE_TORCH_CONFIG_DIR (what cube_torch
+    # reads too), else /tmp, CubeFS's place.
+    config_dir: str = dataclasses.field(default_factory=lambda: os.environ.get("CUBE_TORCH_CONFIG_DIR") or "/tmp")
     job_idle_timeout: float = DEFAULT_JOB_IDLE_TIMEOUT
     unused_keys: tuple[str, ...] = ()
 

@@ -39,6 +39,9 @@ from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
 PROTOCOL_VERSION = 1
 CONFIG_FILE_PREFIX = "cube_torch.config."
 DEFAULT_CONFIG_DIR = "/tmp"
+# Where training processes look instead of DEFAULT_CONFIG_DIR (a pod that runs as a
+# non-root user and keeps its own /tmp); the daemon's configDir defaults to it too.
+CONFIG_DIR_ENV = "CUBE_TORCH_CONFIG_DIR"
 
 CONTENT_JSON = "application/json"
 CONTENT_BINARY = "application/octet-stream"
@@ -71,11 +74,16 @@ class VolumeConfig:
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
 
-def config_file_path(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> str:
-    return os.path.join(config_dir, CONFIG_FILE_PREFIX + vol_name)
+def default_config_dir() -> str:
+    """``$CUBE_TORCH_CONFIG_DIR`` if set, else ``/tmp`` (CubeFS's place)."""
+    return os.environ.get(CONFIG_DIR_ENV) or DEFAULT_CONFIG_DIR
 
 
-def read_volume_config(vol_name: str, config_dir: str = DEFAULT_CONFIG_DIR) -> VolumeConfig:
+def config_file_path(vol_name: str, config_dir: str | None = None) -> str:
+    return os.path.join(config_dir or default_config_dir(), CONFIG_FILE_PREFIX + vol_name)
+
+
+def read_volume_config(vol_name: str, config_dir: str | None = None) -> VolumeConfig:
     """Read and verify the per-volume config file; raises ProtocolError.
 
     The file must not be writable by others and must belong to root or to the current

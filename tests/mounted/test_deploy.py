@@ -504,7 +504,8 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
     socket_dir = _mount_of(container, config.control_socket)
     assert volumes[socket_dir["name"]]["hostPath"]["path"] == "/run/cubefs-fuse"
     volconfig = _mount_of(container, config.config_dir)
-    assert volconfig["mountPath"] == "/tmp" and "hostPath" in volumes[volconfig["name"]]
+    assert volconfig is socket_dir or volconfig["name"] == socket_dir["name"]  # one shared runtime directory
+    assert not any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
     assert {"name": "metrics", "containerPort": config.exporter_port, "protocol": "TCP"} in container["ports"]
     assert config.exporter_addr == "0.0.0.0"  # reachable by Prometheus on the pod IP
     # Resources: the memory limit is the RAM tier plus the documented overhead.
@@ -543,6 +544,11 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
         assert pod_volumes[pod_mount["name"]]["hostPath"]["path"] == volumes[daemon_mount["name"]]["hostPath"]["path"]
     env = {e["name"]: e.get("value") for e in train["env"]}
     assert env["VOL_NAME"] == config.vol_name
+    # cube_torch looks where the daemon writes the per-volume file, and the pod keeps its
+    # own writable /tmp (a hostPath owned by root would not be writable for uid 1000).
+    assert env["CUBE_TORCH_CONFIG_DIR"] == config.config_dir
+    assert not any(m["mountPath"] == "/tmp" for m in train["volumeMounts"])
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
     run_as = pod["spec"].get("securityContext", {}).get("runAsUser", 0)
     assert run_as == 0 or run_as in config.control_allow_uids  # else the control API refuses it
     assert pod["spec"]["nodeSelector"] == spec["nodeSelector"]

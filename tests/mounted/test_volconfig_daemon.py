@@ -148,3 +148,27 @@ def test_nothing_another_user_planted_blocks_or_redirects_the_volume_file(
     leftovers = [p.name for p in shared_dir.iterdir()
                  if p.name.endswith(".tmp") and os.lstat(p).st_uid != 65534 or p.name == missing.name]
     assert leftovers == [], leftovers
+
+
+def test_cube_torch_config_dir_is_honoured_by_the_daemon_and_by_clients(
+        make_mount: Callable[..., Mount], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod that keeps its own /tmp: with CUBE_TORCH_CONFIG_DIR set and no configDir key, the
+    daemon writes the per-volume file there and a client with the same variable finds it."""
+    shared = tmp_path / "run"
+    shared.mkdir()
+    monkeypatch.setenv("CUBE_TORCH_CONFIG_DIR", str(shared))  # the CLI and the daemon inherit it
+    m = make_mount(profile="ai_prefetch")
+    m.mount()
+    try:
+        name = m.config()["volName"]
+        assert (shared / f"cube_torch.config.{name}").is_file()
+        assert not os.path.exists(f"/tmp/cube_torch.config.{name}")
+        volume = read_volume_config(name)  # the client side: no directory given, the variable decides
+        assert volume.mount_point == str(m.mount_point)
+        assert ControlClient(volume.control_socket).status()["volume"] == name
+        monkeypatch.delenv("CUBE_TORCH_CONFIG_DIR")
+        with pytest.raises(Exception, match="no daemon"):
+            read_volume_config(name)  # without it the client looks in /tmp, where nothing is
+    finally:
+        m.umount()
+    assert not (shared / f"cube_torch.config.{m.config()['volName']}").exists()
