@@ -230,10 +230,14 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_metadata_cache_hits_total", m.listing_hits, "listing")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.attr_misses, "attr")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.listing_misses, "listing")
-    f.add("cubefs_fuse_file_requests_total", s.fs.file_requests)
-    f.add("cubefs_fuse_file_hits_total", s.fs.file_requests - s.fs.file_misses)
-    f.add("cubefs_fuse_file_misses_total", s.fs.file_misses)
-    f.add("cubefs_fuse_stall_seconds_total", s.fs.stall_seconds)
+    # File requests: opens through the mount and files cube_torch's workers opened from the
+    # fast path's rings (each open one request, as on the mount).
+    fast = s.fastpath
+    fast_hits, fast_misses = (fast.served_hits, fast.served_misses) if fast is not None else (0, 0)
+    f.add("cubefs_fuse_file_requests_total", s.fs.file_requests + fast_hits + fast_misses)
+    f.add("cubefs_fuse_file_hits_total", s.fs.file_requests - s.fs.file_misses + fast_hits)
+    f.add("cubefs_fuse_file_misses_total", s.fs.file_misses + fast_misses)
+    f.add("cubefs_fuse_stall_seconds_total", s.fs.stall_seconds + (fast.served_stall if fast is not None else 0.0))
     f.add("cubefs_fuse_prefetch_used_total", c.prefetch_used)
     f.add("cubefs_fuse_prefetch_wasted_total", c.prefetch_wasted)
     if s.fastpath is not None:

@@ -221,9 +221,7 @@ def _print_epochs(rows: list[tuple[Any, dict[str, float], dict[str, float]]], jo
             key = f"{name}{{{labels}}}" if labels else name
             return after.get(key, 0.0) - before.get(key, 0.0)
 
-        # Opens through the mount plus files cube_torch's workers got through the fast path.
-        all_opens = int(d("cubefs_fuse_file_requests_total") + d("cubefs_fuse_fastpath_files_total", 'result="hit"')
-                        + d("cubefs_fuse_fastpath_files_total", 'result="miss"'))
+        all_opens = int(d("cubefs_fuse_file_requests_total"))  # opens through the mount and the fast path
         if job is not None:
             labels = f'rank="0",training_job="{job}"'
             requests, hits = d("cubefs_fuse_job_requests_total", labels), d("cubefs_fuse_job_hits_total", labels)

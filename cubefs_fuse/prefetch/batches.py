@@ -77,6 +77,7 @@ class BatchStatistics:
     to_mount: int = 0  # files answered "read it through the mount"
     served_bytes: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)  # why files went to the mount
+    served_stall: float = 0.0  # seconds served misses waited on the backend
 
 
 def may_read(caller: Caller, attr: Attr, need: int) -> bool:
@@ -125,7 +126,7 @@ class BatchResolver:
     def statistics(self) -> BatchStatistics:
         s = self.stats
         return BatchStatistics(s.batches, s.served_hits, s.served_misses, s.to_mount, s.served_bytes,
-                               dict(s.by_reason))
+                               dict(s.by_reason), s.served_stall)
 
     def commit(self, results: list[Resolved], opens: list[int] | None = None) -> None:
         """The served files were handed to the worker: count each open of one as a request,
@@ -143,6 +144,7 @@ class BatchResolver:
                 waited = r.waited and n == 0
                 if waited:
                     self.stats.served_misses += 1
+                    self.stats.served_stall += r.stall
                 else:
                     self.stats.served_hits += 1
                 self.stats.served_bytes += r.size

@@ -72,6 +72,10 @@ def test_a_batch_is_served_from_the_ring_and_counted_once_per_file(make_mount: C
         assert metric(samples, "cubefs_fuse_fastpath_files_total", result="hit") == len(names) - 1
         assert metric(samples, "cubefs_fuse_fastpath_files_total", result="miss") == len(names)
         assert metric(samples, "cubefs_fuse_fastpath_files_total", result="mount") == 3
+        # The mount's file requests count them like opens through the mount (none happened here).
+        assert metric(samples, "cubefs_fuse_file_requests_total") == 2 * len(names) - 1
+        assert metric(samples, "cubefs_fuse_file_hits_total") == len(names) - 1
+        assert metric(samples, "cubefs_fuse_file_misses_total") == len(names)
     finally:
         m.umount()
 
