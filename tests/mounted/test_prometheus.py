@@ -288,7 +288,11 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
     client.submit_plan("promql-job", 0, 0, dataset, np.arange(len(names), dtype="<u4").tobytes(), "<u4")
     for name in names:
         m.path(name).read_bytes()
-    os.stat(m.path("gone"))  # looked up now (attributes cached), removed at the source later
+    # Listed, then looked up (attributes cached from the listing: a lookup that missed them
+    # would bring the small file whole, docs/architecture.md "Contract: the lean path"),
+    # removed at the source later.
+    assert "gone" in os.listdir(m.mount_point)
+    os.stat(m.path("gone"))
 
     rounds = 0
 
