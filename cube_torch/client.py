@@ -80,19 +80,24 @@ _warned: set[str] = set()
 _lock = threading.Lock()
 
 
-def warn_once(kind: str, message: str, *args: Any) -> None:
+def once(kind: str) -> bool:
+    """True the first time ``kind`` is asked for in this process (one line per kind of trouble)."""
     with _lock:
         if kind in _warned:
-            return
+            return False
         _warned.add(kind)
+        return True
+
+
+def warn_once(kind: str, message: str, *args: Any) -> None:
+    if not once(kind):
+        return
     log.warning("cube_torch: " + message + " (training continues without prefetch; logged once)", *args)
 
 
 def info_once(kind: str, message: str, *args: Any) -> None:
-    with _lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
+    if not once(kind):
+        return
     log.info("cube_torch: " + message, *args)
 
 

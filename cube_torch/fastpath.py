@@ -31,13 +31,13 @@ import logging
 import mmap
 import os
 import socket
-import threading
 import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from cube_torch.client import once
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import MAX_BATCH_FILES, MAX_BATCH_MESSAGE, ProtocolError, read_volume_config
 
@@ -59,19 +59,13 @@ VOLUME_TTL = 30.0
 # before a worker stops asking the daemon for that dataset: two tell it is no accident.
 USELESS_BATCHES = 2
 
-_warned: set[str] = set()
-_lock = threading.Lock()
-
-
 def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1") != "0" and bool(os.environ.get("VOL_NAME"))
 
 
 def _warn_once(kind: str, message: str, *args: Any) -> None:
-    with _lock:
-        if kind in _warned:
-            return
-        _warned.add(kind)
+    if not once(f"fastpath:{kind}"):
+        return
     log.warning("cube_torch: fast path: " + message + " (reading through the mount; logged once per process)", *args)
 
 

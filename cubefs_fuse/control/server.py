@@ -255,22 +255,7 @@ class ControlServer:
         A socket file left at ``path`` is replaced; anything else there (a regular file, a
         directory, a symlink) is refused with a ConfigError and left alone.
         """
-        remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            sock.bind(path)
-            os.chmod(path, 0o666)
-            sock.listen(LISTEN_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        task_status.started()
-        try:
-            await self._accept_loop(sock, "unix")
-        finally:
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        await self._serve_socket(path, socket.SOCK_STREAM, None, task_status)
 
     async def serve_data(self, path: str, handler: DataHandler, *,
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -282,8 +267,14 @@ class ControlServer:
         same connection caps (an idle data connection is the first to give its slot up)
         and the descriptor reserve.  ``handler`` serves an admitted connection.
         """
+        await self._serve_socket(path, socket.SOCK_SEQPACKET, handler, task_status)
+
+    async def _serve_socket(self, path: str, kind: int, handler: DataHandler | None,
+                            task_status: trio.TaskStatus[None]) -> None:
+        """Bind a Unix socket of ``kind`` at ``path`` (a stale socket replaced), accept on
+        it until cancelled, and remove it at the end."""
         remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
             sock.bind(path)
             os.chmod(path, 0o666)
