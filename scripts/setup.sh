@@ -24,10 +24,15 @@ done
 # (a real server scrapes a live daemon in tests/mounted/test_prometheus.py), both from
 # Debian's `prometheus` package, installed without its recommends (node-exporter and its
 # collectors, another service) and not left running as a service (see below).
+# The sample-cache tests: a real redis-server (one on a loopback port, and a 3-master
+# Redis Cluster built with redis-cli --cluster create), from Debian's redis-server and
+# redis-tools; like prometheus, the service the package starts is stopped (see below).
+need_redis=0
+{ command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1; } || need_redis=1
 need_prometheus=0
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || need_prometheus=1
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-if [ ${#need_apt[@]} -gt 0 ] || [ "$need_prometheus" -eq 1 ]; then
+if [ ${#need_apt[@]} -gt 0 ] || [ "$need_prometheus" -eq 1 ] || [ "$need_redis" -eq 1 ]; then
     $SUDO apt-get update -qq
 fi
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -45,6 +50,17 @@ if [ "$need_prometheus" -eq 1 ]; then
     elif [ -x /etc/init.d/prometheus ]; then
         $SUDO /etc/init.d/prometheus stop >/dev/null 2>&1 || true
         $SUDO update-rc.d prometheus disable >/dev/null 2>&1 || true
+    fi
+fi
+if [ "$need_redis" -eq 1 ]; then
+    echo "setup: installing redis-server and redis-tools (for the sample-cache tests) with apt-get" >&2
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends redis-server redis-tools >/dev/null
+    # The tests start their own servers on free loopback ports; the package's service is stopped.
+    if [ -d /run/systemd/system ]; then
+        $SUDO systemctl disable --now redis-server.service >/dev/null 2>&1 || true
+    elif [ -x /etc/init.d/redis-server ]; then
+        $SUDO /etc/init.d/redis-server stop >/dev/null 2>&1 || true
+        $SUDO update-rc.d redis-server disable >/dev/null 2>&1 || true
     fi
 fi
 
