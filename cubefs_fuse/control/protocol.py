@@ -35,6 +35,9 @@ from cubefs_fuse.limits import MAX_NAME as MAX_NAME
 from cubefs_fuse.limits import MAX_PATH_BYTES as MAX_PATH_BYTES
 from cubefs_fuse.limits import MAX_PLAN_BODY as MAX_PLAN_BODY
 from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
+from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES as MAX_SAMPLE_ENTRY_BYTES
+from cubefs_fuse.limits import MAX_SAMPLE_KEYS as MAX_SAMPLE_KEYS
+from cubefs_fuse.limits import MAX_SAMPLE_PLAN_KEYS as MAX_SAMPLE_PLAN_KEYS
 
 PROTOCOL_VERSION = 1
 CONFIG_FILE_PREFIX = "cube_torch.config."

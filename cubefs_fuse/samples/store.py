@@ -246,15 +246,26 @@ class SampleStore:
 
     # -- the three operations ---------------------------------------------------------
 
-    async def get_many(self, caller: int, reference: Any, keys: list[int]) -> list[bytes | None]:
+    async def get_many(self, caller: int, reference: Any, keys: list[int],
+                       limit_bytes: int | None = None) -> list[bytes | None]:
+        """Each key's entry or None, in order; with ``limit_bytes``, only the prefix of the
+        keys whose entries fit that many bytes (at least one key): the caller asks again
+        for the rest, and only what was answered is counted."""
         owner, name = self.resolve(caller, reference)
-        out: list[bytes | None] = [None] * len(keys)
         cache = self._cache(owner, name, create=owner == caller and self.loaded)
         if cache is None:
-            return out
+            return [None] * len(keys)
+        out: list[bytes | None] = []
         from_disk: list[int] = []
+        sizes: list[int] = []
+        room = limit_bytes
         for i, key in enumerate(keys):
             entry = cache.entries.get(key)
+            if entry is not None and (entry.ram is not None or entry.disk) and room is not None:
+                if entry.size > room and i:
+                    break
+                room -= entry.size
+            out.append(None)
             if entry is None:
                 continue
             if entry.ram is not None:
@@ -262,11 +273,15 @@ class SampleStore:
                 self.ram_policy.touch(_PK.pack(cache.id, key))
             elif entry.disk:
                 from_disk.append(i)
+                sizes.append(entry.size)
+        keys = keys[:len(out)]
         if from_disk:
             wanted = [keys[i] for i in from_disk]
             read = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, wanted, limiter=self._limiter)
-            for i, key, data in zip(from_disk, wanted, read):
+            for i, key, size, data in zip(from_disk, wanted, sizes, read):
                 entry = cache.entries.get(key)
+                if isinstance(data, bytes) and len(data) != size:
+                    continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
                 if isinstance(data, bytes):
                     out[i] = data
                     if entry is not None and entry.ram is None and entry.size == len(data):
