@@ -81,12 +81,12 @@ async def test_with_a_plan_unplanned_go_first_then_the_furthest_next_use(tmp_pat
     # Three planned newcomers take the room of the three unplanned entries, LRU or not.
     await store.get_many(ME, "c", [0, 1, 2])  # recently used, yet not planned
     await store.put_many(ME, "c", [(k, entry(k, size)) for k in (100, 101, 102)])
-    resident = {k for k in (0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102) if k in store._caches[(ME, "c")].entries}
+    resident: set[int] = {k for k in (0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102) if k in store._caches[(ME, "c")].entries}
     assert resident == {3, 4, 5, 6, 7, 100, 101, 102}
     # A planned newcomer needed sooner than the furthest resident one displaces it (Belady)...
     await store.plan(ME, "c", np.array([7, 6, 5, 4, 3, 200, 100, 101, 102], dtype="<i8").tobytes())
     await store.put_many(ME, "c", [(200, entry(200, size))])
-    resident: set[int] = set(store._caches[(ME, "c")].entries)
+    resident = set(store._caches[(ME, "c")].entries)
     assert 200 in resident and 102 not in resident and {3, 4, 5, 6, 7, 100, 101} <= resident
     # ...and one needed later than everything resident is not admitted.
     await store.plan(ME, "c", np.array([7, 6, 5, 4, 3, 200, 100, 101, 300], dtype="<i8").tobytes())
