@@ -46,9 +46,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     warmup.add_argument("--check", action="store_true", help="only report the cached percentage")
     warmup.add_argument("--json", action="store_true", help="print the final report as JSON, no progress bar")
 
-    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount",
-                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount.")
-    drop.add_argument("mount_point", metavar="MOUNTPOINT")
+    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount, or one sample cache",
+                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount; with "
+                          "--samples NAME, destroy one processed-sample cache instead (its owner or root only).")
+    drop.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT",
+                      help="the mount (with --samples: default the mount of $VOL_NAME, or the only live mount)")
+    drop.add_argument("--samples", metavar="NAME", help="destroy the sample cache NAME (yours), or ~UID/NAME "
+                      "(another user's: root only)")
 
     stats = sub.add_parser("stats", help="a live view of a mount's activity (like 'juicefs stats')",
                            description="Print per-interval rates: opens, reads, hit rate, bytes by source, "
@@ -94,7 +98,7 @@ def _call(client: ControlClient, method: str, path: str, **kwargs: Any) -> Any:
     try:
         return client.request(method, path, **kwargs)
     except ProtocolError as exc:
-        if exc.status == 403:
+        if exc.status == 403 and "allowed to use the control socket" in exc.message:
             raise OpsError(f"permission denied on the control socket {client.socket_path}: run as root or the "
                            "daemon's user, or list your uid in 'controlAllowUids'") from None
         raise OpsError(f"control API: {exc}") from None
@@ -203,6 +207,31 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
         _print_distributed_jobs(console, ordered, plans)
     else:
         console.print("  no jobs registered")
+    _print_samples(console, r.get("samples"))
+
+
+def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
+    """The processed-sample caches: one row each (name, owner, entries, bytes, hits, misses)."""
+    if not samples:
+        console.print("  sample caches: off (sampleCacheMemSize and sampleCacheDiskSize are 0)")
+        return
+    ram, disk = samples["ram"], samples["disk"]
+    loading = "" if samples["loaded"] else ", loading its NVMe entries"
+    console.print(f"  sample store: RAM {_size(ram['used_bytes'])} of {_size(ram['limit_bytes'])}, "
+                  f"NVMe {_size(disk['used_bytes'])} of {_size(disk['limit_bytes'])}, "
+                  f"{samples['corrupt']} damaged entries{loading}")
+    if not samples["caches"]:
+        console.print("  no sample caches")
+        return
+    table = Table(box=box.SIMPLE, show_header=True)
+    for column in ("sample cache", "owner", "entries", "bytes", "hits", "misses", "hit rate"):
+        table.add_column(column, justify="left" if column == "sample cache" else "right")
+    for c in samples["caches"]:
+        asked = c["hits"] + c["misses"]
+        rate = f"{100 * c['hits'] / asked:.2f}%" if asked else "-"
+        table.add_row(c["name"] + (" (shared)" if c["shared"] else ""), str(c["owner"]), str(c["entries"]),
+                      _size(c["bytes"]), str(c["hits"]), str(c["misses"]), rate)
+    console.print(table)
 
 
 def _print_distributed_jobs(console: Console, jobs: list[dict[str, Any]],
@@ -299,9 +328,35 @@ def _follow(client: ControlClient, warmup_id: int, *, quiet: bool) -> dict[str, 
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
+    if args.samples is not None:
+        return _drop_samples(args.mount_point or _samples_mount(), args.samples)
+    if not args.mount_point:
+        raise OpsError("give the MOUNTPOINT whose cache to drop (or --samples NAME)")
     _, client = _client(args.mount_point)
     result = _call(client, "POST", "cache/drop", body=b"{}")
     print(f"dropped {_size(result['dropped_bytes'])} from the cache of {os.path.abspath(args.mount_point)}")
+    return 0
+
+
+def _samples_mount() -> str:
+    """The mount whose daemon keeps the sample caches: $VOL_NAME's, else the only live one."""
+    live = [m for m in mounts.survey() if m.state == "live" and m.info]
+    volume = os.environ.get("VOL_NAME")
+    if volume:
+        for m in live:
+            if (m.info or {}).get("volName") == volume:
+                return m.mount_point
+        raise OpsError(f"no live cubefs-fuse mount of volume {volume!r} (VOL_NAME) on this node: give its MOUNTPOINT")
+    if len(live) == 1:
+        return live[0].mount_point
+    raise OpsError(f"{len(live)} live cubefs-fuse mounts on this node: give the MOUNTPOINT (or set VOL_NAME)")
+
+
+def _drop_samples(mount_point: str, name: str) -> int:
+    _, client = _client(mount_point)
+    result = _call(client, "POST", "samples/drop", query={"name": name}, body=b"{}")
+    print(f"dropped sample cache {name}: {result['dropped_entries']} entries, {_size(result['dropped_bytes'])} "
+          f"(daemon of {os.path.abspath(mount_point)})")
     return 0
 
 
