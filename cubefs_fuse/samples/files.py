@@ -171,7 +171,16 @@ def remove_files(paths: Sequence[str]) -> None:
 
 
 def remove_cache(root: str, uid: int, name: str) -> None:
-    shutil.rmtree(cache_dir(root, uid, name), ignore_errors=True)
+    """Remove a cache's directory: renamed into tmp/ first (at once, so a new cache of the
+    same name starts in a fresh directory), then deleted."""
+    doomed = os.path.join(root, "tmp", "drop-" + secrets.token_hex(8))
+    try:
+        os.rename(cache_dir(root, uid, name), doomed)
+    except FileNotFoundError:
+        return
+    except OSError:
+        doomed = cache_dir(root, uid, name)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def prepare(root: str) -> None:

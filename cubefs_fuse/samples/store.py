@@ -253,7 +253,7 @@ class SampleStore:
         for the rest, and only what was answered is counted."""
         owner, name = self.resolve(caller, reference)
         cache = self._cache(owner, name, create=owner == caller and self.loaded)
-        if cache is None:
+        if cache is None or cache.dropped:
             return [None] * len(keys)
         out: list[bytes | None] = []
         from_disk: list[int] = []
@@ -278,6 +278,8 @@ class SampleStore:
         if from_disk:
             wanted = [keys[i] for i in from_disk]
             read = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, wanted, limiter=self._limiter)
+            if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
+                return [None] * len(keys)
             for i, key, size, data in zip(from_disk, wanted, sizes, read):
                 entry = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
@@ -314,6 +316,9 @@ class SampleStore:
             return 0
         cache = self._cache(owner, name, create=True)
         assert cache is not None
+        if cache.dropped:  # being dropped right now
+            self.dropped += len(items)
+            return 0
         kept: set[int] = set()
         for key, data in items:
             entry = cache.entries.get(key)
@@ -343,6 +348,8 @@ class SampleStore:
         plan = await trio.to_thread.run_sync(_Plan.build, data)
         cache = self._cache(owner, name, create=True)
         assert cache is not None
+        if cache.dropped:
+            return 0
         cache.plan = plan
         keys = list(cache.entries)
         for start in range(0, len(keys), CHUNK):
@@ -371,29 +378,31 @@ class SampleStore:
         async with cache.io_lock:
             if cache.dropped:
                 raise NotFound(f"no sample cache {name!r} of uid {owner}")
+            # Gets miss and puts are dropped from now on; the files go first, so a cache of the
+            # same name made right after never shares a directory with this one.
             cache.dropped = True
+            entries, total = len(cache.entries), cache.bytes  # what it held when the drop began
+            await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
             del self._caches[(owner, name)]
-            del self._by_id[cache.id]
             self._per_uid[owner] -= 1
             if not self._per_uid[owner]:
                 del self._per_uid[owner]
-            entries, total, disk = len(cache.entries), cache.bytes, cache.disk_bytes
-            keys = list(cache.entries.items())
-            for start in range(0, len(keys), CHUNK):
-                for key, entry in keys[start:start + CHUNK]:
-                    pk = _PK.pack(cache.id, key)
+            # Out of the policies in chunks; meanwhile another cache's put may still evict one
+            # of its entries (which then releases its own bytes), so the NVMe bytes left to
+            # release are read after the loop, and the cache stays known by id until then.
+            items = list(cache.entries.items())
+            for start in range(0, len(items), CHUNK):
+                for key, entry in items[start:start + CHUNK]:
                     if entry.ram is not None:
-                        self.ram_used -= self.ram_policy.remove(pk)
-                        self.ram_entries -= 1
+                        self._forget_ram(cache, key, entry)
                     if entry.disk:
-                        self.disk_policy.remove(pk)
+                        self.disk_policy.remove(_PK.pack(cache.id, key))
                         self.disk_entries -= 1
                 await trio.lowlevel.checkpoint()
+            del self._by_id[cache.id]
             cache.entries = {}
-            try:
-                await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
-            finally:
-                self.disk_used -= disk  # counted until its files are gone
+            self.disk_used -= cache.disk_bytes  # its files are gone
+            cache.disk_bytes = 0
         log.info("sample cache %r of uid %d dropped (%d entries, %d bytes) by uid %d", name, owner, entries, total, caller)
         return entries, total
 
@@ -452,9 +461,9 @@ class SampleStore:
         async with cache.io_lock:
             if cache.dropped:
                 return set()
-            batch: list[tuple[int, bytes, int, int]] = []  # key, data, reserved bytes, bytes of the replaced file
+            # key, data, its file's bytes, the bytes reserved for it, the bytes of the file it replaces
+            batch: list[tuple[int, bytes, int, int, int]] = []
             unlink: list[str] = []
-            released = 0
             seen: set[int] = set()
             for key, data in reversed(items):  # the last put of a key in a batch wins
                 if key in seen or key in cache.writing:
@@ -464,49 +473,50 @@ class SampleStore:
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
                 if victims is None:
                     continue
+                freed = 0
                 for pk in victims:
                     cache_id, victim_key = _PK.unpack(pk)
                     owner = self._by_id[cache_id]
                     victim = owner.entries[victim_key]
                     unlink.append(files.entry_path(self.root, owner.owner, owner.name, victim_key))
-                    released += victim.disk
+                    freed += victim.disk
                     self.disk_policy.remove(pk)
                     owner.disk_bytes -= victim.disk
                     self.disk_entries -= 1
-                    victim.disk = 0  # its bytes stay in disk_used until the file is unlinked
+                    victim.disk = 0
                     if victim.ram is None:
                         owner.evictions += 1
                         self._remove_entry(owner, victim_key, victim)
                 entry = cache.entries.get(key)
                 replaced = 0
                 if entry is not None and entry.disk:
-                    replaced = entry.disk  # renamed over: released once the new file is in place
+                    replaced = entry.disk  # renamed over: counted until the new file is in place
                     self.disk_policy.remove(_PK.pack(cache.id, key))
                     cache.disk_bytes -= entry.disk
                     self.disk_entries -= 1
                     entry.disk = 0
-                self.disk_used += need
+                # The victims' bytes become part of this write's reservation: the worker unlinks
+                # them before it writes, so the disk never holds more than what is counted.
+                reserved = max(need, freed)
+                self.disk_used += reserved - freed
                 cache.writing.add(key)
-                batch.append((key, data, need, replaced))
+                batch.append((key, data, need, reserved, replaced))
             if not batch and not unlink:
                 return set()
+            result = files.WriteResult([False] * len(batch), len(batch), 0)
             try:
                 result = await trio.to_thread.run_sync(
-                    files.write_entries, self.root, cache.owner, cache.name, [(k, d) for k, d, _, _ in batch],
+                    files.write_entries, self.root, cache.owner, cache.name, [(b[0], b[1]) for b in batch],
                     unlink, self.free_ratio, limiter=self._limiter)
-            except BaseException:
-                result = files.WriteResult([False] * len(batch), len(batch), 0)
-                raise
             finally:
-                self.disk_used -= released
                 written: set[int] = set()
-                for (key, data, need, replaced), ok in zip(batch, result.written):
+                for (key, data, need, reserved, replaced), ok in zip(batch, result.written):
                     cache.writing.discard(key)
-                    self.disk_used -= replaced
-                    entry = cache.entries.get(key)
+                    self.disk_used -= reserved + replaced
                     if not ok:
-                        self.disk_used -= need
                         continue
+                    self.disk_used += need
+                    entry = cache.entries.get(key)
                     if entry is None:
                         entry = cache.entries[key] = _Entry(len(data))
                         cache.bytes += len(data)

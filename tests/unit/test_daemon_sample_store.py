@@ -205,3 +205,40 @@ async def test_puts_while_loading_are_dropped_and_gets_miss(tmp_path: Path) -> N
     assert await store.get_many(ME, "c", [1]) == [None]
     assert store.statistics().dropped == 1
     assert os.path.exists(files.entry_path(str(tmp_path), ME, "c", 1))
+
+
+async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_path: Path) -> None:
+    one = files.allocated_bytes("a", 20_000)
+    store = await open_store(tmp_path, 30 * (20_000 + RAM_ENTRY_OVERHEAD), 40 * one)
+    rng = np.random.default_rng(11)
+    halfway = trio.Event()
+    dropped: list[tuple[int, int]] = []
+
+    async def writer(name: str, start: int) -> None:
+        for i in range(30):
+            if i == 10 and name == "a":
+                halfway.set()
+            keys = [int(k) for k in rng.integers(start, start + 200, 8)]
+            await store.put_many(ME, name, [(k, entry(k, int(rng.integers(1, 20_000)))) for k in keys])
+            await store.get_many(ME, name, keys[:4])
+            assert store.disk_used <= store.disk_limit and store.ram_used <= store.mem_limit
+
+    async def dropper() -> None:
+        await halfway.wait()  # mid-way: every writer is still putting, "a" too (it makes "a" anew)
+        dropped.append(await store.drop(ME, "a"))
+
+    async with trio.open_nursery() as nursery:
+        for name, start in (("a", 0), ("b", 1000), ("c", 2000)):
+            nursery.start_soon(writer, name, start)
+        nursery.start_soon(dropper)
+    assert dropped and dropped[0][0] > 0
+    stats = store.statistics()
+    caches = {c.name: c for c in stats.caches}
+    assert set(caches) == {"a", "b", "c"}
+    entries = [(c, k, e) for c in store._caches.values() for k, e in c.entries.items()]
+    assert store.ram_used == sum(len(e.ram) + RAM_ENTRY_OVERHEAD for _, _, e in entries if e.ram is not None)
+    assert store.disk_used == sum(e.disk for _, _, e in entries)
+    assert stats.disk_entries == sum(1 for _, _, e in entries if e.disk)
+    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(on_disk) == stats.disk_entries  # every counted file exists, no file is uncounted
+    assert sum(c.disk_bytes for c in caches.values()) == store.disk_used
