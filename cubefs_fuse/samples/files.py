@@ -133,16 +133,27 @@ def _above_floor(directory: str, incoming: int, free_ratio: float) -> bool:
 
 
 def read_entry(root: str, uid: int, name: str, key: int) -> bytes | None | bool:
-    """The entry's payload; None if the file is gone; False if it is damaged (then deleted)."""
+    """The entry's payload; None if the file is gone; False if it is damaged (then deleted).
+
+    The header is read first and checked against the file's size, then exactly the payload
+    (one allocation of its size), then the checksum over both.
+    """
     path = entry_path(root, uid, name, key)
+    encoded = name.encode()
+    payload: bytes | None = None
     try:
         with open(path, "rb", buffering=0) as f:
-            data = f.read(HEADER_BYTES + MAX_NAME + MAX_SAMPLE_ENTRY_BYTES + 1)
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(HEADER_BYTES + len(encoded))
+            length = _length(head, size, uid, encoded, key)
+            if length is not None:
+                data = f.read(length)
+                if len(data) == length and _digest(uid, encoded, key, data) == _HEADER.unpack_from(head)[6]:
+                    payload = data
     except FileNotFoundError:
         return None
     except OSError:
-        return False
-    payload = _check(data, uid, name.encode(), key)
+        pass
     if payload is None:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -150,18 +161,15 @@ def read_entry(root: str, uid: int, name: str, key: int) -> bytes | None | bool:
     return payload
 
 
-def _check(data: bytes, uid: int, name: bytes, key: int) -> bytes | None:
-    if len(data) < HEADER_BYTES:
+def _length(head: bytes, size: int, uid: int, name: bytes, key: int) -> int | None:
+    """The payload length if the header names this entry and the file has the size it gives."""
+    if len(head) != HEADER_BYTES + len(name):
         return None
-    magic, fmt, name_len, f_uid, f_key, length, digest = _HEADER.unpack_from(data)
-    start = HEADER_BYTES + name_len
-    if (magic != _MAGIC or fmt != _FORMAT or f_uid != uid or f_key != key or data[HEADER_BYTES:start] != name
-            or len(data) != start + length):
+    magic, fmt, name_len, f_uid, f_key, length, _ = _HEADER.unpack_from(head)
+    if (magic != _MAGIC or fmt != _FORMAT or f_uid != uid or f_key != key or name_len != len(name)
+            or head[HEADER_BYTES:] != name or length > MAX_SAMPLE_ENTRY_BYTES or size != len(head) + length):
         return None
-    payload = data[start:]
-    if _digest(uid, name, key, payload) != digest:
-        return None
-    return payload
+    return int(length)
 
 
 def remove_files(paths: Sequence[str]) -> None:

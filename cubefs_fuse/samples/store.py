@@ -59,6 +59,9 @@ RAM_ENTRY_OVERHEAD = 256
 CHUNK = 4096
 # Concurrent entry file reads and writes: as the block cache's NVMe tier (cache/disk.py).
 DISK_THREADS = 8
+# Entries one reading thread takes at least: below 16 (~2 MiB of typical samples) a thread
+# hop (~100 us here) costs more than the reads it parallelises.
+READ_SHARE = 16
 
 _NAME = re.compile(SAMPLE_NAME_PATTERN)
 _FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
@@ -277,7 +280,7 @@ class SampleStore:
         keys = keys[:len(out)]
         if from_disk:
             wanted = [keys[i] for i in from_disk]
-            read = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, wanted, limiter=self._limiter)
+            read = await self._read(owner, name, wanted)
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
                 return [None] * len(keys)
             for i, key, size, data in zip(from_disk, wanted, sizes, read):
@@ -407,6 +410,22 @@ class SampleStore:
         return entries, total
 
     # -- tiers ------------------------------------------------------------------------
+
+    async def _read(self, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
+        """The keys' files, read by up to DISK_THREADS worker threads at once (a batch's
+        entries are independent files: reading them in parallel keeps the NVMe queue busy)."""
+        share = max(READ_SHARE, -(-len(keys) // DISK_THREADS))
+        parts = [keys[i:i + share] for i in range(0, len(keys), share)]
+        results: list[list[bytes | None | bool]] = [[] for _ in parts]
+
+        async def read(i: int) -> None:
+            results[i] = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, parts[i],
+                                                       limiter=self._limiter)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(parts)):
+                nursery.start_soon(read, i)
+        return [data for part in results for data in part]
 
     def _next_use(self, cache: _Cache, key: int) -> int | None:
         return cache.plan.next_use(key) if cache.plan is not None else None
