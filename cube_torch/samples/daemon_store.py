@@ -20,6 +20,7 @@ and the next call connects again); nothing here waits unboundedly or retries.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
@@ -29,6 +30,11 @@ from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
 from cube_torch.samples.store import StoreError
 from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError,
                                           read_volume_config)
+
+# The daemon closes a data connection idle for 60 s (control/dataplane.py's IDLE_DEADLINE);
+# one idle for half of that is replaced before use (a hello: well under a millisecond), so
+# a validation pass or a checkpoint between two batches never turns into a StoreError.
+REFRESH_AFTER = 30.0
 
 
 class DaemonStore:
@@ -42,6 +48,7 @@ class DaemonStore:
         self.reply_timeout = reply_timeout
         self._channel: Channel | None = None
         self._pid = os.getpid()
+        self._used_at = 0.0
 
     def __repr__(self) -> str:
         return f"DaemonStore(volume={self.volume!r})"
@@ -116,9 +123,14 @@ class DaemonStore:
             self._fail(f"bad sample_put answer ({str(reply)[:200]})")
 
     def _connect(self) -> Channel:
+        now = time.monotonic()
         if self._channel is not None and self._pid == os.getpid():
-            return self._channel
+            if now - self._used_at < REFRESH_AFTER:
+                self._used_at = now
+                return self._channel
+            self._channel.close()  # the daemon may have closed it already: replaced before use
         self._channel = None  # a parent's connection (after a fork) is never used
+        self._used_at = now
         self._pid = os.getpid()
         if not self.volume:
             raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)")

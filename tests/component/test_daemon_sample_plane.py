@@ -167,3 +167,32 @@ def test_a_daemon_that_stops_answering_costs_one_bounded_wait(tmp_path: Path) ->
     finally:
         stop.set()
         thread.join(timeout=10)
+
+
+async def test_an_idle_connection_is_replaced_before_the_daemon_closes_it(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from cube_torch.samples import daemon_store
+    from cubefs_fuse.control import dataplane
+
+    monkeypatch.setattr(dataplane, "IDLE_DEADLINE", 0.3)
+    async with serving(tmp_path) as (_, _, vol):
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+        await trio.to_thread.run_sync(client.put_many, "c", [(1, b"one")])
+        # Without the refresh, a call after the daemon's idle deadline meets a closed connection.
+        monkeypatch.setattr(daemon_store, "REFRESH_AFTER", 60.0)
+        await trio.sleep(0.6)
+        with pytest.raises(StoreError):
+            await trio.to_thread.run_sync(client.get_many, "c", [1])
+        # With it (the real setting is half the daemon's deadline), the idle connection is replaced.
+        monkeypatch.setattr(daemon_store, "REFRESH_AFTER", 0.15)
+        assert await trio.to_thread.run_sync(client.get_many, "c", [1]) == [b"one"]
+        await trio.sleep(0.6)
+        assert await trio.to_thread.run_sync(client.get_many, "c", [1]) == [b"one"]
+        client.close()
+
+
+def test_the_refresh_comes_before_the_daemons_idle_deadline() -> None:
+    from cube_torch.samples import daemon_store
+    from cubefs_fuse.control import dataplane
+
+    assert daemon_store.REFRESH_AFTER < dataplane.IDLE_DEADLINE
