@@ -53,3 +53,7 @@ MAX_SAMPLE_CACHES_PER_UID = 64
 # A sample cache's name: the characters of job names (safe as one path component: the
 # NVMe tier keeps a cache's entries in a directory of that name; "." and ".." are refused).
 SAMPLE_NAME_PATTERN = r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME
+# Plan keys the sample store holds over all its caches: a plan costs 13 bytes per distinct
+# key (the sorted key, its position, a consumed flag), so 16 Mi keys bound plans to ~220 MB
+# whatever users send; past it, the least recently planned caches lose their plans (LRU).
+MAX_SAMPLE_PLANNED_KEYS = 4 * MAX_SAMPLE_PLAN_KEYS

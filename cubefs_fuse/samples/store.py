@@ -37,6 +37,7 @@ import os
 import re
 import struct
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +47,7 @@ import trio
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
-                                SAMPLE_NAME_PATTERN)
+                                MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,7 @@ class _Plan:
         first = np.ones(len(ordered), dtype=bool)
         first[1:] = ordered[1:] != ordered[:-1]
         self.keys = ordered[first]
-        self.positions = order[first]
+        self.positions = order[first].astype(np.int32)  # < MAX_SAMPLE_PLAN_KEYS
         self.consumed = np.zeros(len(self.keys), dtype=bool)
         self.length = len(keys)
 
@@ -195,6 +196,8 @@ class SampleStore:
         self._by_id: dict[int, _Cache] = {}
         self._next_id = 0
         self._per_uid: dict[int, int] = {}
+        self._plans: OrderedDict[int, _Cache] = OrderedDict()  # caches with a plan, least recently planned first
+        self.planned_keys = 0  # distinct keys of every plan held (at most MAX_SAMPLE_PLANNED_KEYS)
         self.corrupt = self.write_errors = self.dropped = 0
         self.loaded = False
         self.startup_seconds = 0.0
@@ -353,13 +356,35 @@ class SampleStore:
         assert cache is not None
         if cache.dropped:
             return 0
+        self._forget_plan(cache)
+        # Plans of other caches go, least recently planned first, until this one fits.
+        while self.planned_keys + len(plan.keys) > MAX_SAMPLE_PLANNED_KEYS and self._plans:
+            _, other = self._plans.popitem(last=False)
+            self._forget_plan(other)
+            log.info("sample cache %r of uid %d: plan dropped (plans are held for %d keys at most)",
+                     other.name, other.owner, MAX_SAMPLE_PLANNED_KEYS)
+            await self._rerank(other, None)
         cache.plan = plan
+        self._plans[cache.id] = cache
+        self.planned_keys += len(plan.keys)
+        await self._rerank(cache, plan)
+        return plan.length
+
+    def _forget_plan(self, cache: _Cache) -> None:
+        if cache.plan is not None:
+            self.planned_keys -= len(cache.plan.keys)
+            cache.plan = None
+            self._plans.pop(cache.id, None)
+
+    async def _rerank(self, cache: _Cache, plan: _Plan | None) -> None:
+        """Rank the cache's entries by ``plan`` (None: unplanned), CHUNK entries at a time."""
         keys = list(cache.entries)
         for start in range(0, len(keys), CHUNK):
             if cache.plan is not plan or cache.dropped:
-                break  # a newer plan took over
+                return  # a newer plan took over
             chunk = keys[start:start + CHUNK]
-            for key, use in zip(chunk, plan.next_uses(chunk)):
+            uses = plan.next_uses(chunk) if plan is not None else [-1] * len(chunk)
+            for key, use in zip(chunk, uses):
                 pk = _PK.pack(cache.id, key)
                 if use < 0:
                     self.ram_policy.unplan(pk)
@@ -368,7 +393,6 @@ class SampleStore:
                     self.ram_policy.plan(pk, use)
                     self.disk_policy.plan(pk, use)
             await trio.lowlevel.checkpoint()
-        return plan.length
 
     async def drop(self, caller: int, reference: Any) -> tuple[int, int]:
         """Destroy a cache: (entries, bytes) it held."""
@@ -384,6 +408,7 @@ class SampleStore:
             # Gets miss and puts are dropped from now on; the files go first, so a cache of the
             # same name made right after never shares a directory with this one.
             cache.dropped = True
+            self._forget_plan(cache)
             entries, total = len(cache.entries), cache.bytes  # what it held when the drop began
             await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
             del self._caches[(owner, name)]

@@ -242,3 +242,23 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert len(on_disk) == stats.disk_entries  # every counted file exists, no file is uncounted
     assert sum(c.disk_bytes for c in caches.values()) == store.disk_used
+
+
+async def test_plans_are_bounded_node_wide_the_least_recently_planned_go(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cubefs_fuse.samples import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_SAMPLE_PLANNED_KEYS", 10)
+    store = await open_store(tmp_path, 1 << 20, 0)
+    await store.put_many(ME, "first", [(k, entry(k)) for k in range(6)])
+    await store.plan(ME, "first", np.arange(6, dtype="<i8").tobytes())
+    first = store._caches[(ME, "first")]
+    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) == 3
+    await store.plan(OTHER, "second", np.arange(4, dtype="<i8").tobytes())  # 6 + 4 fit
+    assert store.planned_keys == 10
+    await store.plan(ME, "third", np.arange(5, dtype="<i8").tobytes())  # the oldest plan goes
+    planned = {c.name: c.planned for c in store.statistics().caches}
+    assert planned == {"first": 0, "second": 4, "third": 5} and store.planned_keys == 9
+    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) is None  # its entries are unplanned
+    await store.drop(ME, "third")
+    assert store.planned_keys == 4
