@@ -126,19 +126,27 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
 
         # A second run of the daemon: the entries come back from NVMe (a sweep decodes once).
         m.umount()
+        # Meanwhile one entry's file is damaged (a flipped payload byte): never served.
+        (damaged,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").glob("*/7")
+        data = bytearray(damaged.read_bytes())
+        data[-1] ^= 0x55
+        damaged.write_bytes(bytes(data))
         m.mount()
         wait_until(lambda: _status(m)["loaded"], what="the sample store's start-up scan")
         store = _store(m)
-        assert store.get_many("sweep", list(entries)) == list(entries.values())
+        expected: list[bytes | None] = [None if k == 7 else e for k, e in entries.items()]
+        assert store.get_many("sweep", list(entries)) == expected
         store.close()
-        assert _status(m)["caches"][0]["hits"] == 40
+        assert _status(m)["caches"][0]["hits"] == 39
+        assert metric(m.scrape(), "cubefs_fuse_sample_store_corrupt_total") == 1
+        assert not damaged.exists()
 
         # drop-cache --samples destroys it (the mount found through VOL_NAME).
         dropped = subprocess.run([sys.executable, "-m", "cubefs_fuse", "drop-cache", "--samples", "sweep"],
                                  capture_output=True, text=True, timeout=60, cwd=REPO,
                                  env={**os.environ, "VOL_NAME": m.config()["volName"]})
         assert dropped.returncode == 0, dropped.stderr
-        assert "40 entries" in dropped.stdout
+        assert "39 entries" in dropped.stdout
         assert _status(m)["caches"] == []
         assert not list((m.cache_dir / "samples" / str(os.geteuid())).glob("sweep/*"))
         missing = cli("drop-cache", str(m.mount_point), "--samples", "sweep")
