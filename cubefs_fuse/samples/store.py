@@ -509,6 +509,7 @@ class SampleStore:
             batch: list[tuple[int, bytes, int, int, int]] = []
             unlink: list[str] = []
             seen: set[int] = set()
+            stale = 0
             for key, data in reversed(items):  # the last put of a key in a batch wins
                 if key in seen or key in cache.writing:
                     continue
@@ -516,6 +517,14 @@ class SampleStore:
                 need = files.allocated_bytes(cache.name, len(data))
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
                 if victims is None:
+                    entry = cache.entries.get(key)
+                    if entry is not None and entry.disk:  # its file holds the older value: it goes too
+                        unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
+                        stale += entry.disk  # counted until unlinked
+                        self.disk_policy.remove(_PK.pack(cache.id, key))
+                        cache.disk_bytes -= entry.disk
+                        self.disk_entries -= 1
+                        entry.disk = 0
                     continue
                 freed = 0
                 for pk in victims:
@@ -553,6 +562,7 @@ class SampleStore:
                     files.write_entries, self.root, cache.owner, cache.name, [(b[0], b[1]) for b in batch],
                     unlink, self.free_ratio, limiter=self._limiter)
             finally:
+                self.disk_used -= stale
                 written: set[int] = set()
                 for (key, data, need, reserved, replaced), ok in zip(batch, result.written):
                     cache.writing.discard(key)

@@ -262,3 +262,16 @@ async def test_plans_are_bounded_node_wide_the_least_recently_planned_go(tmp_pat
     assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) is None  # its entries are unplanned
     await store.drop(ME, "third")
     assert store.planned_keys == 4
+
+
+async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it(tmp_path: Path) -> None:
+    one = files.allocated_bytes("c", 4000)
+    store = await open_store(tmp_path, 0, 3 * one)
+    await store.put_many(ME, "c", [(1, entry(1, 4000))])
+    await store.plan(ME, "c", np.array([2, 3, 1], dtype="<i8").tobytes())
+    await store.put_many(ME, "c", [(2, entry(2, 4000)), (3, entry(3, 4000))])
+    # A new, larger value of 1 would need more than its own room; 2 and 3 are needed sooner.
+    assert await store.put_many(ME, "c", [(1, entry(1, 9000))]) == 0
+    assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # never the old value
+    assert not Path(files.entry_path(str(tmp_path), ME, "c", 1)).exists()
+    assert store.disk_used == 2 * one and store.statistics().disk_entries == 2
