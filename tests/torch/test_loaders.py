@@ -1,0 +1,229 @@
+"""Several DataLoaders in one job, each with its own plan, over a real mount of a slow remote.
+
+The remote is tools/slowfs_c with 1 ms per operation; the daemon's RAM tier
+(``memCacheSize``) is smaller than one epoch's bytes, as with real data.  Every loader
+runs real worker processes and reads real JPEGs through torchvision's ``ImageFolder``.
+
+* **Two domains zipped**: two loaders over two disjoint ImageFolders, iterated together
+  (``zip``).  Both plans live side by side under the same (job, rank), each loader's
+  reads advance its own plan, and each loader's epoch 0 is >= 95 % hits (when one plan
+  replaced the other, the job's epoch 0 was ~67 %).
+* **Train and val interleaved**: a val loader takes one batch every few train batches,
+  starting a new val epoch whenever the last one ends, for two train epochs: each
+  loader's epoch 0 is >= 95 % hits, and the val loader's later plans replace only its own.
+
+``cubefs-fuse status`` shows the job with its loaders.  The figures each run measured are
+printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+import cube_torch
+from benchmarks.suite.remote import SlowFSCProcess, slowfs_c_binary
+from cube_torch import client as ct_client
+from cube_torch.patch import loader_id
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
+from tests.helpers import REPO, Mount, force_unmount, free_port, wait_until
+
+LATENCY_US = 1000  # the remote: 1 ms per operation (a busy NFS server, a near object store)
+SIDE = 128  # JPEG side: ~16 KB of noise each, like a small thumbnail
+BATCH = 8
+# The training step per batch (a GPU's forward and backward pass).  Without one the loop
+# asks for files faster than one daemon on 2 shared cores fetches them cold (~500 files/s,
+# docs/benchmarks.md), and every plan's window runs dry whatever it plans.
+STEP_S = 0.04
+PER_DOMAIN = 400  # files of each zipped domain, and of the train set
+VAL = 96  # files of the val set: 12 batches, one every 4 of a train epoch's 50
+RAM = 2 * 1024 * 1024  # memCacheSize: below one epoch of any test's loaders (>= 3 MB)
+SEED = 20261124
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+def write_domain(root: Path, classes: int, per_class: int, seed: int) -> int:
+    """An ImageFolder tree of noise JPEGs (incompressible); its total bytes."""
+    rng = random.Random(seed)
+    total = 0
+    for c in range(classes):
+        folder = root / f"class{c}"
+        folder.mkdir(parents=True)
+        for i in range(per_class):
+            image = Image.frombytes("RGB", (SIDE, SIDE), rng.randbytes(SIDE * SIDE * 3))
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", quality=90)
+            (folder / f"{i:03d}.jpg").write_bytes(buffer.getvalue())
+            total += len(buffer.getvalue())
+    return total
+
+
+@dataclass
+class SlowVolume:
+    mount: Mount
+    real: Path  # the files behind the remote
+    name: str
+
+    def client(self) -> ControlClient:
+        return ControlClient(read_volume_config(self.name).control_socket, timeout=10)
+
+
+@pytest.fixture
+def slow_volume(tmp_path: Path) -> Iterator[Callable[[dict[str, tuple[int, int]]], SlowVolume]]:
+    """Factory: ``slow_volume({"a": (classes, per_class), ...})`` writes those ImageFolder
+    trees behind a tools/slowfs_c remote and mounts it with ai_prefetch and a small RAM tier."""
+    binary = slowfs_c_binary()
+    assert binary is not None, "tools/slowfs_c could not be built (run scripts/setup.sh)"
+    started: list[tuple[Mount, SlowFSCProcess]] = []
+
+    def factory(domains: dict[str, tuple[int, int]]) -> SlowVolume:
+        port = free_port()
+        base = tmp_path / "v"
+        name = f"loaders{port}"
+        mount = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
+                      {"profile": "ai_prefetch", "volName": name, "memCacheSize": RAM})
+        real = base / "real"
+        for d in (mount.source, mount.mount_point, real):
+            d.mkdir(parents=True)
+        total = sum(write_domain(real / domain, classes, per_class, SEED + n)
+                    for n, (domain, (classes, per_class)) in enumerate(sorted(domains.items())))
+        assert total > RAM, "an epoch of the loaders together must exceed the RAM tier"
+        remote = SlowFSCProcess(binary, real, mount.source, latency_us=LATENCY_US, threads=64, cache_timeout=0,
+                                bandwidth_mb_s=0)
+        remote.start()
+        started.append((mount, remote))
+        mount.mount()
+        return SlowVolume(mount, real, name)
+
+    yield factory
+    for mount, remote in started:
+        force_unmount(mount)
+        remote.stop()
+
+
+@pytest.fixture
+def planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[SlowVolume, str], None]]:
+    """``planning(volume, job)``: cube_torch installed, pointed at the volume as ``job``."""
+
+    def setup(volume: SlowVolume, job: str) -> None:
+        monkeypatch.setenv("VOL_NAME", volume.name)
+        monkeypatch.setenv("CUBE_TORCH_JOB", job)
+        monkeypatch.setenv("CUBE_TORCH_METRICS_INTERVAL", "3600")
+        monkeypatch.setattr(ct_client, "_warned", set())
+        cube_torch.install()
+
+    yield setup
+    cube_torch.uninstall()
+
+
+def loader_over(root: Path, seed: int) -> DataLoader[Any]:
+    dataset = datasets.ImageFolder(str(root), transform=transforms.ToTensor())
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=1, generator=generator)
+
+
+def plans_of(volume: SlowVolume, job: str) -> dict[str, dict[str, Any]]:
+    """The daemon's live plans of ``job`` (rank 0), by loader id."""
+    return {p["loader"]: p for p in volume.client().status()["plans"] if p["job"] == job and p["rank"] == 0}
+
+
+def settle(volume: SlowVolume, opens: int) -> None:
+    """Wait until the daemon has counted ``opens`` file requests (releases arrive after reads)."""
+    wait_until(lambda: volume.client().status()["hits"]["requests"] >= opens, timeout=20,
+               what=f"the daemon to count {opens} opens")
+
+
+def rate(plan: dict[str, Any]) -> float:
+    return plan["hits"] / plan["requests"] if plan["requests"] else 0.0
+
+
+def status_text(volume: SlowVolume) -> str:
+    done = subprocess.run([sys.executable, "-m", "cubefs_fuse", "status", str(volume.mount.mount_point)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_two_zipped_domains_keep_their_own_plans(slow_volume: Callable[..., SlowVolume],
+                                                 planning: Callable[[SlowVolume, str], None]) -> None:
+    volume = slow_volume({"a": (4, PER_DOMAIN // 4), "b": (4, PER_DOMAIN // 4)})
+    job = f"zipped-{os.getpid()}"
+    planning(volume, job)
+    first, second = loader_over(volume.mount.mount_point / "a", 1), loader_over(volume.mount.mount_point / "b", 2)
+    samples = 0
+    for x, y in zip(first, second):
+        samples += len(x[0]) + len(y[0])
+        time.sleep(STEP_S)
+    assert samples == 2 * PER_DOMAIN
+    settle(volume, 2 * PER_DOMAIN)
+    plans = plans_of(volume, job)
+    ids = {loader_id(first), loader_id(second)}
+    assert len(ids) == 2 and set(plans) == ids, (ids, plans)
+    job_counts = next(j for j in volume.client().status()["jobs"] if j["job"] == job)
+    print(f"\nzipped domains, epoch 0 (RAM {RAM >> 20} MiB, 1 ms remote): job {job_counts['hits']}/"
+          f"{job_counts['requests']} hits = {100 * job_counts['hit_rate']:.1f} %; per loader " +
+          ", ".join(f"{k}: {p['hits']}/{p['requests']} = {100 * rate(p):.1f} %" for k, p in sorted(plans.items())))
+    for p in plans.values():
+        assert p["requests"] == p["used"] == p["cursor"] == p["samples"] == PER_DOMAIN, p
+        assert rate(p) >= 0.95, plans
+    text = status_text(volume)
+    assert job in text and "2 loaders" in text, text
+
+
+def test_train_and_val_interleaved(slow_volume: Callable[..., SlowVolume],
+                                   planning: Callable[[SlowVolume, str], None]) -> None:
+    """A val batch every 4 train batches (12 per train epoch: one val epoch); a new val
+    epoch whenever the last one ended."""
+    volume = slow_volume({"train": (4, PER_DOMAIN // 4), "val": (4, VAL // 4)})
+    job = f"trainval-{os.getpid()}"
+    planning(volume, job)
+    train, val = loader_over(volume.mount.mount_point / "train", 3), loader_over(volume.mount.mount_point / "val", 4)
+    val_iter = iter(val)
+    val_epochs, opens = 1, 0
+    per_epoch: list[dict[str, dict[str, Any]]] = []
+    for epoch in range(2):
+        for step, (x, _) in enumerate(train):
+            opens += len(x)
+            time.sleep(STEP_S)
+            if step % 4 == 3:
+                try:
+                    batch = next(val_iter)
+                except StopIteration:
+                    val_iter = iter(val)
+                    val_epochs += 1
+                    batch = next(val_iter)
+                opens += len(batch[0])
+        settle(volume, opens)
+        per_epoch.append(plans_of(volume, job))
+    del val_iter
+    ids = (loader_id(train), loader_id(val))
+    first = per_epoch[0]
+    assert set(first) == set(ids), first
+    print(f"\ntrain + val interleaved (RAM {RAM >> 20} MiB, 1 ms remote), first plans: " +
+          ", ".join(f"{name} {first[i]['hits']}/{first[i]['requests']} = {100 * rate(first[i]):.1f} %"
+                    for name, i in zip(("train", "val"), ids)))
+    assert first[ids[0]]["epoch"] == 0 and first[ids[0]]["requests"] == PER_DOMAIN, first
+    assert first[ids[1]]["epoch"] == 0 and first[ids[1]]["requests"] == VAL, first
+    for i in ids:
+        assert rate(first[i]) >= 0.95, first
+    later = per_epoch[1]
+    assert later[ids[0]]["epoch"] == 1 and later[ids[1]]["epoch"] == val_epochs - 1, later
