@@ -192,7 +192,8 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
         plans.setdefault((p["job"], p["rank"]), []).append(p)
     if r.get("jobs"):
         jobs = Table(box=box.SIMPLE, show_header=True)
-        for column in ("job", "rank", "loader", "pid", "requests", "hit rate", "epoch", "progress", "lookahead"):
+        # "loader" last: the columns before it read as they did before loaders had plans.
+        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead", "loader"):
             jobs.add_column(column)
         ordered = sorted(r["jobs"], key=lambda j: (j["job"], j["rank"]))  # a job's ranks together
         for j in ordered:
@@ -201,12 +202,13 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
             # loader when it has several (each DataLoader keeps its own plan).
             p = mine[0] if len(mine) == 1 else None
             loader = p.get("loader", "0") if p else (f"{len(mine)} loaders" if mine else "-")
-            jobs.add_row(j["job"], str(j["rank"]), loader, str(j["pid"]), str(j["requests"]),
-                         f"{100 * j['hit_rate']:.2f}%", *_plan_cells(p))
+            jobs.add_row(j["job"], str(j["rank"]), str(j["pid"]), str(j["requests"]),
+                         f"{100 * j['hit_rate']:.2f}%", *_plan_cells(p), loader)
             if len(mine) > 1:
                 for p in sorted(mine, key=lambda p: str(p.get("loader", ""))):
-                    jobs.add_row("", "", str(p.get("loader", "0")), "", str(p.get("requests", "-")),
-                                 f"{100 * p['hit_rate']:.2f}%" if "hit_rate" in p else "-", *_plan_cells(p))
+                    jobs.add_row("", "", "", str(p.get("requests", "-")),
+                                 f"{100 * p['hit_rate']:.2f}%" if "hit_rate" in p else "-", *_plan_cells(p),
+                                 str(p.get("loader", "0")))
         console.print(jobs)
         _print_distributed_jobs(console, ordered, plans)
     else:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -186,7 +187,11 @@ def test_two_zipped_domains_keep_their_own_plans(slow_volume: Callable[..., Slow
         assert p["requests"] == p["used"] == p["cursor"] == p["samples"] == PER_DOMAIN, p
         assert rate(p) >= 0.95, plans
     text = status_text(volume)
-    assert job in text and "2 loaders" in text, text
+    print(text)
+    assert f"job {job}: 1 rank (0), 1 planned, 2 loaders, requests {2 * PER_DOMAIN}," in text, text
+    for i in ids:  # a row per loader: its requests, hit rate, epoch, progress, lookahead and id
+        row = rf"^\s+{PER_DOMAIN}\s+{100 * rate(plans[i]):.2f}%\s+0\s+{PER_DOMAIN}/{PER_DOMAIN}\s.*\s{i}\s*$"
+        assert re.search(row, text, re.M), text
 
 
 def test_train_and_val_interleaved(slow_volume: Callable[..., SlowVolume],
