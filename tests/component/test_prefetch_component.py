@@ -336,12 +336,18 @@ LOADER_RAM = 200 * BLOCK  # the LOADER_RAM tier holds a third of one epoch of bo
 
 async def submit_for(s: System, dataset: str, order: list[int], *, loader: str | None,
                      epoch: int = 0) -> None:
-    """A plan as the control API hands it over (``loader=None``: a client that names none)."""
+    """A plan as the control API hands it over (``loader=None``: a client that names none),
+    then, as ``taken_in`` does, a wait without advancing the virtual clock until the
+    daemon has re-ranked the cache for it (a worker thread) and started its window."""
     body = np.asarray(order, dtype="<u4").tobytes()
     if loader is None:
         await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4")
     else:
         await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4", loader)
+    plan = s.service.scheduler.plans[(JOB, 0, loader or "0")]
+    with trio.fail_after(1):  # virtual time: must not pass at all
+        while not plan.listed_dirs:
+            await trio.sleep(0)
 
 
 def two_domains(backend: FakeBackend) -> tuple[list[str], list[str]]:

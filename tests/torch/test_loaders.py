@@ -43,7 +43,7 @@ from benchmarks.suite.remote import SlowFSCProcess, slowfs_c_binary
 from cube_torch import client as ct_client
 from cube_torch.patch import loader_id
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.helpers import REPO, Mount, force_unmount, free_port, wait_until
+from tests.helpers import REPO, Mount, force_unmount, free_port, metric, wait_until
 
 LATENCY_US = 1000  # the remote: 1 ms per operation (a busy NFS server, a near object store)
 SIDE = 128  # JPEG side: ~16 KB of noise each, like a small thumbnail
@@ -183,6 +183,11 @@ def test_two_zipped_domains_keep_their_own_plans(slow_volume: Callable[..., Slow
     print(f"\nzipped domains, epoch 0 (RAM {RAM >> 20} MiB, 1 ms remote): job {job_counts['hits']}/"
           f"{job_counts['requests']} hits = {100 * job_counts['hit_rate']:.1f} %; per loader " +
           ", ".join(f"{k}: {p['hits']}/{p['requests']} = {100 * rate(p):.1f} %" for k, p in sorted(plans.items())))
+    # The workers' batches came through the fast path (FUSE-free): its opens, too, went to
+    # the loader whose plan reads them.
+    scrape = volume.mount.scrape()
+    served = sum(metric(scrape, "cubefs_fuse_fastpath_files_total", result=r) for r in ("hit", "miss"))
+    assert served >= PER_DOMAIN, served
     for p in plans.values():
         assert p["requests"] == p["used"] == p["cursor"] == p["samples"] == PER_DOMAIN, p
         assert rate(p) >= 0.95, plans
