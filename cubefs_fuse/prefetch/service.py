@@ -8,8 +8,9 @@ per-job hit rates) and advances that job's plan cursor.
 Nothing leaks (docs/architecture.md, "Contract: jobs end"): a job whose process the
 daemon can watch (a pidfd) ends when that process exits; a job it cannot watch (pid 0:
 another pid namespace) and a plan submitted for a job never registered end after
-``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes its plan
-(its dataset pin goes with it: the dataset then ages out by the LRU budget) and its
+``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes the plans of
+all its loaders (their dataset pins go with them: a dataset then ages out by the LRU
+budget) and its
 per-job metric series (built from the live job list at each scrape).
 """
 

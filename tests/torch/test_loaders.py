@@ -8,8 +8,8 @@ runs real worker processes and reads real JPEGs through torchvision's ``ImageFol
   (``zip``).  Both plans live side by side under the same (job, rank), each loader's
   reads advance its own plan, and each loader's epoch 0 is >= 95 % hits (when one plan
   replaced the other, the job's epoch 0 was ~67 %).
-* **Train and val interleaved**: a val loader takes one batch every few train batches,
-  starting a new val epoch whenever the last one ends, for two train epochs: each
+* **Train and val interleaved**: a val loader takes one batch every 2 train batches,
+  starting a new val epoch whenever the last one ends, for three train epochs: each
   loader's epoch 0 is >= 95 % hits, and the val loader's later plans replace only its own.
 
 ``cubefs-fuse status`` shows the job with its loaders.  The figures each run measured are
@@ -51,9 +51,10 @@ BATCH = 8
 # The training step per batch (a GPU's forward and backward pass).  Without one the loop
 # asks for files faster than one daemon on 2 shared cores fetches them cold (~500 files/s,
 # docs/benchmarks.md), and every plan's window runs dry whatever it plans.
-STEP_S = 0.04
+STEP_S = 0.05
 PER_DOMAIN = 400  # files of each zipped domain, and of the train set
-VAL = 96  # files of the val set: 12 batches, one every 4 of a train epoch's 50
+VAL = 200  # files of the val set: 50 batches of VAL_BATCH, one every 2 of a train epoch's 50
+VAL_BATCH = 4
 RAM = 2 * 1024 * 1024  # memCacheSize: below one epoch of any test's loaders (>= 3 MB)
 SEED = 20261124
 
@@ -134,11 +135,11 @@ def planning(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[SlowVolume, 
     cube_torch.uninstall()
 
 
-def loader_over(root: Path, seed: int) -> DataLoader[Any]:
+def loader_over(root: Path, seed: int, batch: int = BATCH) -> DataLoader[Any]:
     dataset = datasets.ImageFolder(str(root), transform=transforms.ToTensor())
     generator = torch.Generator()
     generator.manual_seed(seed)
-    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=1, generator=generator)
+    return DataLoader(dataset, batch_size=batch, shuffle=True, num_workers=1, generator=generator)
 
 
 def plans_of(volume: SlowVolume, job: str) -> dict[str, dict[str, Any]]:
@@ -201,39 +202,46 @@ def test_two_zipped_domains_keep_their_own_plans(slow_volume: Callable[..., Slow
 
 def test_train_and_val_interleaved(slow_volume: Callable[..., SlowVolume],
                                    planning: Callable[[SlowVolume, str], None]) -> None:
-    """A val batch every 4 train batches (12 per train epoch: one val epoch); a new val
-    epoch whenever the last one ended."""
+    """A val batch (of 4) every 2 train batches, a new val epoch whenever the last one
+    ended, for 3 train epochs: val's epoch 0 spans train epochs 0 and 1.  Each loader's
+    first plan is read at the end of its epoch; the val loader's later plans replace
+    only its own, never train's."""
     volume = slow_volume({"train": (4, PER_DOMAIN // 4), "val": (4, VAL // 4)})
     job = f"trainval-{os.getpid()}"
     planning(volume, job)
-    train, val = loader_over(volume.mount.mount_point / "train", 3), loader_over(volume.mount.mount_point / "val", 4)
+    train = loader_over(volume.mount.mount_point / "train", 3)
+    val = loader_over(volume.mount.mount_point / "val", 4, batch=VAL_BATCH)
+    ids = {"train": loader_id(train), "val": loader_id(val)}
     val_iter = iter(val)
-    val_epochs, opens = 1, 0
-    per_epoch: list[dict[str, dict[str, Any]]] = []
-    for epoch in range(2):
+    opens = 0
+    ended: dict[str, dict[str, Any]] = {}  # each loader's first plan, read when its epoch ended
+    for epoch in range(3):
         for step, (x, _) in enumerate(train):
             opens += len(x)
             time.sleep(STEP_S)
-            if step % 4 == 3:
+            if step % 2 == 1:
                 try:
                     batch = next(val_iter)
                 except StopIteration:
+                    if "val" not in ended:
+                        settle(volume, opens)
+                        ended["val"] = plans_of(volume, job)[ids["val"]]
                     val_iter = iter(val)
-                    val_epochs += 1
                     batch = next(val_iter)
                 opens += len(batch[0])
-        settle(volume, opens)
-        per_epoch.append(plans_of(volume, job))
-    del val_iter
-    ids = (loader_id(train), loader_id(val))
-    first = per_epoch[0]
-    assert set(first) == set(ids), first
-    print(f"\ntrain + val interleaved (RAM {RAM >> 20} MiB, 1 ms remote), first plans: " +
-          ", ".join(f"{name} {first[i]['hits']}/{first[i]['requests']} = {100 * rate(first[i]):.1f} %"
-                    for name, i in zip(("train", "val"), ids)))
-    assert first[ids[0]]["epoch"] == 0 and first[ids[0]]["requests"] == PER_DOMAIN, first
-    assert first[ids[1]]["epoch"] == 0 and first[ids[1]]["requests"] == VAL, first
-    for i in ids:
-        assert rate(first[i]) >= 0.95, first
-    later = per_epoch[1]
-    assert later[ids[0]]["epoch"] == 1 and later[ids[1]]["epoch"] == val_epochs - 1, later
+        if epoch == 0:
+            settle(volume, opens)
+            ended["train"] = plans_of(volume, job)[ids["train"]]
+            job_counts = next(j for j in volume.client().status()["jobs"] if j["job"] == job)
+    settle(volume, opens)
+    now = plans_of(volume, job)
+    print(f"\ntrain + val interleaved (RAM {RAM >> 20} MiB, 1 ms remote): the job in train's epoch 0 "
+          f"{job_counts['hits']}/{job_counts['requests']} = {100 * job_counts['hit_rate']:.1f} %; epoch 0 per loader: " +
+          ", ".join(f"{name} {p['hits']}/{p['requests']} = {100 * rate(p):.1f} %" for name, p in ended.items()))
+    assert ended["train"]["epoch"] == 0 and ended["train"]["requests"] == PER_DOMAIN, ended
+    assert ended["val"]["epoch"] == 0 and ended["val"]["requests"] == VAL, ended
+    for p in ended.values():
+        assert rate(p) >= 0.95, ended
+    # 3 train epochs took 75 val batches: val is in its epoch 1, train in its epoch 2.
+    assert set(now) == set(ids.values()), now
+    assert now[ids["train"]]["epoch"] == 2 and now[ids["val"]]["epoch"] == 1, now
