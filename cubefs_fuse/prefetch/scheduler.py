@@ -228,11 +228,17 @@ class Scheduler:
         except Exception:
             log.exception("re-ranking the cache after a job ended failed; eviction continues")
 
+    @staticmethod
+    def _active(plan: Plan, now: float) -> bool:
+        """Still being read: not finished, and a file of it was opened (or it arrived)
+        within ``PLAN_IDLE``."""
+        return not plan.finished and now - plan.last_open < PLAN_IDLE
+
     def share(self) -> int:
         """Each active plan's share of the window budget (module doc)."""
         now = trio.current_time()
         if now - self._share_at >= SHARE_REFRESH:
-            active = sum(1 for p in self.plans.values() if not p.finished and now - p.last_open < PLAN_IDLE)
+            active = sum(1 for p in self.plans.values() if self._active(p, now))
             self._share = max(1, self.window_budget // max(1, active))
             self._share_at = now
         return self._share
@@ -327,8 +333,8 @@ class Scheduler:
                               *plan.key)
 
     async def _rerank(self, plan: Plan | None) -> None:
-        """Give every cached block the soonest position at which a live plan reads it
-        (eviction keeps the ones needed soonest); blocks no live plan reads become
+        """Give every cached block the soonest position at which an active plan reads it
+        (eviction keeps the ones needed soonest); blocks no active plan reads become
         unplanned.  ``plan``: the new plan that asks (None: a plan went away).
 
         The cache changes between steps: plan() and unplan() ignore blocks evicted since
@@ -337,7 +343,10 @@ class Scheduler:
         if plan is not None and self.plans.get(plan.key) is not plan:
             return  # replaced before it started
         cache = self.fs.cache
-        live = list(self.plans.values())  # each plan's own positions, on the shared clock
+        # Each active plan's own positions, on the shared clock.  An idle plan (a loader
+        # dropped or left mid-epoch) protects nothing any more: its blocks go unplanned.
+        now = trio.current_time()
+        live = [p for p in self.plans.values() if p is plan or self._active(p, now)]
         inverse: list[np.ndarray] = []  # computed once per plan, in the first worker call
 
         def positions_of(tags: np.ndarray) -> np.ndarray:

@@ -522,3 +522,33 @@ async def test_loaders_are_bounded_and_end_with_their_job(autojump_clock: trio.t
         plans = scheduler.plans_of((JOB, 0))
         s.service.end_job((JOB, 0), "test")
         assert scheduler.plans == {} and all(p.scope.cancel_called for p in plans)
+
+
+async def test_a_dropped_loaders_window_stops_being_protected(autojump_clock: trio.testing.MockClock) -> None:
+    """A loader left mid-epoch (dropped, or its loop broke early) says nothing: once none
+    of its files was opened for PLAN_IDLE, the next re-ranking unplans its window."""
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        policy = s.cache.memory.policy
+
+        def next_use(path: str) -> int | None:
+            attr = s.fs.meta.peek(path)
+            assert attr is not None
+            return policy.next_use(block_key(path, attr.version, 0))
+
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, list(range(LOADER_FILES)), loader="0")
+        for path in a[:50]:
+            await read_file(s.fs, path)
+        plan_a = s.service.scheduler.plans[(JOB, 0, "0")]
+        await eventually(lambda: plan_a.issued_upto > 60 and next_use(a[60]) is not None)
+        # Another loader starts while the first is still read: its window stays protected.
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1")
+        await eventually(lambda: s.service.scheduler.plans[(JOB, 0, "1")].counters.issued > 0)
+        assert next_use(a[60]) == 60
+        # Loader 0 is never read again; loader 1 starts its next epoch after PLAN_IDLE.
+        await trio.sleep(PLAN_IDLE + 1)
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1", epoch=1)
+        await eventually(lambda: next_use(a[60]) is None)
+        assert (JOB, 0, "0") in s.service.scheduler.plans  # still listed (status), protecting nothing
