@@ -32,7 +32,8 @@ class OpsError(Exception):
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser("status", help="show mounts, cache use, hit rates and jobs",
                             description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
-                            "tier, hit rate, active jobs with their hit rate and prefetch progress, uptime.")
+                            "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader when a "
+                            "job's rank has several), uptime.")
     status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
