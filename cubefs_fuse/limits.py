@@ -15,6 +15,11 @@ MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
 MAX_NAME = 128  # job names and other identifiers
 PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
+# DataLoaders of one (job, rank) with a plan each (train and val, domains zipped together).
+# Every open of the job is matched against each of its loaders' plans, and the lookahead
+# budget (half the RAM tier) is split among the loaders being read: at 16 a share is
+# already 1/32 of the RAM tier.  A 17th loader's plan replaces the least recently read one.
+MAX_LOADERS = 16
 
 
 # The fast path (cube_torch's FUSE-free hits, control/dataplane.py): one message per batch

@@ -113,15 +113,17 @@ METRICS: dict[str, MetricSpec] = {
                    ai_prefetch=True),
         MetricSpec("cubefs_fuse_fastpath_connections", "gauge", "Open data-socket connections (one per DataLoader worker using the fast path).",
                    ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the job's current epoch plan.",
+        MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the current epoch plans of the job's loaders.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_position", "gauge", "The plan's read cursor (samples consumed in order).",
+        MetricSpec("cubefs_fuse_plan_position", "gauge", "The plans' read cursors, summed over the job's loaders.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The epoch of the job's current plan.",
+        MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The newest epoch of the job's plans.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursor.",
+        MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursors.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursor.",
+        MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursors.",
+                   ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_loaders", "gauge", "DataLoaders of the job with a plan of their own.",
                    ("training_job", "rank"), ai_prefetch=True),
         # The processed-sample cache's daemon store: one label set per cache (at most
         # MAX_SAMPLE_CACHES, 256), its name and its owner's uid.
@@ -284,6 +286,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
             f.add("cubefs_fuse_plan_epoch", j.plan["epoch"], *labels)
             f.add("cubefs_fuse_plan_lookahead_files", j.plan["lookahead_files"], *labels)
             f.add("cubefs_fuse_plan_lookahead_bytes", j.plan["lookahead_bytes"], *labels)
+            f.add("cubefs_fuse_plan_loaders", j.loaders, *labels)
     if s.samples is not None:
         _sample_families(f, s.samples)
     ai_prefetch = s.mount is not None and s.mount.profile == "ai_prefetch"

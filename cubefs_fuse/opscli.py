@@ -32,7 +32,8 @@ class OpsError(Exception):
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser("status", help="show mounts, cache use, hit rates and jobs",
                             description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
-                            "tier, hit rate, active jobs with their hit rate and prefetch progress, uptime.")
+                            "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader when a "
+                            "job's rank has several), uptime.")
     status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -191,18 +192,28 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
     if r.get("profile", "ai_prefetch") != "ai_prefetch":
         console.print('  jobs and plans: this mount runs without "profile": "ai_prefetch"')
         return
-    plans = {(p["job"], p["rank"]): p for p in r.get("plans", [])}
+    plans: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for p in r.get("plans", []):
+        plans.setdefault((p["job"], p["rank"]), []).append(p)
     if r.get("jobs"):
         jobs = Table(box=box.SIMPLE, show_header=True)
-        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead"):
+        # "loader" last: the columns before it read as they did before loaders had plans.
+        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead", "loader"):
             jobs.add_column(column)
         ordered = sorted(r["jobs"], key=lambda j: (j["job"], j["rank"]))  # a job's ranks together
         for j in ordered:
-            p = plans.get((j["job"], j["rank"]))
-            progress = f"{p['cursor']}/{p['samples']}" if p else "-"
-            lookahead = f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}" if p else "-"
+            mine = plans.get((j["job"], j["rank"]), [])
+            # The (job, rank)'s row, with its plan when it has one loader; then one row per
+            # loader when it has several (each DataLoader keeps its own plan).
+            p = mine[0] if len(mine) == 1 else None
+            loader = p.get("loader", "0") if p else (f"{len(mine)} loaders" if mine else "-")
             jobs.add_row(j["job"], str(j["rank"]), str(j["pid"]), str(j["requests"]),
-                         f"{100 * j['hit_rate']:.2f}%", str(p["epoch"]) if p else "-", progress, lookahead)
+                         f"{100 * j['hit_rate']:.2f}%", *_plan_cells(p), loader)
+            if len(mine) > 1:
+                for p in sorted(mine, key=lambda p: str(p.get("loader", ""))):
+                    jobs.add_row("", "", "", str(p.get("requests", "-")),
+                                 f"{100 * p['hit_rate']:.2f}%" if "hit_rate" in p else "-", *_plan_cells(p),
+                                 str(p.get("loader", "0")))
         console.print(jobs)
         _print_distributed_jobs(console, ordered, plans)
     else:
@@ -234,20 +245,31 @@ def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
     console.print(table)
 
 
+def _plan_cells(p: dict[str, Any] | None) -> tuple[str, str, str]:
+    """A plan's epoch, progress and lookahead columns ("-" without one)."""
+    if p is None:
+        return "-", "-", "-"
+    return (str(p["epoch"]), f"{p['cursor']}/{p['samples']}",
+            f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}")
+
+
 def _print_distributed_jobs(console: Console, jobs: list[dict[str, Any]],
-                            plans: dict[tuple[str, int], dict[str, Any]]) -> None:
-    """One line per job of several ranks: its ranks, how many have a plan, its hit rate."""
+                            plans: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
+    """One line per job of several ranks or loaders: its ranks, how many have a plan, its
+    loaders, its hit rate."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for j in jobs:
         by_name.setdefault(j["job"], []).append(j)
     for name, ranks in by_name.items():
-        if len(ranks) < 2:
+        loaders = sum(len(plans.get((name, j["rank"]), [])) for j in ranks)
+        if len(ranks) < 2 and loaders < 2:
             continue
         requests, hits = sum(j["requests"] for j in ranks), sum(j["hits"] for j in ranks)
         planned = sum((name, j["rank"]) in plans for j in ranks)
         rate = 100 * hits / requests if requests else 0.0
-        console.print(f"  job {name}: {len(ranks)} ranks ({', '.join(str(j['rank']) for j in ranks)}), "
-                      f"{planned} planned, requests {requests}, hit rate {rate:.2f}%")
+        console.print(f"  job {name}: {len(ranks)} rank{'s' if len(ranks) > 1 else ''} "
+                      f"({', '.join(str(j['rank']) for j in ranks)}), {planned} planned, "
+                      f"{loaders} loader{'s' if loaders != 1 else ''}, requests {requests}, hit rate {rate:.2f}%")
 
 
 # -- warmup ---------------------------------------------------------------------------

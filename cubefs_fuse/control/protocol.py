@@ -202,9 +202,14 @@ class ControlClient:
         result: dict[str, Any] = self.request("POST", "jobs", body=json.dumps(fields).encode())
         return result
 
-    def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str) -> dict[str, Any]:
-        """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``."""
+    def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str,
+                    loader: str | None = None) -> dict[str, Any]:
+        """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``.
+        ``loader`` names the DataLoader of (job, rank) it is for (each keeps its own plan;
+        None: the daemon's default loader "0")."""
         query = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+        if loader is not None:
+            query["loader"] = loader
         result: dict[str, Any] = self.request("POST", "plans", query=query, body=order, content_type=CONTENT_BINARY)
         return result
 

@@ -16,6 +16,7 @@ from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
 from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
 from cubefs_fuse.samples.store import SampleStore
@@ -120,9 +121,12 @@ class Routes:
         job = _name(q, "job")
         rank = _int(q.get("rank", "0"), "rank", 0, _MAX_RANK)
         epoch = _int(q.get("epoch", "0"), "epoch", 0, _MAX_EPOCH)
+        # Which DataLoader of the rank the plan is for (each keeps its own); clients that
+        # name none are loader "0".
+        loader = _name(q, "loader") if "loader" in q else DEFAULT_LOADER
         count = await self.service.submit_plan((job, rank), epoch, q.get("dataset", ""), request.body,
-                                               q.get("dtype", "<i8"))
-        return Response.json({"job": job, "rank": rank, "epoch": epoch, "samples": count})
+                                               q.get("dtype", "<i8"), loader)
+        return Response.json({"job": job, "rank": rank, "loader": loader, "epoch": epoch, "samples": count})
 
     async def stats(self, request: Request) -> Response:
         return Response.json(self.service.stats(request.query.get("job")))
