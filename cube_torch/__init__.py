@@ -18,6 +18,7 @@ seconds (default 30).
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("torch") is None:  # before anything imports it: one clear line
     raise ImportError("cube_torch needs PyTorch, which is not installed: install it, e.g. "
@@ -25,6 +26,10 @@ if importlib.util.find_spec("torch") is None:  # before anything imports it: one
 
 from cube_torch.patch import install, installed, uninstall
 from cube_torch.reporter import report_once, stats
+
+if TYPE_CHECKING:
+    from cube_torch.samples.cache import SampleCache
+    from cube_torch.samples.dataset import CachedDataset
 
 __all__ = ["install", "installed", "uninstall", "stats", "report_once", "CachedDataset", "SampleCache"]
 
