@@ -77,6 +77,10 @@ PUT_BATCH = 64
 # At exit, what is pending is written for at most this long: torch gives a finishing
 # worker 5 s (MP_STATUS_CHECK_INTERVAL) before terminating it.
 FLUSH_TIMEOUT = 3.0
+# A read waits this long for a store object it shares with the writer thread (a caller's
+# SampleStore object) before computing the batch instead: a write in flight may take up to
+# the store's own timeout, which the training step must not wait for.
+SHARED_STORE_WAIT = 0.05
 # The writer thread exits after this many idle seconds and starts again on demand.
 WRITER_IDLE_EXIT = 30.0
 # Cache names: what store keys and log lines can carry as they are.
@@ -131,8 +135,15 @@ class _State:
         self.name = cache.name
         self.spec = cache.store_spec
         self.max_entries, self.max_bytes = cache.max_pending_entries, cache.max_pending_bytes
-        self.store: SampleStore | None = None
-        self.lock = threading.Lock()  # one call on the store at a time (the contract)
+        self.store: SampleStore | None = None  # the training thread's
+        self.write_store: SampleStore | None = None  # the writer thread's: its own connection
+        # One call at a time on a store object (the contract).  Opened from a URL (or None),
+        # the reader and the writer each have their own object; a SampleStore object given by
+        # the caller is shared, and then a read finding the writer in a call does not wait
+        # for it (see SHARED_STORE_WAIT).
+        self.shared = not (self.spec is None or isinstance(self.spec, str))
+        self.lock = threading.Lock()
+        self.write_lock = self.lock if self.shared else threading.Lock()
         self.read_retry_at = 0.0
         self.write_retry_at = 0.0
         self.counts = collections.Counter[str]()
@@ -153,6 +164,17 @@ class _State:
                 self.fail("open", exc, reads=True)
                 return None
         return self.store
+
+    def open_writer(self) -> SampleStore | None:
+        if self.write_store is None:
+            if self.shared:
+                self.write_store = self.store
+            else:
+                try:
+                    self.write_store = open_store(self.spec)
+                except StoreError as exc:
+                    self.fail("open", exc, reads=False)
+        return self.write_store
 
     def fail(self, what: str, exc: BaseException, *, reads: bool) -> None:
         self.counts["failures"] += 1
@@ -211,12 +233,12 @@ class _State:
         if not self.writable():
             self.counts["dropped"] += len(batch)
             return
-        store = self.open()
+        store = self.open_writer()
         if store is None:
             self.counts["dropped"] += len(batch)
             return
         try:
-            with self.lock:
+            with self.write_lock:
                 store.put_many(self.name, batch)
             self.counts["writes"] += len(batch)
         except StoreError as exc:
@@ -236,11 +258,13 @@ class _State:
 
     def close(self, timeout: float) -> None:
         self.flush(timeout)
+        with self.write_lock:
+            writer, self.write_store = self.write_store, None
         with self.lock:
             store, self.store = self.store, None
-        if store is not None:
+        for each in {id(s): s for s in (store, writer) if s is not None}.values():
             try:
-                store.close()
+                each.close()
             except Exception as exc:
                 log.debug("cube_torch: sample cache %r: closing the store: %r", self.name, exc)
 
@@ -337,14 +361,19 @@ class SampleCache:
         asked = [i for i, tag in enumerate(tags) if tag is not None]
         if not asked:
             return
+        if not state.lock.acquire(timeout=SHARED_STORE_WAIT):  # a shared store busy writing: compute
+            state.counts["busy"] += 1
+            return
         try:
-            with state.lock:  # entries may be views into the store's buffer: decoded before the next call
+            try:  # entries may be views into the store's buffer: decoded before the next call
                 entries = store.get_many(self.name, [keys[i] for i in asked])
                 if len(entries) != len(asked):
                     raise StoreError(f"the store answered {len(entries)} entries for {len(asked)} keys")
                 for i, entry in zip(asked, entries):
                     if entry is not None:
                         results[i] = self._decoded(state, entry, tags[i])
+            finally:
+                state.lock.release()
         except StoreError as exc:
             for i in asked:
                 results[i] = _MISS

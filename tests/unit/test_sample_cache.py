@@ -164,7 +164,9 @@ def test_writes_never_block_beyond_the_buffer() -> None:
     started = time.monotonic()
     for key in range(20):
         c.get(key, lambda key=key: compute(key))
-    assert time.monotonic() - started < 2.0
+    # A store object shared by reader and writer: each read waits SHARED_STORE_WAIT at most
+    # for the stalled write, then computes; never the write's own stall (10 s here).
+    assert time.monotonic() - started < 20 * cache_module.SHARED_STORE_WAIT + 2.0
     assert not c.flush(0.2)  # bounded: gives up
     stats = c.statistics()
     assert stats.dropped >= 20 - 4 - 1  # 4 buffered, 1 in the stalled put_many
@@ -269,3 +271,28 @@ def test_the_store_is_opened_per_process(tmp_path: Path) -> None:
     assert os.read(read, 1) == b"1"
     os.waitpid(pid, 0)
     assert c._here() is parent_state
+
+
+def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened from a URL, the reader and the writer thread have their own store objects."""
+    entries: dict[tuple[str, int], bytes] = {}
+    opened: list[MemoryStore] = []
+
+    def fake_open(spec: Any) -> MemoryStore:
+        store = MemoryStore()
+        store.entries = entries  # one server, two connections
+        store.stall.clear()  # writes hang (the reader never writes)
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c, compute = SampleCache("url", "redis://127.0.0.1:1/0"), Counting()
+    started = time.monotonic()
+    for key in range(20):
+        c.get(key, lambda key=key: compute(key))
+    assert time.monotonic() - started < 2.0  # no read waited for the hung write
+    assert len(opened) == 2 and opened[0].calls["get_many"] == 20 and opened[0].calls["put_many"] == 0
+    assert c.statistics().misses == 20
+    for store in opened:
+        store.stall.set()
+    assert c.flush(15)
