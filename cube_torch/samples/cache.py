@@ -153,6 +153,7 @@ class _State:
         self.cond = threading.Condition()
         self.writer: threading.Thread | None = None
         _live.add(self)
+        _flush_at_process_exit()
 
     # -- the store ---------------------------------------------------------------------------
 
@@ -281,8 +282,17 @@ def _flush_all_at_exit() -> None:
 
 
 atexit.register(_flush_all_at_exit)
-# DataLoader workers leave through multiprocessing, which runs its finalizers, not atexit.
-multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
+_finalizer_pid = 0
+
+
+def _flush_at_process_exit() -> None:
+    """DataLoader workers leave through multiprocessing, which runs its finalizers, not
+    atexit; a forked child starts with none (Process._bootstrap clears the registry), so
+    each process registers its own, when its first cache state is made."""
+    global _finalizer_pid
+    if _finalizer_pid != os.getpid():
+        _finalizer_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
 
 
 class SampleCache:
