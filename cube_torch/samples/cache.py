@@ -183,7 +183,7 @@ class _State:
         self.write_retry_at = now + RETRY_AFTER
         if reads:
             self.read_retry_at = now + RETRY_AFTER
-        kind = f"samples:{self.name}:{what}:{type(exc).__name__}"
+        kind = f"samples:{self.name}:store"  # one line per process and cache, whatever fails next
         if once(kind):
             log.warning("cube_torch: sample cache %r: the store failed (%s): %s (%s for %.0f s; logged once)",
                         self.name, what, exc, "computing samples without it" if reads else "not storing new samples",

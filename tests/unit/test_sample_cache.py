@@ -291,8 +291,56 @@ def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch
     for key in range(20):
         c.get(key, lambda key=key: compute(key))
     assert time.monotonic() - started < 2.0  # no read waited for the hung write
+    deadline = time.monotonic() + 10
+    while len(opened) < 2 and time.monotonic() < deadline:  # the writer thread opens its own
+        time.sleep(0.01)
     assert len(opened) == 2 and opened[0].calls["get_many"] == 20 and opened[0].calls["put_many"] == 0
     assert c.statistics().misses == 20
     for store in opened:
         store.stall.set()
     assert c.flush(15)
+
+
+class FileStore:
+    """A SampleStore in a directory (one file per entry), slow to write: shared across processes."""
+
+    def __init__(self, root: str, write_delay: float = 0.0) -> None:
+        self.root, self.write_delay = root, write_delay
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
+        for k in keys:
+            path = os.path.join(self.root, f"{name}.{k}")
+            out.append(Path(path).read_bytes() if os.path.exists(path) else None)
+        return out
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        time.sleep(self.write_delay)
+        for k, entry in items:
+            Path(self.root, f"{name}.{k}").write_bytes(entry)
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _child_computes(cache: SampleCache) -> None:
+    cache.get_many([1, 2, 3], lambda k: k * 10)  # returns at once: the writes are still pending
+
+
+def test_a_forked_process_writes_what_is_pending_when_it_exits(tmp_path: Path) -> None:
+    """DataLoader workers leave through multiprocessing (its finalizers, not atexit): pending
+    writes land before the process is gone."""
+    import multiprocessing
+
+    c = SampleCache("exit", FileStore(str(tmp_path), write_delay=0.5))
+    c.get(0, lambda: 0)  # the parent has a state (and its finalizer) before the fork
+    assert c.flush(5)
+    child = multiprocessing.get_context("fork").Process(target=_child_computes, args=(c,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit.0", "exit.1", "exit.2", "exit.3"]
+    assert SampleCache("exit", FileStore(str(tmp_path))).get_many([1, 2, 3], lambda k: -1) == [10, 20, 30]
