@@ -3,7 +3,6 @@
     python -m benchmarks.sample_cache --store redis            # starts its own redis-server
     python -m benchmarks.sample_cache --store redis://host:6379/0
     python -m benchmarks.sample_cache --store daemon           # mounts a cubefs-fuse daemon (ai_prefetch)
-    python -m benchmarks.sample_cache --store none             # the loader alone, no cache
 
 The workload is the usual image pipeline: ``ImageFolder`` over ImageNet-like JPEGs
 (~100 KB, tools/harness.py), decoding + ``Resize(224)`` +
@@ -24,14 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 import cube_torch
 from tools import torchvision_shim
@@ -130,22 +129,53 @@ def local_redis(workdir: Path) -> Iterator[str]:
         process.wait(10)
 
 
-def run(root: Path, store: str | None, epochs: int, workers: int, seed: int) -> list[Result]:
-    base = loader(Plain(root), workers, seed)
+def _subset(dataset: Any, limit: int | None) -> Any:
+    """At most ``limit`` samples spread over all classes (every k-th file): the same in both loaders."""
+    if limit is None or limit >= len(dataset):
+        return dataset
+    step = len(dataset) / limit
+    return Subset(dataset, [int(i * step) for i in range(limit)])
+
+
+def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, limit: int | None = None,
+        on_epoch: Callable[[Result], None] | None = None) -> list[Result]:
+    """The baseline and the cached loader, ``epochs`` each, interleaved (``store`` as for CachedDataset)."""
+    base = loader(_subset(Plain(root), limit), workers, seed)
     name = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # a fresh cache: epoch 1 fills it
-    cached = loader(cube_torch.CachedDataset(Decoded(root), name=name, transform=augment, store=store),
-                    workers, seed) if store != "none" else None
+    cached = loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=name, transform=augment,
+                                             store=store), workers, seed)
     # An untimed epoch of the baseline first: its workers started, the files in the page
     # cache.  The cached loader's epoch 1 includes starting its workers (conservative).
     timed_epoch(base)
     results = []
     for epoch in range(1, epochs + 1):
         baseline = timed_epoch(base)
-        with_cache = timed_epoch(cached) if cached is not None else baseline
+        with_cache = timed_epoch(cached)
         results.append(Result(epoch, baseline, with_cache))
-        print(f"epoch {epoch}: baseline {baseline:7.1f} samples/s, with the cache {with_cache:7.1f} samples/s, "
-              f"ratio {with_cache / baseline:.2f}x", flush=True)
+        if on_epoch is not None:
+            on_epoch(results[-1])
     return results
+
+
+def measure(root: Path, workdir: Path, *, epochs: int, workers: int, seed: int, limit: int | None = None,
+            on_epoch: Callable[[Result], None] | None = None) -> dict[str, Any]:
+    """The suite's figures with a local redis-server (results.json's ``sample_cache``)."""
+    figures: dict[str, Any] = {"store": "redis (local redis-server, allkeys-lru)", "workers": workers,
+                               "files": 0, "epochs": [], "error": None}
+    try:
+        with local_redis(workdir) as url:
+            results = run(root, url, epochs, workers, seed, limit, on_epoch)
+        figures["files"] = len(_subset(Plain(root), limit))
+        figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
+                              "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
+    except (HarnessError, OSError, RuntimeError, ValueError) as exc:
+        figures["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return figures
+
+
+def print_epoch(result: Result) -> None:
+    print(f"epoch {result.epoch}: baseline {result.baseline:7.1f} samples/s, with the cache {result.cached:7.1f} "
+          f"samples/s, ratio {result.ratio:.2f}x", flush=True)
 
 
 def verdict(results: list[Result]) -> list[str]:
@@ -164,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store", default="redis",
                    help="daemon (mount a cubefs-fuse daemon and use it), redis (start a local redis-server), "
-                        "a redis:// or redis+cluster:// URL, or none (default: redis)")
+                        "or a redis:// or redis+cluster:// URL (default: redis)")
     p.add_argument("--files", type=int, default=400, help="JPEGs in the dataset (default 400)")
     p.add_argument("--file-kb", type=int, default=100, help="mean JPEG size in KB (default 100)")
     p.add_argument("--epochs", type=int, default=3, help="epochs of each loader (default 3)")
@@ -192,15 +222,13 @@ def main(argv: list[str] | None = None) -> int:
             daemon.mount()
             os.environ["VOL_NAME"] = str(daemon.config["volName"])
             root = daemon.mount_point
-            results = run(root, None, args.epochs, args.workers, args.seed)
+            results = run(root, None, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
         elif args.store == "redis":
             with local_redis(workdir) as url:
                 print(f"store: a local redis-server ({url}, maxmemory {REDIS_MAXMEMORY}, allkeys-lru)", flush=True)
-                results = run(root, url, args.epochs, args.workers, args.seed)
+                results = run(root, url, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
         else:
-            results = run(root, args.store, args.epochs, args.workers, args.seed)
-        if args.store == "none":
-            return 0
+            results = run(root, args.store, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
         missed = verdict(results)
         for line in missed:
             print(f"bar missed: {line}")

@@ -8,8 +8,8 @@ An entry is a 16-byte header, then the codec's encoding of the value (codec.py):
 
     magic b"CTSC" | u8 format version | 3 bytes zero | u64 validity tag
 
-The validity tag is an xxh64 of the sample's source files' (path, size, mtime in ns,
-inode) when the caller names the files (``CachedDataset`` does for the datasets
+The validity tag is an xxh64 of the sample's source files' (path, size, mtime and ctime
+in ns) when the caller names the files (``CachedDataset`` does for the datasets
 cube_torch knows), else 0.  An entry whose tag differs from the files' tag now (a source
 file changed), or of another format version, is a miss: the value is computed again and
 the entry overwritten.
@@ -99,7 +99,10 @@ def validity_tag(files: Sequence[str]) -> int:
     h = xxhash.xxh64()
     for path in files:
         st = os.stat(path)
-        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode("utf-8", "surrogateescape"))
+        # Not st_ino: a FUSE mount's inode numbers live only while the kernel remembers the
+        # inode (cubefs-fuse gives a path a new number after a forget), so they would
+        # invalidate entries of unchanged files.  ctime catches a change that kept mtime.
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode("utf-8", "surrogateescape"))
     return int(h.intdigest()) or 1  # never NO_FILES_TAG
 
 
