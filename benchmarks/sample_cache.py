@@ -4,13 +4,15 @@
     python -m benchmarks.sample_cache --store redis://host:6379/0
     python -m benchmarks.sample_cache --store daemon           # mounts a cubefs-fuse daemon (ai_prefetch)
 
-The workload is the usual image pipeline: ``ImageFolder`` over ImageNet-like JPEGs
-(~100 KB, tools/harness.py), decoding + ``Resize(224)`` +
-``PILToTensor`` (a uint8 tensor) as the deterministic part, ``RandomCrop(192)`` and a flip after the cache, in N DataLoader workers,
+The workload is the usual image pipeline: ``ImageFolder`` over photo-like JPEGs of
+ImageNet's typical 500x375 pixels (~90 KB), decoding + ``Resize(224)`` +
+``PILToTensor`` (a uint8 tensor) as the deterministic part, ``RandomCrop(192)`` and a
+flip after the cache, in N DataLoader workers (started anew each epoch, torch's default),
 batches consumed by the main process.  The same loader without the cache is the
-baseline, measured in the same run (after one untimed warm-up epoch), epoch by epoch, interleaved with the cached loader's
-epochs (so a burst of load on a shared machine hits both): the ratios printed are
-cached samples/s over baseline samples/s of the same epoch.  Bars: epoch 1 (which fills
+baseline, measured in the same run (after one untimed warm-up epoch), its epochs
+alternating with the cached loader's: each cached epoch's samples/s is divided by the
+mean of the baseline epochs just before and just after it (so a drift of the load on a
+shared machine cancels out).  Bars: epoch 1 (which fills
 the store) >= 0.9x, later epochs >= 2x.  Exit status 1 when a bar is missed.
 """
 
@@ -29,16 +31,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Subset
 
 import cube_torch
 from tools import torchvision_shim
-from tools.harness import DaemonMount, HarnessError, free_port, make_dataset, remove_workdir
+from tools.harness import DaemonMount, HarnessError, free_port, remove_workdir
 
 torchvision_shim.install()  # before the first torchvision import (see its docstring)
 from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
+PHOTO_SIZE = (500, 375)  # ImageNet's most common image size (width, height)
+PHOTO_GRID = (16, 12)  # colour fields per image (upsampled smoothly)
+PHOTO_NOISE = 16.0  # sensor-like noise, standard deviation in 8-bit levels: ~90 KB per JPEG
 RESIZE = 224  # the cached part: decode + resize to ImageNet's usual input side
 CROP = 192  # the random part after the cache
 BATCH = 32  # samples per batch (the demo's)
@@ -89,10 +95,33 @@ class Plain(datasets.ImageFolder):  # type: ignore[misc]
 
 
 def loader(dataset: Any, workers: int, seed: int) -> DataLoader[Any]:
+    """torch's defaults: workers started anew every epoch (by both loaders alike)."""
     g = torch.Generator()
     g.manual_seed(seed)
-    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, generator=g,
-                      persistent_workers=workers > 0)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, generator=g)
+
+
+def make_photos(root: Path, files: int, *, classes: int = 10, seed: int = 0) -> int:
+    """``files`` photo-like JPEGs of ImageNet's typical 500x375 pixels (smooth colour fields
+    with sensor-like noise, ~90 KB at quality 90) in ``classes`` folders; their total bytes.
+
+    Decoding cost follows pixels more than bytes: pure-noise JPEGs of the same ~100 KB are
+    a quarter of the pixels and would make the decoding this cache saves look cheaper than
+    it is on real photographs."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    total = 0
+    for i in range(files):
+        folder = root / f"class_{i % classes:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        coarse = Image.fromarray(rng.integers(0, 256, (PHOTO_GRID[1], PHOTO_GRID[0], 3), dtype=np.uint8))
+        smooth = np.asarray(coarse.resize(PHOTO_SIZE, Image.Resampling.BICUBIC), dtype=np.int16)
+        noisy = smooth + rng.normal(0, PHOTO_NOISE, smooth.shape).astype(np.int16)
+        path = folder / f"img_{i:06d}.jpg"
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(path, quality=90)
+        total += path.stat().st_size
+    return total
 
 
 def timed_epoch(dl: DataLoader[Any]) -> float:
@@ -144,28 +173,32 @@ def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, lim
     name = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # a fresh cache: epoch 1 fills it
     cached = loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=name, transform=augment,
                                              store=store), workers, seed)
-    # An untimed epoch of the baseline first: its workers started, the files in the page
-    # cache.  The cached loader's epoch 1 includes starting its workers (conservative).
+    # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and cached epochs alternate, starting and ending with a baseline one:
+    # each cached epoch is compared with the mean of the baseline epochs just before and
+    # after it, so a drift of the machine's load during the run cancels out.
     timed_epoch(base)
+    before = timed_epoch(base)
     results = []
     for epoch in range(1, epochs + 1):
-        baseline = timed_epoch(base)
         with_cache = timed_epoch(cached)
-        results.append(Result(epoch, baseline, with_cache))
+        after = timed_epoch(base)
+        results.append(Result(epoch, (before + after) / 2, with_cache))
+        before = after
         if on_epoch is not None:
             on_epoch(results[-1])
     return results
 
 
-def measure(root: Path, workdir: Path, *, epochs: int, workers: int, seed: int, limit: int | None = None,
+def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int,
             on_epoch: Callable[[Result], None] | None = None) -> dict[str, Any]:
-    """The suite's figures with a local redis-server (results.json's ``sample_cache``)."""
+    """The suite's figures (results.json's ``sample_cache``): ``files`` photo-like JPEGs made
+    in ``workdir``, a local redis-server."""
     figures: dict[str, Any] = {"store": "redis (local redis-server, allkeys-lru)", "workers": workers,
-                               "files": 0, "epochs": [], "error": None}
+                               "files": files, "epochs": [], "error": None}
     try:
+        make_photos(workdir / "photos", files, seed=seed)
         with local_redis(workdir) as url:
-            results = run(root, url, epochs, workers, seed, limit, on_epoch)
-        figures["files"] = len(_subset(Plain(root), limit))
+            results = run(workdir / "photos", url, epochs, workers, seed, on_epoch=on_epoch)
         figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
                               "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
     except (HarnessError, OSError, RuntimeError, ValueError) as exc:
@@ -196,7 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="daemon (mount a cubefs-fuse daemon and use it), redis (start a local redis-server), "
                         "or a redis:// or redis+cluster:// URL (default: redis)")
     p.add_argument("--files", type=int, default=400, help="JPEGs in the dataset (default 400)")
-    p.add_argument("--file-kb", type=int, default=100, help="mean JPEG size in KB (default 100)")
     p.add_argument("--epochs", type=int, default=3, help="epochs of each loader (default 3)")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per loader (default 2)")
     p.add_argument("--seed", type=int, default=0)
@@ -212,8 +244,9 @@ def main(argv: list[str] | None = None) -> int:
     daemon: DaemonMount | None = None
     try:
         source = workdir / "source"
-        data = make_dataset(source, args.files, mean_bytes=args.file_kb * 1000, seed=args.seed)
-        print(f"dataset: {len(data.files)} JPEGs, {data.total_bytes / 1e6:.1f} MB; decode + resize {RESIZE} cached, "
+        total = make_photos(source, args.files, seed=args.seed)
+        print(f"dataset: {args.files} photo-like JPEGs of {PHOTO_SIZE[0]}x{PHOTO_SIZE[1]}, {total / 1e6:.1f} MB; "
+              f"decode + resize {RESIZE} cached, "
               f"crop {CROP} + flip after; {args.workers} workers, batch {BATCH}", flush=True)
         root = source
         if args.store == "daemon":

@@ -106,8 +106,9 @@ def validity_tag(files: Sequence[str]) -> int:
     return int(h.intdigest()) or 1  # never NO_FILES_TAG
 
 
-def make_entry(tag: int, payload: bytes) -> bytes:
-    return HEADER.pack(MAGIC, FORMAT_VERSION, tag) + payload
+def make_entry(tag: int, value: Any) -> bytes:
+    """The entry of ``value``: the header, then its encoding (one copy of its arrays' bytes)."""
+    return codec.encode(value, HEADER.pack(MAGIC, FORMAT_VERSION, tag))
 
 
 @dataclass(frozen=True)
@@ -423,23 +424,25 @@ class SampleCache:
         first: dict[int, int] = {}  # key -> its first position among the misses
         for i in missing:
             first.setdefault(keys[i], i)
-        payloads: dict[int, bytes] = {}
+        entries: dict[int, bytes] = {}
         with scope(list(first)) if scope is not None else nullcontext():
             for key, i in first.items():
                 results[i] = value = compute_one(key)
                 state.counts["misses"] += 1
-                payload = self._store(state, key, tags[i], value)
-                if payload is not None:
-                    payloads[key] = payload
+                entry = self._store(state, key, tags[i], value)
+                if entry is not None:
+                    entries[key] = entry
         for i in missing:  # a key asked twice in one batch: a fresh copy, as a hit would give
             key = keys[i]
             if first[key] != i:
-                payload = payloads.get(key)
-                results[i] = codec.decode(payload) if payload is not None else compute_one(key)
+                entry = entries.get(key)
+                results[i] = (codec.decode(memoryview(entry)[HEADER.size:]) if entry is not None
+                              else compute_one(key))
 
     def _store(self, state: _State, key: int, tag: int | None, value: Any) -> bytes | None:
+        """Hand ``value``'s entry to the writer; the entry (None: not encodable)."""
         try:
-            payload = codec.encode(value)
+            entry = make_entry(NO_FILES_TAG if tag is None else tag, value)
         except codec.CodecError as exc:
             state.counts["dropped"] += 1
             if once(f"samples:{self.name}:encode:{type(value).__name__}"):
@@ -447,10 +450,10 @@ class SampleCache:
                             self.name, exc)
             return None
         if tag is not None and state.store is not None and state.writable():
-            state.offer(key, make_entry(tag, payload))
+            state.offer(key, entry)
         elif tag is not None:
             state.counts["dropped"] += 1
-        return payload
+        return entry
 
     # -- the rest ----------------------------------------------------------------------------
 

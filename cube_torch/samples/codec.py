@@ -120,9 +120,10 @@ TORCH_DTYPES = "bool, uint8, int8, int16, int32, int64, float16, bfloat16, float
 # -- encode ------------------------------------------------------------------------------------
 
 
-def encode(obj: Any) -> bytes:
-    """The bytes of ``obj`` (see the module docstring for what is supported)."""
-    parts: list[bytes | memoryview] = []
+def encode(obj: Any, prefix: bytes = b"") -> bytes:
+    """The bytes of ``obj`` (see the module docstring for what is supported), after
+    ``prefix`` (a header of the caller's, joined in the same single copy)."""
+    parts: list[bytes | memoryview] = [prefix]
     _encode(obj, parts, 0)
     return b"".join(parts)
 
