@@ -10,6 +10,7 @@ across the DataLoader worker processes (one line per ``base[i]`` in a file).
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from torchvision import datasets, transforms  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
+from cube_torch import fastpath
 from cube_torch.samples.cache import RETRY_AFTER
 from cube_torch.samples.redis_store import KEY_PREFIX, RedisClusterStore, RedisStore
 from cube_torch.samples.store import StoreError
@@ -46,7 +48,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:User
 
 
 class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
-    """An ImageFolder that appends each computed index to a file (workers are processes)."""
+    """An ImageFolder that appends each computed index to a file (workers are processes),
+    and whether cube_torch's fast path had the batch's files served (its open hook active)."""
 
     def __init__(self, root: Path, counts: Path, transform: Any) -> None:
         super().__init__(str(root), transform=transform)
@@ -55,14 +58,18 @@ class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
     def __getitem__(self, index: int) -> Any:
         fd = os.open(self.counts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            os.write(fd, f"{index}\n".encode())
+            os.write(fd, f"{index} {int(builtins.open is fastpath._hooked_open)}\n".encode())
         finally:
             os.close(fd)
         return super().__getitem__(index)
 
 
 def computed(counts: Path) -> list[int]:
-    return [int(line) for line in counts.read_text().split()] if counts.exists() else []
+    return [int(line.split()[0]) for line in counts.read_text().splitlines()] if counts.exists() else []
+
+
+def served_by_fast_path(counts: Path) -> int:
+    return sum(int(line.split()[1]) for line in counts.read_text().splitlines())
 
 
 DECODE_RESIZE = transforms.Resize((SIDE, SIDE))
@@ -153,6 +160,8 @@ def test_same_tensors_every_epoch_and_a_second_run_reuses(volume: tuple[Mount, s
     got = epochs(loader(cached(root, counts, redis_server.url)), 3)
     assert_same(got, want)
     assert sorted(computed(counts)) == list(range(FILES))  # epoch 0 computed each sample once; 1 and 2 none
+    # The misses' files came through cube_torch's fast path (the daemon's data socket).
+    assert served_by_fast_path(counts) > 0
     assert redis_server.keys() == FILES
     # The kernel forgets the mount's inodes (cubefs-fuse then numbers them anew): entries of
     # unchanged files stay valid all the same.
