@@ -7,6 +7,9 @@ background thread; the daemon then has each file local before a worker opens it.
 ``VOL_NAME`` is read when an epoch starts, so it may be set after the import.  If the
 daemon is missing or misbehaves, one warning is logged and training proceeds as usual.
 
+``cube_torch.CachedDataset(base, name=...)`` keeps what ``base[i]`` returns (decoded,
+resized samples) in a sample store, computed once (see ``cube_torch.samples``).
+
 ``cube_torch.uninstall()`` removes the patch; ``cube_torch.stats()`` returns this
 job's hit counters; a hit-rate line is printed every ``CUBE_TORCH_METRICS_INTERVAL``
 seconds (default 30).
@@ -15,6 +18,7 @@ seconds (default 30).
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
 if importlib.util.find_spec("torch") is None:  # before anything imports it: one clear line
     raise ImportError("cube_torch needs PyTorch, which is not installed: install it, e.g. "
@@ -23,6 +27,23 @@ if importlib.util.find_spec("torch") is None:  # before anything imports it: one
 from cube_torch.patch import install, installed, uninstall
 from cube_torch.reporter import report_once, stats
 
-__all__ = ["install", "installed", "uninstall", "stats", "report_once"]
+if TYPE_CHECKING:
+    from cube_torch.samples.cache import SampleCache
+    from cube_torch.samples.dataset import CachedDataset
+
+__all__ = ["install", "installed", "uninstall", "stats", "report_once", "CachedDataset", "SampleCache"]
+
+
+def __getattr__(name: str) -> object:
+    """``cube_torch.CachedDataset`` and ``cube_torch.SampleCache``, imported on first use."""
+    if name == "CachedDataset":
+        from cube_torch.samples.dataset import CachedDataset
+
+        return CachedDataset
+    if name == "SampleCache":
+        from cube_torch.samples.cache import SampleCache
+
+        return SampleCache
+    raise AttributeError(f"module 'cube_torch' has no attribute {name!r}")
 
 install()

@@ -34,7 +34,7 @@ import socket
 import time
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 from cube_torch.client import once
@@ -351,11 +351,21 @@ _original_fetch: Any = None
 def _fetch(self: Any, possibly_batched_index: Any) -> Any:
     from torch.utils.data import get_worker_info
 
-    if get_worker_info() is None or not enabled():
-        return _original_fetch(self, possibly_batched_index)
+    if get_worker_info() is None or not enabled() or getattr(self.dataset, "cube_torch_own_batches", False):
+        return _original_fetch(self, possibly_batched_index)  # (a CachedDataset scopes its own misses)
     indices = list(possibly_batched_index) if self.auto_collation else [possibly_batched_index]
     with batch_scope(self.dataset, indices):
         return _original_fetch(self, possibly_batched_index)
+
+
+def own_batch_scope(dataset: Any, indices: list[int]) -> AbstractContextManager[int]:
+    """The batch scope of a dataset that loads only some of a batch's samples itself (a
+    CachedDataset: its misses), for those samples; nothing outside a patched worker."""
+    from torch.utils.data import get_worker_info
+
+    if _original_fetch is None or get_worker_info() is None or not enabled():
+        return nullcontext(0)
+    return batch_scope(dataset, indices)
 
 
 def install() -> None:

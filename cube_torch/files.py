@@ -3,7 +3,7 @@
 Supported: torchvision ``ImageFolder``/``DatasetFolder`` (``samples[i][0]``),
 ``VOCDetection`` (image and annotation XML), ``CocoDetection`` (the file of image id
 ``ids[i]``), any dataset with ``train_data_list()`` (see :data:`ACCEPTED_LISTS`), and
-``Subset``/``ConcatDataset`` of those, nested.
+``Subset``/``ConcatDataset`` of those, nested, and a ``CachedDataset`` of any of them.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def sample_files(dataset: Any) -> SampleFiles:
     """A function from a sample index to the paths that sample reads."""
     from torch.utils.data import ConcatDataset, Subset
 
+    if getattr(type(dataset), "cube_torch_cached", False):  # a CachedDataset reads its base's files (of its misses)
+        return sample_files(dataset.base)
     if isinstance(dataset, Subset):
         inner = sample_files(dataset.dataset)
         indices = dataset.indices

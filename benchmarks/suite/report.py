@@ -62,6 +62,16 @@ _TOP_FIELDS: dict[str, tuple[type, ...]] = {
     "emulator": (dict,), "systems": (dict,), "skipped": (dict,), "daemon_cpu": (dict, type(None)),
     "runs": (list,), "bars": (list,),
 }
+# The processed-sample cache workload (benchmarks/sample_cache.py's measure); results.json's
+# ``sample_cache``, absent or None when not measured.
+_SAMPLES_FIELDS: dict[str, tuple[type, ...]] = {
+    "store": (str,), "workers": (int,), "files": (int,), "epochs": (list,), "error": (str, type(None)),
+}
+_SAMPLES_EPOCH_FIELDS: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "baseline_samples_per_s": (float,), "cached_samples_per_s": (float,), "ratio": (float,),
+}
+SAMPLES_FIRST_EPOCH_BAR = 0.9  # the cached loader's epoch 1 (filling the store) over the baseline's
+SAMPLES_LATER_EPOCHS_BAR = 2.0  # its later epochs over the baseline's
 _CPU_FIELDS: dict[str, tuple[type, ...]] = {
     "readers": (int,), "files": (int,), "mean_file_bytes": (float,), "ram_fraction": (float,),
     "ram_tier_bytes": (int,), "disk_tier_bytes": (int,), "profile": (str,), "clock_tick_us": (float,),
@@ -116,6 +126,12 @@ def validate(results: Any) -> list[str]:
                 if epoch["samples"] != results["dataset"].get("files"):
                     problems.append(f"{where}.epochs[{j}].samples: {epoch['samples']} != dataset files")
     problems += _validate_cpu(results["daemon_cpu"], results["dataset"])
+    samples = results.get("sample_cache")
+    if samples is not None:
+        problems += _check(samples, _SAMPLES_FIELDS, "sample_cache")
+        if not problems:
+            for j, epoch in enumerate(samples["epochs"]):
+                problems += _check(epoch, _SAMPLES_EPOCH_FIELDS, f"sample_cache.epochs[{j}]")
     for i, bar in enumerate(results["bars"]):
         problems += _check(bar, {"bar": (str,), "passed": (bool, type(None)), "measured": (str,), "issues": (str,)},
                            f"bars[{i}]")
@@ -339,7 +355,8 @@ def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict
 
 
 def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None,
-                  daemon_cpu: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  daemon_cpu: dict[str, Any] | None = None,
+                  sample_cache: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Where the run stands against each performance bars (passed None: not measured).
 
     The fast-path bars come first; of the foundation's, those it restates (training at 300 µs, raw
@@ -347,12 +364,34 @@ def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None 
     and those it does not mention (raw I/O later epochs, the cache 0.5 bars) follow.
     ``ceiling_files_per_s``: the emulator's own zero-latency ceiling, quoted next to
     epoch-1 figures so that a bar the emulator itself prevents is recognisable.
-    ``daemon_cpu``: results.json's daemon_cpu object (None: not measured).
+    ``daemon_cpu``: results.json's daemon_cpu object (None: not measured); ``sample_cache``:
+    its sample_cache object (None: not measured).
     """
     systems_run = {r["system"] for r in runs}
     raw = _raw_bars(runs, ceiling_files_per_s)
     return (_cpu_bars(daemon_cpu) + _training_bars(runs) + [_nvme_bar(runs), raw[0], _plain_training_bar(runs)]
-            + _versus_bars(runs, systems_run) + raw[1:] + _cache_bars(runs))
+            + _versus_bars(runs, systems_run) + raw[1:] + _cache_bars(runs) + _samples_bars(sample_cache))
+
+
+def _samples_bars(figures: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The processed-sample cache: epoch 1 >= 0.9 x the loader without it, later epochs >= 2 x."""
+    first = (f"processed-sample cache (local Redis): epoch 1 >= {SAMPLES_FIRST_EPOCH_BAR:g} × the same loader "
+             "without it")
+    later = f"processed-sample cache (local Redis): later epochs >= {SAMPLES_LATER_EPOCHS_BAR:g} × without it"
+    epochs = figures["epochs"] if figures is not None else []
+    if not epochs:
+        why = "not measured" + (f" ({figures['error']})" if figures is not None and figures["error"] else "")
+        return [_bar("15", first, None, why), _bar("15", later, None, why)]
+    ratios = [e["ratio"] for e in epochs]
+    bars = [_bar("15", first, ratios[0] >= SAMPLES_FIRST_EPOCH_BAR,
+                 f"{ratios[0]:.2f} × ({epochs[0]['baseline_samples_per_s']:,.0f} → "
+                 f"{epochs[0]['cached_samples_per_s']:,.0f} samples/s)")]
+    if len(ratios) < 2:
+        bars.append(_bar("15", later, None, "not measured (one epoch)"))
+    else:
+        bars.append(_bar("15", later, min(ratios[1:]) >= SAMPLES_LATER_EPOCHS_BAR,
+                         "epochs 2+: " + ", ".join(f"{r:.2f} ×" for r in ratios[1:])))
+    return bars
 
 
 def _throughput(run: dict[str, Any]) -> float:
@@ -453,6 +492,9 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("daemon_cpu") is not None:
         out += ["", "## Daemon CPU per file (one reader, local source, no latency)", "",
                 cpu_table(results["daemon_cpu"])]
+    if results.get("sample_cache") is not None:
+        out += ["", "## (e) processed-sample cache: the training loader with and without CachedDataset", "",
+                samples_table(results["sample_cache"])]
     epochs = int(preset["epochs"])
     for workload, title in WORKLOAD_TITLES.items():
         if any(r["workload"] == workload for r in results["runs"]):
@@ -464,6 +506,19 @@ def markdown(results: dict[str, Any]) -> str:
             "remote CPU s: what the emulator itself spent in epoch 1 (on the same cores as everything else).",
             ""]
     return "\n".join(out)
+
+
+def samples_table(figures: dict[str, Any]) -> str:
+    """results.md's table of the sample-cache workload (benchmarks/sample_cache.py)."""
+    lines = [f"{figures['files']} files, {figures['workers']} workers, store: {figures['store']}; decode + resize "
+             "cached, random crop + flip after; baseline: the same pipeline without the cache, same run, "
+             "epochs interleaved.", "",
+             "| epoch | without, samples/s | with the cache, samples/s | ratio |", "|---|---|---|---|"]
+    lines += [f"| {e['epoch']} | {e['baseline_samples_per_s']:,.0f} | {e['cached_samples_per_s']:,.0f} | "
+              f"{e['ratio']:.2f} |" for e in figures["epochs"]]
+    if figures["error"]:
+        lines += ["", f"failed: {figures['error']}"]
+    return "\n".join(lines)
 
 
 def cpu_table(cpu: dict[str, Any]) -> str:

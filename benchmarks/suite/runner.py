@@ -27,6 +27,9 @@ from tools.harness import Dataset, HarnessError, machine, make_class_images, rem
 
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch
+# The sample-cache workload's files (its own photo-like JPEGs): ~1-2 s per baseline epoch on
+# 2 cores, so the workload (making them, a warm-up and the epochs of two loaders) adds ~30 s.
+SAMPLE_CACHE_FILES = 320
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,7 @@ class Suite:
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
-            "systems": {}, "skipped": {}, "daemon_cpu": None, "runs": [], "bars": [],
+            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "runs": [], "bars": [],
         }
 
     def run(self) -> None:
@@ -148,6 +151,9 @@ class Suite:
 
         if "daemon_cpu" in preset.workloads and {"cubefs", "cubefs+ct"} & set(systems):
             self._daemon_cpu(dataset)
+
+        if "samples" in preset.workloads:
+            self._sample_cache()
 
         remotes: dict[int, Remote] = {}
         if any(s.uses_remote for s in systems.values()):
@@ -237,6 +243,32 @@ class Suite:
         self.results["daemon_cpu"] = figures
         self._write(partial=True)
 
+    def _sample_cache(self) -> None:
+        """The training loader with and without CachedDataset on a local redis-server
+        (benchmarks/sample_cache.py, on its own photo-like JPEGs, local: decoding is what
+        the cache saves, not I/O)."""
+        from benchmarks import sample_cache  # imports torch: after the quick checks
+
+        console.print(f"processed-sample cache: a training loader with and without CachedDataset (local "
+                      f"redis-server), {min(SAMPLE_CACHE_FILES, self.preset.files)} files ...")
+        workdir = self.workdir / "sample-cache"
+        workdir.mkdir()
+
+        def on_epoch(r: Any) -> None:
+            console.print(f"  epoch {r.epoch}: {r.baseline:,.0f} samples/s without, {r.cached:,.0f} with the cache: "
+                          f"[bold]{r.ratio:.2f} ×[/]")
+
+        try:
+            figures = sample_cache.measure(workdir, files=min(SAMPLE_CACHE_FILES, self.preset.files),
+                                           epochs=self.preset.epochs, workers=self.preset.train_workers, seed=SEED,
+                                           on_epoch=on_epoch)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        if figures["error"]:
+            console.print(f"[red]  processed-sample cache failed:[/] {figures['error']}")
+        self.results["sample_cache"] = figures
+        self._write(partial=True)
+
     def _write(self, *, partial: bool = False) -> None:
         self.results["finished"] = _now()
         self.results["duration_s"] = time.time() - self.started
@@ -244,7 +276,7 @@ class Suite:
         report.fill_ratios(self.results["runs"])
         ceiling = self.results["emulator"].get("ceiling") or {}
         self.results["bars"] = report.evaluate_bars(self.results["runs"], ceiling.get("files_per_s"),
-                                                    self.results["daemon_cpu"])
+                                                    self.results["daemon_cpu"], self.results["sample_cache"])
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1, ensure_ascii=False) + "\n")

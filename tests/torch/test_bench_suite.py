@@ -28,12 +28,13 @@ def _suite(*args: str, out: Path, workdir: Path) -> list[str]:
 
 def test_results_schema_end_to_end(tmp_path: Path) -> None:
     """The smallest real run (local copy vs our mount with cube_torch, raw I/O with 1 worker
-    and the NVMe regime, 2 epochs, 300 us remote, and the daemon's CPU per file) writes a
+    and the NVMe regime, 2 epochs, 300 us remote, the daemon's CPU per file and the
+    processed-sample cache on a local Redis) writes a
     results.json that validates, Markdown tables and plots."""
     out = tmp_path / "out"
     result = subprocess.run(
         _suite("--files", "20", "--classes", "2", "--mean-kb", "8", "--epochs", "2",
-               "--workloads", "raw_io,nvme,daemon_cpu", "--systems", "local,cubefs+ct", "--raw-workers", "1",
+               "--workloads", "raw_io,nvme,daemon_cpu,samples", "--systems", "local,cubefs+ct", "--raw-workers", "1",
                "--raw-latencies-us", "300", "--nvme-latency-us", "300", out=out, workdir=tmp_path / "w"),
         cwd=REPO, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -85,6 +86,12 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert "| 0.3 ms, 2 w, RAM 0.25 | cubefs+ct |" in markdown
     assert "## Daemon CPU per file" in markdown and "Clock-tick caveat" in markdown
     assert "| kernel page-cache hit | no | 5 × 20 |" in markdown
+    # The processed-sample cache: the loader with and without CachedDataset on a local Redis.
+    samples = results["sample_cache"]
+    assert samples["error"] is None and samples["files"] == 20 and [e["epoch"] for e in samples["epochs"]] == [1, 2]
+    assert all(e["baseline_samples_per_s"] > 0 and e["cached_samples_per_s"] > 0 for e in samples["epochs"])
+    assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("processed-sample cache"))
+    assert "## (e) processed-sample cache" in markdown
     for plot in ("raw_io.png", "nvme.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "w").iterdir())  # the scratch directory is gone

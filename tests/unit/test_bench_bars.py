@@ -190,9 +190,9 @@ def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
     assert _bar(bars, "cache = 0.5 × dataset: hit rate")["passed"] is False  # 0.44 in epoch 3
     assert _bar(bars, "cache = 0.5 × dataset: cube_torch ≥ 1.5")["passed"] is True  # 0.54 / 0.3 = 1.8 ×
     assert _bar(bars, "raw I/O, 8 workers, 2 ms: later epochs")["issues"] == "5"
-    assert all(b["issues"] in ("5", "12", "5, 12") for b in bars)
-    # Every bar once: nothing superseded is left twice.
-    assert len({b["bar"] for b in bars}) == len(bars) == 16
+    assert all(b["issues"] in ("5", "12", "5, 12", "samples") for b in bars)
+    # Every bar once: nothing superseded is left twice (16, and the sample cache's 2).
+    assert len({b["bar"] for b in bars}) == len(bars) == 18
 
 
 def _results(cpu: dict[str, Any] | None) -> dict[str, Any]:
@@ -219,3 +219,21 @@ def test_schema_checks_the_daemon_cpu_figures() -> None:
     no_issue = _results(None)
     del no_issue["bars"][0]["issues"]
     assert any("bars[0]" in p and "issues" in p for p in report.validate(no_issue))
+
+
+def _samples(ratios: list[float], error: str | None = None) -> dict[str, Any]:
+    return {"store": "redis (local redis-server, allkeys-lru)", "workers": 2, "files": FILES, "error": error,
+            "epochs": [{"epoch": i + 1, "baseline_samples_per_s": 100.0, "cached_samples_per_s": 100.0 * r,
+                        "ratio": r} for i, r in enumerate(ratios)]}
+
+
+@pytest.mark.parametrize(("ratios", "first", "later"), [
+    ([0.9, 2.0, 2.0], True, True), ([0.89, 5.0, 5.0], False, True), ([1.2, 2.5, 1.99], True, False)])
+def test_sample_cache_bars(ratios: list[float], first: bool, later: bool) -> None:
+    bars = report.evaluate_bars([], None, None, _samples(ratios))
+    assert _bar(bars, "processed-sample cache (local Redis): epoch 1")["passed"] is first
+    assert _bar(bars, "processed-sample cache (local Redis): later")["passed"] is later
+    for figures in (None, _samples([], "HarnessError: redis-server is not installed")):
+        missing = report.evaluate_bars([], None, None, figures)
+        assert _bar(missing, "processed-sample cache (local Redis): epoch 1")["passed"] is None
+    assert "redis-server is not installed" in _bar(missing, "processed-sample cache (local Redis): later")["measured"]

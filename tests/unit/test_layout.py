@@ -22,6 +22,7 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "h11": ("cubefs_fuse.control.",),
     "torch": ("cube_torch.",),
     "torchvision": ("cube_torch.",),
+    "redis": ("cube_torch.samples.redis_store",),  # the processed-sample cache's Redis stores
 }
 
 # The floors of cubefs_fuse: a module imports only from floors below its own (or its own room).

@@ -1,0 +1,282 @@
+"""The processed-sample cache: a training loader with and without ``CachedDataset``, one run.
+
+    python -m benchmarks.sample_cache --store redis            # starts its own redis-server
+    python -m benchmarks.sample_cache --store redis://host:6379/0
+    python -m benchmarks.sample_cache --store daemon           # mounts a cubefs-fuse daemon (ai_prefetch)
+
+The workload is the usual image pipeline: ``ImageFolder`` over photo-like JPEGs of
+ImageNet's typical 500x375 pixels (~90 KB), decoding + ``Resize(224)`` +
+``PILToTensor`` (a uint8 tensor) as the deterministic part, ``RandomCrop(192)`` and a
+flip after the cache, in N DataLoader workers (started anew each epoch, torch's default),
+batches consumed by the main process.  The same loader without the cache is the
+baseline, measured in the same run (after one untimed warm-up epoch), its epochs
+alternating with the cached loader's: each cached epoch's samples/s is divided by the
+mean of the baseline epochs just before and just after it (so a drift of the load on a
+shared machine cancels out).  Bars: epoch 1 (which fills
+the store) >= 0.9x, later epochs >= 2x.  Exit status 1 when a bar is missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Subset
+
+import cube_torch
+from tools import torchvision_shim
+from tools.harness import DaemonMount, HarnessError, free_port, remove_workdir
+
+torchvision_shim.install()  # before the first torchvision import (see its docstring)
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
+
+PHOTO_SIZE = (500, 375)  # ImageNet's most common image size (width, height)
+PHOTO_GRID = (16, 12)  # colour fields per image (upsampled smoothly)
+PHOTO_NOISE = 16.0  # sensor-like noise, standard deviation in 8-bit levels: ~90 KB per JPEG
+RESIZE = 224  # the cached part: decode + resize to ImageNet's usual input side
+CROP = 192  # the random part after the cache
+BATCH = 32  # samples per batch (the demo's)
+FIRST_EPOCH_BAR = 0.9  # epoch 1 (filling the store) at least this fraction of the baseline
+LATER_EPOCHS_BAR = 2.0  # later epochs at least this multiple of the baseline
+# A local redis-server needs ~1 KB per key on top of the entries (150 KB each here).
+REDIS_MAXMEMORY = "2gb"
+# Seconds a redis-server may take to answer its first PING.
+REDIS_START_TIMEOUT = 15.0
+
+
+@dataclass
+class Result:
+    epoch: int
+    baseline: float  # samples/s without the cache
+    cached: float  # samples/s with it
+
+    @property
+    def ratio(self) -> float:
+        return self.cached / self.baseline
+
+
+# The deterministic part: decode (ImageFolder's loader), resize, and the image as a uint8
+# tensor (3 x 224 x 224, 150 KB: a quarter of float32, and what the codec stores as is).
+DECODE_RESIZE = transforms.Compose([transforms.Resize((RESIZE, RESIZE)), transforms.PILToTensor()])
+# The random part, on the uint8 tensor (conversion to float and normalisation belong to the
+# training step, on the accelerator, as in most GPU input pipelines).
+AUGMENT = transforms.Compose([transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip()])
+
+
+class Decoded(datasets.ImageFolder):  # type: ignore[misc]
+    """ImageFolder whose sample is the decoded, resized image (uint8 tensor) and its label."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(str(root), transform=DECODE_RESIZE)
+
+
+def augment(sample: Any) -> Any:
+    image, label = sample
+    return AUGMENT(image), label
+
+
+class Plain(datasets.ImageFolder):  # type: ignore[misc]
+    """The baseline: the same pipeline in one ImageFolder."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+
+
+def loader(dataset: Any, workers: int, seed: int) -> DataLoader[Any]:
+    """torch's defaults: workers started anew every epoch (by both loaders alike)."""
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers, generator=g)
+
+
+def make_photos(root: Path, files: int, *, classes: int = 10, seed: int = 0) -> int:
+    """``files`` photo-like JPEGs of ImageNet's typical 500x375 pixels (smooth colour fields
+    with sensor-like noise, ~90 KB at quality 90) in ``classes`` folders; their total bytes.
+
+    Decoding cost follows pixels more than bytes: pure-noise JPEGs of the same ~100 KB are
+    a quarter of the pixels and would make the decoding this cache saves look cheaper than
+    it is on real photographs."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    total = 0
+    for i in range(files):
+        folder = root / f"class_{i % classes:02d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        coarse = Image.fromarray(rng.integers(0, 256, (PHOTO_GRID[1], PHOTO_GRID[0], 3), dtype=np.uint8))
+        smooth = np.asarray(coarse.resize(PHOTO_SIZE, Image.Resampling.BICUBIC), dtype=np.int16)
+        noisy = smooth + rng.normal(0, PHOTO_NOISE, smooth.shape).astype(np.int16)
+        path = folder / f"img_{i:06d}.jpg"
+        Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8)).save(path, quality=90)
+        total += path.stat().st_size
+    return total
+
+
+def timed_epoch(dl: DataLoader[Any]) -> float:
+    """Samples per second of one epoch (the batches consumed as a training step would)."""
+    started = time.perf_counter()
+    samples = 0
+    checksum = 0.0
+    for images, _labels in dl:
+        samples += len(images)
+        checksum += float(images[:, :, 0, 0].float().mean())  # touch the batch
+    return samples / (time.perf_counter() - started)
+
+
+@contextmanager
+def local_redis(workdir: Path) -> Iterator[str]:
+    """A redis-server on a free loopback port (no persistence), killed at the end."""
+    if shutil.which("redis-server") is None:
+        raise HarnessError("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    process = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+                                "--save", "", "--appendonly", "no", "--maxmemory", REDIS_MAXMEMORY,
+                                "--maxmemory-policy", "allkeys-lru"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + REDIS_START_TIMEOUT
+        while subprocess.run(["redis-cli", "-p", str(port), "PING"], capture_output=True,
+                             text=True).stdout.strip() != "PONG":
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise HarnessError(f"redis-server on port {port} did not start")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def _subset(dataset: Any, limit: int | None) -> Any:
+    """At most ``limit`` samples spread over all classes (every k-th file): the same in both loaders."""
+    if limit is None or limit >= len(dataset):
+        return dataset
+    step = len(dataset) / limit
+    return Subset(dataset, [int(i * step) for i in range(limit)])
+
+
+def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, limit: int | None = None,
+        on_epoch: Callable[[Result], None] | None = None) -> list[Result]:
+    """The baseline and the cached loader, ``epochs`` each, interleaved (``store`` as for CachedDataset)."""
+    base = loader(_subset(Plain(root), limit), workers, seed)
+    name = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # a fresh cache: epoch 1 fills it
+    cached = loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=name, transform=augment,
+                                             store=store), workers, seed)
+    # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and cached epochs alternate, starting and ending with a baseline one:
+    # each cached epoch is compared with the mean of the baseline epochs just before and
+    # after it, so a drift of the machine's load during the run cancels out.
+    timed_epoch(base)
+    before = timed_epoch(base)
+    results = []
+    for epoch in range(1, epochs + 1):
+        with_cache = timed_epoch(cached)
+        after = timed_epoch(base)
+        results.append(Result(epoch, (before + after) / 2, with_cache))
+        before = after
+        if on_epoch is not None:
+            on_epoch(results[-1])
+    return results
+
+
+def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int,
+            on_epoch: Callable[[Result], None] | None = None) -> dict[str, Any]:
+    """The suite's figures (results.json's ``sample_cache``): ``files`` photo-like JPEGs made
+    in ``workdir``, a local redis-server."""
+    figures: dict[str, Any] = {"store": "redis (local redis-server, allkeys-lru)", "workers": workers,
+                               "files": files, "epochs": [], "error": None}
+    try:
+        make_photos(workdir / "photos", files, seed=seed)
+        with local_redis(workdir) as url:
+            results = run(workdir / "photos", url, epochs, workers, seed, on_epoch=on_epoch)
+        figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
+                              "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
+    except (HarnessError, OSError, RuntimeError, ValueError) as exc:
+        figures["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return figures
+
+
+def print_epoch(result: Result) -> None:
+    print(f"epoch {result.epoch}: baseline {result.baseline:7.1f} samples/s, with the cache {result.cached:7.1f} "
+          f"samples/s, ratio {result.ratio:.2f}x", flush=True)
+
+
+def verdict(results: list[Result]) -> list[str]:
+    """The bars missed (empty: all met)."""
+    missed = []
+    if results and results[0].ratio < FIRST_EPOCH_BAR:
+        missed.append(f"epoch 1 at {results[0].ratio:.2f}x of the baseline (bar {FIRST_EPOCH_BAR}x)")
+    later = [r.ratio for r in results[1:]]
+    if later and min(later) < LATER_EPOCHS_BAR:
+        missed.append(f"later epochs at {min(later):.2f}x of the baseline at worst (bar {LATER_EPOCHS_BAR}x)")
+    return missed
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sample_cache", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--store", default="redis",
+                   help="daemon (mount a cubefs-fuse daemon and use it), redis (start a local redis-server), "
+                        "or a redis:// or redis+cluster:// URL (default: redis)")
+    p.add_argument("--files", type=int, default=400, help="JPEGs in the dataset (default 400)")
+    p.add_argument("--epochs", type=int, default=3, help="epochs of each loader (default 3)")
+    p.add_argument("--workers", type=int, default=2, help="DataLoader workers per loader (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.files < BATCH or args.epochs < 2 or args.workers < 0:
+        print("sample_cache: need --files >= 32, --epochs >= 2 and --workers >= 0", file=sys.stderr)
+        return 2
+    workdir = Path(tempfile.mkdtemp(prefix="cubefs-samples-bench-"))
+    daemon: DaemonMount | None = None
+    try:
+        source = workdir / "source"
+        total = make_photos(source, args.files, seed=args.seed)
+        print(f"dataset: {args.files} photo-like JPEGs of {PHOTO_SIZE[0]}x{PHOTO_SIZE[1]}, {total / 1e6:.1f} MB; "
+              f"decode + resize {RESIZE} cached, "
+              f"crop {CROP} + flip after; {args.workers} workers, batch {BATCH}", flush=True)
+        root = source
+        if args.store == "daemon":
+            daemon = DaemonMount(workdir, source, workdir / "cache", vol_name=f"samples{os.getpid()}",
+                                 mem_cache_size="1GiB", disk_cache_size="4GiB", profile="ai_prefetch")
+            daemon.mount()
+            os.environ["VOL_NAME"] = str(daemon.config["volName"])
+            root = daemon.mount_point
+            results = run(root, None, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
+        elif args.store == "redis":
+            with local_redis(workdir) as url:
+                print(f"store: a local redis-server ({url}, maxmemory {REDIS_MAXMEMORY}, allkeys-lru)", flush=True)
+                results = run(root, url, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
+        else:
+            results = run(root, args.store, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
+        missed = verdict(results)
+        for line in missed:
+            print(f"bar missed: {line}")
+        if not missed:
+            print(f"bars met: epoch 1 {results[0].ratio:.2f}x (>= {FIRST_EPOCH_BAR}x), later epochs "
+                  f">= {min(r.ratio for r in results[1:]):.2f}x (>= {LATER_EPOCHS_BAR}x)")
+        return 1 if missed else 0
+    except HarnessError as exc:
+        print(f"sample_cache: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if daemon is not None:
+            daemon.cleanup()
+        remove_workdir(workdir, *([daemon.mount_point] if daemon is not None else []))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,476 @@
+"""``SampleCache``: a value computed once per (name, key), kept in a sample store.
+
+``SampleCache(name, store).get(key, compute)`` returns the stored value of ``key`` when the
+store has a valid entry, else ``compute()`` (and stores it in the background);
+``get_many(keys, compute_one)`` does a batch with one store round trip.
+
+An entry is a 16-byte header, then the codec's encoding of the value (codec.py)::
+
+    magic b"CTSC" | u8 format version | 3 bytes zero | u64 validity tag
+
+The validity tag is an xxh64 of the sample's source files' (path, size, mtime and ctime
+in ns) when the caller names the files (``CachedDataset`` does for the datasets
+cube_torch knows), else 0.  An entry whose tag differs from the files' tag now (a source
+file changed), or of another format version, is a miss: the value is computed again and
+the entry overwritten.
+
+Never in training's way:
+
+* A store that fails (down, refused, timed out, an import that fails) is logged once per
+  process and bypassed for :data:`RETRY_AFTER` seconds: values are computed as without a
+  cache.  A store that refuses writes only (Redis full, ``noeviction``) is still read;
+  writes stop for that long.  A corrupt entry (bad magic, a payload the codec refuses) is
+  logged once and treated as a miss (computed and overwritten).
+* Writes go through a bounded in-process buffer (:data:`MAX_PENDING_ENTRIES` entries,
+  :data:`MAX_PENDING_BYTES` bytes) drained by one background thread per process; a full
+  buffer drops the write (the sample is computed again next time), it never waits.  At
+  process exit (DataLoader workers included) what is pending is written, waiting at most
+  :data:`FLUSH_TIMEOUT` seconds.
+* A value the codec cannot encode is returned uncached, with one warning per type.
+
+Stores are opened lazily in each process (a DataLoader worker opens its own, after the
+fork) and never pickled: pickling a ``SampleCache`` keeps its name and store
+specification only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import multiprocessing.util
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import xxhash
+
+from cube_torch.client import once
+from cube_torch.samples import codec
+from cube_torch.samples.store import SampleStore, StoreError
+from cube_torch.samples.stores import check_spec, open_store
+
+log = logging.getLogger("cube_torch")
+
+T = TypeVar("T")
+
+MAGIC = b"CTSC"
+FORMAT_VERSION = 1
+HEADER = struct.Struct("<4sB3xQ")
+NO_FILES_TAG = 0  # the tag of a value whose source files are not known
+# After a store failure the cache computes without it for this long, then tries again (a
+# restarted store is found again; a broken one costs one try per half minute).
+RETRY_AFTER = 30.0
+# The write buffer, per process: enough for a few batches of decoded images (a 224x224
+# RGB image is 150 KB, as float32 600 KB) so the writer thread rides out a slow store
+# for a moment, small enough to be no memory concern in each of N DataLoader workers.
+MAX_PENDING_ENTRIES = 256
+MAX_PENDING_BYTES = 64 << 20
+# Entries handed to one put_many: a batch's worth, one pipelined round trip.
+PUT_BATCH = 64
+# At exit, what is pending is written for at most this long: torch gives a finishing
+# worker 5 s (MP_STATUS_CHECK_INTERVAL) before terminating it.
+FLUSH_TIMEOUT = 3.0
+# A read waits this long for a store object it shares with the writer thread (a caller's
+# SampleStore object) before computing the batch instead: a write in flight may take up to
+# the store's own timeout, which the training step must not wait for.
+SHARED_STORE_WAIT = 0.05
+# The writer thread exits after this many idle seconds and starts again on demand.
+WRITER_IDLE_EXIT = 30.0
+# Cache names: what store keys and log lines can carry as they are.
+MAX_NAME = 200
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable() or " " in name:
+        raise ValueError(f"a sample cache name must be a non-empty string of at most {MAX_NAME} printable "
+                         f"characters without spaces, e.g. 'imagenet-train-decoded-224' (got {name!r})")
+    return name
+
+
+def validity_tag(files: Sequence[str]) -> int:
+    """The tag of a sample reading ``files``, as they are now (OSError when one is missing)."""
+    h = xxhash.xxh64()
+    for path in files:
+        st = os.stat(path)
+        # Not st_ino: a FUSE mount's inode numbers live only while the kernel remembers the
+        # inode (cubefs-fuse gives a path a new number after a forget), so they would
+        # invalidate entries of unchanged files.  ctime catches a change that kept mtime.
+        h.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\n".encode("utf-8", "surrogateescape"))
+    return int(h.intdigest()) or 1  # never NO_FILES_TAG
+
+
+def make_entry(tag: int, value: Any) -> bytes:
+    """The entry of ``value``: the header, then its encoding (one copy of its arrays' bytes)."""
+    return codec.encode(value, HEADER.pack(MAGIC, FORMAT_VERSION, tag))
+
+
+@dataclass(frozen=True)
+class CacheStatistics:
+    """This process's counters of one SampleCache."""
+
+    hits: int  # values decoded from the store
+    misses: int  # values computed (no entry, a stale or corrupt one, or no store)
+    stale: int  # of the misses: entries whose validity tag no longer matched
+    writes: int  # entries handed to the store
+    dropped: int  # entries not written: buffer full, writes bypassed, not encodable
+    failures: int  # store calls that failed
+    bypassed: bool  # the store is being bypassed right now
+
+
+class _Miss:
+    pass
+
+
+_MISS = _Miss()
+
+
+class _State:
+    """One process's side of a SampleCache: its store, writer thread and counters."""
+
+    def __init__(self, cache: SampleCache) -> None:
+        self.pid = os.getpid()
+        self.name = cache.name
+        self.spec = cache.store_spec
+        self.max_entries, self.max_bytes = cache.max_pending_entries, cache.max_pending_bytes
+        self.store: SampleStore | None = None  # the training thread's
+        self.write_store: SampleStore | None = None  # the writer thread's: its own connection
+        # One call at a time on a store object (the contract).  Opened from a URL (or None),
+        # the reader and the writer each have their own object; a SampleStore object given by
+        # the caller is shared, and then a read finding the writer in a call does not wait
+        # for it (see SHARED_STORE_WAIT).
+        self.shared = not (self.spec is None or isinstance(self.spec, str))
+        self.lock = threading.Lock()
+        self.write_lock = self.lock if self.shared else threading.Lock()
+        self.read_retry_at = 0.0
+        self.write_retry_at = 0.0
+        self.counts = collections.Counter[str]()
+        self.pending: collections.deque[tuple[int, bytes]] = collections.deque()
+        self.pending_bytes = 0
+        self.in_flight = 0
+        self.cond = threading.Condition()
+        self.writer: threading.Thread | None = None
+        _live.add(self)
+        _flush_at_process_exit()
+
+    # -- the store ---------------------------------------------------------------------------
+
+    def open(self) -> SampleStore | None:
+        if self.store is None:
+            try:
+                self.store = open_store(self.spec)
+            except StoreError as exc:
+                self.fail("open", exc, reads=True)
+                return None
+        return self.store
+
+    def open_writer(self) -> SampleStore | None:
+        if self.write_store is None:
+            if self.shared:
+                self.write_store = self.store
+            else:
+                try:
+                    self.write_store = open_store(self.spec)
+                except StoreError as exc:
+                    self.fail("open", exc, reads=False)
+        return self.write_store
+
+    def fail(self, what: str, exc: BaseException, *, reads: bool) -> None:
+        self.counts["failures"] += 1
+        now = time.monotonic()
+        self.write_retry_at = now + RETRY_AFTER
+        if reads:
+            self.read_retry_at = now + RETRY_AFTER
+        kind = f"samples:{self.name}:store"  # one line per process and cache, whatever fails next
+        if once(kind):
+            log.warning("cube_torch: sample cache %r: the store failed (%s): %s (%s for %.0f s; logged once)",
+                        self.name, what, exc, "computing samples without it" if reads else "not storing new samples",
+                        RETRY_AFTER)
+
+    def readable(self) -> SampleStore | None:
+        if time.monotonic() < self.read_retry_at:
+            return None
+        return self.open()
+
+    def writable(self) -> bool:
+        return time.monotonic() >= self.write_retry_at
+
+    # -- the writer --------------------------------------------------------------------------
+
+    def offer(self, key: int, entry: bytes) -> None:
+        with self.cond:
+            if len(self.pending) >= self.max_entries or self.pending_bytes + len(entry) > self.max_bytes:
+                self.counts["dropped"] += 1
+                return
+            self.pending.append((key, entry))
+            self.pending_bytes += len(entry)
+            if self.writer is None or not self.writer.is_alive():
+                self.writer = threading.Thread(target=self.write_loop, name="cube_torch-samples", daemon=True)
+                self.writer.start()
+            self.cond.notify()
+
+    def write_loop(self) -> None:
+        while True:
+            with self.cond:
+                if not self.pending and not self.cond.wait_for(lambda: bool(self.pending), WRITER_IDLE_EXIT):
+                    self.writer = None
+                    return
+                batch = [self.pending.popleft() for _ in range(min(PUT_BATCH, len(self.pending)))]
+                size = sum(len(entry) for _, entry in batch)
+                self.pending_bytes -= size
+                self.in_flight += 1
+            try:
+                self.write(batch)
+            except Exception as exc:  # never let the thread die on a surprise
+                self.fail("write", exc, reads=False)
+            finally:
+                with self.cond:
+                    self.in_flight -= 1
+                    self.cond.notify_all()
+
+    def write(self, batch: list[tuple[int, bytes]]) -> None:
+        if not self.writable():
+            self.counts["dropped"] += len(batch)
+            return
+        store = self.open_writer()
+        if store is None:
+            self.counts["dropped"] += len(batch)
+            return
+        try:
+            with self.write_lock:
+                store.put_many(self.name, batch)
+            self.counts["writes"] += len(batch)
+        except StoreError as exc:
+            self.counts["dropped"] += len(batch)
+            self.fail("write", exc, reads=False)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until every pending entry is written (or dropped); False after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.pending or self.in_flight:
+                left = deadline - time.monotonic()
+                if left <= 0 or self.writer is None or not self.writer.is_alive():
+                    return not self.pending and not self.in_flight
+                self.cond.wait(min(left, 0.1))
+        return True
+
+    def close(self, timeout: float) -> None:
+        self.flush(timeout)
+        with self.write_lock:
+            writer, self.write_store = self.write_store, None
+        with self.lock:
+            store, self.store = self.store, None
+        for each in {id(s): s for s in (store, writer) if s is not None}.values():
+            try:
+                each.close()
+            except Exception as exc:
+                log.debug("cube_torch: sample cache %r: closing the store: %r", self.name, exc)
+
+
+_live: weakref.WeakSet[_State] = weakref.WeakSet()
+
+
+def _flush_all_at_exit() -> None:
+    """Write what every cache of this process has pending, within FLUSH_TIMEOUT in all."""
+    deadline = time.monotonic() + FLUSH_TIMEOUT
+    for state in list(_live):
+        if state.pid == os.getpid():
+            state.flush(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_flush_all_at_exit)
+_finalizer_pid = 0
+
+
+def _flush_at_process_exit() -> None:
+    """DataLoader workers leave through multiprocessing, which runs its finalizers, not
+    atexit; a forked child starts with none (Process._bootstrap clears the registry), so
+    each process registers its own, when its first cache state is made."""
+    global _finalizer_pid
+    if _finalizer_pid != os.getpid():
+        _finalizer_pid = os.getpid()
+        multiprocessing.util.Finalize(None, _flush_all_at_exit, exitpriority=100)
+
+
+class SampleCache:
+    """Values computed once per (name, key), kept in a sample store (see the module docstring).
+
+    ``store``: None (the node's cubefs-fuse daemon), a ``redis://`` / ``rediss://`` /
+    ``unix://`` URL, a ``redis+cluster://host:port[,host:port...]`` URL, or a
+    :class:`~cube_torch.samples.store.SampleStore` object.
+    """
+
+    def __init__(self, name: str, store: str | SampleStore | None = None, *,
+                 max_pending_entries: int = MAX_PENDING_ENTRIES, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
+        self.name = check_name(name)
+        check_spec(store)
+        self.store_spec = store
+        self.max_pending_entries = max_pending_entries
+        self.max_pending_bytes = max_pending_bytes
+        self._state: _State | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_state"] = None  # no connection, thread or lock crosses a pickle
+        return state
+
+    def __repr__(self) -> str:
+        return f"SampleCache({self.name!r}, store={self.store_spec!r})"
+
+    def _here(self) -> _State:
+        state = self._state
+        if state is None or state.pid != os.getpid():  # a forked worker: its own store and writer
+            state = self._state = _State(self)
+        return state
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def get(self, key: int, compute: Callable[[], T], files: Sequence[str] | None = None) -> T:
+        """The value of ``key``: the store's when valid, else ``compute()`` (then stored)."""
+        return self.get_many([key], lambda _key: compute(), None if files is None else lambda _key: files)[0]
+
+    def get_many(self, keys: Sequence[int], compute_one: Callable[[int], T],
+                 files: Callable[[int], Sequence[str]] | None = None,
+                 scope: Callable[[list[int]], AbstractContextManager[Any]] | None = None) -> list[T]:
+        """The values of ``keys``, in order: one store read for the batch, ``compute_one(key)``
+        for each key without a valid entry (once per distinct key), run inside
+        ``scope(those keys)`` when given.  ``files(key)``: the key's source files."""
+        state = self._here()
+        keys = [int(k) for k in keys]
+        results: list[Any] = [_MISS] * len(keys)
+        store = state.readable()
+        tags: list[int | None] = self._tags(state, keys, files) if store is not None else [None] * len(keys)
+        if store is not None:
+            self._read(state, store, keys, tags, results)
+        missing = [i for i, value in enumerate(results) if value is _MISS]
+        if missing:
+            self._compute(state, keys, tags, results, missing, compute_one, scope)
+        return results
+
+    def _tags(self, state: _State, keys: list[int], files: Callable[[int], Sequence[str]] | None) -> list[int | None]:
+        if files is None:
+            return [NO_FILES_TAG] * len(keys)
+        tags: list[int | None] = []
+        for key in keys:
+            try:
+                tags.append(validity_tag(files(key)))
+            except OSError:
+                tags.append(None)  # a source file is missing: compute (the dataset's error), store nothing
+            except Exception as exc:  # the file mapping itself failed: the dataset's code decides
+                if once(f"samples:{self.name}:files"):
+                    log.warning("cube_torch: sample cache %r: could not tell the source files of sample %d: %r "
+                                "(its entry is not checked against them; logged once)", self.name, key, exc)
+                tags.append(NO_FILES_TAG)
+        return tags
+
+    def _read(self, state: _State, store: SampleStore, keys: list[int], tags: list[int | None],
+              results: list[Any]) -> None:
+        asked = [i for i, tag in enumerate(tags) if tag is not None]
+        if not asked:
+            return
+        if not state.lock.acquire(timeout=SHARED_STORE_WAIT):  # a shared store busy writing: compute
+            state.counts["busy"] += 1
+            return
+        try:
+            try:  # entries may be views into the store's buffer: decoded before the next call
+                entries = store.get_many(self.name, [keys[i] for i in asked])
+                if len(entries) != len(asked):
+                    raise StoreError(f"the store answered {len(entries)} entries for {len(asked)} keys")
+                for i, entry in zip(asked, entries):
+                    if entry is not None:
+                        results[i] = self._decoded(state, entry, tags[i])
+            finally:
+                state.lock.release()
+        except StoreError as exc:
+            for i in asked:
+                results[i] = _MISS
+            state.fail("read", exc, reads=True)
+            return
+        state.counts["hits"] += sum(1 for value in results if value is not _MISS)
+
+    def _decoded(self, state: _State, entry: bytes | memoryview, tag: int | None) -> Any:
+        view = memoryview(entry)
+        if len(view) < HEADER.size:
+            return self._corrupt(state, f"an entry of {len(view)} bytes")
+        magic, version, stored_tag = HEADER.unpack(view[:HEADER.size])
+        if magic != MAGIC:
+            return self._corrupt(state, "an entry without the cache's magic")
+        if version != FORMAT_VERSION or stored_tag != tag:
+            state.counts["stale"] += 1
+            return _MISS
+        try:
+            return codec.decode(view[HEADER.size:])
+        except codec.CodecError as exc:
+            return self._corrupt(state, str(exc))
+
+    def _corrupt(self, state: _State, why: str) -> Any:
+        if once(f"samples:{self.name}:corrupt"):
+            log.warning("cube_torch: sample cache %r: a corrupt entry in the store (%s): computing it again and "
+                        "overwriting it (logged once)", self.name, why)
+        return _MISS
+
+    # -- computing ---------------------------------------------------------------------------
+
+    def _compute(self, state: _State, keys: list[int], tags: list[int | None], results: list[Any],
+                 missing: list[int], compute_one: Callable[[int], Any],
+                 scope: Callable[[list[int]], AbstractContextManager[Any]] | None) -> None:
+        first: dict[int, int] = {}  # key -> its first position among the misses
+        for i in missing:
+            first.setdefault(keys[i], i)
+        entries: dict[int, bytes] = {}
+        with scope(list(first)) if scope is not None else nullcontext():
+            for key, i in first.items():
+                results[i] = value = compute_one(key)
+                state.counts["misses"] += 1
+                entry = self._store(state, key, tags[i], value)
+                if entry is not None:
+                    entries[key] = entry
+        for i in missing:  # a key asked twice in one batch: a fresh copy, as a hit would give
+            key = keys[i]
+            if first[key] != i:
+                entry = entries.get(key)
+                results[i] = (codec.decode(memoryview(entry)[HEADER.size:]) if entry is not None
+                              else compute_one(key))
+
+    def _store(self, state: _State, key: int, tag: int | None, value: Any) -> bytes | None:
+        """Hand ``value``'s entry to the writer; the entry (None: not encodable)."""
+        try:
+            entry = make_entry(NO_FILES_TAG if tag is None else tag, value)
+        except codec.CodecError as exc:
+            state.counts["dropped"] += 1
+            if once(f"samples:{self.name}:encode:{type(value).__name__}"):
+                log.warning("cube_torch: sample cache %r: %s: such samples are not cached (logged once)",
+                            self.name, exc)
+            return None
+        if tag is not None and state.store is not None and state.writable():
+            state.offer(key, entry)
+        elif tag is not None:
+            state.counts["dropped"] += 1
+        return entry
+
+    # -- the rest ----------------------------------------------------------------------------
+
+    def statistics(self) -> CacheStatistics:
+        state = self._here()
+        c = state.counts
+        return CacheStatistics(hits=c["hits"], misses=c["misses"], stale=c["stale"], writes=c["writes"],
+                               dropped=c["dropped"], failures=c["failures"],
+                               bypassed=time.monotonic() < state.read_retry_at)
+
+    def flush(self, timeout: float = FLUSH_TIMEOUT) -> bool:
+        """Wait until this process's pending writes are in the store (False after ``timeout`` s)."""
+        return self._here().flush(timeout)
+
+    def close(self, timeout: float = FLUSH_TIMEOUT) -> None:
+        """Flush (bounded), then close this process's store; a later call opens it again."""
+        state = self._state
+        if state is not None and state.pid == os.getpid():
+            state.close(timeout)
+

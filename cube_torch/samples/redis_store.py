@@ -1,0 +1,222 @@
+"""Sample stores on Redis: one server (``RedisStore``) or a Redis Cluster (``RedisClusterStore``).
+
+Entries live under ``cube_torch:sample:<name>:<key>`` as plain strings, without a hash tag,
+so a cluster spreads one dataset's samples over all its slots (and masters).  A batch is
+one round trip per server: ``MGET`` on a single server, a ``ClusterPipeline`` of ``GET``s on
+a cluster (redis-py groups them by node); writes are a pipeline of ``SET``s.
+
+No TTL is set: capacity is Redis's own ``maxmemory`` and ``maxmemory-policy``
+(``allkeys-lru`` is the advice: see docs/cube_torch.md).  A full server with
+``noeviction`` answers writes with an OOM error: :class:`StoreError` saying so (the cache
+then stops writing for a while and keeps reading).
+
+Every failure is a :class:`StoreError`; no call waits longer than the timeouts below (plus
+one retry).  Nothing connects before the first call, so a store made in the main process
+and used in forked DataLoader workers opens its connections in each worker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from cube_torch.samples.store import StoreError
+
+KEY_PREFIX = "cube_torch:sample:"
+# Connecting to a server on the same LAN takes well under a millisecond; 2 s also covers a
+# lost SYN (retransmitted after 1 s) and a loaded server, and bounds a dead address.
+CONNECT_TIMEOUT = 2.0
+# One batch (tens of entries of up to a few MB) takes milliseconds on a healthy server;
+# 5 s bounds a hung or overloaded one (after which the cache bypasses it for a while).
+SOCKET_TIMEOUT = 5.0
+# One retry, at once: a connection the server closed while idle is reopened transparently;
+# a server that is down costs two connect attempts, not redis-py's default backoff series.
+RETRIES = 1
+# Bytes asked of the socket per read: entries are hundreds of KB (a 224x224 image is 150 KB),
+# and redis-py's default (64 KiB) costs several system calls per entry.
+READ_SIZE = 1 << 20
+OOM_HINT = ("Redis is full (maxmemory reached with maxmemory-policy noeviction): new samples are not stored; "
+            "set maxmemory-policy allkeys-lru (or raise maxmemory) on the server")
+
+
+def key_of(name: str, key: int) -> str:
+    return f"{KEY_PREFIX}{name}:{key}"
+
+
+def _store_error(url: str, exc: BaseException) -> StoreError:
+    message = str(exc)
+    if message.startswith("OOM") or type(exc).__name__ == "OutOfMemoryError":
+        return StoreError(f"{_redacted(url)}: {OOM_HINT}")
+    return StoreError(f"{_redacted(url)}: {type(exc).__name__}: {message}")
+
+
+def _redacted(url: str) -> str:
+    """The URL without its password (for log lines)."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.split("@", 1)[1]
+    return parts._replace(netloc=f"{parts.username or ''}:***@{netloc}").geturl()
+
+
+def _errors() -> tuple[type[BaseException], ...]:
+    from redis.exceptions import RedisClusterException, RedisError
+
+    return (RedisError, RedisClusterException, OSError)
+
+
+def _retry() -> Any:
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return Retry(NoBackoff(), RETRIES)
+
+
+class RedisStore:
+    """One Redis server: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL (redis-py's forms)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._client: Any = None
+        self._pid = 0
+
+    def _redis(self) -> Any:
+        if self._client is None or self._pid != os.getpid():  # never a parent's connection
+            try:
+                import redis
+            except ImportError:
+                raise StoreError("the redis store needs redis-py: pip install 'cubefs-fuse[redis]'") from None
+            try:
+                self._client = redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT,
+                                                    socket_connect_timeout=CONNECT_TIMEOUT, retry=_retry(),
+                                                    socket_read_size=READ_SIZE)
+            except (ValueError, *_errors()) as exc:  # type: ignore[misc]
+                raise _store_error(self.url, exc) from None
+            self._pid = os.getpid()
+        return self._client
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        if not keys:
+            return []
+        client = self._redis()
+        try:
+            values = client.mget([key_of(name, k) for k in keys])
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
+        return _checked(values, len(keys))
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        if not items:
+            return
+        client = self._redis()
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key, entry in items:
+                pipe.set(key_of(name, key), entry)
+            pipe.execute()
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        """Redis evicts by its own policy: the order is not used."""
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            try:
+                client.close()
+            except _errors():
+                pass
+
+
+def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """``redis+cluster://[[user]:password@]host:port[,host:port...]`` -> (nodes, username, password)."""
+    rest = url[len("redis+cluster://"):].split("/", 1)[0]
+    username = password = None
+    if "@" in rest:
+        userinfo, rest = rest.rsplit("@", 1)
+        user, _, secret = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(secret) or None
+    nodes = []
+    for part in rest.split(","):
+        host, _, port = part.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"a Redis Cluster URL names its nodes as host:port[,host:port...], not {part!r}")
+        nodes.append((host.strip("[]"), int(port)))
+    return nodes, username, password
+
+
+class RedisClusterStore:
+    """A Redis Cluster: ``redis+cluster://host:port[,host:port...]``; any reachable node will do
+    (the client learns the slot map from it)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.nodes, self._username, self._password = cluster_nodes(url)
+        self._client: Any = None
+        self._pid = 0
+
+    def _cluster(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            try:
+                from redis.cluster import ClusterNode, RedisCluster
+            except ImportError:
+                raise StoreError("the redis store needs redis-py: pip install 'cubefs-fuse[redis]'") from None
+            try:
+                startup = [ClusterNode(h, p) for h, p in self.nodes]  # type: ignore[no-untyped-call]
+                self._client = RedisCluster(startup_nodes=startup,
+                                            username=self._username, password=self._password,
+                                            socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+                                            retry=_retry(), socket_read_size=READ_SIZE)
+            except _errors() as exc:
+                raise _store_error(self.url, exc) from None
+            self._pid = os.getpid()
+        return self._client
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        if not keys:
+            return []
+        client = self._cluster()
+        try:
+            pipe = client.pipeline()
+            for k in keys:
+                pipe.get(key_of(name, k))
+            values = pipe.execute()
+        except _errors() as exc:
+            self._client = None  # a changed slot map or a dead node: ask the cluster again next time
+            raise _store_error(self.url, exc) from None
+        return _checked(values, len(keys))
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        if not items:
+            return
+        client = self._cluster()
+        try:
+            pipe = client.pipeline()
+            for key, entry in items:
+                pipe.set(key_of(name, key), entry)
+            pipe.execute()
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        """Redis evicts by its own policy: the order is not used."""
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None and self._pid == os.getpid():
+            try:
+                client.close()
+            except _errors():
+                pass
+
+
+def _checked(values: Any, expected: int) -> list[bytes | memoryview | None]:
+    if not isinstance(values, list) or len(values) != expected:
+        raise StoreError(f"Redis answered {type(values).__name__} for {expected} keys")
+    for value in values:
+        if value is not None and not isinstance(value, bytes):
+            raise StoreError(f"Redis answered a {type(value).__name__} (is decode_responses set in the URL?)")
+    return values

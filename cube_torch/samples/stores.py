@@ -1,0 +1,58 @@
+"""Which store a ``store=`` argument names: ``open_store(spec)``.
+
+* ``None``: the node's cubefs-fuse daemon (``DaemonStore``, daemon_store.py), the default;
+* ``"redis://[[user]:password@]host[:port][/db]"`` (or ``rediss://`` for TLS): one Redis
+  server (``RedisStore``);
+* ``"redis+cluster://[[user]:password@]host:port[,host:port...]"``: a Redis Cluster, any of
+  its nodes to start from (``RedisClusterStore``);
+* an object with the :class:`~cube_torch.samples.store.SampleStore` methods: itself.
+
+Store modules are imported here, lazily: a training process that never asks for Redis
+never imports redis-py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from cube_torch.samples.store import SampleStore, StoreError
+
+ACCEPTED = ("None (the node's cubefs-fuse daemon), 'redis://host:port/db', 'rediss://host:port/db', "
+            "'redis+cluster://host:port[,host:port...]', 'unix:///path/redis.sock' or a SampleStore object")
+METHODS = ("get_many", "put_many", "plan", "close")
+
+
+def check_spec(spec: Any) -> None:
+    """Raise ValueError (one line) unless ``spec`` is a store specification :func:`open_store` takes."""
+    if spec is None:
+        return
+    if isinstance(spec, str):
+        if spec.startswith(("redis://", "rediss://", "redis+cluster://", "unix://")):
+            return
+        raise ValueError(f"unknown sample store {spec!r}: expected {ACCEPTED}")
+    if all(callable(getattr(spec, m, None)) for m in METHODS):
+        return
+    raise ValueError(f"a sample store of type {type(spec).__name__}: expected {ACCEPTED}")
+
+
+def open_store(spec: Any) -> SampleStore:
+    """The store ``spec`` names (see the module docstring); StoreError when it cannot be had.
+
+    Nothing here connects: stores connect on their first call.
+    """
+    check_spec(spec)
+    if spec is None:
+        try:
+            from cube_torch.samples.daemon_store import DaemonStore  # type: ignore[import-not-found,unused-ignore]
+        except ImportError as exc:
+            raise StoreError(f"the daemon store is not available in this cube_torch ({exc})") from None
+        store: SampleStore = DaemonStore()
+        return store
+    if isinstance(spec, str):
+        from cube_torch.samples.redis_store import RedisClusterStore, RedisStore
+
+        if spec.startswith("redis+cluster://"):
+            return RedisClusterStore(spec)
+        return RedisStore(spec)
+    store = spec
+    return store

@@ -1,0 +1,295 @@
+"""The processed-sample cache on real Redis: CachedDataset over an ImageFolder on a real mount.
+
+The dataset is a folder of JPEGs served by an ``ai_prefetch`` cubefs-fuse mount (so
+cube_torch plans the epochs and its fast path serves the workers' misses); the store is a
+real ``redis-server`` or a real 3-master Redis Cluster started by the test
+(tests/redis_servers.py).  The cached part is decoding + resizing (``base[i]`` is a PIL
+image and its label); RandomCrop and a flip run after the cache.  Computes are counted
+across the DataLoader worker processes (one line per ``base[i]`` in a file).
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+import cube_torch
+from cube_torch import client as ct_client
+from cube_torch import fastpath
+from cube_torch.samples.cache import RETRY_AFTER
+from cube_torch.samples.redis_store import KEY_PREFIX, RedisClusterStore, RedisStore
+from cube_torch.samples.store import StoreError
+from tests.helpers import Mount, force_unmount, free_port
+from tools.harness import drop_page_cache
+from tests.redis_servers import RedisCluster, RedisServer, make_redis, redis_cluster, redis_server  # noqa: F401
+
+SEED = 1234
+FILES, CLASSES = 24, 3
+SIDE, CROP = 40, 32  # resized (cached) side, random crop after the cache
+WORKERS, BATCH = 2, 4
+TTL = 0.2  # the mount's attrValid/lookupValid: a changed source file is seen this soon
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
+    """An ImageFolder that appends each computed index to a file (workers are processes),
+    and whether cube_torch's fast path had the batch's files served (its open hook active)."""
+
+    def __init__(self, root: Path, counts: Path, transform: Any) -> None:
+        super().__init__(str(root), transform=transform)
+        self.counts = str(counts)
+
+    def __getitem__(self, index: int) -> Any:
+        fd = os.open(self.counts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{index} {int(builtins.open is fastpath._hooked_open)}\n".encode())
+        finally:
+            os.close(fd)
+        return super().__getitem__(index)
+
+
+def computed(counts: Path) -> list[int]:
+    return [int(line.split()[0]) for line in counts.read_text().splitlines()] if counts.exists() else []
+
+
+def served_by_fast_path(counts: Path) -> int:
+    return sum(int(line.split()[1]) for line in counts.read_text().splitlines())
+
+
+DECODE_RESIZE = transforms.Resize((SIDE, SIDE))
+AUGMENT = transforms.Compose([transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip(), transforms.ToTensor()])
+
+
+def augment(sample: Any) -> Any:
+    image, label = sample
+    return AUGMENT(image), label
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, str]]:
+    base = tmp_path_factory.mktemp("sample_cache_volume")
+    port = free_port()
+    name = f"samples{port}"
+    m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
+              {"profile": "ai_prefetch", "volName": name, "attrValid": TTL, "lookupValid": TTL})
+    for d in (m.source, m.mount_point):
+        d.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    for i in range(FILES):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i:03d}.jpg", quality=90)
+    os.environ["VOL_NAME"] = name
+    try:
+        m.mount()
+        yield m, name
+        m.umount()
+    finally:
+        os.environ.pop("VOL_NAME", None)
+        force_unmount(m)
+
+
+@pytest.fixture(autouse=True)
+def patched() -> Iterator[None]:
+    cube_torch.install()
+    ct_client._warned.clear()
+    yield
+
+
+def loader(dataset: Any, *, sampler: Any = None, persistent: bool = False) -> DataLoader[Any]:
+    g = torch.Generator()
+    g.manual_seed(SEED)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=sampler is None, sampler=sampler, num_workers=WORKERS,
+                      generator=g, persistent_workers=persistent)
+
+
+def epochs(dl: DataLoader[Any], n: int, sampler: Any = None) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    out = []
+    for epoch in range(n):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        torch.manual_seed(SEED + epoch)
+        out.append([(x.clone(), y.clone()) for x, y in dl])
+    return out
+
+
+def reference(root: Path, n: int, sampler: Any = None, persistent: bool = False
+              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The same pipeline without the cache (same seeds, same worker setup)."""
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    return epochs(loader(plain, sampler=sampler, persistent=persistent), n, sampler)
+
+
+def cached(root: Path, counts: Path, store: str, name: str = "train-decoded-40") -> cube_torch.CachedDataset:
+    return cube_torch.CachedDataset(CountingFolder(root, counts, DECODE_RESIZE), name=name, transform=augment,
+                                    store=store)
+
+
+def assert_same(got: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                want: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    assert len(got) == len(want)
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), epoch
+        for (gx, gy), (wx, wy) in zip(g, w):
+            assert torch.equal(gx, wx) and torch.equal(gy, wy), f"epoch {epoch} differs"
+
+
+def test_same_tensors_every_epoch_and_a_second_run_reuses(volume: tuple[Mount, str], redis_server: RedisServer,
+                                                          tmp_path: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    want = reference(root, 3)
+    counts = tmp_path / "computed"
+    got = epochs(loader(cached(root, counts, redis_server.url)), 3)
+    assert_same(got, want)
+    assert sorted(computed(counts)) == list(range(FILES))  # epoch 0 computed each sample once; 1 and 2 none
+    # The misses' files came through cube_torch's fast path (the daemon's data socket).
+    assert served_by_fast_path(counts) > 0
+    assert redis_server.keys() == FILES
+    # The kernel forgets the mount's inodes (cubefs-fuse then numbers them anew): entries of
+    # unchanged files stay valid all the same.
+    assert drop_page_cache()
+    time.sleep(3 * TTL)
+    again = tmp_path / "computed-again"  # a second run: a new dataset object, new workers
+    assert_same(epochs(loader(cached(root, again, redis_server.url)), 2), want[:2])
+    assert computed(again) == []
+
+
+def test_two_ranks_share_entries_on_a_cluster(volume: tuple[Mount, str], redis_cluster: RedisCluster,
+                                              tmp_path: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
+    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
+            for r in (0, 1)]
+    counts = [tmp_path / "rank0", tmp_path / "rank1"]
+    name = f"ranks-{time.monotonic_ns()}"
+    loaders = [loader(cached(root, counts[r], redis_cluster.url, name), sampler=samplers[r]) for r in (0, 1)]
+    got: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [[], []]
+    seen: list[list[set[int]]] = [[], []]
+    for epoch in range(2):
+        for r in (0, 1):
+            samplers[r].set_epoch(epoch)
+            seen[r].append(set(samplers[r]))
+            before = len(computed(counts[r]))
+            torch.manual_seed(SEED + epoch)
+            got[r].append([(x.clone(), y.clone()) for x, y in loaders[r]])
+            if epoch == 1:
+                assert len(computed(counts[r])) == before  # every sample a hit, half of them the other rank's
+    for r in (0, 1):
+        assert_same(got[r], want[r])
+        assert seen[r][1] & seen[1 - r][0], "the ranks' second epochs should reuse the other rank's samples"
+    assert sorted(computed(counts[0]) + computed(counts[1])) == list(range(FILES))
+    per_node = [node.keys() for node in redis_cluster.nodes]
+    assert sum(per_node) >= FILES and all(per_node), f"keys should spread over every master: {per_node}"
+
+
+def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], redis_server: RedisServer,
+                                             tmp_path: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    ds = cached(root, counts, redis_server.url, "changes")
+    epochs(loader(ds), 1)
+    assert len(computed(counts)) == FILES
+    target = ds.base.samples[5][0]
+    source = mount.source / os.path.relpath(target, mount.mount_point)
+    Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
+    time.sleep(3 * TTL)  # the mount sees the new version after attrValid
+    counts.unlink()
+    got = epochs(loader(ds), 1)
+    assert computed(counts) == [5]
+    assert_same(got, reference(root, 1))  # the new image, not the cached old one
+
+
+@pytest.fixture
+def worker_log(tmp_path: Path) -> Iterator[Path]:
+    """cube_torch's log lines of this process and its (forked) workers, in a file."""
+    path = tmp_path / "cube_torch.log"
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("cube_torch")
+    logger.addHandler(handler)
+    yield path
+    logger.removeHandler(handler)
+    handler.close()
+
+
+def warning_lines(log: Path) -> list[str]:
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines() if "sample cache" in line and "store failed" in line]
+
+
+def test_redis_down_warns_once_and_training_continues(volume: tuple[Mount, str], make_redis: Any,
+                                                     tmp_path: Path, worker_log: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    server = make_redis()
+    counts = tmp_path / "computed"
+    dl = loader(cached(root, counts, server.url, "down"), persistent=True)
+    want = reference(root, 3, persistent=True)
+    got = epochs(dl, 1)
+    server.stop()  # killed between epochs
+    started = time.monotonic()
+    got += epochs(dl, 2)
+    elapsed = time.monotonic() - started
+    assert_same(got, want)
+    assert len(computed(counts)) == 3 * FILES  # after the kill every sample is computed again
+    lines = warning_lines(worker_log)
+    assert 1 <= len(lines) <= WORKERS, lines  # once per worker process, not per batch
+    assert elapsed < RETRY_AFTER, "a dead store must be bypassed, not retried per batch"
+
+
+def test_redis_full_warns_once_and_training_continues(volume: tuple[Mount, str], make_redis: Any,
+                                                     tmp_path: Path, worker_log: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    server = make_redis("--maxmemory", "1mb", "--maxmemory-policy", "noeviction")
+    filler = RedisStore(server.url)  # fill it up to its limit first: big values, then small ones to the brim
+    for size in (64 << 10, 64):
+        with pytest.raises(StoreError, match="maxmemory-policy allkeys-lru"):
+            for k in range(100_000):
+                filler.put_many("filler", [(k + (size << 20), os.urandom(size))])
+    counts = tmp_path / "computed"
+    got = epochs(loader(cached(root, counts, server.url, "full"), persistent=True), 2)
+    assert_same(got, reference(root, 2, persistent=True))
+    # Hardly anything could be stored (Redis frees a little memory now and then, e.g. client
+    # buffers, and takes one write whenever it is below maxmemory at that moment).
+    assert len(computed(counts)) > 1.5 * FILES
+    lines = warning_lines(worker_log)
+    assert 1 <= len(lines) <= WORKERS and all("full" in line for line in lines), lines
+
+
+def test_redis_store_contract(redis_server: RedisServer, redis_cluster: RedisCluster) -> None:
+    for store in (RedisStore(redis_server.url), RedisClusterStore(redis_cluster.url)):
+        assert store.get_many("c", [1, 2]) == [None, None]
+        store.put_many("c", [(1, b"one"), (2, b"\x00two")])
+        assert store.get_many("c", [2, 3, 1]) == [b"\x00two", None, b"one"]
+        assert store.get_many("c", []) == []
+        store.plan("c", [1, 2])
+        store.close()
+    assert re.fullmatch(re.escape(KEY_PREFIX) + r"c:\d", f"{KEY_PREFIX}c:1")
+    dead = RedisStore(f"redis://127.0.0.1:{free_port()}/0")
+    started = time.monotonic()
+    with pytest.raises(StoreError):
+        dead.get_many("c", [1])
+    assert time.monotonic() - started < 10
+    with pytest.raises(StoreError):
+        RedisClusterStore(f"redis+cluster://127.0.0.1:{free_port()}").get_many("c", [1])

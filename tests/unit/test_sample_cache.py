@@ -1,0 +1,346 @@
+"""SampleCache and CachedDataset over an in-memory store: miss counts, validity, failures, the write bound."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cube_torch import client
+from cube_torch.samples import cache as cache_module
+from cube_torch.samples.cache import HEADER, SampleCache
+from cube_torch.samples.dataset import CachedDataset
+from cube_torch.samples.store import StoreError
+from cube_torch.samples.stores import open_store
+
+
+class MemoryStore:
+    """A SampleStore in a dict, with switches to fail and to stall."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], bytes] = {}
+        self.calls = Counter[str]()
+        self.fail_get = self.fail_put = False
+        self.stall = threading.Event()
+        self.stall.set()
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        self.calls["get_many"] += 1
+        if self.fail_get:
+            raise StoreError("down")
+        return [memoryview(self.entries[(name, k)]) if (name, k) in self.entries else None for k in keys]
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        self.calls["put_many"] += 1
+        self.stall.wait(10)
+        if self.fail_put:
+            raise StoreError("OOM full")
+        for key, entry in items:
+            self.entries[(name, key)] = bytes(entry)
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        self.calls["close"] += 1
+
+
+@pytest.fixture(autouse=True)
+def fresh_warnings() -> None:
+    client._warned.clear()  # each test sees its own "logged once" lines
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.computed = Counter[int]()
+
+    def __call__(self, key: int) -> Any:
+        self.computed[key] += 1
+        return {"key": key, "tensor": torch.full((2, 3), float(key)), "label": key % 3}
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and r.name == "cube_torch"]
+
+
+def test_each_key_is_computed_once_across_caches_sharing_a_store() -> None:
+    store, compute = MemoryStore(), Counting()
+    first = SampleCache("c", store)
+    assert [v["key"] for v in first.get_many([3, 1, 4, 1, 5], compute)] == [3, 1, 4, 1, 5]
+    assert first.flush(5)
+    second = SampleCache("c", store)  # another worker, rank or run
+    values = second.get_many([1, 3, 4, 5, 9], compute)
+    assert second.flush(5)
+    assert compute.computed == Counter({3: 1, 1: 1, 4: 1, 5: 1, 9: 1})
+    assert torch.equal(values[0]["tensor"], torch.full((2, 3), 1.0))
+    assert second.statistics().hits == 4 and second.statistics().misses == 1
+    assert first.statistics().misses == 4 and first.statistics().writes == 4
+    assert store.calls["get_many"] == 2
+    other = SampleCache("other-name", store)
+    other.get(1, lambda: compute(1))
+    assert compute.computed[1] == 2  # a different name is a different cache
+
+
+def test_get_returns_what_compute_returns_then_the_stored_copy() -> None:
+    store = MemoryStore()
+    c = SampleCache("one", store)
+    value = (torch.arange(4), "x")
+    assert c.get(7, lambda: value) is value
+    c.flush(5)
+    again = c.get(7, lambda: pytest.fail("computed twice"))
+    assert again is not value and torch.equal(again[0], value[0]) and again[1] == "x"
+
+
+def test_a_changed_source_file_recomputes_its_sample(tmp_path: Path) -> None:
+    store, compute = MemoryStore(), Counting()
+    paths = [tmp_path / f"{i}.bin" for i in range(3)]
+    for p in paths:
+        p.write_bytes(b"v1")
+    c = SampleCache("files", store)
+    files = lambda k: [str(paths[k])]  # noqa: E731
+    c.get_many([0, 1, 2], compute, files)
+    c.flush(5)
+    c.get_many([0, 1, 2], compute, files)
+    assert sum(compute.computed.values()) == 3
+    paths[1].write_bytes(b"version 2")  # another size (and mtime)
+    c.get_many([0, 1, 2], compute, files)
+    c.flush(5)
+    assert compute.computed == Counter({0: 1, 1: 2, 2: 1})
+    assert c.statistics().stale == 1
+    c.get_many([0, 1, 2], compute, files)  # the new entry is valid
+    assert compute.computed[1] == 2
+    paths[2].unlink()  # gone: computed (the dataset's own error decides), never stored
+    c.get_many([2], compute, files)
+    assert compute.computed[2] == 2
+
+
+def test_a_failing_store_warns_once_and_is_bypassed(caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store, compute = MemoryStore(), Counting()
+    store.fail_get = True
+    c = SampleCache("down", store)
+    for _ in range(5):
+        assert [v["key"] for v in c.get_many([1, 2], compute)] == [1, 2]
+    assert store.calls["get_many"] == 1  # bypassed after the first failure
+    assert len(warnings_of(caplog)) == 1 and "down" in warnings_of(caplog)[0]
+    assert c.statistics().bypassed and c.statistics().failures == 1
+    assert compute.computed == Counter({1: 5, 2: 5})
+    store.fail_get = False
+    monkeypatch.setattr(cache_module, "RETRY_AFTER", 0.0)
+    c._here().read_retry_at = c._here().write_retry_at = 0.0  # the retry time has come
+    c.get_many([1, 2], compute)
+    c.flush(5)
+    c.get_many([1, 2], compute)
+    assert compute.computed == Counter({1: 6, 2: 6}) and store.calls["get_many"] == 3
+
+
+def test_a_store_refusing_writes_is_still_read(caplog: pytest.LogCaptureFixture) -> None:
+    store, compute = MemoryStore(), Counting()
+    c = SampleCache("full", store)
+    c.get_many([1], compute)
+    c.flush(5)
+    store.fail_put = True
+    for _ in range(3):
+        c.get_many([1, 2, 3], compute)
+        c.flush(5)
+    assert compute.computed == Counter({1: 1, 2: 3, 3: 3})  # 1 still a hit
+    assert store.calls["put_many"] == 2  # then writes stop for RETRY_AFTER
+    assert len(warnings_of(caplog)) == 1 and "OOM full" in warnings_of(caplog)[0]
+
+
+def test_writes_never_block_beyond_the_buffer() -> None:
+    store, compute = MemoryStore(), Counting()
+    store.stall.clear()  # the store hangs on writes
+    c = SampleCache("slow", store, max_pending_entries=4)
+    started = time.monotonic()
+    for key in range(20):
+        c.get(key, lambda key=key: compute(key))
+    # A store object shared by reader and writer: each read waits SHARED_STORE_WAIT at most
+    # for the stalled write, then computes; never the write's own stall (10 s here).
+    assert time.monotonic() - started < 20 * cache_module.SHARED_STORE_WAIT + 2.0
+    assert not c.flush(0.2)  # bounded: gives up
+    stats = c.statistics()
+    assert stats.dropped >= 20 - 4 - 1  # 4 buffered, 1 in the stalled put_many
+    store.stall.set()
+    assert c.flush(5)
+    assert 1 <= len(store.entries) <= 5
+
+
+def test_a_corrupt_entry_is_recomputed_and_overwritten(caplog: pytest.LogCaptureFixture) -> None:
+    store, compute = MemoryStore(), Counting()
+    c = SampleCache("corrupt", store)
+    store.entries[("corrupt", 1)] = b"garbage that is not an entry"
+    store.entries[("corrupt", 2)] = HEADER.pack(b"CTSC", 1, 0) + b"\xff\xff"
+    store.entries[("corrupt", 3)] = HEADER.pack(b"CTSC", 99, 0) + b"N"  # another format version: a miss
+    assert [v["key"] for v in c.get_many([1, 2, 3], compute)] == [1, 2, 3]
+    c.flush(5)
+    assert [v["key"] for v in c.get_many([1, 2, 3], compute)] == [1, 2, 3]
+    assert compute.computed == Counter({1: 1, 2: 1, 3: 1})
+    assert len(warnings_of(caplog)) == 1 and "corrupt" in warnings_of(caplog)[0]
+
+
+def test_values_the_codec_refuses_are_returned_uncached(caplog: pytest.LogCaptureFixture) -> None:
+    store = MemoryStore()
+    c = SampleCache("odd", store)
+    marker = object()
+    for _ in range(3):
+        assert c.get(1, lambda: marker) is marker
+    assert store.entries == {} and len(warnings_of(caplog)) == 1 and "object" in warnings_of(caplog)[0]
+
+
+def test_a_key_twice_in_one_batch_is_computed_once_and_not_shared() -> None:
+    store, compute = MemoryStore(), Counting()
+    values = SampleCache("dup", store).get_many([4, 4, 4], compute)
+    assert compute.computed == Counter({4: 1})
+    assert values[0] is not values[1] and torch.equal(values[1]["tensor"], values[2]["tensor"])
+
+
+def test_store_specifications() -> None:
+    for bad in ("http://x", "redis:/x", "", 5, object()):
+        with pytest.raises(ValueError, match="redis://"):
+            SampleCache("n", bad)  # type: ignore[arg-type]
+    for bad_name in ("", "a b", "x" * 300, None, "tab\there"):
+        with pytest.raises(ValueError, match="name"):
+            SampleCache(bad_name, MemoryStore())  # type: ignore[arg-type]
+    assert open_store("redis://127.0.0.1:1/0").__class__.__name__ == "RedisStore"  # nothing connects yet
+    assert open_store("redis+cluster://127.0.0.1:1,127.0.0.1:2").__class__.__name__ == "RedisClusterStore"
+
+
+def test_no_daemon_store_means_computing(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default store (the daemon's) failing to open, whatever the reason: one warning, values computed."""
+    import cube_torch.samples.stores as stores
+
+    def broken(spec: Any) -> Any:
+        raise StoreError("no daemon store here")
+
+    monkeypatch.setattr(cache_module, "open_store", broken)
+    compute = Counting()
+    c = SampleCache("nodaemon")
+    for _ in range(3):
+        assert c.get(1, lambda: compute(1))["key"] == 1
+    assert compute.computed[1] == 3 and len(warnings_of(caplog)) == 1
+    assert stores.open_store is not broken
+
+
+def double(t: torch.Tensor) -> torch.Tensor:
+    return t * 2
+
+
+def test_cached_dataset(tmp_path: Path) -> None:
+    store = MemoryStore()
+    base = [torch.full((2,), float(i)) for i in range(10)]
+    ds = CachedDataset(base, name="ds", transform=double, store=store)
+    assert len(ds) == 10
+    assert torch.equal(ds[3], torch.full((2,), 6.0)) and torch.equal(ds[-1], torch.full((2,), 18.0))
+    assert [float(t[0]) for t in ds.__getitems__([0, 5, 9])] == [0.0, 10.0, 18.0]
+    with pytest.raises(IndexError):
+        ds[10]
+    ds.cache.flush(5)
+    assert {k for _, k in store.entries} == {0, 3, 5, 9}
+    assert torch.equal(ds.cache.get(3, lambda: pytest.fail("computed")), base[3])  # stores base[i], untransformed
+    by_url = CachedDataset(base, name="ds", transform=double, store="redis://127.0.0.1:1/0")
+    by_url.cache._here()  # used in this process: a state with a lock and (later) a thread
+    clone = pickle.loads(pickle.dumps(by_url))  # to a worker: no store state travels
+    assert clone.cache._state is None and clone.cache.store_spec == "redis://127.0.0.1:1/0" and len(clone) == 10
+    with pytest.raises(TypeError, match="map-style"):
+        CachedDataset(iter([]), name="x", store=store)
+
+
+def test_the_store_is_opened_per_process(tmp_path: Path) -> None:
+    """After a fork the child opens its own store state (never the parent's writer or lock)."""
+    store = MemoryStore()
+    c = SampleCache("fork", store)
+    c.get(1, lambda: 1)
+    parent_state = c._here()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        ok = c._here() is not parent_state and c.get(2, lambda: 2) == 2 and c.flush(5)
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"
+    os.waitpid(pid, 0)
+    assert c._here() is parent_state
+
+
+def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Opened from a URL, the reader and the writer thread have their own store objects."""
+    entries: dict[tuple[str, int], bytes] = {}
+    opened: list[MemoryStore] = []
+
+    def fake_open(spec: Any) -> MemoryStore:
+        store = MemoryStore()
+        store.entries = entries  # one server, two connections
+        store.stall.clear()  # writes hang (the reader never writes)
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c, compute = SampleCache("url", "redis://127.0.0.1:1/0"), Counting()
+    started = time.monotonic()
+    for key in range(20):
+        c.get(key, lambda key=key: compute(key))
+    assert time.monotonic() - started < 2.0  # no read waited for the hung write
+    deadline = time.monotonic() + 10
+    while len(opened) < 2 and time.monotonic() < deadline:  # the writer thread opens its own
+        time.sleep(0.01)
+    assert len(opened) == 2 and opened[0].calls["get_many"] == 20 and opened[0].calls["put_many"] == 0
+    assert c.statistics().misses == 20
+    for store in opened:
+        store.stall.set()
+    assert c.flush(15)
+
+
+class FileStore:
+    """A SampleStore in a directory (one file per entry), slow to write: shared across processes."""
+
+    def __init__(self, root: str, write_delay: float = 0.0) -> None:
+        self.root, self.write_delay = root, write_delay
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        out: list[bytes | memoryview | None] = []
+        for k in keys:
+            path = os.path.join(self.root, f"{name}.{k}")
+            out.append(Path(path).read_bytes() if os.path.exists(path) else None)
+        return out
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        time.sleep(self.write_delay)
+        for k, entry in items:
+            Path(self.root, f"{name}.{k}").write_bytes(entry)
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _child_computes(cache: SampleCache) -> None:
+    cache.get_many([1, 2, 3], lambda k: k * 10)  # returns at once: the writes are still pending
+
+
+def test_a_forked_process_writes_what_is_pending_when_it_exits(tmp_path: Path) -> None:
+    """DataLoader workers leave through multiprocessing (its finalizers, not atexit): pending
+    writes land before the process is gone."""
+    import multiprocessing
+
+    c = SampleCache("exit", FileStore(str(tmp_path), write_delay=0.5))
+    c.get(0, lambda: 0)  # the parent has a state (and its finalizer) before the fork
+    assert c.flush(5)
+    child = multiprocessing.get_context("fork").Process(target=_child_computes, args=(c,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exit.0", "exit.1", "exit.2", "exit.3"]
+    assert SampleCache("exit", FileStore(str(tmp_path))).get_many([1, 2, 3], lambda k: -1) == [10, 20, 30]
