@@ -288,6 +288,31 @@ class BlockCache:
             return None
         return self.disk.read_in_thread(key)
 
+    async def load_from_disk(self, blocks: list[tuple[bytes, int]]) -> int:
+        """Those of ``blocks`` ((key, tag) pairs) that are on NVMe and neither in RAM nor in
+        flight, read in **one** worker-thread call (``DiskTier.read_in_thread``: checksum
+        checked; a damaged or evicted block is left to the usual path) and admitted as NVMe
+        hits at their first read (:meth:`admit`).  For a batch of blocks that will all be
+        read at once (the fast path's batches): one thread hop instead of one per block.
+        Returns how many were admitted."""
+        disk = self.disk
+        if disk is None:
+            return 0
+        wanted = [(key, tag) for key, tag in blocks if key in disk and key not in self.memory and key not in self._flights]
+        if not wanted:
+            return 0
+
+        def read_all() -> list[bytes | None]:
+            return [disk.read_in_thread(key) for key, _ in wanted]
+
+        found = await trio.to_thread.run_sync(read_all, limiter=disk.limiter)
+        admitted = 0
+        for (key, tag), data in zip(wanted, found):
+            if data is not None and key not in self.memory and key not in self._flights:
+                self.admit(key, data, tag=tag, from_disk=True)
+                admitted += 1
+        return admitted
+
     def admit(self, key: bytes, data: bytes, *, tag: int = 0, stall: float = 0.0, from_disk: bool = False) -> None:
         """A block read for a reader outside a flight (a lookup that read the whole file,
         from the source or, ``from_disk``, from NVMe): into RAM (and a source block, in
