@@ -59,8 +59,60 @@ VOLUME_TTL = 30.0
 # before a worker stops asking the daemon for that dataset: two tell it is no accident.
 USELESS_BATCHES = 2
 
+# The main process's settings as of its loaders' latest epoch start, for its forked
+# workers (see :func:`publish`): one anonymous shared page, mapped before any worker forks.
+# Layout: byte 0 is 1 once published; byte 1 the name's length; then the volume name
+# (UTF-8, at most MAX_PUBLISHED_NAME bytes: an empty name means "off").
+MAX_PUBLISHED_NAME = 254
+_published: mmap.mmap | None = None
+_main_pid = 0  # the process that mapped it (its workers only read it)
+
+
+def publish(vol_name: str | None) -> None:
+    """In the main process, at each epoch start of a patched loader: the fast path's
+    volume for this process's DataLoader workers (None or empty: off).
+
+    Persistent workers are forked once, often before ``VOL_NAME`` is set (it may be set
+    after ``import cube_torch``, and a warm-up pass may run unplanned); their environment
+    is a copy taken at the fork.  So the main process also writes its current ``VOL_NAME``
+    (empty when ``CUBE_TORCH_FAST_PATH=0``) into a shared page its forked workers read at
+    every batch.  A worker that reads the page while it is being rewritten (an epoch
+    starting while batches of the previous one still load) may see a garbled name: the
+    volume file is then not found and that worker reads through the mount (logged once).
+    """
+    if _published is None or os.getpid() != _main_pid:
+        return
+    name = (vol_name or "").encode("utf-8", "surrogateescape")
+    if os.environ.get(ENV_SWITCH, "1") == "0" or len(name) > MAX_PUBLISHED_NAME:
+        name = b""
+    _published[1:2 + len(name)] = bytes([len(name)]) + name
+    _published[0] = 1
+
+
+def unpublish() -> None:
+    """Forget what was published: workers go by their own ``VOL_NAME`` again."""
+    if _published is not None and os.getpid() == _main_pid:
+        _published[0] = 0
+
+
+def _published_name() -> str | None:
+    """The volume the main process published (None: it never did; "": off)."""
+    page = _published
+    if page is None or page[0] != 1:
+        return None
+    size = page[1]
+    return page[2:2 + size].decode("utf-8", "surrogateescape")
+
+
+def volume_name() -> str:
+    """The fast path's volume in this worker: the main process's ``VOL_NAME`` as of the
+    latest epoch start (:func:`publish`), else this process's own ``VOL_NAME``."""
+    published = _published_name()
+    return published if published is not None else os.environ.get("VOL_NAME", "")
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV_SWITCH, "1") != "0" and bool(os.environ.get("VOL_NAME"))
+    return os.environ.get(ENV_SWITCH, "1") != "0" and bool(volume_name())
 
 
 def _warn_once(kind: str, message: str, *args: Any) -> None:
@@ -232,7 +284,10 @@ class _Worker:
         mapping = self._mapping(dataset)
         if not mapping:
             return [], {}
-        found = self._volume(os.environ["VOL_NAME"])
+        vol_name = volume_name()
+        if not vol_name:
+            return [], {}
+        found = self._volume(vol_name)
         if found is None:
             return [], {}
         mount_point, data_socket = found
@@ -369,9 +424,14 @@ def own_batch_scope(dataset: Any, indices: list[int]) -> AbstractContextManager[
 
 
 def install() -> None:
-    """Wrap torch's map-style fetcher (what every worker calls once per batch)."""
-    global _original_fetch
+    """Wrap torch's map-style fetcher (what every worker calls once per batch), and map the
+    page :func:`publish` writes (in the installing process, before any worker forks)."""
+    global _original_fetch, _published, _main_pid
     from torch.utils.data._utils import fetch
+
+    if _published is None:
+        _published = mmap.mmap(-1, mmap.PAGESIZE)  # MAP_SHARED | MAP_ANONYMOUS: shared with forked children
+        _main_pid = os.getpid()
 
     if _original_fetch is None:
         _original_fetch = fetch._MapDatasetFetcher.fetch

@@ -78,6 +78,7 @@ class PlannedSampler:
     def __iter__(self) -> Iterator[Any]:
         # A generator: nothing runs (and no RNG is drawn) until the loader asks for the
         # first index, exactly as with the inner sampler's own generator.
+        fastpath.publish(os.environ.get("VOL_NAME"))  # for workers forked before it was set
         items = list(self.inner) if self._plannable() else None
         if items is None:
             yield from self.inner

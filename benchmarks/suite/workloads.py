@@ -134,6 +134,8 @@ class EpochRecord:
     hit_rate: float | None = None
     stall_s: float | None = None
     prefetched_blocks: int | None = None
+    # Files our daemon served through cube_torch's fast path (hits and misses), not FUSE.
+    fast_path_files: int | None = None
     # Block lookups our daemon's RAM and NVMe tiers answered (None for the other systems).
     ram_block_hits: int | None = None
     disk_block_hits: int | None = None
@@ -208,6 +210,8 @@ class Meter:
             record.hit_rate = record.hits / record.requests if record.requests else None
             record.stall_s = d("cubefs_fuse_stall_seconds_total")
             record.prefetched_blocks = int(d("cubefs_fuse_prefetch_issued_total"))
+            record.fast_path_files = int(d('cubefs_fuse_fastpath_files_total{result="hit"}')
+                                         + d('cubefs_fuse_fastpath_files_total{result="miss"}'))
             record.ram_block_hits = int(d('cubefs_fuse_cache_hits_total{tier="ram"}'))
             record.disk_block_hits = int(d('cubefs_fuse_cache_hits_total{tier="disk"}'))
         pids = self.system.pids()

@@ -252,6 +252,12 @@ class DiskTier:
 
     # -- the cache interface ---------------------------------------------------------
 
+    @property
+    def limiter(self) -> trio.CapacityLimiter:
+        """The tier's worker-thread bound (``DISK_THREADS``), for callers that read blocks in
+        a thread of their own (``read_in_thread``)."""
+        return self._limiter
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._entries
 

@@ -413,3 +413,43 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
     finally:
         monkeypatch.undo()
         await disk.close()
+
+
+async def test_prefetches_from_nvme_share_worker_thread_calls(tmp_path: Path) -> None:
+    """Prefetch flights whose blocks are on NVMe read them DISK_READ_BATCH at a time in one
+    worker-thread call each (not one call per block); every block arrives and counts as an
+    NVMe hit; a damaged one is still caught by its checksum, dropped and fetched from the
+    source; a foreground read joining a batched prefetch gets the same bytes."""
+    from cubefs_fuse.cache.blockcache import DISK_READ_BATCH
+
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = 4 * DISK_READ_BATCH + 3
+    blocks.file("f", n)
+    disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
+    try:
+        async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK) as cache:
+            for i in range(n):
+                await blocks.get(cache, "f", i)
+            await cache.drain()
+        damaged = disk_file(tmp_path, blocks.key("f", 5))
+        damaged.write_bytes(damaged.read_bytes()[:-1] + b"X")
+        reads = backend.statistics().operations.get("read", 0)
+        async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK, prefetch_slots=4) as cache:  # RAM empty
+            for i in range(n):
+                assert blocks.prefetch(cache, "f", i)
+            joined, _ = await blocks.get(cache, "f", 0)  # a reader joining a queued prefetch
+            assert joined == blocks.expected("f", 0)
+            while cache.statistics().flights:
+                await trio.sleep(0.01)
+            stats = cache.statistics()
+            assert stats.prefetch_completed == n and stats.prefetch_failed == 0
+            # At most DISK_THREADS readers start with a partial batch; the rest are full.
+            assert cache._disk_read_batches <= -(-n // DISK_READ_BATCH) + 8 < n
+            assert stats.disk is not None and stats.disk.hits == n - 1 and stats.disk.checksum_failures == 1
+            assert backend.statistics().operations.get("read", 0) == reads + 1  # only the damaged block
+            for i in range(n):
+                data, source = await blocks.get(cache, "f", i)
+                assert data == blocks.expected("f", i) and source is Source.RAM
+    finally:
+        await disk.close()

@@ -26,6 +26,7 @@ import trio.testing
 from cube_torch import fastpath
 from cube_torch.fastpath import Channel
 from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
@@ -44,9 +45,10 @@ ATTR_TTL = 1.0
 
 
 @asynccontextmanager
-async def open_resolver(backend: FakeBackend, *, wait: float = 2.0) -> AsyncIterator[BatchResolver]:
+async def open_resolver(backend: FakeBackend, *, wait: float = 2.0,
+                        disk: DiskTier | None = None) -> AsyncIterator[BatchResolver]:
     async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(1 << 24), None, fetch_slots=8, prefetch_slots=4)
+        cache = BlockCache(nursery, MemoryTier(1 << 24), disk, fetch_slots=8, prefetch_slots=4)
         meta = MetadataCache(backend, attr_ttl=ATTR_TTL, lookup_ttl=ATTR_TTL, max_entries=10_000)
         fs = Filesystem(meta, cache, backend, block_size=BLOCK)
         config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
@@ -118,6 +120,54 @@ async def test_a_batch_waits_for_in_flight_prefetches_and_sends_late_files_to_th
         backend.op_latency["read"] = 0.0
         results = await resolver.resolve(ME, ["slow.jpg"], 1 << 20)
         assert served(results) == [b"s" * 100] and not results[0].waited
+
+
+async def test_a_batchs_nvme_blocks_are_read_in_one_thread_call(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restart (RAM empty, NVMe kept), the blocks of a batch's files whose
+    attributes are cached come from NVMe in one worker-thread call, not one per block;
+    every file is an NVMe hit (not a miss), the source is not read, and a damaged block is
+    still found by its checksum and refetched."""
+    backend = FakeBackend()
+    files = {f"d/{i}.jpg": bytes([65 + i]) * (1000 + 3000 * i) for i in range(6)}  # 1 to 4 blocks
+    for path, data in files.items():
+        backend.write(path, data)
+    names = list(files)
+    disk = await DiskTier.open(str(tmp_path), 1 << 22, 0.0)
+    try:
+        async with open_resolver(backend, disk=disk) as resolver:
+            resolver.commit(await resolver.resolve(ME, names, 1 << 20))
+            await resolver.fs.cache.drain()
+        damaged = block_key("d/5.jpg", backend.version("d/5.jpg"), 1).hex()
+        block_file = tmp_path / "blocks" / damaged[:2] / damaged
+        block_file.write_bytes(block_file.read_bytes()[:-1] + b"X")
+        backend.operations.clear()
+        async with open_resolver(backend, disk=disk) as resolver:  # fresh RAM tier and metadata
+            for name in names:
+                await resolver.fs.meta.stat(name)  # as the plan's directory listings leave them
+            hops = []
+            to_thread = trio.to_thread.run_sync
+
+            async def counted(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+                hops.append(getattr(fn, "__name__", repr(fn)))
+                return await to_thread(fn, *args, **kwargs)
+
+            monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+            results = await resolver.resolve(ME, names, 1 << 20)
+            assert served(results) == list(files.values())
+            # One call read every block on NVMe; the damaged one (its checksum) went to the
+            # usual flight: one disk read that finds it damaged (and a thread to delete it),
+            # then the source.
+            assert hops.count("read_all") == 1
+            assert hops.count("_read_block_file") == 1
+            assert backend.operations["read"] == 1
+            resolver.commit(results)
+            assert counters(resolver) == (6, 5, 1)
+            c = resolver.fs.cache.statistics()
+            assert c.hits_disk == sum(-(-len(d) // BLOCK) for d in files.values()) - 1
+            assert c.disk is not None and c.disk.checksum_failures == 1
+    finally:
+        await disk.close()
 
 
 async def test_a_changed_file_is_served_only_in_its_new_version(autojump_clock: trio.testing.MockClock) -> None:

@@ -192,3 +192,41 @@ def test_a_daemon_that_stops_answering_costs_one_bounded_wait(make_mount: Callab
         assert Channel(data_socket).batch(["a.bin"]) == [b"y" * 1000]
     finally:
         m.umount()
+
+
+def test_after_a_restart_a_batch_is_served_from_nvme_as_hits(make_mount: Callable[..., Mount]) -> None:
+    """A restarted daemon (RAM tier empty, NVMe kept) serves a batch whose metadata its
+    listings cached from NVMe (the batch's blocks read in one worker call, not one per
+    block): the same bytes, every file a hit and every block an NVMe hit, nothing read
+    from the source."""
+    m = make_mount(profile="ai_prefetch")
+    files = write_tree(m.source, {f"d/f{i}.bin": os.urandom(20_000 + 90_000 * i) for i in range(8)})
+    m.mount()
+    try:
+        for name in files:
+            assert m.path(name).read_bytes() == files[name]  # fetched, then written to NVMe
+        blocks = sum(-(-len(data) // (1 << 20)) for data in files.values())
+        wait_until(lambda: metric(m.scrape(), "cubefs_fuse_cache_blocks", tier="disk") >= blocks, what="the NVMe write-behind")
+    finally:
+        m.umount()
+    m.mount()
+    try:
+        control, data_socket = _volume(m)
+        job = f"nvme-{os.getpid()}"
+        control.register_job(job, 0)
+        os.listdir(m.path("d"))  # the directory's listing caches its files' attributes, as a plan's does
+        before = m.scrape()
+        channel = Channel(data_socket)
+        names = sorted(files)
+        assert channel.batch(names) == [files[n] for n in names]
+        channel.release([1] * len(names))
+        expected = {"requests": len(names), "hits": len(names), "misses": 0}
+        wait_until(lambda: _job_counters(control, job) == expected, what=f"counters {expected}")
+        channel.close()
+        after = m.scrape()
+        assert metric(after, "cubefs_fuse_cache_hits_total", tier="disk") - \
+            metric(before, "cubefs_fuse_cache_hits_total", tier="disk") == blocks
+        assert metric(after, "cubefs_fuse_backend_operations_total", op="read") == \
+            metric(before, "cubefs_fuse_backend_operations_total", op="read")
+    finally:
+        m.umount()

@@ -54,6 +54,8 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert [e["requests"] for e in ours] == [20, 20]
     assert ours[0]["remote_bytes"] >= results["dataset"]["bytes"]
     assert ours[1]["hit_rate"] == 1.0  # the cache holds the whole dataset
+    # The persistent worker, forked by the warm-up before VOL_NAME was set, used the fast path.
+    assert [e["fast_path_files"] for e in ours] == [20, 20]
     assert ours[0]["daemon_peak_rss_bytes"] > 0
     assert ours[0]["remote_cpu_s"] is not None and ours[0]["remote_ops"] >= 3 * 20  # lookup, open, read per file
     assert runs["local"]["epochs"][0]["remote_ops"] is None

@@ -580,6 +580,34 @@ def test_a_loader_that_opens_files_from_c_reads_through_the_mount(volume: Volume
     del loader
 
 
+def test_persistent_workers_started_before_vol_name_use_the_fast_path(volume: Volume, fresh_state: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers forked while ``VOL_NAME`` was unset (a warm-up pass, or a script that sets it
+    after the loader exists) follow the main process's ``VOL_NAME`` as of each epoch's start:
+    served from the fast path once it is set, through the mount again once it is unset or
+    ``CUBE_TORCH_FAST_PATH=0`` is set in the main process."""
+    dataset = make_dataset("list1d", volume.root)
+    cube_torch.uninstall()
+    reference = [canon(b) for b in DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=keep)]
+    cube_torch.install()
+    monkeypatch.delenv("VOL_NAME")
+    loader = DataLoader(dataset, batch_size=2, num_workers=2, collate_fn=keep, persistent_workers=True)
+    start = fast_files(volume)
+    assert [canon(b) for b in loader] == reference  # forks the workers, without VOL_NAME
+    assert fast_files(volume) == start
+    monkeypatch.setenv("VOL_NAME", volume.name)
+    assert [canon(b) for b in loader] == reference
+    served = fast_files(volume) - start
+    assert served == len(dataset), f"the fast path served {served} of {len(dataset)} files"  # type: ignore[arg-type]
+    monkeypatch.setenv("CUBE_TORCH_FAST_PATH", "0")
+    assert [canon(b) for b in loader] == reference
+    monkeypatch.delenv("CUBE_TORCH_FAST_PATH")
+    monkeypatch.delenv("VOL_NAME")
+    assert [canon(b) for b in loader] == reference
+    assert fast_files(volume) - start == served, "the fast path served files after it was switched off"
+    del loader
+
+
 class PlanWitness(Dataset[tuple[int, int]]):
     """Each sample is (index, the epoch of this job's plan on the daemon when a worker loaded
     it): the first opens of an epoch must find that epoch's plan there."""

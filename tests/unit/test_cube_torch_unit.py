@@ -550,3 +550,45 @@ def test_since_last_is_this_processes_own() -> None:
     since = reporter._since(first, later)
     assert since == {"requests": 20, "hits": 19, "misses": 1, "stall_seconds": 0.25, "hit_rate": 0.95}
     assert reporter._since(later, first) == first  # fewer than before: the daemon restarted
+
+
+def test_the_published_volume_reaches_forked_workers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the main process publishes at an epoch's start is what a child forked before it
+    reads (the page is shared), and takes precedence over the child's own copy of the
+    environment; the switch or an overlong name publish "off"."""
+    from cube_torch import fastpath
+
+    fastpath.install()  # idempotent: maps the page in this (the main) process
+    monkeypatch.delenv("VOL_NAME", raising=False)
+    monkeypatch.delenv(fastpath.ENV_SWITCH, raising=False)
+    read, write = os.pipe()
+    go_read, go_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the worker: forked before anything was published
+        try:
+            os.close(read)
+            os.read(go_read, 1)
+            os.write(write, f"{fastpath.volume_name()}|{fastpath.enabled()}".encode())
+            os.read(go_read, 1)
+            os.write(write, f"{fastpath.volume_name()}|{fastpath.enabled()}".encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        fastpath.publish("vol-after-fork")
+        os.write(go_write, b"x")
+        assert os.read(read, 200) == b"vol-after-fork|True"
+        monkeypatch.setenv(fastpath.ENV_SWITCH, "0")
+        fastpath.publish("vol-after-fork")
+        os.write(go_write, b"x")
+        assert os.read(read, 200) == b"|False"
+    finally:
+        os.waitpid(pid, 0)
+        for fd in (read, go_read, go_write):
+            os.close(fd)
+        monkeypatch.delenv(fastpath.ENV_SWITCH)
+        fastpath.publish("x" * (fastpath.MAX_PUBLISHED_NAME + 1))
+        assert fastpath.volume_name() == ""
+        fastpath.unpublish()
+        monkeypatch.setenv("VOL_NAME", "from-env")
+        assert fastpath.volume_name() == "from-env"
