@@ -418,7 +418,14 @@ class LocalDirBackend:
         def lstat() -> os.stat_result:
             if not path:
                 return self._at_root(os.fstat)
-            return self._at_parent(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
+            # Beneath the parent's cached descriptor, as stat_read and read_block: one
+            # round trip to the remote, where resolving the parent afresh costs one per
+            # component (four for a VOC image, at every stat of a cold dataset).
+            try:
+                return self._dirs.at(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
+            except FileNotFoundError:
+                self._dirs.forget(path)  # the directory may have been replaced: resolve afresh next time
+                raise
 
         st = await self._run(
             "stat", path, lstat,
