@@ -199,9 +199,13 @@ class ControlClient:
         result: dict[str, Any] = self.request("POST", "jobs", body=json.dumps(fields).encode())
         return result
 
-    def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str) -> dict[str, Any]:
-        """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``."""
-        query = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+    def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str,
+                    first: int = 0) -> dict[str, Any]:
+        """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``.
+        ``first``: the answer waits (bounded) until that many first positions are cached."""
+        query: dict[str, Any] = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+        if first:
+            query["first"] = first
         result: dict[str, Any] = self.request("POST", "plans", query=query, body=order, content_type=CONTENT_BINARY)
         return result
 

@@ -15,7 +15,7 @@ from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, NotFound
-from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
 
@@ -115,8 +115,9 @@ class Routes:
         job = _name(q, "job")
         rank = _int(q.get("rank", "0"), "rank", 0, _MAX_RANK)
         epoch = _int(q.get("epoch", "0"), "epoch", 0, _MAX_EPOCH)
+        first = _int(q.get("first", "0"), "first", 0, MAX_DATASET_FILES)
         count = await self.service.submit_plan((job, rank), epoch, q.get("dataset", ""), request.body,
-                                               q.get("dtype", "<i8"))
+                                               q.get("dtype", "<i8"), first)
         return Response.json({"job": job, "rank": rank, "epoch": epoch, "samples": count})
 
     async def stats(self, request: Request) -> Response:

@@ -28,7 +28,7 @@ from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
-from cubefs_fuse.prefetch.scheduler import WARM_CHUNK
+from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY
 from cubefs_fuse.prefetch.service import PrefetchService
 from tests.fakes import FakeBackend
 
@@ -111,16 +111,18 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> No
 
 
 async def taken_in(s: System, rank: int = 0) -> None:
-    """Wait, without advancing the virtual clock, until the daemon has re-ranked the cache
-    for the newest plan and started its window.
+    """Wait until the daemon has re-ranked the cache for the newest plan and stat'ed the
+    first chunk of its window (the virtual clock advances by that stat's round trip at most).
 
     With a real clock that takes a worker thread ~1 ms after the plan arrives, before the
     epoch's first batch is read.  Under autojump_clock the reader's 2 ms misses cost no
     real time, so without this wait it would read dozens of files in "LRU mode" first."""
     plan = s.service.scheduler.plans[(JOB, rank)]
-    with trio.fail_after(1):  # virtual time: must not pass at all
-        while not plan.listed_dirs:  # filled when the window starts, right after re-ranking
-            await trio.sleep(0)  # a checkpoint; the clock only jumps when every task waits
+    with trio.fail_after(1):  # virtual time: passes only while the window stats its first chunk
+        while not plan.warmed_upto:  # the window's first step, right after re-ranking
+            # A checkpoint, or, while the window's stats are out, a step of virtual time (the
+            # clock only jumps when every task waits): at most one stat's round trip passes.
+            await trio.sleep(LATENCY / 20)
 
 
 async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: trio.testing.MockClock) -> None:
@@ -149,12 +151,13 @@ async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: tri
         assert stats.prefetch_used >= len(warm) * 0.99
         plan = s.service.scheduler.plans[(JOB, 0)]
         assert plan.cursor == len(paths) and plan.counters.used == len(paths)
-        # Metadata came in bulk: one listing per class directory, no per-file stat.
+        # Metadata came per file, stat'ed in parallel by the window, never by listing a
+        # directory (a listing pays one round trip per entry in series): each file once,
+        # plus the lookups of the class directories and of the first few files, which
+        # the reader may ask for while the window's stat of them is in flight.
         directories = len(paths) // 50
-        assert backend.operations["listdir"] == directories
-        # Lookups stat each class directory once; a file is stat'ed only if the reader
-        # got to it before its directory's listing (the first few at most).
-        assert backend.operations["stat"] <= directories + 10
+        assert backend.operations["listdir"] == 0
+        assert backend.operations["stat"] <= len(paths) + directories + 10
 
 
 async def run_epochs(plans: bool, prefetch_slots: int, epochs: int = 4, files: int = 400) -> list[float]:
@@ -246,10 +249,11 @@ async def test_half_size_nvme_tier_keeps_a_stable_subset(tmp_path: Any) -> None:
 
 async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         autojump_clock: trio.testing.MockClock) -> None:
-    # Listing a directory takes 1 s, so the old plan issues its files one chunk of
-    # WARM_CHUNK positions (one round of listings) per second.
-    backend = FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0})
-    old_paths = make_dataset(backend, 4 * WARM_CHUNK, per_dir=10)
+    # A stat takes 1 s, so the old plan issues one chunk of META_CHUNK positions (stat'ed
+    # META_CONCURRENCY at a time) every `per_chunk` seconds.
+    per_chunk = META_CHUNK / META_CONCURRENCY
+    backend = FakeBackend(latency=LATENCY, op_latency={"stat": 1.0})
+    old_paths = make_dataset(backend, 8 * META_CHUNK, per_dir=10)
     new_paths = [f"other/img{i}.jpg" for i in range(20)]
     for path in new_paths:
         backend.write(path, b"n" * BLOCK)
@@ -257,27 +261,27 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         old = await register(s, old_paths)
         new = await register(s, new_paths)
         await submit(s, old, list(range(len(old_paths))), epoch=0)
-        await trio.sleep(1.5)  # the first chunk is issued, the second is being listed
+        await trio.sleep(1.5 * per_chunk)  # the first chunk is issued, the second is being stat'ed
         old_plan = s.service.scheduler.plans[(JOB, 0)]
-        assert WARM_CHUNK <= old_plan.issued_upto < len(old_paths)
+        assert META_CHUNK <= old_plan.issued_upto < len(old_paths)
         issued_before = old_plan.issued_upto
         await submit(s, new, list(range(len(new_paths))), epoch=1)
         new_plan = s.service.scheduler.plans[(JOB, 0)]
         assert new_plan is not old_plan
         await eventually(lambda: new_plan.counters.issued == len(new_paths)
                          and all((p, 0) in backend.read_calls for p in new_paths))
-        await trio.sleep(30)  # far longer than the old plan needed to issue everything
+        await trio.sleep(10 * per_chunk)  # longer than the old plan needed to issue everything
         # Nothing past the old plan's issued positions was issued or read.
         assert old_plan.issued_upto == issued_before
         read_old = {p for p, _ in backend.read_calls if p in set(old_paths)}
         assert read_old == set(old_paths[:issued_before])
         assert old_plan.scope.cancelled_caught  # its task ended by cancellation
     # Control: without a new plan, the old one goes on to issue everything in that time.
-    async with open_system(FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0}), ram=64 << 20) as s2:
-        make_dataset(s2.backend, 4 * WARM_CHUNK, per_dir=10)
+    async with open_system(FakeBackend(latency=LATENCY, op_latency={"stat": 1.0}), ram=64 << 20) as s2:
+        make_dataset(s2.backend, 8 * META_CHUNK, per_dir=10)
         old2 = await register(s2, old_paths)
         await submit(s2, old2, list(range(len(old_paths))), epoch=0)
-        await trio.sleep(1.5 + 30)
+        await trio.sleep(1.5 * per_chunk + 10 * per_chunk)
         assert s2.service.scheduler.plans[(JOB, 0)].issued_upto == len(old_paths)
 
 
