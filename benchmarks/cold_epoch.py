@@ -151,8 +151,16 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def remote_counts(remote: Path) -> tuple[int, int]:
+    """(operations, reads) the emulated remote has served so far (its statistics file,
+    read at no latency and not counted)."""
+    raw = json.loads((remote / ".slowfs_stats").read_bytes())
+    ops = raw.get("ops", {})
+    return sum(int(v) for k, v in ops.items() if k != "release"), int(ops.get("read", 0))
+
+
 def child(case: str, root: Path, *, workers: int, batch: int, epochs: int, opens_per_epoch: int,
-          step_s: float) -> None:
+          step_s: float, remote: Path) -> None:
     """Train-like loop (decode every sample); one JSON line per epoch on stdout."""
     import torch
     from torch.utils.data import DataLoader
@@ -167,6 +175,7 @@ def child(case: str, root: Path, *, workers: int, batch: int, epochs: int, opens
     daemon_pid = read_volume_config(os.environ["VOL_NAME"]).pid
     for epoch in range(epochs):
         cpu = process_cpu_seconds(daemon_pid)
+        remote_before = remote_counts(remote)
         start = time.perf_counter()
         samples = 0
         for b in loader:
@@ -182,8 +191,10 @@ def child(case: str, root: Path, *, workers: int, batch: int, epochs: int, opens
             time.sleep(0.05)
             stats = cube_torch.stats()
         total = stats["cumulative"] if stats is not None else {"requests": 0, "hits": 0, "misses": 0}
+        remote_after = remote_counts(remote)
         print(json.dumps({"epoch": epoch, "samples": samples, "seconds": seconds, "daemon_cpu": cpu, "cumulative": total,
-                          "plan": stats.get("plan") if stats is not None else None}), flush=True)
+                          "remote_ops": remote_after[0] - remote_before[0],
+                          "remote_reads": remote_after[1] - remote_before[1]}), flush=True)
         counted = int(total["requests"])
 
 
@@ -209,7 +220,7 @@ class EpochResult:
 def run_case(case: str, data: Path, workdir: Path, *, ram_bytes: int, latency_us: int, workers: int, batch: int,
              epochs: int, opens_per_epoch: int, vol_name: str, step_ms: float) -> list[EpochResult]:
     """One cold run of ``case``; the per-epoch counters."""
-    from benchmarks.suite.remote import RemoteStats, SlowFSCProcess, slowfs_c_binary
+    from benchmarks.suite.remote import SlowFSCProcess, slowfs_c_binary
     from tools.harness import DaemonMount, HarnessError
 
     binary = slowfs_c_binary()
@@ -225,18 +236,16 @@ def run_case(case: str, data: Path, workdir: Path, *, ram_bytes: int, latency_us
     try:
         daemon.mount()
         try:
-            before = RemoteStats.of(remote.stats())
             env = {**os.environ, "VOL_NAME": vol_name, "CUBE_TORCH_METRICS_INTERVAL": "3600",
                    "CUBE_TORCH_JOB": f"cold-{case}", "PYTHONPATH": _pythonpath()}
             command = [sys.executable, "-m", "benchmarks.cold_epoch", "--child", case, str(daemon.mount_point),
                        f"--workers={workers}", f"--batch={batch}", f"--epochs={epochs}",
-                       f"--opens-per-epoch={opens_per_epoch}", f"--step-ms={step_ms}"]
+                       f"--opens-per-epoch={opens_per_epoch}", f"--step-ms={step_ms}", f"--remote={remote_mount}"]
             done = subprocess.run(command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=env,
                                   cwd=Path(__file__).resolve().parent.parent)
             if done.returncode != 0:
                 raise HarnessError(f"the training process failed (exit {done.returncode}): "
                                    f"{done.stderr.strip()[-2000:]}")
-            after = RemoteStats.of(remote.stats())
             lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         finally:
             daemon.cleanup()
@@ -244,13 +253,12 @@ def run_case(case: str, data: Path, workdir: Path, *, ram_bytes: int, latency_us
         remote.stop()
     results: list[EpochResult] = []
     previous = {"requests": 0, "hits": 0}
-    for i, line in enumerate(lines):
+    for line in lines:
         total = line["cumulative"]
-        delta = after.minus(before) if i == 0 else None  # the remote's counters cover the whole run
         results.append(EpochResult(line["epoch"], line["samples"], line["seconds"], line["daemon_cpu"],
                                    int(total["requests"]) - previous["requests"],
                                    int(total["hits"]) - previous["hits"],
-                                   delta.ops if delta else 0, delta.reads if delta else 0))
+                                   line["remote_ops"], line["remote_reads"]))
         previous = {"requests": int(total["requests"]), "hits": int(total["hits"])}
     return results
 
@@ -276,10 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", metavar="CASE", help=argparse.SUPPRESS)
     p.add_argument("root", nargs="?", help=argparse.SUPPRESS)
     p.add_argument("--opens-per-epoch", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--remote", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         child(args.child, Path(args.root), workers=args.workers, batch=args.batch, epochs=args.epochs,
-              opens_per_epoch=args.opens_per_epoch, step_s=args.step_ms / 1000)
+              opens_per_epoch=args.opens_per_epoch, step_s=args.step_ms / 1000, remote=Path(args.remote))
         return 0
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]
@@ -307,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append((case, f"{ram} ({rams[ram] >> 20} MiB)", results))
                 for r in results:
                     print(f"{case:12s} RAM {ram:5s} epoch {r.epoch}: {r.requests:5d} opens, {r.hits:5d} hits = "
-                          f"{r.hit_rate:5.1f} %  ({r.samples} samples in {r.seconds:.2f} s, daemon CPU {r.daemon_cpu:.2f} s)",
+                          f"{r.hit_rate:5.1f} %  ({r.samples} samples in {r.seconds:.2f} s, daemon CPU {r.daemon_cpu:.2f} s, "
+                          f"remote: {r.remote_reads} reads, {r.remote_ops} operations)",
                           flush=True)
     except HarnessError as exc:
         print(f"cold_epoch failed: {exc}", file=sys.stderr)
