@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -29,7 +30,7 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY
-from cubefs_fuse.prefetch.service import PrefetchService
+from cubefs_fuse.prefetch.service import FIRST_WAIT, PrefetchService
 from tests.fakes import FakeBackend
 
 BLOCK = 4096  # one block per file: a file is either resident or not
@@ -324,3 +325,56 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
             assert backend.read_log[reads:] == [("unplanned2.bin", 0)]
             for gate in gates.values():
                 gate.set()
+
+
+async def submit_first(s: System, dataset: str, order: list[int], first: int) -> float:
+    """Submit a plan whose answer waits for its first ``first`` positions; the virtual seconds it took."""
+    start = trio.current_time()
+    await s.service.submit_plan((JOB, 0), 0, dataset, np.asarray(order, dtype="<u4").tobytes(), "<u4", first)
+    return trio.current_time() - start
+
+
+def cached(s: System, path: str) -> bool:
+    attr = s.fs.meta.peek(path)
+    return attr is not None and s.fs.blocks.cached_fraction(path, attr) == 1.0
+
+
+async def test_plan_answer_waits_until_the_first_batches_are_local(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 300)
+    order = list(range(len(paths)))
+    random.Random(3).shuffle(order)
+    first = [paths[i] for i in order[:64]]  # e.g. 4 workers x prefetch_factor 2 x batch 8
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        took = await submit_first(s, dataset, order, 64)
+        # Stat'ed 16 at a time and fetched on the prefetch slots: a few round trips.
+        assert took < 20 * LATENCY
+        assert all(cached(s, p) for p in first)
+        assert backend.operations["listdir"] == 0
+        # A loader starting now hits on all of them.
+        assert all([await read_file(s.fs, p) for p in first])
+    # Control: without ``first`` the answer does not wait, and the files are not there yet.
+    backend2 = FakeBackend(latency=LATENCY)
+    make_dataset(backend2, 300)
+    async with open_system(backend2, ram=64 << 20) as s2:
+        dataset = await register(s2, paths)
+        assert await submit_first(s2, dataset, order, 0) == 0
+        assert not any(cached(s2, p) for p in first)
+
+
+async def test_plan_answer_waits_for_the_first_batches_at_most_first_wait(
+        autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 100)
+    gate = backend.gate(paths[5])  # this read starts, then hangs
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        took = await submit_first(s, dataset, list(range(len(paths))), 32)
+        assert took == pytest.approx(FIRST_WAIT)
+        plan = s.service.scheduler.plans[(JOB, 0)]
+        assert not plan.first_ready.is_set()
+        # The plan goes on: the rest of the window is issued meanwhile.
+        await eventually(lambda: plan.issued_upto == len(paths))
+        gate.set()
+        await eventually(plan.first_ready.is_set)
