@@ -108,7 +108,7 @@ async def run(blocks: int, files: int) -> dict[str, float]:
         await trio.sleep(0.2)  # a baseline of unloaded requests
         submit_start = time.perf_counter()
         await service.submit_plan(JOB, 0, dataset.id, order.astype("<i8").tobytes(), "<i8")
-        plan = service.scheduler.plans[JOB]
+        plan = service.scheduler.plans[(*JOB, "0")]  # the default loader's plan
         with trio.fail_after(600):
             while plan.counters.issued == 0 and plan.counters.errors == 0:
                 await trio.sleep(0.001)

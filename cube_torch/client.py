@@ -9,6 +9,7 @@ thread outlives the loaders that need it for long.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -30,7 +31,8 @@ log = logging.getLogger("cube_torch")
 REQUEST_TIMEOUT = 5.0
 # The background thread exits after this many idle seconds (and restarts on demand).
 IDLE_EXIT = 30.0
-# Pending plans kept per process; older ones are superseded by the newest epoch anyway.
+# Pending plans kept per process; a loader's older one is superseded by its newest epoch
+# anyway (when full, that is dropped first; else the oldest of all).
 MAX_PENDING = 4
 # The one synchronous request: registering the job before the first epoch's first index
 # is handed out, so the daemon attributes that epoch's very first opens to the job.  It
@@ -53,6 +55,7 @@ class PlanRequest:
     rank: int
     job: str
     world_size: int = 1  # ranks in the job: the hit-rate line names the rank when > 1
+    loader: str = "0"  # which DataLoader of the process (cube_torch.patch.loader_id): its own plan
     first: int = 0  # samples the loader asks for as soon as it starts (its workers' first batches)
     handled: threading.Event = field(default_factory=threading.Event)  # set once sent (or given up)
 
@@ -225,12 +228,10 @@ class Submitter:
         try:
             self._queue.put_nowait(request)
         except queue.Full:
-            try:
-                dropped = self._queue.get_nowait()  # drop the oldest: a newer epoch supersedes it
+            dropped = self._supersede(request)
+            if dropped is not None:
                 dropped.handled.set()
                 self._queue.task_done()
-            except queue.Empty:
-                pass
             try:
                 self._queue.put_nowait(request)
             except queue.Full:
@@ -239,6 +240,18 @@ class Submitter:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="cube_torch-plans", daemon=True)
                 self._thread.start()
+
+    def _supersede(self, request: PlanRequest) -> PlanRequest | None:
+        """Take a queued request out for ``request``: the same loader's (its newer epoch
+        supersedes it), else the oldest; None if the queue emptied meanwhile."""
+        with self._queue.mutex:
+            pending: collections.deque[PlanRequest] = self._queue.queue  # the Queue's own storage
+            for i, queued in enumerate(pending):
+                if (queued.vol_name, queued.job, queued.rank, queued.loader) == \
+                        (request.vol_name, request.job, request.rank, request.loader):
+                    del pending[i]
+                    return queued
+            return pending.popleft() if pending else None
 
     def submit_and_wait(self, request: PlanRequest, timeout: float) -> bool:
         """Queue the plan and wait until the background thread has sent it, at most
@@ -322,7 +335,7 @@ class Submitter:
             # The daemon answers once the files of the first batches are local (bounded).
             first = len(_file_order(files.offsets, request.order[:request.first])) if request.first else 0
             client.submit_plan(request.job, request.rank, request.epoch, dataset_id,
-                               order.astype(dtype).tobytes(), dtype, first)
+                               order.astype(dtype).tobytes(), dtype, loader=request.loader, first=first)
             self.last_job = JobIdentity(request.job, request.rank, request.world_size, request.vol_name)
             self.plans_sent += 1
         except ProtocolError as exc:

@@ -94,10 +94,14 @@ class FastFile(io.BytesIO):
 
 
 class Channel:
-    """One connection to the daemon's data socket, with its ring (one per worker process)."""
+    """One connection to the daemon's data socket, with its ring (one per worker process).
+
+    ``writable`` maps the ring writable too (the sample store's puts and plans are written
+    into it by the client; cube_torch/samples/daemon_store.py); the fast path only reads.
+    """
 
     def __init__(self, path: str, *, connect_timeout: float = CONNECT_TIMEOUT,
-                 reply_timeout: float = REPLY_TIMEOUT) -> None:
+                 reply_timeout: float = REPLY_TIMEOUT, writable: bool = False) -> None:
         self.reply_timeout = reply_timeout
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         try:
@@ -110,7 +114,8 @@ class Channel:
                 if len(fds) != 1 or not isinstance(reply.get("ring"), int):
                     raise ProtocolError(0, f"bad hello reply {reply!r}")
                 size = reply["ring"]
-                self.ring = mmap.mmap(fds[0], size, mmap.MAP_SHARED, mmap.PROT_READ)
+                protection = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+                self.ring = mmap.mmap(fds[0], size, mmap.MAP_SHARED, protection)
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -141,6 +146,15 @@ class Channel:
                 raise ProtocolError(0, f"bad ring slot {entry!r}")
             out.append(self.ring[offset:offset + length])  # a copy: the ring is the daemon's again
         return out
+
+    def call(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Send one JSON message and return the daemon's answer; an error answer raises
+        ProtocolError (with its status), anything else broken OSError or ValueError."""
+        message = json.dumps(request, separators=(",", ":")).encode()
+        if len(message) > MAX_BATCH_MESSAGE:
+            raise ValueError("request too large for one message")
+        self.sock.send(message)
+        return _decode(self.sock.recv(MAX_BATCH_MESSAGE))
 
     def release(self, opens: list[int]) -> None:
         """The batch is loaded: its ring bytes are the daemon's again; ``opens``: how often

@@ -11,6 +11,7 @@ replaced: ``isinstance(loader, DataLoader)`` stays true and the worker loop is t
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import weakref
@@ -30,6 +31,28 @@ MAX_PLANNED_SAMPLES = 50_000_000
 
 _epochs: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _original: property | None = None
+# Each DataLoader's id in this process, sent with its plans: the daemon keeps one plan per
+# (job, rank, loader), so two loaders iterated together (train and val, two domains
+# zipped) do not replace each other's plans.  Assigned when a loader first builds an
+# iterator, from a process-wide counter; held weakly (the loader's own lifetime).
+_loader_ids: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+_next_loader_id = itertools.count()
+_ids_by_object: dict[int, str] = {}  # loaders that cannot be weakly referenced (none in torch)
+
+
+def loader_id(loader: Any) -> str:
+    """The id this process gives ``loader``'s plans ("0", "1", ... in order of first use)."""
+    try:
+        known = _loader_ids.get(loader)
+    except TypeError:
+        known = _ids_by_object.get(id(loader))
+    if known is None:
+        known = str(next(_next_loader_id))
+        try:
+            _loader_ids[loader] = known
+        except TypeError:
+            _ids_by_object[id(loader)] = known
+    return known
 
 
 class PlannedSampler:
@@ -42,12 +65,13 @@ class PlannedSampler:
         # while its iterator runs, and that epoch must be planned all the same.
         self._dataset = loader.dataset
         self._sampler = getattr(loader, "sampler", None)
+        self._loader_id = loader_id(loader)  # now: the loader may be gone by the first next()
 
     def __len__(self) -> int:
         return len(self.inner)
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("inner", "_loader", "_dataset", "_sampler"):
+        if name.startswith("__") or name in ("inner", "_loader", "_dataset", "_sampler", "_loader_id"):
             raise AttributeError(name)  # not yet set (copy, pickle): never recurse
         return getattr(self.inner, name)
 
@@ -96,7 +120,7 @@ class PlannedSampler:
         # (workers open nothing before that), waiting at most PLAN_SUBMIT_WAIT; a slower
         # submission (a first, large file list) finishes in the background.
         submitter.submit_and_wait(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size(),
-                                              _first_samples(self._loader(), items)),
+                                              loader=self._loader_id, first=_first_samples(self._loader(), items)),
                                   PLAN_SUBMIT_WAIT)
         reporter.ensure_running(planning_loaders)
 

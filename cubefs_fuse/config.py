@@ -24,6 +24,7 @@ from typing import Any
 import humanfriendly
 
 from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.limits import SAMPLE_NAME_PATTERN
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -63,6 +64,15 @@ DEFAULT_BLOCK_SIZE = 1 * MiB
 DEFAULT_JOB_IDLE_TIMEOUT = 1800.0
 
 
+# The sample store's budgets.  RAM: decoded samples are larger than their files (a
+# 224x224x3 uint8 image is 150 KB), 1 GiB holds the hot part of a few thousand of them
+# beside the block cache's own 1 GiB default; NVMe: 10 GiB, the block cache's default
+# size, holds ~70,000 such samples (an ImageNet-scale run at 224 px needs ~190 GB: size
+# it with the dataset).  Memory and disk are only used as entries arrive.
+DEFAULT_SAMPLE_CACHE_MEM_SIZE = 1 * GiB
+DEFAULT_SAMPLE_CACHE_DISK_SIZE = 10 * GiB
+
+
 @dataclass(frozen=True, slots=True)
 class ClientConfig:
     mount_point: str
@@ -97,6 +107,10 @@ class ClientConfig:
     # reads too), else /tmp, CubeFS's place.
     config_dir: str = dataclasses.field(default_factory=lambda: os.environ.get("CUBE_TORCH_CONFIG_DIR") or "/tmp")
     job_idle_timeout: float = DEFAULT_JOB_IDLE_TIMEOUT
+    # The processed-sample cache's daemon store (cubefs_fuse/samples/; 0 turns a tier off).
+    sample_cache_mem_size: int = DEFAULT_SAMPLE_CACHE_MEM_SIZE
+    sample_cache_disk_size: int = DEFAULT_SAMPLE_CACHE_DISK_SIZE
+    sample_cache_shared: tuple[tuple[int, str], ...] = ()  # (owner uid, name) every allowed uid may read
     unused_keys: tuple[str, ...] = ()
 
     @property
@@ -247,6 +261,21 @@ def _id_list(key: str, value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _shared_samples(key: str, value: Any) -> tuple[tuple[int, str], ...]:
+    """``["<owner uid>:<name>", ...]``: sample caches every allowed uid may read."""
+    out: list[tuple[int, str]] = []
+    if isinstance(value, list):
+        for item in value:
+            uid, _, name = item.partition(":") if isinstance(item, str) else ("", "", "")
+            if not (uid.isascii() and uid.isdigit() and len(uid) <= 10 and int(uid) <= _MAX_ID
+                    and re.fullmatch(SAMPLE_NAME_PATTERN, name) and name not in (".", "..")):
+                break
+            out.append((int(uid), name))
+        else:
+            return tuple(out)
+    raise ConfigError(f"key {key!r}: expected a list of \"<owner uid>:<sample cache name>\" strings, got {_shown(value)}")
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def parse(key: str, value: Any) -> str:
         text = _string(key, value)
@@ -285,6 +314,9 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "controlAllowGids": ("control_allow_gids", _id_list),
     "configDir": ("config_dir", _nonempty_string),
     "jobIdleTimeout": ("job_idle_timeout", _positive_seconds),
+    "sampleCacheMemSize": ("sample_cache_mem_size", parse_size),
+    "sampleCacheDiskSize": ("sample_cache_disk_size", parse_size),
+    "sampleCacheShared": ("sample_cache_shared", _shared_samples),
 }
 REQUIRED_KEYS = ("mountPoint", "volName", "source")
 KNOWN_KEYS = frozenset(_KEYS)

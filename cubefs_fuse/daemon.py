@@ -28,6 +28,7 @@ from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig, record_block_size
 from cubefs_fuse.control.dataplane import DataPlane
+from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
@@ -39,6 +40,7 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.adapter import FuseOperations
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
+from cubefs_fuse.samples.store import SampleStore
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class Daemon:
     fs: Filesystem
     service: PrefetchService | None = None
     data_plane: DataPlane | None = None  # the fast path's transport (ai_prefetch)
+    samples: SampleStore | None = None  # the processed-sample cache's store (ai_prefetch)
 
     def snapshot(self) -> Snapshot:
         c, plane = self.config, self.data_plane
@@ -67,7 +70,8 @@ class Daemon:
                         self.meta.statistics(), self.service.job_samples() if self.service else (),
                         mount=MountInfo(c.vol_name, c.mount_point, c.source, c.profile),
                         fastpath=plane.resolver.statistics() if plane else None,
-                        fastpath_connections=plane.connections if plane else 0)
+                        fastpath_connections=plane.connections if plane else 0,
+                        samples=self.samples.statistics() if self.samples else None)
 
 
 def mount_options(config: ClientConfig) -> set[str]:
@@ -128,7 +132,11 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
         if config.profile == "ai_prefetch":
             volfile.claim(config.vol_name, config.config_dir)
             fs.observer = service
-        daemon.data_plane = await _start_control(nursery, service, config, cleanup)
+        if config.profile == "ai_prefetch" and (config.sample_cache_mem_size or config.sample_cache_disk_size):
+            daemon.samples = await SampleStore.open(
+                nursery, sample_dir(config), config.sample_cache_mem_size, config.sample_cache_disk_size,
+                config.disk_free_ratio, shared=frozenset(config.sample_cache_shared))
+        daemon.data_plane = await _start_control(nursery, service, config, cleanup, daemon.samples)
         write_index = await _serve(daemon, config_path, on_ready)
         nursery.cancel_scope.cancel()
     return write_index
@@ -215,6 +223,11 @@ def data_socket_path(config: ClientConfig) -> str:
     return control_socket_path(config) + ".data"
 
 
+def sample_dir(config: ClientConfig) -> str:
+    """The sample store's NVMe directory, inside the disk cache's (under its lock)."""
+    return os.path.join(config.cache_dir, "samples")
+
+
 def token_file_path(config: ClientConfig) -> str:
     return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
 
@@ -243,7 +256,7 @@ def _unlink_quietly(path: str) -> None:
 
 
 async def _start_control(nursery: trio.Nursery, service: PrefetchService, config: ClientConfig,
-                         cleanup: contextlib.ExitStack) -> DataPlane | None:
+                         cleanup: contextlib.ExitStack, samples: SampleStore | None = None) -> DataPlane | None:
     """Open the control API (Unix socket, and the loopback port with a token if configured)
     and, with ai_prefetch, the data socket of cube_torch's fast path.
     The token file is removed by ``cleanup`` when the daemon ends, however it ends."""
@@ -255,11 +268,12 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
         cleanup.callback(_unlink_quietly, path)  # the token dies with the daemon: no stale secret
     server = ControlServer(AccessPolicy(frozenset(config.control_allow_uids),
                                         frozenset(config.control_allow_gids)), token)
-    Routes(service, ai_prefetch=config.profile == "ai_prefetch").install(server)
+    Routes(service, ai_prefetch=config.profile == "ai_prefetch", samples=samples).install(server)
     socket_path = control_socket_path(config)
     os.makedirs(os.path.dirname(socket_path), exist_ok=True)
     ai_prefetch = config.profile == "ai_prefetch"
-    data_plane = DataPlane(BatchResolver(service, allow_other="allow_other" in mount_options(config))) \
+    data_plane = DataPlane(BatchResolver(service, allow_other="allow_other" in mount_options(config)),
+                           samples=SamplePlane(samples).serve if samples is not None else None) \
         if ai_prefetch else None
     try:
         await nursery.start(server.serve_unix, socket_path)

@@ -15,6 +15,11 @@ MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
 MAX_NAME = 128  # job names and other identifiers
 PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
+# DataLoaders of one (job, rank) with a plan each (train and val, domains zipped together).
+# Every open of the job is matched against each of its loaders' plans, and the lookahead
+# budget (half the RAM tier) is split among the loaders being read: at 16 a share is
+# already 1/32 of the RAM tier.  A 17th loader's plan replaces the least recently read one.
+MAX_LOADERS = 16
 
 
 # The fast path (cube_torch's FUSE-free hits, control/dataplane.py): one message per batch
@@ -28,3 +33,32 @@ MAX_BATCH_MESSAGE = 160 * 1024
 # of 256 ImageNet JPEGs (~110 KB each); at most MAX_CONNECTIONS (64) rings exist at once,
 # and a ring's pages are only allocated as batches fill them.
 FAST_RING_BYTES = 32 * 1024 * 1024
+
+
+# The processed-sample cache's daemon store (cubefs_fuse/samples/, over the data socket).
+# One entry must fit a data connection's ring, which carries it in both directions: 32 MiB
+# holds a 2048x2048x3 float32 image (48 MiB would not), far above decoded training samples
+# (a 224x224x3 uint8 image is 150 KB).  A larger entry is dropped: the cache is optional.
+MAX_SAMPLE_ENTRY_BYTES = FAST_RING_BYTES
+# Keys of one sample_get / sample_put message: a batch's samples.  A put's item
+# ``[key, offset, length]`` is at most ~50 bytes of JSON, so 2048 of them stay within
+# MAX_BATCH_MESSAGE (160 KiB); batch sizes are 32-1024.
+MAX_SAMPLE_KEYS = 2048
+# A plan (the next epoch's key order) travels through the ring as little-endian int64s: one
+# ring holds 4 Mi keys.  Longer plans are cut there: eviction only needs the order of what
+# can be resident, and 4 Mi entries of a typical 150 KB sample are 600 GB, beyond a node's
+# NVMe budget; what comes later is treated as unplanned (LRU).
+MAX_SAMPLE_PLAN_KEYS = FAST_RING_BYTES // 8
+# Sample caches a daemon keeps (one per (owner uid, name)): each is a label value of the
+# per-cache metrics, so this bounds their cardinality; a sweep reuses one name per
+# preprocessing, and a node runs a few jobs.  A user may hold at most a quarter of them,
+# so one user's churn cannot lock the others out.
+MAX_SAMPLE_CACHES = 256
+MAX_SAMPLE_CACHES_PER_UID = 64
+# A sample cache's name: the characters of job names (safe as one path component: the
+# NVMe tier keeps a cache's entries in a directory of that name; "." and ".." are refused).
+SAMPLE_NAME_PATTERN = r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME
+# Plan keys the sample store holds over all its caches: a plan costs 13 bytes per distinct
+# key (the sorted key, its position, a consumed flag), so 16 Mi keys bound plans to ~220 MB
+# whatever users send; past it, the least recently planned caches lose their plans (LRU).
+MAX_SAMPLE_PLANNED_KEYS = 4 * MAX_SAMPLE_PLAN_KEYS

@@ -31,6 +31,7 @@ from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.fs.metadata import MetadataStatistics
 from cubefs_fuse.prefetch.batches import BatchStatistics
 from cubefs_fuse.prefetch.jobs import JobSample
+from cubefs_fuse.samples.store import SampleStoreStatistics
 
 log = logging.getLogger(__name__)
 
@@ -112,16 +113,41 @@ METRICS: dict[str, MetricSpec] = {
                    ai_prefetch=True),
         MetricSpec("cubefs_fuse_fastpath_connections", "gauge", "Open data-socket connections (one per DataLoader worker using the fast path).",
                    ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the job's current epoch plan.",
+        MetricSpec("cubefs_fuse_plan_samples", "gauge", "Samples in the current epoch plans of the job's loaders.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_position", "gauge", "The plan's read cursor (samples consumed in order).",
+        MetricSpec("cubefs_fuse_plan_position", "gauge", "The plans' read cursors, summed over the job's loaders.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The epoch of the job's current plan.",
+        MetricSpec("cubefs_fuse_plan_epoch", "gauge", "The newest epoch of the job's plans.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursor.",
+        MetricSpec("cubefs_fuse_plan_lookahead_files", "gauge", "Samples issued for prefetch ahead of the cursors.",
                    ("training_job", "rank"), ai_prefetch=True),
-        MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursor.",
+        MetricSpec("cubefs_fuse_plan_lookahead_bytes", "gauge", "Bytes issued for prefetch ahead of the cursors.",
                    ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_plan_loaders", "gauge", "DataLoaders of the job with a plan of their own.",
+                   ("training_job", "rank"), ai_prefetch=True),
+        # The processed-sample cache's daemon store: one label set per cache (at most
+        # MAX_SAMPLE_CACHES, 256), its name and its owner's uid.
+        MetricSpec("cubefs_fuse_sample_cache_entries", "gauge", "Entries a sample cache holds (in RAM, on NVMe or both).",
+                   ("sample_cache", "owner"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_cache_bytes", "gauge", "Bytes of a sample cache's entries, per tier (disk: allocated bytes).",
+                   ("sample_cache", "owner", "tier"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_cache_hits_total", "counter", "Sample gets answered with an entry.",
+                   ("sample_cache", "owner"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_cache_misses_total", "counter", "Sample gets answered without an entry.",
+                   ("sample_cache", "owner"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_cache_puts_total", "counter", "Entries put into a sample cache.",
+                   ("sample_cache", "owner"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_cache_evictions_total", "counter", "Entries of a sample cache evicted to make room.",
+                   ("sample_cache", "owner"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_store_used_bytes", "gauge", "Bytes the sample store holds, per tier (disk: allocated bytes).",
+                   ("tier",), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_store_limit_bytes", "gauge", "The sample store's budget per tier (sampleCacheMemSize, sampleCacheDiskSize).",
+                   ("tier",), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_store_corrupt_total", "counter", "Sample entry files found damaged on a read (deleted, answered as misses).",
+                   ai_prefetch=True),
+        MetricSpec("cubefs_fuse_sample_store_dropped_total", "counter",
+                   "Entries a put could not keep (no room in either tier, NVMe index still loading, free-space floor).",
+                   ai_prefetch=True),
     )
 }
 
@@ -146,6 +172,7 @@ class Snapshot:
     mount: MountInfo | None = None
     fastpath: BatchStatistics | None = None  # ai_prefetch only
     fastpath_connections: int = 0
+    samples: SampleStoreStatistics | None = None  # the processed-sample cache's store (ai_prefetch)
 
 
 class _Families:
@@ -259,6 +286,9 @@ def families(s: Snapshot) -> Iterator[Metric]:
             f.add("cubefs_fuse_plan_epoch", j.plan["epoch"], *labels)
             f.add("cubefs_fuse_plan_lookahead_files", j.plan["lookahead_files"], *labels)
             f.add("cubefs_fuse_plan_lookahead_bytes", j.plan["lookahead_bytes"], *labels)
+            f.add("cubefs_fuse_plan_loaders", j.loaders, *labels)
+    if s.samples is not None:
+        _sample_families(f, s.samples)
     ai_prefetch = s.mount is not None and s.mount.profile == "ai_prefetch"
     for spec in METRICS.values():
         if spec.kind != "histogram" and spec.name not in f.families and (ai_prefetch or not spec.ai_prefetch):
@@ -271,6 +301,23 @@ def families(s: Snapshot) -> Iterator[Metric]:
         buckets.append(("+Inf", snap.count))
         histogram.add_metric([op], buckets, snap.total)
     yield histogram
+
+
+def _sample_families(f: _Families, s: SampleStoreStatistics) -> None:
+    for tier, used, limit in (("ram", s.ram_used_bytes, s.ram_limit_bytes), ("disk", s.disk_used_bytes, s.disk_limit_bytes)):
+        f.add("cubefs_fuse_sample_store_used_bytes", used, tier)
+        f.add("cubefs_fuse_sample_store_limit_bytes", limit, tier)
+    f.add("cubefs_fuse_sample_store_corrupt_total", s.corrupt)
+    f.add("cubefs_fuse_sample_store_dropped_total", s.dropped)
+    for c in s.caches:
+        labels = (c.name, str(c.owner))
+        f.add("cubefs_fuse_sample_cache_entries", c.entries, *labels)
+        f.add("cubefs_fuse_sample_cache_bytes", c.ram_bytes, *labels, "ram")
+        f.add("cubefs_fuse_sample_cache_bytes", c.disk_bytes, *labels, "disk")
+        f.add("cubefs_fuse_sample_cache_hits_total", c.hits, *labels)
+        f.add("cubefs_fuse_sample_cache_misses_total", c.misses, *labels)
+        f.add("cubefs_fuse_sample_cache_puts_total", c.stored, *labels)
+        f.add("cubefs_fuse_sample_cache_evictions_total", c.evictions, *labels)
 
 
 def _errno_name(code: int) -> str:

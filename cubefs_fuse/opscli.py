@@ -32,7 +32,8 @@ class OpsError(Exception):
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser("status", help="show mounts, cache use, hit rates and jobs",
                             description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
-                            "tier, hit rate, active jobs with their hit rate and prefetch progress, uptime.")
+                            "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader when a "
+                            "job's rank has several), uptime.")
     status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -46,9 +47,13 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     warmup.add_argument("--check", action="store_true", help="only report the cached percentage")
     warmup.add_argument("--json", action="store_true", help="print the final report as JSON, no progress bar")
 
-    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount",
-                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount.")
-    drop.add_argument("mount_point", metavar="MOUNTPOINT")
+    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount, or one sample cache",
+                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount; with "
+                          "--samples NAME, destroy one processed-sample cache instead (its owner or root only).")
+    drop.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT",
+                      help="the mount (with --samples: default the mount of $VOL_NAME, or the only live mount)")
+    drop.add_argument("--samples", metavar="NAME", help="destroy the sample cache NAME (yours), or ~UID/NAME "
+                      "(another user's: root only)")
 
     stats = sub.add_parser("stats", help="a live view of a mount's activity (like 'juicefs stats')",
                            description="Print per-interval rates: opens, reads, hit rate, bytes by source, "
@@ -94,7 +99,7 @@ def _call(client: ControlClient, method: str, path: str, **kwargs: Any) -> Any:
     try:
         return client.request(method, path, **kwargs)
     except ProtocolError as exc:
-        if exc.status == 403:
+        if exc.status == 403 and "allowed to use the control socket" in exc.message:
             raise OpsError(f"permission denied on the control socket {client.socket_path}: run as root or the "
                            "daemon's user, or list your uid in 'controlAllowUids'") from None
         raise OpsError(f"control API: {exc}") from None
@@ -187,38 +192,84 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
     if r.get("profile", "ai_prefetch") != "ai_prefetch":
         console.print('  jobs and plans: this mount runs without "profile": "ai_prefetch"')
         return
-    plans = {(p["job"], p["rank"]): p for p in r.get("plans", [])}
+    plans: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for p in r.get("plans", []):
+        plans.setdefault((p["job"], p["rank"]), []).append(p)
     if r.get("jobs"):
         jobs = Table(box=box.SIMPLE, show_header=True)
-        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead"):
+        # "loader" last: the columns before it read as they did before loaders had plans.
+        for column in ("job", "rank", "pid", "requests", "hit rate", "epoch", "progress", "lookahead", "loader"):
             jobs.add_column(column)
         ordered = sorted(r["jobs"], key=lambda j: (j["job"], j["rank"]))  # a job's ranks together
         for j in ordered:
-            p = plans.get((j["job"], j["rank"]))
-            progress = f"{p['cursor']}/{p['samples']}" if p else "-"
-            lookahead = f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}" if p else "-"
+            mine = plans.get((j["job"], j["rank"]), [])
+            # The (job, rank)'s row, with its plan when it has one loader; then one row per
+            # loader when it has several (each DataLoader keeps its own plan).
+            p = mine[0] if len(mine) == 1 else None
+            loader = p.get("loader", "0") if p else (f"{len(mine)} loaders" if mine else "-")
             jobs.add_row(j["job"], str(j["rank"]), str(j["pid"]), str(j["requests"]),
-                         f"{100 * j['hit_rate']:.2f}%", str(p["epoch"]) if p else "-", progress, lookahead)
+                         f"{100 * j['hit_rate']:.2f}%", *_plan_cells(p), loader)
+            if len(mine) > 1:
+                for p in sorted(mine, key=lambda p: str(p.get("loader", ""))):
+                    jobs.add_row("", "", "", str(p.get("requests", "-")),
+                                 f"{100 * p['hit_rate']:.2f}%" if "hit_rate" in p else "-", *_plan_cells(p),
+                                 str(p.get("loader", "0")))
         console.print(jobs)
         _print_distributed_jobs(console, ordered, plans)
     else:
         console.print("  no jobs registered")
+    _print_samples(console, r.get("samples"))
+
+
+def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
+    """The processed-sample caches: one row each (name, owner, entries, bytes, hits, misses)."""
+    if not samples:
+        console.print("  sample caches: off (sampleCacheMemSize and sampleCacheDiskSize are 0)")
+        return
+    ram, disk = samples["ram"], samples["disk"]
+    loading = "" if samples["loaded"] else ", loading its NVMe entries"
+    console.print(f"  sample store: RAM {_size(ram['used_bytes'])} of {_size(ram['limit_bytes'])}, "
+                  f"NVMe {_size(disk['used_bytes'])} of {_size(disk['limit_bytes'])}, "
+                  f"{samples['corrupt']} damaged entries{loading}")
+    if not samples["caches"]:
+        console.print("  no sample caches")
+        return
+    table = Table(box=box.SIMPLE, show_header=True)
+    for column in ("sample cache", "owner", "entries", "bytes", "hits", "misses", "hit rate"):
+        table.add_column(column, justify="left" if column == "sample cache" else "right")
+    for c in samples["caches"]:
+        asked = c["hits"] + c["misses"]
+        rate = f"{100 * c['hits'] / asked:.2f}%" if asked else "-"
+        table.add_row(c["name"] + (" (shared)" if c["shared"] else ""), str(c["owner"]), str(c["entries"]),
+                      _size(c["bytes"]), str(c["hits"]), str(c["misses"]), rate)
+    console.print(table)
+
+
+def _plan_cells(p: dict[str, Any] | None) -> tuple[str, str, str]:
+    """A plan's epoch, progress and lookahead columns ("-" without one)."""
+    if p is None:
+        return "-", "-", "-"
+    return (str(p["epoch"]), f"{p['cursor']}/{p['samples']}",
+            f"{p['lookahead_files']} files, {_size(p['lookahead_bytes'])}")
 
 
 def _print_distributed_jobs(console: Console, jobs: list[dict[str, Any]],
-                            plans: dict[tuple[str, int], dict[str, Any]]) -> None:
-    """One line per job of several ranks: its ranks, how many have a plan, its hit rate."""
+                            plans: dict[tuple[str, int], list[dict[str, Any]]]) -> None:
+    """One line per job of several ranks or loaders: its ranks, how many have a plan, its
+    loaders, its hit rate."""
     by_name: dict[str, list[dict[str, Any]]] = {}
     for j in jobs:
         by_name.setdefault(j["job"], []).append(j)
     for name, ranks in by_name.items():
-        if len(ranks) < 2:
+        loaders = sum(len(plans.get((name, j["rank"]), [])) for j in ranks)
+        if len(ranks) < 2 and loaders < 2:
             continue
         requests, hits = sum(j["requests"] for j in ranks), sum(j["hits"] for j in ranks)
         planned = sum((name, j["rank"]) in plans for j in ranks)
         rate = 100 * hits / requests if requests else 0.0
-        console.print(f"  job {name}: {len(ranks)} ranks ({', '.join(str(j['rank']) for j in ranks)}), "
-                      f"{planned} planned, requests {requests}, hit rate {rate:.2f}%")
+        console.print(f"  job {name}: {len(ranks)} rank{'s' if len(ranks) > 1 else ''} "
+                      f"({', '.join(str(j['rank']) for j in ranks)}), {planned} planned, "
+                      f"{loaders} loader{'s' if loaders != 1 else ''}, requests {requests}, hit rate {rate:.2f}%")
 
 
 # -- warmup ---------------------------------------------------------------------------
@@ -299,9 +350,35 @@ def _follow(client: ControlClient, warmup_id: int, *, quiet: bool) -> dict[str, 
 
 
 def cmd_drop(args: argparse.Namespace) -> int:
+    if args.samples is not None:
+        return _drop_samples(args.mount_point or _samples_mount(), args.samples)
+    if not args.mount_point:
+        raise OpsError("give the MOUNTPOINT whose cache to drop (or --samples NAME)")
     _, client = _client(args.mount_point)
     result = _call(client, "POST", "cache/drop", body=b"{}")
     print(f"dropped {_size(result['dropped_bytes'])} from the cache of {os.path.abspath(args.mount_point)}")
+    return 0
+
+
+def _samples_mount() -> str:
+    """The mount whose daemon keeps the sample caches: $VOL_NAME's, else the only live one."""
+    live = [m for m in mounts.survey() if m.state == "live" and m.info]
+    volume = os.environ.get("VOL_NAME")
+    if volume:
+        for m in live:
+            if (m.info or {}).get("volName") == volume:
+                return m.mount_point
+        raise OpsError(f"no live cubefs-fuse mount of volume {volume!r} (VOL_NAME) on this node: give its MOUNTPOINT")
+    if len(live) == 1:
+        return live[0].mount_point
+    raise OpsError(f"{len(live)} live cubefs-fuse mounts on this node: give the MOUNTPOINT (or set VOL_NAME)")
+
+
+def _drop_samples(mount_point: str, name: str) -> int:
+    _, client = _client(mount_point)
+    result = _call(client, "POST", "samples/drop", query={"name": name}, body=b"{}")
+    print(f"dropped sample cache {name}: {result['dropped_entries']} entries, {_size(result['dropped_bytes'])} "
+          f"(daemon of {os.path.abspath(mount_point)})")
     return 0
 
 

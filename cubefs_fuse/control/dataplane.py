@@ -31,6 +31,10 @@ daemon writes a batch only into a ring whose previous batch was thereby released
 connection has at most one batch in flight, so the daemon never rewrites bytes a worker
 may still be reading.  The ring is unmapped when the connection ends.
 
+The processed-sample cache's ops (``sample_get``, ``sample_put``, ``sample_plan``) share the
+connection and its ring; they are served by control/sampleplane.py (documented there)
+when the daemon keeps a sample store, and answered with an error otherwise.
+
 Deadlines: a new connection must say hello within ``HEAD_DEADLINE`` (5 s) like a control
 request head; an idle connection (between batches) is closed after :data:`IDLE_DEADLINE`,
 and meanwhile is the first to give up its slot when the caps are reached; a batch is
@@ -47,6 +51,7 @@ import logging
 import mmap
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +75,11 @@ IDLE_DEADLINE = 60.0
 # memcpy, so a large batch never holds the thread (FUSE requests) for longer.
 COPY_STEP = 8 * 1024 * 1024
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+# The sample ops' server (control/sampleplane.py's SamplePlane.serve): a parsed message, the
+# connection's ring and its peer in, the answer out.
+SampleOps = Callable[[dict[str, Any], "Ring", Peer], Awaitable[dict[str, Any]]]
 
 
 @dataclass(slots=True)
@@ -103,8 +113,10 @@ class Ring:
 class DataPlane:
     """Serves admitted data-socket connections (``ControlServer.serve_data``'s handler)."""
 
-    def __init__(self, resolver: BatchResolver, ring_bytes: int = FAST_RING_BYTES) -> None:
+    def __init__(self, resolver: BatchResolver, ring_bytes: int = FAST_RING_BYTES,
+                 samples: SampleOps | None = None) -> None:
         self.resolver = resolver
+        self.samples = samples
         self.ring_bytes = ring_bytes
         self.connections = 0
         self.rings = 0
@@ -131,7 +143,8 @@ class DataPlane:
                 slot.waiting(False)
                 deadline = IDLE_DEADLINE
                 try:
-                    op, paths, opens = _parse(message)
+                    data = _load(message)
+                    op, paths, opens = ("sample", [], []) if _is_sample_op(data) else _parse(data)
                 except BadRequest as exc:
                     self.protocol_errors += 1
                     await _send_quietly(sock, {"error": str(exc)})
@@ -140,6 +153,16 @@ class DataPlane:
                     self.resolver.commit(pending, opens if op == "release" else None)
                     pending = None
                 if op == "release":
+                    continue
+                if op == "sample":
+                    if ring is None:
+                        self.protocol_errors += 1
+                        await _send_quietly(sock, {"error": "say hello first"})
+                        return
+                    answer = await self.samples(data, ring, peer) if self.samples is not None else \
+                        {"error": "this daemon keeps no sample cache (sampleCacheMemSize and sampleCacheDiskSize are 0)",
+                         "status": 404}
+                    await sock.send(json.dumps(answer, separators=(",", ":")).encode())
                     continue
                 if op == "hello":
                     if ring is None:
@@ -181,7 +204,7 @@ class DataPlane:
                 ring.close()
 
 
-def _parse(message: bytes) -> tuple[str, list[str], list[int]]:
+def _load(message: bytes) -> dict[str, Any]:
     if len(message) > MAX_BATCH_MESSAGE:
         raise BadRequest(f"message over {MAX_BATCH_MESSAGE} bytes")
     try:
@@ -190,6 +213,15 @@ def _parse(message: bytes) -> tuple[str, list[str], list[int]]:
         raise BadRequest("message is not JSON") from None
     if not isinstance(data, dict):
         raise BadRequest("message must be a JSON object")
+    return data
+
+
+def _is_sample_op(data: dict[str, Any]) -> bool:
+    op = data.get("op")
+    return isinstance(op, str) and op.startswith("sample_")
+
+
+def _parse(data: dict[str, Any]) -> tuple[str, list[str], list[int]]:
     op = data.get("op")
     if op == "hello":
         return "hello", [], []

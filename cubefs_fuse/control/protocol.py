@@ -35,6 +35,9 @@ from cubefs_fuse.limits import MAX_NAME as MAX_NAME
 from cubefs_fuse.limits import MAX_PATH_BYTES as MAX_PATH_BYTES
 from cubefs_fuse.limits import MAX_PLAN_BODY as MAX_PLAN_BODY
 from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
+from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES as MAX_SAMPLE_ENTRY_BYTES
+from cubefs_fuse.limits import MAX_SAMPLE_KEYS as MAX_SAMPLE_KEYS
+from cubefs_fuse.limits import MAX_SAMPLE_PLAN_KEYS as MAX_SAMPLE_PLAN_KEYS
 
 PROTOCOL_VERSION = 1
 CONFIG_FILE_PREFIX = "cube_torch.config."
@@ -200,10 +203,14 @@ class ControlClient:
         return result
 
     def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str,
-                    first: int = 0) -> dict[str, Any]:
+                    loader: str | None = None, first: int = 0) -> dict[str, Any]:
         """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``.
-        ``first``: the answer waits (bounded) until that many first positions are cached."""
+        ``loader`` names the DataLoader of (job, rank) it is for (each keeps its own plan;
+        None: the daemon's default loader "0").  ``first``: the answer waits (bounded)
+        until that many first positions are cached."""
         query: dict[str, Any] = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+        if loader is not None:
+            query["loader"] = loader
         if first:
             query["first"] = first
         result: dict[str, Any] = self.request("POST", "plans", query=query, body=order, content_type=CONTENT_BINARY)

@@ -14,10 +14,12 @@ from typing import Any
 from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
-from cubefs_fuse.errors import BadRequest, NotFound
+from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
 from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
+from cubefs_fuse.samples.store import SampleStore
 
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
 _MAX_RANK = 1 << 20
@@ -64,9 +66,11 @@ relative_path = _relative_path  # the data socket (control/dataplane.py) checks 
 class Routes:
     """The ``/v1`` routes of one daemon, over its prefetch service."""
 
-    def __init__(self, service: PrefetchService, *, ai_prefetch: bool = True) -> None:
+    def __init__(self, service: PrefetchService, *, ai_prefetch: bool = True,
+                 samples: SampleStore | None = None) -> None:
         self.service = service
         self.ai_prefetch = ai_prefetch
+        self.samples = samples  # the processed-sample cache's store (None: off)
 
     def install(self, server: ControlServer) -> None:
         server.route("GET", "/v1/status", self.status)
@@ -81,10 +85,12 @@ class Routes:
         server.route("POST", "/v1/warmup", self.start_warmup)
         server.route("GET", "/v1/warmup", self.warmup_progress)
         server.route("POST", "/v1/cache/drop", self.drop_cache)
+        server.route("POST", "/v1/samples/drop", self.drop_samples)
 
     async def status(self, request: Request) -> Response:
         return Response.json({"version": __version__, "protocol_version": PROTOCOL_VERSION,
-                              "profile": "ai_prefetch" if self.ai_prefetch else "", **self.service.status()})
+                              "profile": "ai_prefetch" if self.ai_prefetch else "", **self.service.status(),
+                              "samples": self.samples.status() if self.samples is not None else None})
 
     async def needs_ai_prefetch(self, request: Request) -> Response:
         raise NotFound('this mount runs without "profile": "ai_prefetch": it keeps no datasets, jobs or plans')
@@ -115,16 +121,29 @@ class Routes:
         job = _name(q, "job")
         rank = _int(q.get("rank", "0"), "rank", 0, _MAX_RANK)
         epoch = _int(q.get("epoch", "0"), "epoch", 0, _MAX_EPOCH)
+        # Which DataLoader of the rank the plan is for (each keeps its own); clients that
+        # name none are loader "0".
+        loader = _name(q, "loader") if "loader" in q else DEFAULT_LOADER
         first = _int(q.get("first", "0"), "first", 0, MAX_DATASET_FILES)
         count = await self.service.submit_plan((job, rank), epoch, q.get("dataset", ""), request.body,
-                                               q.get("dtype", "<i8"), first)
-        return Response.json({"job": job, "rank": rank, "epoch": epoch, "samples": count})
+                                               q.get("dtype", "<i8"), loader, first)
+        return Response.json({"job": job, "rank": rank, "loader": loader, "epoch": epoch, "samples": count})
 
     async def stats(self, request: Request) -> Response:
         return Response.json(self.service.stats(request.query.get("job")))
 
     async def drop_cache(self, request: Request) -> Response:
         return Response.json({"dropped_bytes": await self.service.drop_cache()})
+
+    async def drop_samples(self, request: Request) -> Response:
+        """Destroy one sample cache: ``?name=NAME`` (the caller's) or ``?name=~UID/NAME``."""
+        if self.samples is None:
+            raise NotFound("this daemon keeps no sample cache (sampleCacheMemSize and sampleCacheDiskSize are 0, "
+                           'or no "profile": "ai_prefetch")')
+        if request.peer.transport != "unix":
+            raise Forbidden("sample caches belong to uids: drop them over the Unix socket (peer credentials)")
+        entries, size = await self.samples.drop(request.peer.uid, request.query.get("name", ""))
+        return Response.json({"dropped_entries": entries, "dropped_bytes": size})
 
     async def start_warmup(self, request: Request) -> Response:
         body = request.json()

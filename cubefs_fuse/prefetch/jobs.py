@@ -72,7 +72,8 @@ class JobSample:
     hits: int
     misses: int
     stall_seconds: float
-    plan: dict[str, Any] | None  # the scheduler's summary of its current plan
+    plan: dict[str, Any] | None  # its loaders' plans combined (prefetch/service.py), None without one
+    loaders: int = 0  # DataLoaders with a plan
 
 
 @dataclass

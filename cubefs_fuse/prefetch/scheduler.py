@@ -1,16 +1,28 @@
-"""Plan-driven prefetch: one lookahead window per (job, rank), ahead of its read cursor.
+"""Plan-driven prefetch: one lookahead window per (job, rank, loader), ahead of its read cursor.
 
-A plan is an epoch's sample order over a registered dataset.  Its cursor is the first
-position not yet read; it advances as the daemon sees the job's processes open the
-plan's files.  A task per plan keeps the files from the cursor up to a byte budget
-(and ``MAX_WINDOW_FILES``) in flight or cached, nearest first: the files of each
-chunk of positions are stat'ed in parallel (never by listing a directory, one round trip
-per entry in series), then their blocks are handed, in plan order, to
+A plan is an epoch's sample order over a registered dataset, submitted by one
+DataLoader (``loader``) of a job's rank; the loaders of one (job, rank) -- two domains
+zipped, train and val -- each keep their own plan, at most ``MAX_LOADERS`` of them.
+Its cursor is the first position not yet read; it advances as the daemon sees the
+job's processes open the plan's files: an open is matched by path against the plans of
+its (job, rank), and advances the one that reads that path nearest its cursor.  A task
+per plan keeps the files from the cursor up to its share of the byte budget (and
+``MAX_WINDOW_FILES``) in flight or cached, nearest first: the files of each chunk of
+positions are stat'ed in parallel (never by listing a directory, one round trip per
+entry in series), then their blocks are handed, in plan order, to
 ``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
-foreground reads always go first).  A new plan for the same (job, rank) cancels the
-old one's task; its outstanding prefetches finish but nothing new is issued.  A plan
-whose job ended is removed (``remove``); once no plan is left, every cached block
+foreground reads always go first).  The byte budget is shared equally by the plans
+still being read (a finished plan, or one no open advanced for ``PLAN_IDLE`` seconds,
+takes no share).  A new plan for the same (job, rank, loader) cancels the old one's
+task; its outstanding prefetches finish but nothing new is issued.  The plans of a job
+that ended are removed (``remove_job``); once no plan is left, every cached block
 becomes unplanned again (plain LRU).
+
+Eviction ranks blocks by the position at which a plan reads them.  The plans of a node
+read at the same time, so positions are put on one clock: a plan's position ``i`` is
+``origin + i``, its origin being the furthest any plan had read when it was submitted
+(``Scheduler.now``).  Two zipped loaders' windows then sit side by side, and a later
+loader's positions never look "sooner" than the ones an older plan reads now.
 
 Nothing here does work proportional to the cache or the plan on the trio thread in one
 go: re-ranking the cached blocks walks the cache shard by shard (``cache.tags``) with a
@@ -31,6 +43,7 @@ import trio
 from cubefs_fuse.cache.tags import SHARDS
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.errors import FsError
+from cubefs_fuse.limits import MAX_LOADERS
 from cubefs_fuse.prefetch.datasets import Dataset
 from cubefs_fuse.prefetch.jobs import JobKey
 
@@ -74,6 +87,16 @@ META_CONCURRENCY = 8
 # The same for a plan's first positions: the loader waits for them and no prefetch is in
 # flight yet, so twice as many.
 FIRST_META_CONCURRENCY = 16
+# A plan none of whose files was opened for this long takes no share of the window
+# budget (its loader stopped early, or was dropped mid-epoch): the others' windows grow
+# back.  A DataLoader's workers open files many times a second; a minute without one is
+# a loader that is not being iterated.  Its next open makes it active again.
+PLAN_IDLE = 60.0
+# The budget shares are recomputed (O(plans)) at most this often, or when plans come or go.
+SHARE_REFRESH = 0.5
+
+PlanKey = tuple[str, int, str]  # (job, rank, loader)
+DEFAULT_LOADER = "0"  # the loader of clients that name none (before loaders had plans of their own)
 
 
 @dataclass
@@ -82,14 +105,19 @@ class PlanCounters:
     used: int = 0  # planned files opened by the job
     skipped: int = 0  # positions the reader passed without opening
     errors: int = 0
+    requests: int = 0  # opens matched to this plan, counted at release (as the job's requests)
+    hits: int = 0  # ... that never waited on the backend
 
 
 @dataclass
 class Plan:
-    key: JobKey
+    key: PlanKey
     epoch: int
     dataset: Dataset
     order: np.ndarray  # sample indices, int64
+    origin: int = 0  # the shared eviction clock's value at position 0 (module doc)
+    submitted: float = 0.0  # trio clock
+    last_open: float = 0.0  # trio clock: the last open matched to this plan (or its submission)
     cursor: int = 0  # first position not yet consumed
     issued_upto: int = 0  # positions below this have been issued (or consumed)
     warmed_upto: int = 0  # positions below this have had their files stat'ed
@@ -103,17 +131,28 @@ class Plan:
     first_ready: trio.Event = field(default_factory=trio.Event)  # set once they are in (or failed)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     counters: PlanCounters = field(default_factory=PlanCounters)
+    open_paths: dict[str, int] = field(default_factory=dict)  # matched opens not yet released
 
     @property
     def length(self) -> int:
         return len(self.order)
 
+    @property
+    def job(self) -> JobKey:
+        return self.key[0], self.key[1]
+
+    @property
+    def finished(self) -> bool:
+        return self.cursor >= self.length
+
     def summary(self) -> dict[str, Any]:
+        c = self.counters
         return {
-            "job": self.key[0], "rank": self.key[1], "epoch": self.epoch, "dataset": self.dataset.id,
-            "samples": self.length, "cursor": self.cursor, "lookahead_files": self.issued_upto - self.cursor,
-            "lookahead_bytes": self.window_bytes, "issued": self.counters.issued, "used": self.counters.used,
-            "skipped": self.counters.skipped, "errors": self.counters.errors,
+            "job": self.key[0], "rank": self.key[1], "loader": self.key[2], "epoch": self.epoch,
+            "dataset": self.dataset.id, "samples": self.length, "cursor": self.cursor,
+            "lookahead_files": self.issued_upto - self.cursor, "lookahead_bytes": self.window_bytes,
+            "issued": c.issued, "used": c.used, "skipped": c.skipped, "errors": c.errors,
+            "requests": c.requests, "hits": c.hits, "hit_rate": c.hits / c.requests if c.requests else 0.0,
         }
 
 
@@ -122,51 +161,130 @@ class Scheduler:
         self._nursery = nursery
         self.fs = fs
         self.window_budget = window_bytes
-        self.plans: dict[JobKey, Plan] = {}
+        self.plans: dict[PlanKey, Plan] = {}
+        self._by_job: dict[JobKey, dict[str, Plan]] = {}  # (job, rank) -> loader -> plan
+        self._clock_floor = 0  # the shared clock of removed plans (module doc)
+        self._share = window_bytes
+        self._share_at = -float("inf")  # trio clock of the last share computation
 
-    def submit(self, key: JobKey, epoch: int, dataset: Dataset, order: np.ndarray, first: int = 0) -> Plan:
-        """Start ``key``'s plan (replacing its previous one).  ``first``: positions the
-        loader asks for as soon as it starts (its workers' first batches); the plan's task
-        brings them in before anything else and :meth:`wait_first` waits for them."""
+    def submit(self, key: PlanKey, epoch: int, dataset: Dataset, order: np.ndarray, first: int = 0) -> Plan:
+        """Start ``key``'s plan (replacing that loader's previous one).  ``first``: positions
+        the loader asks for as soon as it starts (its workers' first batches); the plan's
+        task brings them in before anything else and :meth:`wait_first` waits for them."""
+        job, loader = (key[0], key[1]), key[2]
+        loaders = self._by_job.setdefault(job, {})
         old = self.plans.get(key)
-        if old is not None:
-            old.scope.cancel()
-        plan = Plan(key, epoch, dataset, order, consumed=np.zeros(len(order), dtype=bool),
+        if old is None and len(loaders) >= MAX_LOADERS:
+            # Loaders that never say goodbye (dropped, recreated every evaluation) must not
+            # grow the table: the one read least recently gives way, finished ones first.
+            gone = min(loaders.values(), key=lambda p: (not p.finished, p.last_open))
+            log.info("job %s rank %d: %d loaders have plans; dropping loader %s's (least recently read)",
+                     job[0], job[1], MAX_LOADERS, gone.key[2])
+            self._forget(gone)
+        now = trio.current_time()
+        plan = Plan(key, epoch, dataset, order, origin=self.now(), submitted=now, last_open=now,
+                    consumed=np.zeros(len(order), dtype=bool),
                     first_end=max(0, min(first, len(order), MAX_WINDOW_FILES)))
+        if old is not None:
+            self._forget(old)
         self.plans[key] = plan
+        self._by_job.setdefault(job, {})[loader] = plan
+        self._shares_changed()
         self._nursery.start_soon(self._run, plan)
         return plan
 
-    def remove(self, key: JobKey) -> Plan | None:
-        """Cancel and forget ``key``'s plan (its job ended); the last one unplans the cache."""
-        plan = self.plans.pop(key, None)
-        if plan is None:
-            return None
+    def now(self) -> int:
+        """The shared eviction clock: the furthest position any plan has read (O(plans))."""
+        return max([self._clock_floor, *(p.origin + p.cursor for p in self.plans.values())])
+
+    def _forget(self, plan: Plan) -> None:
         plan.scope.cancel()
-        if not self.plans:
-            self._nursery.start_soon(self._unplan_all)
-        return plan
+        self._clock_floor = max(self._clock_floor, plan.origin + plan.cursor)
+        if self.plans.get(plan.key) is plan:
+            del self.plans[plan.key]
+        loaders = self._by_job.get(plan.job)
+        if loaders is not None and loaders.get(plan.key[2]) is plan:
+            del loaders[plan.key[2]]
+            if not loaders:
+                del self._by_job[plan.job]
+        self._shares_changed()
+
+    def _shares_changed(self) -> None:
+        """A plan came, went or finished: shares are recomputed, and windows that may grow
+        again are woken (O(plans), at most once per plan and epoch)."""
+        self._share_at = -float("inf")
+        for plan in self.plans.values():
+            plan.wake.set()
+
+    def plans_of(self, job: JobKey) -> list[Plan]:
+        """The live plans of a (job, rank), one per loader, in submission order."""
+        return sorted(self._by_job.get(job, {}).values(), key=lambda p: p.submitted)
+
+    def remove_job(self, job: JobKey) -> list[Plan]:
+        """Cancel and forget every loader's plan of ``job`` (it ended).  Blocks only they
+        planned become unplanned: all of them when no plan is left, else by re-ranking
+        the cache for the plans that remain."""
+        gone = self.plans_of(job)
+        for plan in gone:
+            self._forget(plan)
+        if gone:
+            if not self.plans:
+                self._nursery.start_soon(self._unplan_all)
+            else:
+                self._nursery.start_soon(self._rerank_remaining)
+        return gone
 
     async def _unplan_all(self) -> None:
         """No plan is left: every cached block is evicted by recency again (in steps)."""
         while not self.plans and self.fs.cache.unplan_some(UNPLAN_STEP):
             await trio.lowlevel.checkpoint()
 
+    async def _rerank_remaining(self) -> None:
+        try:
+            await self._rerank(None)
+        except Exception:
+            log.exception("re-ranking the cache after a job ended failed; eviction continues")
+
+    @staticmethod
+    def _active(plan: Plan, now: float) -> bool:
+        """Still being read: not finished, and a file of it was opened (or it arrived)
+        within ``PLAN_IDLE``."""
+        return not plan.finished and now - plan.last_open < PLAN_IDLE
+
+    def share(self) -> int:
+        """Each active plan's share of the window budget (module doc)."""
+        now = trio.current_time()
+        if now - self._share_at >= SHARE_REFRESH:
+            active = sum(1 for p in self.plans.values() if self._active(p, now))
+            self._share = max(1, self.window_budget // max(1, active))
+            self._share_at = now
+        return self._share
+
     def observe_open(self, key: JobKey, path: str) -> bool:
-        """A process of ``key`` opened ``path``; True if it was a planned file."""
-        plan = self.plans.get(key)
-        if plan is None:
+        """A process of ``key`` opened ``path``; True if it was a planned file.  Of the
+        (job, rank)'s loaders, the plan that reads ``path`` nearest its cursor takes it."""
+        loaders = self._by_job.get(key)
+        if not loaders:
             return False
-        if plan.indexed_upto < min(plan.length, plan.cursor + MATCH_AHEAD):
-            # An open can arrive before the plan's task first ran (right after the submit
-            # was answered): index a few positions now (the task indexes the rest).
-            self._extend_index(plan, OPEN_INDEX_STEP)
-        positions = plan.index.get(path)
-        if not positions:
+        best: Plan | None = None
+        best_position = 0
+        for plan in loaders.values():  # at most MAX_LOADERS
+            if plan.indexed_upto < min(plan.length, plan.cursor + MATCH_AHEAD):
+                # An open can arrive before the plan's task first ran (right after the submit
+                # was answered): index a few positions now (the task indexes the rest).
+                self._extend_index(plan, OPEN_INDEX_STEP)
+            positions = plan.index.get(path)
+            if positions and (best is None or abs(positions[0] - plan.cursor) < abs(best_position - best.cursor)):
+                best, best_position = plan, positions[0]
+        if best is None:
             return False
-        position = positions.pop(0)
+        plan, position = best, best_position
+        positions = plan.index[path]
+        positions.pop(0)
         if not positions:
             del plan.index[path]
+        plan.open_paths[path] = plan.open_paths.get(path, 0) + 1
+        plan.last_open = trio.current_time()
         if plan.consumed[position]:
             return True
         plan.consumed[position] = True
@@ -179,6 +297,19 @@ class Scheduler:
         plan.wake.set()
         return True
 
+    def observe_release(self, key: JobKey, path: str, waited: bool) -> None:
+        """A process of ``key`` released ``path``: a request of the plan its open matched."""
+        for plan in self._by_job.get(key, {}).values():
+            count = plan.open_paths.get(path)
+            if count:
+                if count == 1:
+                    del plan.open_paths[path]
+                else:
+                    plan.open_paths[path] = count - 1
+                plan.counters.requests += 1
+                plan.counters.hits += not waited
+                return
+
     def _advance(self, plan: Plan, position: int) -> None:
         # Positions far behind the newest read are taken as skipped (the reader will not
         # come back for them); readers interleave, so only a window's worth behind counts.
@@ -188,6 +319,8 @@ class Scheduler:
                 plan.counters.skipped += 1
                 plan.window_bytes -= plan.bytes_at.pop(plan.cursor, 0)
             plan.cursor += 1
+        if plan.finished:
+            self._shares_changed()  # its share goes to the others
 
     def _extend_index(self, plan: Plan, most: int) -> bool:
         """Index up to ``most`` more positions toward ``MATCH_AHEAD`` past the cursor;
@@ -224,22 +357,38 @@ class Scheduler:
                     await self._rerank(plan)
                     await self._fill(plan)
             except Exception:
-                log.exception("prefetch for job %s rank %d failed; reads continue unprefetched", *plan.key)
+                log.exception("prefetch for job %s rank %d loader %s failed; reads continue unprefetched",
+                              *plan.key)
 
-    async def _rerank(self, plan: Plan) -> None:
-        """Give every cached block of the plan's files its position (eviction keeps the
-        ones needed soonest); with no other plan active, the rest become unplanned.
+    async def _rerank(self, plan: Plan | None) -> None:
+        """Give every cached block the soonest position at which an active plan reads it
+        (eviction keeps the ones needed soonest); blocks no active plan reads become
+        unplanned.  ``plan``: the new plan that asks (None: a plan went away).
 
         The cache changes between steps: plan() and unplan() ignore blocks evicted since
         their shard was copied, and a block added since got its position (or none) from
         whoever added it."""
+        if plan is not None and self.plans.get(plan.key) is not plan:
+            return  # replaced before it started
         cache = self.fs.cache
-        inverse: list[np.ndarray] = []  # computed once, in the first worker call
+        # Each active plan's own positions, on the shared clock.  An idle plan (a loader
+        # dropped or left mid-epoch) protects nothing any more: its blocks go unplanned.
+        now = trio.current_time()
+        live = [p for p in self.plans.values() if p is plan or self._active(p, now)]
+        inverse: list[np.ndarray] = []  # computed once per plan, in the first worker call
 
         def positions_of(tags: np.ndarray) -> np.ndarray:
             if not inverse:
-                inverse.append(plan.dataset.inverse_of(plan.order))
-            return plan.dataset.positions_of(tags, inverse[0])
+                inverse.extend(p.dataset.inverse_of(p.order) for p in live)
+            best = np.full(len(tags), -1, dtype=np.int64)
+            for p, p_inverse in zip(live, inverse):
+                found = p.dataset.positions_of(tags, p_inverse)
+                # A position already read (or passed) is no future use of that plan.
+                valid = found >= p.cursor
+                valid[valid] = ~p.consumed[found[valid]]
+                at = np.where(valid, found + p.origin, -1)
+                best = np.where((at >= 0) & ((best < 0) | (at < best)), at, best)
+            return best
 
         keys: list[bytes] = []
         tags: list[int] = []
@@ -262,14 +411,13 @@ class Scheduler:
             tag_array = np.array(tags, dtype=np.uint64)
             positions = (await trio.to_thread.run_sync(positions_of, tag_array)).tolist()
             for start in range(0, len(keys), RERANK_STEP):
-                alone = len(self.plans) == 1
                 for key, tag, position in zip(keys[start : start + RERANK_STEP], tags[start : start + RERANK_STEP],
                                               positions[start : start + RERANK_STEP]):
                     if not tag:
                         continue  # a block whose file is unknown (after a crash scan) cannot be ranked
                     if position >= 0:
                         cache.plan(key, position)
-                    elif alone:
+                    else:
                         cache.unplan(key)
                 await trio.lowlevel.checkpoint()
             keys, tags = [], []
@@ -283,7 +431,7 @@ class Scheduler:
                 # Take positions nearest first while the window has files and bytes to
                 # spare: each chunk's files stat'ed in parallel, then issued in order.
                 while (plan.issued_upto < plan.length and plan.issued_upto - plan.cursor < MAX_WINDOW_FILES
-                       and plan.window_bytes < self.window_budget):
+                       and plan.window_bytes < self.share()):
                     if plan.warmed_upto <= plan.issued_upto:
                         end = min(plan.length, plan.issued_upto + META_CHUNK)
                         await self._warm_metadata(plan, plan.issued_upto, end, META_CONCURRENCY)
@@ -308,7 +456,7 @@ class Scheduler:
         await self._warm_metadata(plan, 0, plan.first_end, FIRST_META_CONCURRENCY)
         slots = trio.Semaphore(ISSUE_CONCURRENCY)
         async with trio.open_nursery() as nursery:
-            while plan.issued_upto < plan.first_end and plan.window_bytes < self.window_budget:
+            while plan.issued_upto < plan.first_end and plan.window_bytes < self.share():
                 position = plan.issued_upto
                 plan.issued_upto += 1
                 await self._start_issue(nursery, plan, position, slots)
@@ -356,13 +504,13 @@ class Scheduler:
         try:
             size = 0
             for path in plan.dataset.sample_paths(int(plan.order[position])):
-                size += await self.fs.blocks.prefetch_file(path, next_use=position)
+                size += await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position)
             plan.counters.issued += 1
             estimate = plan.bytes_at.get(position)
             if estimate is not None:  # not consumed meanwhile
                 plan.window_bytes += size - estimate
                 plan.bytes_at[position] = size
-                if size < estimate and plan.window_bytes < self.window_budget:
+                if size < estimate and plan.window_bytes < self.share():
                     plan.wake.set()  # the guess was too high: the window has room again
         except (OSError, FsError):
             plan.counters.errors += 1

@@ -8,8 +8,9 @@ per-job hit rates) and advances that job's plan cursor.
 Nothing leaks (docs/architecture.md, "Contract: jobs end"): a job whose process the
 daemon can watch (a pidfd) ends when that process exits; a job it cannot watch (pid 0:
 another pid namespace) and a plan submitted for a job never registered end after
-``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes its plan
-(its dataset pin goes with it: the dataset then ages out by the LRU budget) and its
+``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes the plans of
+all its loaders (their dataset pins go with them: a dataset then ages out by the LRU
+budget) and its
 per-job metric series (built from the live job list at each scrape).
 """
 
@@ -31,7 +32,7 @@ from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
-from cubefs_fuse.prefetch.scheduler import Scheduler
+from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER, Plan, Scheduler
 from cubefs_fuse.prefetch.warmup import Warmups
 
 # Registered file lists kept at once, by total bytes; the least recently used list that
@@ -82,13 +83,16 @@ class PrefetchService:
         key = f.owner if isinstance(f.owner, tuple) else None
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:
+            self.scheduler.observe_release(key, f.path, f.waited)  # the loader's own counters
             self.fs.blocks.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
 
     def job_samples(self) -> tuple[JobSample, ...]:
-        plans = {(p["job"], p["rank"]): p for p in self.scheduler.summaries()}
-        return tuple(JobSample(j.name, j.rank, j.counters.requests, j.counters.hits, j.counters.misses,
-                               j.counters.stall_seconds, plans.get((j.name, j.rank)))
-                     for j in self.jobs.jobs.values())
+        samples = []
+        for key, j in self.jobs.jobs.items():
+            plans = self.scheduler.plans_of(key)
+            samples.append(JobSample(j.name, j.rank, j.counters.requests, j.counters.hits, j.counters.misses,
+                                     j.counters.stall_seconds, _combined(plans), len(plans)))
+        return tuple(samples)
 
     # -- status ------------------------------------------------------------------------
 
@@ -104,8 +108,9 @@ class PrefetchService:
             "volume": self.config.vol_name, "mount_point": self.config.mount_point, "source": self.config.source,
             "uptime": time.time() - self.started, "cache": tiers,
             "hits": self._hits().as_dict(), "datasets": len(self.datasets),
-            "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict()}
-                     for j in self.jobs.jobs.values()],
+            "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict(),
+                      "loaders": len(self.scheduler.plans_of(key))}
+                     for key, j in self.jobs.jobs.items()],
             "plans": self.scheduler.summaries(), "jobs_ended": self.ended,
             "counters": self._counters(),
         }
@@ -134,9 +139,10 @@ class PrefetchService:
     def stats(self, job: str | None) -> dict[str, Any]:
         """Hit counters per job (``since_last`` restarts at each call) and prefetch counters."""
         report = self.jobs.report(job)
-        plans = {(p["job"], p["rank"]): p for p in self.scheduler.summaries()}
         for entry in report["jobs"]:
-            entry["plan"] = plans.get((entry["job"], entry["rank"]))
+            plans = [p.summary() for p in self.scheduler.plans_of((entry["job"], entry["rank"]))]
+            entry["plans"] = plans  # one per loader, oldest first
+            entry["plan"] = plans[-1] if plans else None  # the newest (what clients before loaders read)
         cache = self.fs.cache.statistics()
         report["prefetch"] = {"issued": cache.prefetch_issued, "completed": cache.prefetch_completed,
                               "failed": cache.prefetch_failed, "used": cache.prefetch_used,
@@ -224,9 +230,9 @@ class PrefetchService:
         if scope is not None:
             scope.cancel()
         job = self.jobs.unregister(key)
-        plan = self.scheduler.remove(key)
+        plans = self.scheduler.remove_job(key)
         self._orphans.pop(key, None)
-        if job is not None or plan is not None:
+        if job is not None or plans:
             self.ended += 1
             log.info("job %s rank %d ended: %s", key[0], key[1], why)
 
@@ -247,8 +253,10 @@ class PrefetchService:
                 self.end_job(key, f"plan of an unregistered job unused for {self.idle_timeout:.0f} s")
 
     async def submit_plan(self, key: JobKey, epoch: int, dataset_ref: str, order_bytes: bytes, dtype: str,
-                          first: int = 0) -> int:
-        """Plan ``key``'s epoch: ``order_bytes`` is an array of ``dtype`` sample indices; returns its length.
+                          loader: str = DEFAULT_LOADER, first: int = 0) -> int:
+        """Plan the epoch of ``key``'s DataLoader ``loader``: ``order_bytes`` is an array of
+        ``dtype`` sample indices; returns its length.  It replaces that loader's previous
+        plan only; the job's other loaders keep theirs.
 
         ``first``: the positions the loader asks for as soon as it starts; the answer
         waits (at most ``FIRST_WAIT``) until they are in the cache."""
@@ -270,7 +278,7 @@ class PrefetchService:
         count = len(order_bytes) // PLAN_DTYPES[dtype]
         order = await trio.to_thread.run_sync(validate) if count > _BIG_ARRAY else validate()
         self.datasets.move_to_end(dataset.id)
-        plan = self.scheduler.submit(key, epoch, dataset, order, first)
+        plan = self.scheduler.submit((key[0], key[1], loader), epoch, dataset, order, first)
         if key in self.jobs.jobs:
             self.jobs.touch(key)
         else:
@@ -287,6 +295,18 @@ class PrefetchService:
         await self.fs.cache.clear()
         self.fs.meta.clear()
         return before.ram.used_bytes + (before.disk.used_bytes if before.disk else 0)
+
+
+def _combined(plans: list[Plan]) -> dict[str, Any] | None:
+    """A (job, rank)'s plans as one, for the per-job metrics: samples, cursors and lookahead
+    summed over its loaders, the newest epoch."""
+    if not plans:
+        return None
+    summaries = [p.summary() for p in plans]
+    combined = {key: sum(s[key] for s in summaries)
+                for key in ("samples", "cursor", "lookahead_files", "lookahead_bytes", "issued", "used")}
+    combined["epoch"] = max(s["epoch"] for s in summaries)
+    return combined
 
 
 def _inspect_process(pid: int) -> tuple[int | None, int | None]:

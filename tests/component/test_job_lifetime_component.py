@@ -71,7 +71,7 @@ async def test_pid0_job_ends_when_idle_and_releases_its_dataset(mock_clock: trio
         await service.submit_plan(("busy", 0), 0, dataset, np.arange(3, dtype="<i8").tobytes(), "<i8")
         await advance(mock_clock, IDLE / 2 + IDLE / 4 + 1)  # past the timeout and one idle check
         assert ("container", 0) not in service.jobs.jobs
-        assert ("container", 0) not in service.scheduler.plans
+        assert ("container", 0, "0") not in service.scheduler.plans
         assert ("busy", 0) in service.jobs.jobs  # active half a timeout ago: still there
         await advance(mock_clock, IDLE)
         assert service.jobs.jobs == {} and service.scheduler.plans == {}

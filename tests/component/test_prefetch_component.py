@@ -23,13 +23,15 @@ import trio
 import trio.testing
 
 from cubefs_fuse.cache.blockcache import BlockCache
+from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
-from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY
+from cubefs_fuse.limits import MAX_LOADERS
+from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
 from cubefs_fuse.prefetch.service import FIRST_WAIT, PrefetchService
 from tests.fakes import FakeBackend
 
@@ -118,9 +120,13 @@ async def taken_in(s: System, rank: int = 0) -> None:
     With a real clock that takes a worker thread ~1 ms after the plan arrives, before the
     epoch's first batch is read.  Under autojump_clock the reader's 2 ms misses cost no
     real time, so without this wait it would read dozens of files in "LRU mode" first."""
-    plan = s.service.scheduler.plans[(JOB, rank)]
+    await window_started(s.service.scheduler.plans[(JOB, rank, "0")])
+
+
+async def window_started(plan: Any) -> None:
+    """Wait until ``plan``'s window has stat'ed its first chunk, right after re-ranking."""
     with trio.fail_after(1):  # virtual time: passes only while the window stats its first chunk
-        while not plan.warmed_upto:  # the window's first step, right after re-ranking
+        while not plan.warmed_upto:
             # A checkpoint, or, while the window's stats are out, a step of virtual time (the
             # clock only jumps when every task waits): at most one stat's round trip passes.
             await trio.sleep(LATENCY / 20)
@@ -150,7 +156,7 @@ async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: tri
         stats = s.cache.statistics()
         assert stats.prefetch_wasted == 0  # the cache holds the dataset: nothing evicted unread
         assert stats.prefetch_used >= len(warm) * 0.99
-        plan = s.service.scheduler.plans[(JOB, 0)]
+        plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert plan.cursor == len(paths) and plan.counters.used == len(paths)
         # Metadata came per file, stat'ed in parallel by the window, never by listing a
         # directory (a listing pays one round trip per entry in series): each file once,
@@ -263,11 +269,11 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         new = await register(s, new_paths)
         await submit(s, old, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk)  # the first chunk is issued, the second is being stat'ed
-        old_plan = s.service.scheduler.plans[(JOB, 0)]
+        old_plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert META_CHUNK <= old_plan.issued_upto < len(old_paths)
         issued_before = old_plan.issued_upto
         await submit(s, new, list(range(len(new_paths))), epoch=1)
-        new_plan = s.service.scheduler.plans[(JOB, 0)]
+        new_plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert new_plan is not old_plan
         await eventually(lambda: new_plan.counters.issued == len(new_paths)
                          and all((p, 0) in backend.read_calls for p in new_paths))
@@ -283,7 +289,7 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         old2 = await register(s2, old_paths)
         await submit(s2, old2, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk + 10 * per_chunk)
-        assert s2.service.scheduler.plans[(JOB, 0)].issued_upto == len(old_paths)
+        assert s2.service.scheduler.plans[(JOB, 0, "0")].issued_upto == len(old_paths)
 
 
 async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: trio.testing.MockClock) -> None:
@@ -330,7 +336,7 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
 async def submit_first(s: System, dataset: str, order: list[int], first: int) -> float:
     """Submit a plan whose answer waits for its first ``first`` positions; the virtual seconds it took."""
     start = trio.current_time()
-    await s.service.submit_plan((JOB, 0), 0, dataset, np.asarray(order, dtype="<u4").tobytes(), "<u4", first)
+    await s.service.submit_plan((JOB, 0), 0, dataset, np.asarray(order, dtype="<u4").tobytes(), "<u4", first=first)
     return trio.current_time() - start
 
 
@@ -372,9 +378,236 @@ async def test_plan_answer_waits_for_the_first_batches_at_most_first_wait(
         dataset = await register(s, paths)
         took = await submit_first(s, dataset, list(range(len(paths))), 32)
         assert took == pytest.approx(FIRST_WAIT)
-        plan = s.service.scheduler.plans[(JOB, 0)]
+        plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert not plan.first_ready.is_set()
         # The plan goes on: the rest of the window is issued meanwhile.
         await eventually(lambda: plan.issued_upto == len(paths))
         gate.set()
         await eventually(plan.first_ready.is_set)
+
+
+# -- several DataLoaders of one (job, rank), each with its own plan -----------------------
+#
+# Plans arrive through the service's real handler with a loader id, as
+# ``POST /v1/plans?...&loader=`` delivers them; the "application" reads as the loaders'
+# workers would through the mount.
+
+LOADER_FILES = 300  # per loader
+LOADER_RAM = 200 * BLOCK  # the LOADER_RAM tier holds a third of one epoch of both loaders (600 files)
+
+
+async def submit_for(s: System, dataset: str, order: list[int], *, loader: str | None,
+                     epoch: int = 0) -> None:
+    """A plan as the control API hands it over (``loader=None``: a client that names none),
+    then, as ``taken_in`` does, a wait until the daemon has re-ranked the cache for it (a
+    worker thread) and started its window."""
+    body = np.asarray(order, dtype="<u4").tobytes()
+    if loader is None:
+        await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4")
+    else:
+        await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4", loader)
+    await window_started(s.service.scheduler.plans[(JOB, 0, loader or "0")])
+
+
+def two_domains(backend: FakeBackend) -> tuple[list[str], list[str]]:
+    first = make_dataset(backend, LOADER_FILES)  # class000/..., 50 per directory
+    second = [f"domain_b/img{i:05d}.jpg" for i in range(LOADER_FILES)]
+    for i, path in enumerate(second):
+        backend.write(path, bytes([i % 13]) * BLOCK)
+    return first, second
+
+
+async def read_zipped(s: System, a: list[str], b: list[str], order_a: list[int],
+                      order_b: list[int]) -> tuple[list[bool], list[bool]]:
+    """Read both loaders' epochs in step (``zip``), a training step between samples."""
+    hits_a, hits_b = [], []
+    for i, j in zip(order_a, order_b):
+        hits_a.append(await read_file(s.fs, a[i]))
+        hits_b.append(await read_file(s.fs, b[j]))
+        await trio.sleep(LATENCY)
+    return hits_a, hits_b
+
+
+def shuffled(n: int, seed: int) -> list[int]:
+    order = list(range(n))
+    np.random.default_rng(seed).shuffle(order)
+    return order
+
+
+async def test_two_zipped_loaders_keep_their_plans_and_both_hit(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    order_a, order_b = shuffled(LOADER_FILES, 1), shuffled(LOADER_FILES, 2)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, order_a, loader="0")
+        await submit_for(s, db, order_b, loader="1")
+        scheduler = s.service.scheduler
+        plan_a, plan_b = scheduler.plans[(JOB, 0, "0")], scheduler.plans[(JOB, 0, "1")]
+        hits_a, hits_b = await read_zipped(s, a, b, order_a, order_b)
+        assert scheduler.plans_of((JOB, 0)) == [plan_a, plan_b]  # neither replaced the other
+        assert not plan_a.scope.cancel_called and not plan_b.scope.cancel_called
+        for plan, hits in ((plan_a, hits_a), (plan_b, hits_b)):
+            # each loader's reads advanced its own plan, and were counted as its requests
+            assert plan.counters.used == plan.cursor == LOADER_FILES and plan.counters.skipped == 0
+            assert plan.counters.requests == LOADER_FILES and plan.counters.hits == sum(hits)
+            assert sum(hits[5:]) / len(hits[5:]) >= 0.99, f"{hits.count(False)} misses"
+        summaries = [p["loader"] for p in s.service.status()["plans"]]
+        assert summaries == ["0", "1"]
+        job = s.service.stats(JOB)["jobs"][0]
+        assert [p["loader"] for p in job["plans"]] == ["0", "1"] and job["plan"]["loader"] == "1"
+
+    # Control: the same reads with both plans under one loader id (what every client sent
+    # before loaders had plans of their own): the second plan replaces the first, whose
+    # reads then miss.
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, order_a, loader=None)
+        await submit_for(s, db, order_b, loader=None)
+        hits_a, hits_b = await read_zipped(s, a, b, order_a, order_b)
+        assert list(s.service.scheduler.plans) == [(JOB, 0, "0")]
+        assert sum(hits_a) / LOADER_FILES < 0.2 and sum(hits_b[5:]) / len(hits_b[5:]) >= 0.99
+
+
+async def test_the_window_budget_is_shared_by_the_loaders_being_read(
+        autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        scheduler = s.service.scheduler
+        budget = scheduler.window_budget
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, list(range(LOADER_FILES)), loader="0")
+        plan_a = scheduler.plans[(JOB, 0, "0")]
+        await eventually(lambda: plan_a.window_bytes >= budget)
+        assert plan_a.window_bytes < budget + BLOCK  # alone: the whole budget
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1")
+        plan_b = scheduler.plans[(JOB, 0, "1")]
+        await eventually(lambda: plan_b.window_bytes >= budget // 2)
+        # Reading A drains its window down to its half; B's never goes past its half.
+        for i in range(100):
+            assert await read_file(s.fs, a[i])
+            await trio.sleep(LATENCY)
+            assert plan_b.window_bytes < budget // 2 + BLOCK
+        assert plan_a.window_bytes < budget // 2 + BLOCK
+        assert scheduler.share() == budget // 2
+        # B is read to its end: it takes no share any more, and A's window grows back.
+        for path in b:
+            await read_file(s.fs, path)
+        assert plan_b.finished and plan_b.window_bytes == 0
+        await eventually(lambda: plan_a.window_bytes >= budget)
+        # A loader nobody reads for PLAN_IDLE gives its share back too.
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1", epoch=1)
+        plan_b = scheduler.plans[(JOB, 0, "1")]
+        await eventually(lambda: scheduler.share() == budget // 2)
+        for path in a[100:250]:  # A is being read all along; B not
+            await read_file(s.fs, path)
+            await trio.sleep((PLAN_IDLE + 1) / 150)
+        assert not plan_a.finished and scheduler.share() == budget
+
+
+async def test_a_later_loader_starts_at_the_clock_of_the_reads_so_far(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """Positions of every plan are on one clock: a plan submitted after 100 reads of
+    another starts at 100, so its blocks never outrank the older plan's current window."""
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, list(range(LOADER_FILES)), loader="0")
+        for path in a[:100]:
+            await read_file(s.fs, path)
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1")
+        scheduler = s.service.scheduler
+        plan_a, plan_b = scheduler.plans[(JOB, 0, "0")], scheduler.plans[(JOB, 0, "1")]
+        assert plan_a.origin == 0 and plan_a.cursor == 100 and plan_b.origin == 100
+        await eventually(lambda: plan_b.counters.issued > 10 and cached(s, b[0]))  # its first blocks landed
+        policy = s.cache.memory.policy
+        def next_use(path: str) -> int | None:
+            attr = s.fs.meta.peek(path)
+            assert attr is not None
+            return policy.next_use(block_key(path, attr.version, 0))
+
+        assert next_use(b[0]) == 100 and next_use(a[100]) == 100 and next_use(a[110]) == 110
+        # A new epoch of loader 0 continues the clock from where its last one stood.
+        for path in a[100:]:
+            await read_file(s.fs, path)
+        await submit_for(s, da, list(range(LOADER_FILES)), loader="0", epoch=1)
+        assert scheduler.plans[(JOB, 0, "0")].origin == LOADER_FILES
+
+
+async def test_an_open_advances_the_plan_that_reads_it_next(autojump_clock: trio.testing.MockClock) -> None:
+    """Two loaders over one dataset (one registration), in different orders: an open
+    goes to the plan that reads that file nearest its cursor."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 100)
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        assert await register(s, paths) == dataset  # the same list: the same registration
+        await submit_for(s, dataset, list(range(100)), loader="0")
+        await submit_for(s, dataset, list(range(99, -1, -1)), loader="1")
+        scheduler = s.service.scheduler
+        forward, backward = scheduler.plans[(JOB, 0, "0")], scheduler.plans[(JOB, 0, "1")]
+        for i in range(10):
+            await read_file(s.fs, paths[i])
+            await read_file(s.fs, paths[99 - i])
+        assert forward.cursor == backward.cursor == 10
+        assert forward.counters.requests == backward.counters.requests == 10
+
+
+async def test_loaders_are_bounded_and_end_with_their_job(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 2 * MAX_LOADERS + 3)
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        scheduler = s.service.scheduler
+        for loader in range(MAX_LOADERS):  # loader k reads files 2k and 2k + 1
+            await submit_for(s, dataset, [2 * loader, 2 * loader + 1], loader=str(loader))
+            await trio.sleep(1)
+        # Loader 3 is read to its end; loader 5 half (the others are only planned).
+        for i in (6, 7, 10):
+            await read_file(s.fs, paths[i])
+        assert scheduler.plans[(JOB, 0, "3")].finished and not scheduler.plans[(JOB, 0, "5")].finished
+        await submit_for(s, dataset, [2 * MAX_LOADERS], loader="new")
+        loaders = {key[2] for key in scheduler.plans}
+        assert len(loaders) == MAX_LOADERS and "3" not in loaders and "new" in loaders  # finished first
+        await submit_for(s, dataset, [2 * MAX_LOADERS + 1], loader="newer")
+        loaders = {key[2] for key in scheduler.plans}
+        assert len(loaders) == MAX_LOADERS and "newer" in loaders
+        assert "0" not in loaders and "5" in loaders  # then the one read least recently
+        # Job end cancels every loader's plan.
+        plans = scheduler.plans_of((JOB, 0))
+        s.service.end_job((JOB, 0), "test")
+        assert scheduler.plans == {} and all(p.scope.cancel_called for p in plans)
+
+
+async def test_a_dropped_loaders_window_stops_being_protected(autojump_clock: trio.testing.MockClock) -> None:
+    """A loader left mid-epoch (dropped, or its loop broke early) says nothing: once none
+    of its files was opened for PLAN_IDLE, the next re-ranking unplans its window."""
+    backend = FakeBackend(latency=LATENCY)
+    a, b = two_domains(backend)
+    async with open_system(backend, ram=LOADER_RAM) as s:
+        policy = s.cache.memory.policy
+
+        def next_use(path: str) -> int | None:
+            attr = s.fs.meta.peek(path)
+            assert attr is not None
+            return policy.next_use(block_key(path, attr.version, 0))
+
+        da, db = await register(s, a), await register(s, b)
+        await submit_for(s, da, list(range(LOADER_FILES)), loader="0")
+        for path in a[:50]:
+            await read_file(s.fs, path)
+        plan_a = s.service.scheduler.plans[(JOB, 0, "0")]
+        await eventually(lambda: plan_a.issued_upto > 60 and next_use(a[60]) is not None)
+        # Another loader starts while the first is still read: its window stays protected.
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1")
+        await eventually(lambda: s.service.scheduler.plans[(JOB, 0, "1")].counters.issued > 0)
+        assert next_use(a[60]) == 60
+        # Loader 0 is never read again; loader 1 starts its next epoch after PLAN_IDLE.
+        await trio.sleep(PLAN_IDLE + 1)
+        await submit_for(s, db, list(range(LOADER_FILES)), loader="1", epoch=1)
+        await eventually(lambda: next_use(a[60]) is None)
+        assert (JOB, 0, "0") in s.service.scheduler.plans  # still listed (status), protecting nothing

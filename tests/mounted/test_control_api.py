@@ -31,7 +31,7 @@ from cubefs_fuse.control.protocol import (
     ProtocolError,
     read_volume_config,
 )
-from tests.helpers import REPO, Mount, dead_pid, free_port, wait_until, write_tree
+from tests.helpers import REPO, Mount, dead_pid, free_port, metric, wait_until, write_tree
 
 FILES = [f"a/{i}.bin" for i in range(10)] + [f"w/sub/{i}.bin" for i in range(6)]
 SIZE = 20_000
@@ -84,6 +84,42 @@ def expect_error(status: int, call: Callable[[], Any]) -> str:
     return info.value.message
 
 
+def test_each_loader_of_a_rank_keeps_its_own_plan(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
+    """``loader=`` on POST /v1/plans: plans of different loaders of one (job, rank) live
+    side by side, a loader's new plan replaces only its own, and a plan without the
+    field is loader "0" (what clients before it sent)."""
+    m, client, _ = start(make_mount, tmp_path)
+    try:
+        first, second = client.register_dataset(FILES[:10]), client.register_dataset(FILES[10:])
+        client.register_job(JOB, 0, os.getpid())
+        order = np.arange(6, dtype="<u4").tobytes()
+        answer = client.submit_plan(JOB, 0, 0, first, np.arange(10, dtype="<u4").tobytes(), "<u4")
+        assert answer["loader"] == "0"
+        answer = client.submit_plan(JOB, 0, 0, second, order, "<u4", loader="val")
+        assert answer == {"job": JOB, "rank": 0, "loader": "val", "epoch": 0, "samples": 6}
+        client.submit_plan(JOB, 0, 1, second, order, "<u4", loader="val")  # val's next epoch
+
+        def loaders() -> dict[str, tuple[int, str]]:
+            return {p["loader"]: (p["epoch"], p["dataset"]) for p in client.status()["plans"] if p["job"] == JOB}
+
+        assert loaders() == {"0": (0, first), "val": (1, second)}
+        (job,) = client.status()["jobs"]
+        assert job["loaders"] == 2
+        (entry,) = client.stats(JOB)["jobs"]
+        assert [p["loader"] for p in entry["plans"]] == ["0", "val"] and entry["plan"]["loader"] == "val"
+        # Reads through the mount advance each loader's own plan and count as its requests.
+        for rel in FILES[:10] + FILES[10:]:
+            (m.mount_point / rel).read_bytes()
+        wait_until(lambda: all(p["requests"] == p["samples"] for p in client.status()["plans"]),
+                   what="every open counted for its loader")
+        assert {p["loader"]: p["cursor"] for p in client.status()["plans"]} == {"0": 10, "val": 6}
+        scrape = m.scrape()
+        assert metric(scrape, "cubefs_fuse_plan_loaders", training_job=JOB, rank="0") == 2
+        assert metric(scrape, "cubefs_fuse_plan_samples", training_job=JOB, rank="0") == 16
+    finally:
+        m.umount()
+
+
 def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
     m, client, config = start(make_mount, tmp_path)
     try:
@@ -102,8 +138,10 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
                                           content_type=CONTENT_BINARY)
 
         def plan(body: bytes, dtype: str = "<u4", dataset_id: str = dataset, job: str = JOB,
-                 rank: str = "0") -> Callable[[], Any]:
+                 rank: str = "0", loader: str | None = None) -> Callable[[], Any]:
             query = {"job": job, "rank": rank, "epoch": 2, "dataset": dataset_id, "dtype": dtype}
+            if loader is not None:
+                query["loader"] = loader
             return lambda: client.request("POST", "plans", query=query, body=body, content_type=CONTENT_BINARY)
 
         def warmup(paths: Any) -> Callable[[], Any]:
@@ -132,6 +170,10 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
             ("plan unknown dataset", 404, plan(np.arange(3, dtype="<u4").tobytes(), dataset_id="0" * 32)),
             ("plan bad job name", 400, plan(np.arange(3, dtype="<u4").tobytes(), job="../x")),
             ("plan negative rank", 400, plan(np.arange(3, dtype="<u4").tobytes(), rank="-1")),
+            ("plan empty loader", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="")),
+            ("plan loader with a space", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="a b")),
+            ("plan loader traversal", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="../x")),
+            ("plan loader too long", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="l" * 129)),
             # Warmup: traversal, absolute, unnormalised, NUL, wrong types.
             ("warmup traversal", 400, warmup(["../etc"])),
             ("warmup inner traversal", 400, warmup(["a/../../etc"])),

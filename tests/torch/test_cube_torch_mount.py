@@ -205,8 +205,8 @@ def wire(monkeypatch: pytest.MonkeyPatch, volume: Volume) -> Wire:
         return dataset_id
 
     def plan(self: ControlClient, job: str, rank: int, epoch: int, dataset: str, order: bytes,
-             dtype: str) -> dict[str, Any]:
-        result = submit_plan(self, job, rank, epoch, dataset, order, dtype)
+             dtype: str, loader: str | None = None, first: int = 0) -> dict[str, Any]:
+        result = submit_plan(self, job, rank, epoch, dataset, order, dtype, loader, first)
         with captured.lock:
             captured.plans.append(SentPlan(job, rank, epoch, dataset, np.frombuffer(order, dtype=dtype).copy()))
         return result
@@ -608,9 +608,9 @@ def test_the_plan_is_at_the_daemon_before_an_epochs_first_open(volume: Volume, f
     the submission takes 0.3 s (a busy daemon; within the 1 s bound)."""
     submit_plan = ControlClient.submit_plan
 
-    def slow_submit(self: ControlClient, *args: Any) -> dict[str, Any]:
+    def slow_submit(self: ControlClient, *args: Any, **kwargs: Any) -> dict[str, Any]:
         time.sleep(0.3)  # the emulated slowness, not a wait for a condition
-        return submit_plan(self, *args)
+        return submit_plan(self, *args, **kwargs)
 
     monkeypatch.setattr(ControlClient, "submit_plan", slow_submit)
     dataset = PlanWitness(volume.root, fresh_state, read_volume_config(volume.name).control_socket)

@@ -69,6 +69,9 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "jobIdleTimeout": ("600", "job_idle_timeout", 600.0),
     "controlAllowUids": ([1000, 1001], "control_allow_uids", (1000, 1001)),
     "controlAllowGids": ([100], "control_allow_gids", (100,)),
+    "sampleCacheMemSize": ("256MiB", "sample_cache_mem_size", 256 * MiB),
+    "sampleCacheDiskSize": (0, "sample_cache_disk_size", 0),
+    "sampleCacheShared": (["1000:imagenet-224"], "sample_cache_shared", ((1000, "imagenet-224"),)),
 }
 
 
@@ -543,3 +546,9 @@ def test_environment_config_dir_must_exist_for_ai_prefetch(tmp_path: Path) -> No
     assert env_error(cfg) == f"key 'configDir': {str(missing)!r} does not exist or is not a directory"
     assert not missing.exists()
     check_environment(env_config(tmp_path, configDir=str(missing)))  # unused without ai_prefetch
+
+
+@pytest.mark.parametrize("value", [["imagenet"], ["x:imagenet"], ["1000:"], ["1000:.."], ["1000:a/b"], "1000:a",
+                                   [1000], ["99999999999:a"]])
+def test_sample_cache_shared_names_an_owner_uid_and_a_cache(value: Any) -> None:
+    assert "sampleCacheShared" in error_of({**BASE, "sampleCacheShared": value})

@@ -230,6 +230,35 @@ def test_loader_built_inline_is_planned(plans: list[PlanRequest]) -> None:
     assert len(plans) == 1 and plans[0].order.tolist() == consumed and plans[0].epoch == 0
 
 
+def test_each_loader_plans_under_its_own_id(plans: list[PlanRequest]) -> None:
+    """Two loaders iterated together (zipped) and one built inline: each has its own id,
+    kept from epoch to epoch, so the daemon keeps one plan per loader."""
+    train, val = (DataLoader(Indices(n), batch_size=2, shuffle=True, collate_fn=keep) for n in (8, 6))
+    for epoch in range(2):
+        for _ in zip(train, val):
+            pass
+    by_loader: dict[str, list[int]] = {}
+    for p in plans:
+        by_loader.setdefault(p.loader, []).append(p.epoch)
+    assert patch.loader_id(train) != patch.loader_id(val)
+    assert by_loader == {patch.loader_id(train): [0, 1], patch.loader_id(val): [0, 1]}
+    plans.clear()
+    list(DataLoader(Indices(4), batch_size=2, collate_fn=keep))
+    (inline,) = plans
+    assert inline.loader not in by_loader and patch.loader_id(train) == patch.loader_id(train)
+
+
+def test_a_full_queue_drops_the_same_loaders_older_plan_first() -> None:
+    submitter = ct_client.Submitter()  # no thread: requests are queued by hand
+    queued = [PlanRequest("v", None, np.arange(2), epoch, 0, "job", loader=loader)
+              for epoch, loader in enumerate(("0", "1", "0", "2"))]
+    for request in queued:
+        submitter._queue.put_nowait(request)
+    assert submitter._supersede(PlanRequest("v", None, np.arange(2), 9, 0, "job", loader="1")) is queued[1]
+    assert submitter._supersede(PlanRequest("v", None, np.arange(2), 9, 0, "job", loader="7")) is queued[0]
+    assert list(submitter._queue.queue) == [queued[2], queued[3]]
+
+
 def test_planned_sampler_survives_copy() -> None:
     import copy
 

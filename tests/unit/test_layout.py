@@ -32,7 +32,7 @@ FLOORS: dict[str, int] = {
     "cubefs_fuse.config": 1, "cubefs_fuse.mounts": 1, "cubefs_fuse.backends": 1,
     "cubefs_fuse.cache": 2,
     "cubefs_fuse.fs": 3,
-    "cubefs_fuse.prefetch": 4,
+    "cubefs_fuse.prefetch": 4, "cubefs_fuse.samples": 4,
     "cubefs_fuse.control": 5, "cubefs_fuse.metrics": 5,
     "cubefs_fuse.daemon": 6, "cubefs_fuse.opscli": 6,
     "cubefs_fuse.cli": 7, "cubefs_fuse.__main__": 8,

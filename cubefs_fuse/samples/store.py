@@ -1,0 +1,649 @@
+"""The daemon's sample store: opaque entries under (owner uid, cache name, integer key).
+
+What ``cube_torch.samples`` caches for ``CachedDataset`` (a decoded, resized sample, made
+and checked by the training side: bytes here), shared by every rank and job of the node
+and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCacheMemSize``,
+``sampleCacheDiskSize``; 0 turns a tier off):
+
+* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot part;
+* **NVMe**: one checksummed file per entry under ``<diskCacheDir>/samples/`` (files.py),
+  written by ``put_many`` in one worker-thread hop per batch, so entries survive a
+  restart; at start-up the file headers are scanned in a worker thread and merged into
+  the index in chunks (until that is done, gets miss and puts are dropped).  A damaged
+  file is deleted, counted and answered as a miss, never served.
+
+**Eviction** (cache/policy.py's :class:`PlannedLru`, one per tier, over every cache of
+the node): ``plan(name, keys)`` gives a cache's next order (an epoch's); an entry the
+plan reads at position p is "planned" until a get consumes it.  Over budget, unplanned
+entries go first, least recently used first; then planned ones, the furthest next use
+first (Belady); a put that is not planned displaces planned entries only within the
+tier's scratch room.  Without a plan it is LRU.
+
+**Names and owners**: the owner of an entry is the uid of the process that put it (the
+data socket's peer credentials).  A name is resolved in the caller's own namespace;
+``~<uid>/<name>`` names another user's cache, readable only if the config shares it
+(``sampleCacheShared``) or by an administrator (root or the daemon's uid), and never
+writable by anyone but its owner.  Dropping a cache: its owner or an administrator.
+
+All state lives on the trio thread; file I/O runs in worker threads under a capacity
+limiter, and work proportional to a cache's size (a plan, a drop, the start-up merge)
+runs in chunks of :data:`CHUNK` with a checkpoint between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import struct
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+
+from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
+from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
+                                MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
+from cubefs_fuse.samples import files
+
+log = logging.getLogger(__name__)
+
+# What one RAM entry costs beyond its bytes: the bytes object's header (33), the entry
+# record and its dict slots (~120) and the eviction policy's ordered-dict node (~100).
+RAM_ENTRY_OVERHEAD = 256
+# Entries handled between two checkpoints of the trio thread (a plan's re-ranking, a
+# drop, the start-up merge): ~4 ms of Python each, so FUSE requests never wait longer.
+CHUNK = 4096
+# Concurrent entry file reads and writes: as the block cache's NVMe tier (cache/disk.py).
+DISK_THREADS = 8
+# Entries one reading thread takes at least: below 16 (~2 MiB of typical samples) a thread
+# hop (~100 us here) costs more than the reads it parallelises.
+READ_SHARE = 16
+
+_NAME = re.compile(SAMPLE_NAME_PATTERN)
+_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
+_PK = struct.Struct("<Iq")  # (cache id, key): one policy key over every cache of the node
+
+
+@dataclass(frozen=True, slots=True)
+class SampleCacheStatistics:
+    name: str
+    owner: int
+    entries: int
+    bytes: int  # payload bytes of the entries held (in RAM, on NVMe or both)
+    ram_bytes: int
+    disk_bytes: int  # allocated bytes of its files
+    hits: int
+    misses: int
+    stored: int  # entries put
+    evictions: int  # entries that left the store to make room
+    planned: int  # keys of its current plan (0: none)
+    shared: bool
+
+
+@dataclass(frozen=True, slots=True)
+class SampleStoreStatistics:
+    ram_used_bytes: int
+    ram_limit_bytes: int
+    disk_used_bytes: int
+    disk_limit_bytes: int
+    ram_entries: int
+    disk_entries: int
+    corrupt: int  # damaged files found on reads (deleted, answered as misses)
+    write_errors: int
+    dropped: int  # entries a put could not keep (no room in either tier, loading, free-space floor)
+    loaded: bool
+    startup_seconds: float
+    startup_discarded: int
+    caches: tuple[SampleCacheStatistics, ...]
+
+
+class _Entry:
+    __slots__ = ("size", "ram", "disk")
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.ram: bytes | None = None
+        self.disk = 0  # allocated bytes of its file (0: not on NVMe)
+
+
+class _Plan:
+    """A cache's next order: key -> first position, and which keys a get consumed."""
+
+    def __init__(self, keys: np.ndarray) -> None:
+        order = np.argsort(keys, kind="stable")
+        ordered = keys[order]
+        first = np.ones(len(ordered), dtype=bool)
+        first[1:] = ordered[1:] != ordered[:-1]
+        self.keys = ordered[first]
+        self.positions = order[first].astype(np.int32)  # < MAX_SAMPLE_PLAN_KEYS
+        self.consumed = np.zeros(len(self.keys), dtype=bool)
+        self.length = len(keys)
+
+    @classmethod
+    def build(cls, data: bytes) -> _Plan:  # a worker thread: O(n log n)
+        return cls(np.frombuffer(data, dtype="<i8").astype(np.int64))
+
+    def _index(self, key: int) -> int:
+        i = int(np.searchsorted(self.keys, key))
+        return i if i < len(self.keys) and int(self.keys[i]) == key else -1
+
+    def next_use(self, key: int) -> int | None:
+        i = self._index(key)
+        return int(self.positions[i]) if i >= 0 and not self.consumed[i] else None
+
+    def next_uses(self, keys: list[int]) -> list[int]:
+        """Each key's next position, -1 where none (vectorised: a chunk of a re-ranking)."""
+        wanted = np.array(keys, dtype=np.int64)
+        i = np.searchsorted(self.keys, wanted)
+        i[i >= len(self.keys)] = 0
+        hit = (self.keys[i] == wanted) & ~self.consumed[i] if len(self.keys) else np.zeros(len(keys), dtype=bool)
+        out: list[int] = np.where(hit, self.positions[i] if len(self.keys) else 0, -1).tolist()
+        return out
+
+    def consume(self, key: int) -> bool:
+        i = self._index(key)
+        if i < 0 or self.consumed[i]:
+            return False
+        self.consumed[i] = True
+        return True
+
+
+class _Cache:
+    __slots__ = ("id", "owner", "name", "entries", "plan", "hits", "misses", "stored", "evictions",
+                 "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
+
+    def __init__(self, cache_id: int, owner: int, name: str, shared: bool) -> None:
+        self.id = cache_id
+        self.owner = owner
+        self.name = name
+        self.entries: dict[int, _Entry] = {}
+        self.plan: _Plan | None = None
+        self.hits = self.misses = self.stored = self.evictions = 0
+        self.ram_bytes = self.disk_bytes = self.bytes = 0
+        self.io_lock = trio.Lock()  # its NVMe writes and its removal, one at a time
+        self.writing: set[int] = set()  # keys whose file is being written
+        self.dropped = False
+        self.shared = shared
+
+
+def check_name(name: Any) -> str:
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        raise BadRequest("a sample cache name is 1-128 of [A-Za-z0-9_.:@-] (not '.' or '..'), "
+                         "or ~UID/NAME for another user's shared cache")
+    return name
+
+
+class SampleStore:
+    def __init__(self, root: str, mem_limit: int, disk_limit: int, free_ratio: float, *,
+                 shared: frozenset[tuple[int, str]] = frozenset(), admins: frozenset[int] | None = None) -> None:
+        self.root = root
+        self.mem_limit = mem_limit
+        self.disk_limit = disk_limit
+        self.free_ratio = free_ratio
+        self.shared = shared
+        self.admins = admins if admins is not None else frozenset({0, os.geteuid()})
+        self.ram_policy = PlannedLru(mem_limit // SCRATCH_FRACTION)
+        self.disk_policy = PlannedLru(disk_limit // SCRATCH_FRACTION)
+        self.ram_used = 0
+        self.disk_used = 0  # allocated bytes, including writes and unlinks in flight
+        self.ram_entries = self.disk_entries = 0
+        self._caches: dict[tuple[int, str], _Cache] = {}
+        self._by_id: dict[int, _Cache] = {}
+        self._next_id = 0
+        self._per_uid: dict[int, int] = {}
+        self._plans: OrderedDict[int, _Cache] = OrderedDict()  # caches with a plan, least recently planned first
+        self.planned_keys = 0  # distinct keys of every plan held (at most MAX_SAMPLE_PLANNED_KEYS)
+        self.corrupt = self.write_errors = self.dropped = 0
+        self.loaded = False
+        self.startup_seconds = 0.0
+        self.startup_discarded = 0
+        self._limiter = trio.CapacityLimiter(DISK_THREADS)
+
+    @classmethod
+    async def open(cls, nursery: trio.Nursery, directory: str, mem_limit: int, disk_limit: int,
+                   free_ratio: float, *, shared: frozenset[tuple[int, str]] = frozenset(),
+                   admins: frozenset[int] | None = None) -> SampleStore:
+        """The store over ``directory`` (created); its NVMe entries load in the background."""
+        store = cls(directory, mem_limit, disk_limit, free_ratio, shared=shared, admins=admins)
+        if disk_limit:
+            await trio.to_thread.run_sync(files.prepare, directory)
+            nursery.start_soon(store._load)
+        else:
+            store.loaded = True
+        return store
+
+    # -- names and permissions --------------------------------------------------------
+
+    def resolve(self, caller: int, reference: Any, *, write: bool = False, drop: bool = False) -> tuple[int, str]:
+        """(owner uid, name) of a cache reference, or Forbidden/BadRequest."""
+        if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
+            owner, name = int(m.group(1)), check_name(m.group(2))
+        else:
+            owner, name = caller, check_name(reference)
+        if owner == caller:
+            return owner, name
+        if write:
+            raise Forbidden(f"sample cache {name!r} belongs to uid {owner}: only its owner writes to it")
+        if caller in self.admins or (not drop and (owner, name) in self.shared):
+            return owner, name
+        raise Forbidden(f"sample cache {name!r} of uid {owner} is not shared with uid {caller}"
+                        + ("" if not drop else ": only its owner or root may drop it"))
+
+    def _cache(self, owner: int, name: str, *, create: bool) -> _Cache | None:
+        cache = self._caches.get((owner, name))
+        if cache is not None or not create:
+            return cache
+        if len(self._caches) >= MAX_SAMPLE_CACHES:
+            raise NoRoom(f"the daemon keeps {MAX_SAMPLE_CACHES} sample caches already: drop one "
+                         "('cubefs-fuse drop-cache --samples NAME')")
+        if self._per_uid.get(owner, 0) >= MAX_SAMPLE_CACHES_PER_UID:
+            raise NoRoom(f"uid {owner} has {MAX_SAMPLE_CACHES_PER_UID} sample caches already: drop one "
+                         "('cubefs-fuse drop-cache --samples NAME')")
+        cache = _Cache(self._next_id, owner, name, (owner, name) in self.shared)
+        self._next_id += 1
+        self._caches[(owner, name)] = self._by_id[cache.id] = cache
+        self._per_uid[owner] = self._per_uid.get(owner, 0) + 1
+        return cache
+
+    # -- the three operations ---------------------------------------------------------
+
+    async def get_many(self, caller: int, reference: Any, keys: list[int],
+                       limit_bytes: int | None = None) -> list[bytes | None]:
+        """Each key's entry or None, in order; with ``limit_bytes``, only the prefix of the
+        keys whose entries fit that many bytes (at least one key): the caller asks again
+        for the rest, and only what was answered is counted."""
+        owner, name = self.resolve(caller, reference)
+        cache = self._cache(owner, name, create=owner == caller and self.loaded)
+        if cache is None or cache.dropped:
+            return [None] * len(keys)
+        out: list[bytes | None] = []
+        from_disk: list[int] = []
+        sizes: list[int] = []
+        room = limit_bytes
+        for i, key in enumerate(keys):
+            entry = cache.entries.get(key)
+            if entry is not None and (entry.ram is not None or entry.disk) and room is not None:
+                if entry.size > room and i:
+                    break
+                room -= entry.size
+            out.append(None)
+            if entry is None:
+                continue
+            if entry.ram is not None:
+                out[i] = entry.ram
+                self.ram_policy.touch(_PK.pack(cache.id, key))
+            elif entry.disk:
+                from_disk.append(i)
+                sizes.append(entry.size)
+        keys = keys[:len(out)]
+        if from_disk:
+            wanted = [keys[i] for i in from_disk]
+            read = await self._read(owner, name, wanted)
+            if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
+                return [None] * len(keys)
+            for i, key, size, data in zip(from_disk, wanted, sizes, read):
+                entry = cache.entries.get(key)
+                if isinstance(data, bytes) and len(data) != size:
+                    continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
+                if isinstance(data, bytes):
+                    out[i] = data
+                    if entry is not None and entry.ram is None and entry.size == len(data):
+                        self._admit_ram(cache, key, entry, data)
+                    if entry is not None:
+                        self.disk_policy.touch(_PK.pack(cache.id, key))
+                    continue
+                if data is False:
+                    self.corrupt += 1
+                    log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; deleted", name, owner, key)
+                if entry is not None and entry.disk:
+                    self._forget_disk(cache, key, entry)  # the file is gone (deleted above, or by someone)
+        hits = sum(1 for data in out if data is not None)
+        cache.hits += hits
+        cache.misses += len(keys) - hits
+        plan = cache.plan
+        if plan is not None:
+            for key in keys:
+                if plan.consume(key):
+                    pk = _PK.pack(cache.id, key)
+                    self.ram_policy.unplan(pk)
+                    self.disk_policy.unplan(pk)
+        return out
+
+    async def put_many(self, caller: int, reference: Any, items: list[tuple[int, bytes]]) -> int:
+        """Store what fits; how many entries were kept."""
+        owner, name = self.resolve(caller, reference, write=True)
+        if not self.loaded:
+            self.dropped += len(items)
+            return 0
+        cache = self._cache(owner, name, create=True)
+        assert cache is not None
+        if cache.dropped:  # being dropped right now
+            self.dropped += len(items)
+            return 0
+        kept: set[int] = set()
+        for key, data in items:
+            entry = cache.entries.get(key)
+            if entry is None:
+                entry = cache.entries[key] = _Entry(len(data))
+                cache.bytes += len(data)
+            else:  # a new value: the old one leaves RAM (its file is rewritten below)
+                self._forget_ram(cache, key, entry)
+                cache.bytes += len(data) - entry.size
+                entry.size = len(data)
+            if self._admit_ram(cache, key, entry, data):
+                kept.add(key)
+            cache.stored += 1
+        if self.disk_limit:
+            kept |= await self._write(cache, items)
+        for key, _ in items:
+            entry = cache.entries.get(key)
+            if entry is not None and entry.ram is None and entry.disk == 0 and key not in cache.writing:
+                self._remove_entry(cache, key, entry)
+        self.dropped += len({k for k, _ in items} - kept)
+        return len(kept)
+
+    async def plan(self, caller: int, reference: Any, data: bytes) -> int:
+        """The cache's next order (little-endian int64 keys); how many keys were kept."""
+        owner, name = self.resolve(caller, reference, write=True)
+        data = data[:MAX_SAMPLE_PLAN_KEYS * 8]
+        plan = await trio.to_thread.run_sync(_Plan.build, data)
+        cache = self._cache(owner, name, create=True)
+        assert cache is not None
+        if cache.dropped:
+            return 0
+        self._forget_plan(cache)
+        # Plans of other caches go, least recently planned first, until this one fits.
+        while self.planned_keys + len(plan.keys) > MAX_SAMPLE_PLANNED_KEYS and self._plans:
+            _, other = self._plans.popitem(last=False)
+            self._forget_plan(other)
+            log.info("sample cache %r of uid %d: plan dropped (plans are held for %d keys at most)",
+                     other.name, other.owner, MAX_SAMPLE_PLANNED_KEYS)
+            await self._rerank(other, None)
+        cache.plan = plan
+        self._plans[cache.id] = cache
+        self.planned_keys += len(plan.keys)
+        await self._rerank(cache, plan)
+        return plan.length
+
+    def _forget_plan(self, cache: _Cache) -> None:
+        if cache.plan is not None:
+            self.planned_keys -= len(cache.plan.keys)
+            cache.plan = None
+            self._plans.pop(cache.id, None)
+
+    async def _rerank(self, cache: _Cache, plan: _Plan | None) -> None:
+        """Rank the cache's entries by ``plan`` (None: unplanned), CHUNK entries at a time."""
+        keys = list(cache.entries)
+        for start in range(0, len(keys), CHUNK):
+            if cache.plan is not plan or cache.dropped:
+                return  # a newer plan took over
+            chunk = keys[start:start + CHUNK]
+            uses = plan.next_uses(chunk) if plan is not None else [-1] * len(chunk)
+            for key, use in zip(chunk, uses):
+                pk = _PK.pack(cache.id, key)
+                if use < 0:
+                    self.ram_policy.unplan(pk)
+                    self.disk_policy.unplan(pk)
+                else:
+                    self.ram_policy.plan(pk, use)
+                    self.disk_policy.plan(pk, use)
+            await trio.lowlevel.checkpoint()
+
+    async def drop(self, caller: int, reference: Any) -> tuple[int, int]:
+        """Destroy a cache: (entries, bytes) it held."""
+        owner, name = self.resolve(caller, reference, drop=True)
+        if not self.loaded:
+            raise BadRequest("the sample store is still loading its NVMe entries: retry in a moment")
+        cache = self._cache(owner, name, create=False)
+        if cache is None:
+            raise NotFound(f"no sample cache {name!r} of uid {owner}")
+        async with cache.io_lock:
+            if cache.dropped:
+                raise NotFound(f"no sample cache {name!r} of uid {owner}")
+            # Gets miss and puts are dropped from now on; the files go first, so a cache of the
+            # same name made right after never shares a directory with this one.
+            cache.dropped = True
+            self._forget_plan(cache)
+            entries, total = len(cache.entries), cache.bytes  # what it held when the drop began
+            await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
+            del self._caches[(owner, name)]
+            self._per_uid[owner] -= 1
+            if not self._per_uid[owner]:
+                del self._per_uid[owner]
+            # Out of the policies in chunks; meanwhile another cache's put may still evict one
+            # of its entries (which then releases its own bytes), so the NVMe bytes left to
+            # release are read after the loop, and the cache stays known by id until then.
+            items = list(cache.entries.items())
+            for start in range(0, len(items), CHUNK):
+                for key, entry in items[start:start + CHUNK]:
+                    if entry.ram is not None:
+                        self._forget_ram(cache, key, entry)
+                    if entry.disk:
+                        self.disk_policy.remove(_PK.pack(cache.id, key))
+                        self.disk_entries -= 1
+                await trio.lowlevel.checkpoint()
+            del self._by_id[cache.id]
+            cache.entries = {}
+            self.disk_used -= cache.disk_bytes  # its files are gone
+            cache.disk_bytes = 0
+        log.info("sample cache %r of uid %d dropped (%d entries, %d bytes) by uid %d", name, owner, entries, total, caller)
+        return entries, total
+
+    # -- tiers ------------------------------------------------------------------------
+
+    async def _read(self, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
+        """The keys' files, read by up to DISK_THREADS worker threads at once (a batch's
+        entries are independent files: reading them in parallel keeps the NVMe queue busy)."""
+        share = max(READ_SHARE, -(-len(keys) // DISK_THREADS))
+        parts = [keys[i:i + share] for i in range(0, len(keys), share)]
+        results: list[list[bytes | None | bool]] = [[] for _ in parts]
+
+        async def read(i: int) -> None:
+            results[i] = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, parts[i],
+                                                       limiter=self._limiter)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(parts)):
+                nursery.start_soon(read, i)
+        return [data for part in results for data in part]
+
+    def _next_use(self, cache: _Cache, key: int) -> int | None:
+        return cache.plan.next_use(key) if cache.plan is not None else None
+
+    def _admit_ram(self, cache: _Cache, key: int, entry: _Entry, data: bytes) -> bool:
+        if not self.mem_limit:
+            return False
+        need = len(data) + RAM_ENTRY_OVERHEAD
+        victims = self.ram_policy.victims(need, self.mem_limit - self.ram_used, self._next_use(cache, key))
+        if victims is None:
+            return False
+        for pk in victims:
+            cache_id, victim_key = _PK.unpack(pk)
+            owner = self._by_id[cache_id]
+            victim = owner.entries[victim_key]
+            self._forget_ram(owner, victim_key, victim)
+            if victim.disk == 0 and victim_key not in owner.writing:
+                owner.evictions += 1
+                self._remove_entry(owner, victim_key, victim)
+        entry.ram = data
+        self.ram_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
+        self.ram_used += need
+        self.ram_entries += 1
+        cache.ram_bytes += len(data)
+        return True
+
+    def _forget_ram(self, cache: _Cache, key: int, entry: _Entry) -> None:
+        if entry.ram is None:
+            return
+        self.ram_used -= self.ram_policy.remove(_PK.pack(cache.id, key))
+        self.ram_entries -= 1
+        cache.ram_bytes -= len(entry.ram)
+        entry.ram = None
+
+    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry) -> None:
+        """The entry's file is gone: release its bytes."""
+        self.disk_policy.remove(_PK.pack(cache.id, key))
+        self.disk_used -= entry.disk
+        cache.disk_bytes -= entry.disk
+        self.disk_entries -= 1
+        entry.disk = 0
+        if entry.ram is None and key not in cache.writing:
+            self._remove_entry(cache, key, entry)
+
+    def _remove_entry(self, cache: _Cache, key: int, entry: _Entry) -> None:
+        if cache.entries.get(key) is entry:
+            del cache.entries[key]
+            cache.bytes -= entry.size
+
+    async def _write(self, cache: _Cache, items: list[tuple[int, bytes]]) -> set[int]:
+        """Write the items' files (one worker-thread hop), evicting what must go; the keys written."""
+        async with cache.io_lock:
+            if cache.dropped:
+                return set()
+            # key, data, its file's bytes, the bytes reserved for it, the bytes of the file it replaces
+            batch: list[tuple[int, bytes, int, int, int]] = []
+            unlink: list[str] = []
+            seen: set[int] = set()
+            stale = 0
+            for key, data in reversed(items):  # the last put of a key in a batch wins
+                if key in seen or key in cache.writing:
+                    continue
+                seen.add(key)
+                need = files.allocated_bytes(cache.name, len(data))
+                victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
+                if victims is None:
+                    entry = cache.entries.get(key)
+                    if entry is not None and entry.disk:  # its file holds the older value: it goes too
+                        unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
+                        stale += entry.disk  # counted until unlinked
+                        self.disk_policy.remove(_PK.pack(cache.id, key))
+                        cache.disk_bytes -= entry.disk
+                        self.disk_entries -= 1
+                        entry.disk = 0
+                    continue
+                freed = 0
+                for pk in victims:
+                    cache_id, victim_key = _PK.unpack(pk)
+                    owner = self._by_id[cache_id]
+                    victim = owner.entries[victim_key]
+                    unlink.append(files.entry_path(self.root, owner.owner, owner.name, victim_key))
+                    freed += victim.disk
+                    self.disk_policy.remove(pk)
+                    owner.disk_bytes -= victim.disk
+                    self.disk_entries -= 1
+                    victim.disk = 0
+                    if victim.ram is None:
+                        owner.evictions += 1
+                        self._remove_entry(owner, victim_key, victim)
+                entry = cache.entries.get(key)
+                replaced = 0
+                if entry is not None and entry.disk:
+                    replaced = entry.disk  # renamed over: counted until the new file is in place
+                    self.disk_policy.remove(_PK.pack(cache.id, key))
+                    cache.disk_bytes -= entry.disk
+                    self.disk_entries -= 1
+                    entry.disk = 0
+                # The victims' bytes become part of this write's reservation: the worker unlinks
+                # them before it writes, so the disk never holds more than what is counted.
+                reserved = max(need, freed)
+                self.disk_used += reserved - freed
+                cache.writing.add(key)
+                batch.append((key, data, need, reserved, replaced))
+            if not batch and not unlink:
+                return set()
+            result = files.WriteResult([False] * len(batch), len(batch), 0)
+            try:
+                result = await trio.to_thread.run_sync(
+                    files.write_entries, self.root, cache.owner, cache.name, [(b[0], b[1]) for b in batch],
+                    unlink, self.free_ratio, limiter=self._limiter)
+            finally:
+                self.disk_used -= stale
+                written: set[int] = set()
+                for (key, data, need, reserved, replaced), ok in zip(batch, result.written):
+                    cache.writing.discard(key)
+                    self.disk_used -= reserved + replaced
+                    if not ok:
+                        continue
+                    self.disk_used += need
+                    entry = cache.entries.get(key)
+                    if entry is None:
+                        entry = cache.entries[key] = _Entry(len(data))
+                        cache.bytes += len(data)
+                    entry.disk = need
+                    cache.disk_bytes += need
+                    self.disk_entries += 1
+                    self.disk_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
+                    written.add(key)
+                self.write_errors += result.errors
+            return written
+
+    async def _load(self) -> None:
+        """Scan the NVMe entries (a worker thread), then merge them into the index in chunks."""
+        started = time.monotonic()
+        found, junk = await trio.to_thread.run_sync(files.scan, self.root, limiter=self._limiter)
+        over: set[tuple[int, str]] = set()
+        for start in range(0, len(found), CHUNK):
+            for f in found[start:start + CHUNK]:
+                try:
+                    cache = self._cache(f.uid, f.name, create=True)
+                except NoRoom:
+                    over.add((f.uid, f.name))
+                    continue
+                assert cache is not None
+                need = files.allocated_bytes(f.name, f.payload)
+                entry = cache.entries[f.key] = _Entry(f.payload)
+                entry.disk = need
+                cache.bytes += f.payload
+                cache.disk_bytes += need
+                self.disk_used += need
+                self.disk_entries += 1
+                self.disk_policy.add(_PK.pack(cache.id, f.key), need)
+            await trio.lowlevel.checkpoint()
+        unlink: list[str] = []
+        if self.disk_used > self.disk_limit:  # the budget shrank since the files were written
+            for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
+                cache_id, key = _PK.unpack(pk)
+                cache = self._by_id[cache_id]
+                unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
+                self._forget_disk(cache, key, cache.entries[key])
+        for owner, name in over:
+            await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
+        if unlink:
+            await trio.to_thread.run_sync(files.remove_files, unlink, limiter=self._limiter)
+        self.startup_discarded = junk + len(unlink)
+        self.startup_seconds = time.monotonic() - started
+        self.loaded = True
+        log.info("sample store: %d entries in %d caches loaded from %s in %.2f s (%d files discarded)",
+                 self.disk_entries, len(self._caches), self.root, self.startup_seconds, self.startup_discarded)
+
+    # -- reporting --------------------------------------------------------------------
+
+    def statistics(self) -> SampleStoreStatistics:
+        caches = tuple(SampleCacheStatistics(c.name, c.owner, len(c.entries), c.bytes, c.ram_bytes, c.disk_bytes,
+                                             c.hits, c.misses, c.stored, c.evictions,
+                                             c.plan.length if c.plan is not None else 0, c.shared)
+                       for c in self._caches.values())
+        return SampleStoreStatistics(self.ram_used, self.mem_limit, self.disk_used, self.disk_limit,
+                                     self.ram_entries, self.disk_entries, self.corrupt, self.write_errors,
+                                     self.dropped, self.loaded, self.startup_seconds, self.startup_discarded,
+                                     caches)
+
+    def status(self) -> dict[str, Any]:
+        s = self.statistics()
+        return {"loaded": s.loaded, "ram": {"used_bytes": s.ram_used_bytes, "limit_bytes": s.ram_limit_bytes,
+                                            "entries": s.ram_entries},
+                "disk": {"used_bytes": s.disk_used_bytes, "limit_bytes": s.disk_limit_bytes, "entries": s.disk_entries},
+                "corrupt": s.corrupt, "dropped": s.dropped,
+                "caches": [{"name": c.name, "owner": c.owner, "entries": c.entries, "bytes": c.bytes,
+                            "ram_bytes": c.ram_bytes, "disk_bytes": c.disk_bytes, "hits": c.hits, "misses": c.misses,
+                            "stored": c.stored, "evictions": c.evictions, "planned": c.planned, "shared": c.shared}
+                           for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
+
+
+def _read_entries(root: str, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
+    return [files.read_entry(root, owner, name, key) for key in keys]

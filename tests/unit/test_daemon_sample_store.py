@@ -1,0 +1,277 @@
+"""The daemon's sample store (cubefs_fuse/samples/) on real files: budgets that hold,
+eviction order with and without a plan, damaged files never served, restart, owners."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
+from cubefs_fuse.samples import files
+from cubefs_fuse.samples.store import RAM_ENTRY_OVERHEAD, SampleStore
+
+ME, OTHER = 1000, 1001
+ADMINS = frozenset({0})
+
+
+def entry(key: int, size: int = 1000) -> bytes:
+    return bytes([key % 251]) * size + key.to_bytes(8, "little")
+
+
+async def open_store(root: Path, mem: int, disk: int, **kwargs: object) -> SampleStore:
+    async with trio.open_nursery() as nursery:
+        store = await SampleStore.open(nursery, str(root), mem, disk, 0.0, admins=ADMINS, **kwargs)  # type: ignore[arg-type]
+    assert store.loaded  # the nursery above waited for the load
+    return store
+
+
+def keys_of(data: list[bytes | None]) -> list[int | None]:
+    return [None if d is None else int.from_bytes(d[-8:], "little") for d in data]
+
+
+def on_disk(root: Path) -> int:
+    """Bytes the entry files take (allocated, as the store charges them, without the dirent charge)."""
+    total = 0
+    for path in root.rglob("*"):
+        if path.is_file():
+            total += path.stat().st_blocks * 512
+    return total
+
+
+async def test_round_trip_in_both_tiers_and_misses(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 20)
+    assert await store.put_many(ME, "sweep", [(k, entry(k)) for k in range(5)]) == 5
+    got = await store.get_many(ME, "sweep", [4, 0, 9, 2])
+    assert keys_of(got) == [4, 0, None, 2]
+    assert got[0] == entry(4)
+    (stats,) = store.statistics().caches
+    assert (stats.name, stats.owner, stats.entries, stats.hits, stats.misses) == ("sweep", ME, 5, 3, 1)
+    assert stats.bytes == 5 * len(entry(0))
+    assert store.statistics().disk_entries == 5 and store.statistics().ram_entries == 5
+
+
+async def test_ram_budget_holds_and_evicts_least_recently_used_without_a_plan(tmp_path: Path) -> None:
+    size = 1000
+    cost = len(entry(0, size)) + RAM_ENTRY_OVERHEAD
+    store = await open_store(tmp_path, 10 * cost, 0)  # RAM only: evicted means gone
+    await store.put_many(ME, "c", [(k, entry(k, size)) for k in range(10)])
+    await store.get_many(ME, "c", [0, 1])  # 0 and 1 are now the most recently used
+    for k in range(10, 14):
+        await store.put_many(ME, "c", [(k, entry(k, size))])
+        assert store.ram_used <= store.mem_limit
+    got = keys_of(await store.get_many(ME, "c", list(range(14))))
+    # The four least recently used (2..5) made room; 0 and 1 survived thanks to the reads.
+    assert got == [0, 1, None, None, None, None, 6, 7, 8, 9, 10, 11, 12, 13]
+    (stats,) = store.statistics().caches
+    assert stats.evictions == 4 and stats.entries == 10
+
+
+async def test_with_a_plan_unplanned_go_first_then_the_furthest_next_use(tmp_path: Path) -> None:
+    size = 1000
+    cost = len(entry(0, size)) + RAM_ENTRY_OVERHEAD
+    store = await open_store(tmp_path, 8 * cost, 0)
+    await store.put_many(ME, "c", [(k, entry(k, size)) for k in range(8)])
+    # The next epoch reads 7, 6, 5, 4, 3 then 100..: 0, 1, 2 are not in it.
+    plan = np.array([7, 6, 5, 4, 3, 100, 101, 102], dtype="<i8").tobytes()
+    assert await store.plan(ME, "c", plan) == 8
+    # Three planned newcomers take the room of the three unplanned entries, LRU or not.
+    await store.get_many(ME, "c", [0, 1, 2])  # recently used, yet not planned
+    await store.put_many(ME, "c", [(k, entry(k, size)) for k in (100, 101, 102)])
+    resident: set[int] = {k for k in (0, 1, 2, 3, 4, 5, 6, 7, 100, 101, 102) if k in store._caches[(ME, "c")].entries}
+    assert resident == {3, 4, 5, 6, 7, 100, 101, 102}
+    # A planned newcomer needed sooner than the furthest resident one displaces it (Belady)...
+    await store.plan(ME, "c", np.array([7, 6, 5, 4, 3, 200, 100, 101, 102], dtype="<i8").tobytes())
+    await store.put_many(ME, "c", [(200, entry(200, size))])
+    resident = set(store._caches[(ME, "c")].entries)
+    assert 200 in resident and 102 not in resident and {3, 4, 5, 6, 7, 100, 101} <= resident
+    # ...and one needed later than everything resident is not admitted.
+    await store.plan(ME, "c", np.array([7, 6, 5, 4, 3, 200, 100, 101, 300], dtype="<i8").tobytes())
+    assert await store.put_many(ME, "c", [(300, entry(300, size))]) == 0
+    assert 300 not in store._caches[(ME, "c")].entries
+    assert store.ram_used <= store.mem_limit
+
+
+async def test_a_consumed_planned_entry_becomes_unplanned(tmp_path: Path) -> None:
+    size = 1000
+    cost = len(entry(0, size)) + RAM_ENTRY_OVERHEAD
+    store = await open_store(tmp_path, 4 * cost, 0)
+    await store.put_many(ME, "c", [(k, entry(k, size)) for k in range(4)])
+    await store.plan(ME, "c", np.arange(4, dtype="<i8").tobytes())
+    await store.get_many(ME, "c", [0])  # the epoch read 0: its next use is unknown now
+    await store.plan(ME, "c", np.arange(8, dtype="<i8").tobytes())  # the next epoch: 0 is planned again
+    await store.get_many(ME, "c", [0])
+    await store.put_many(ME, "c", [(4, entry(4, size))])
+    assert 0 not in store._caches[(ME, "c")].entries  # the consumed one went first, not 3 (furthest)
+    assert {1, 2, 3, 4} == set(store._caches[(ME, "c")].entries)
+
+
+async def test_disk_budget_holds_in_accounting_and_on_disk(tmp_path: Path) -> None:
+    sizes = [100, 5000, 20_000, 70_000]
+    one = files.allocated_bytes("c", 70_000)
+    limit = 12 * one
+    store = await open_store(tmp_path, 0, limit)
+    rng = np.random.default_rng(3)
+    for k in range(60):
+        await store.put_many(ME, "c", [(k, entry(k, int(rng.choice(sizes))))])
+        assert store.disk_used <= limit
+    entries = store.statistics().disk_entries
+    assert 0 < entries < 60
+    # The files really take no more than what was charged for them (the charge includes a dirent bound).
+    files_bytes = sum(p.stat().st_blocks * 512 for p in (tmp_path / str(ME) / "c").rglob("*") if p.is_file())
+    assert files_bytes <= store.disk_used - entries * files.DIRENT_CHARGE
+    assert files_bytes == store.disk_used - entries * files.DIRENT_CHARGE  # exact: every file is 4 KiB-rounded
+
+
+async def test_a_damaged_or_torn_file_is_never_served_and_counted(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 22)  # no RAM tier: every get reads the file
+    await store.put_many(ME, "c", [(k, entry(k, 3000)) for k in range(3)])
+    path = Path(files.entry_path(str(tmp_path), ME, "c", 1))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped payload bit
+    path.write_bytes(bytes(data))
+    torn = Path(files.entry_path(str(tmp_path), ME, "c", 2))
+    torn.write_bytes(torn.read_bytes()[:-100])  # a write cut short
+    assert keys_of(await store.get_many(ME, "c", [0, 1, 2])) == [0, None, None]
+    assert store.statistics().corrupt == 2
+    assert not path.exists() and not torn.exists()
+    assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # forgotten: no second read
+    assert store.statistics().corrupt == 2 and store.statistics().disk_entries == 1
+
+
+async def test_a_restart_reuses_the_entries_and_discards_torn_files(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 22)
+    await store.put_many(ME, "sweep", [(k, entry(k)) for k in range(20)])
+    await store.put_many(OTHER, "sweep", [(7, b"other")])
+    used = store.disk_used
+    torn = Path(files.entry_path(str(tmp_path), ME, "sweep", 19))
+    torn.write_bytes(torn.read_bytes()[:10])
+    (tmp_path / "tmp" / "partial").write_bytes(b"x" * 100)  # a write a crash interrupted
+
+    again = await open_store(tmp_path, 1 << 20, 1 << 22)
+    assert keys_of(await again.get_many(ME, "sweep", list(range(20)))) == list(range(19)) + [None]
+    assert await again.get_many(OTHER, "sweep", [7]) == [b"other"]
+    stats = again.statistics()
+    assert stats.startup_discarded == 1 and stats.disk_entries == 20
+    assert again.disk_used == used - files.allocated_bytes("sweep", len(entry(19)))
+    assert not (tmp_path / "tmp" / "partial").exists()
+    # A smaller budget at the next start: the excess is evicted at load.
+    small = await open_store(tmp_path, 0, 5 * files.allocated_bytes("sweep", len(entry(0))))
+    assert small.disk_used <= small.disk_limit and small.statistics().disk_entries == 5
+
+
+async def test_owners_namespaces_sharing_and_drop(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 22, shared=frozenset({(ME, "public")}))
+    await store.put_many(ME, "private", [(1, b"mine")])
+    await store.put_many(ME, "public", [(1, b"for all")])
+    await store.put_many(OTHER, "private", [(1, b"theirs")])
+    # The same name is two caches: each user sees their own.
+    assert await store.get_many(ME, "private", [1]) == [b"mine"]
+    assert await store.get_many(OTHER, "private", [1]) == [b"theirs"]
+    # Another user's cache: readable only when shared, never writable.
+    with pytest.raises(Forbidden):
+        await store.get_many(OTHER, f"~{ME}/private", [1])
+    assert await store.get_many(OTHER, f"~{ME}/public", [1]) == [b"for all"]
+    for op in ("put", "plan"):
+        with pytest.raises(Forbidden):
+            if op == "put":
+                await store.put_many(OTHER, f"~{ME}/public", [(1, b"overwritten")])
+            else:
+                await store.plan(OTHER, f"~{ME}/public", b"\0" * 8)
+    assert await store.get_many(ME, "public", [1]) == [b"for all"]
+    # Root reads anything, writes only its own namespace; drops: owner or root only.
+    assert await store.get_many(0, f"~{ME}/private", [1]) == [b"mine"]
+    with pytest.raises(Forbidden):
+        await store.drop(OTHER, f"~{ME}/public")
+    for bad in ("", ".", "..", "a/b", "x" * 129, f"~{ME}/..", 7):
+        with pytest.raises(BadRequest):
+            await store.get_many(ME, bad, [1])
+    assert await store.drop(0, f"~{ME}/private") == (1, 4)
+    assert not (tmp_path / str(ME) / "private").exists()
+    with pytest.raises(NotFound):
+        await store.drop(ME, "private")
+    assert await store.get_many(ME, "private", [1]) == [None]  # a new, empty cache
+    assert store.statistics().disk_entries == 2
+
+
+async def test_puts_while_loading_are_dropped_and_gets_miss(tmp_path: Path) -> None:
+    first = await open_store(tmp_path, 1 << 20, 1 << 22)
+    await first.put_many(ME, "c", [(1, b"x")])
+    store = SampleStore(str(tmp_path), 1 << 20, 1 << 22, 0.0, admins=ADMINS)  # not loaded yet
+    assert await store.put_many(ME, "c", [(2, b"y")]) == 0
+    assert await store.get_many(ME, "c", [1]) == [None]
+    assert store.statistics().dropped == 1
+    assert os.path.exists(files.entry_path(str(tmp_path), ME, "c", 1))
+
+
+async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_path: Path) -> None:
+    one = files.allocated_bytes("a", 20_000)
+    store = await open_store(tmp_path, 30 * (20_000 + RAM_ENTRY_OVERHEAD), 40 * one)
+    rng = np.random.default_rng(11)
+    halfway = trio.Event()
+    dropped: list[tuple[int, int]] = []
+
+    async def writer(name: str, start: int) -> None:
+        for i in range(30):
+            if i == 10 and name == "a":
+                halfway.set()
+            keys = [int(k) for k in rng.integers(start, start + 200, 8)]
+            await store.put_many(ME, name, [(k, entry(k, int(rng.integers(1, 20_000)))) for k in keys])
+            await store.get_many(ME, name, keys[:4])
+            assert store.disk_used <= store.disk_limit and store.ram_used <= store.mem_limit
+
+    async def dropper() -> None:
+        await halfway.wait()  # mid-way: every writer is still putting, "a" too (it makes "a" anew)
+        dropped.append(await store.drop(ME, "a"))
+
+    async with trio.open_nursery() as nursery:
+        for name, start in (("a", 0), ("b", 1000), ("c", 2000)):
+            nursery.start_soon(writer, name, start)
+        nursery.start_soon(dropper)
+    assert dropped and dropped[0][0] > 0
+    stats = store.statistics()
+    caches = {c.name: c for c in stats.caches}
+    assert set(caches) == {"a", "b", "c"}
+    entries = [(c, k, e) for c in store._caches.values() for k, e in c.entries.items()]
+    assert store.ram_used == sum(len(e.ram) + RAM_ENTRY_OVERHEAD for _, _, e in entries if e.ram is not None)
+    assert store.disk_used == sum(e.disk for _, _, e in entries)
+    assert stats.disk_entries == sum(1 for _, _, e in entries if e.disk)
+    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(on_disk) == stats.disk_entries  # every counted file exists, no file is uncounted
+    assert sum(c.disk_bytes for c in caches.values()) == store.disk_used
+
+
+async def test_plans_are_bounded_node_wide_the_least_recently_planned_go(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from cubefs_fuse.samples import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_SAMPLE_PLANNED_KEYS", 10)
+    store = await open_store(tmp_path, 1 << 20, 0)
+    await store.put_many(ME, "first", [(k, entry(k)) for k in range(6)])
+    await store.plan(ME, "first", np.arange(6, dtype="<i8").tobytes())
+    first = store._caches[(ME, "first")]
+    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) == 3
+    await store.plan(OTHER, "second", np.arange(4, dtype="<i8").tobytes())  # 6 + 4 fit
+    assert store.planned_keys == 10
+    await store.plan(ME, "third", np.arange(5, dtype="<i8").tobytes())  # the oldest plan goes
+    planned = {c.name: c.planned for c in store.statistics().caches}
+    assert planned == {"first": 0, "second": 4, "third": 5} and store.planned_keys == 9
+    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) is None  # its entries are unplanned
+    await store.drop(ME, "third")
+    assert store.planned_keys == 4
+
+
+async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it(tmp_path: Path) -> None:
+    one = files.allocated_bytes("c", 4000)
+    store = await open_store(tmp_path, 0, 3 * one)
+    await store.put_many(ME, "c", [(1, entry(1, 4000))])
+    await store.plan(ME, "c", np.array([2, 3, 1], dtype="<i8").tobytes())
+    await store.put_many(ME, "c", [(2, entry(2, 4000)), (3, entry(3, 4000))])
+    # A new, larger value of 1 would need more than its own room; 2 and 3 are needed sooner.
+    assert await store.put_many(ME, "c", [(1, entry(1, 9000))]) == 0
+    assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # never the old value
+    assert not Path(files.entry_path(str(tmp_path), ME, "c", 1)).exists()
+    assert store.disk_used == 2 * one and store.statistics().disk_entries == 2
