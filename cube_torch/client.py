@@ -56,6 +56,7 @@ class PlanRequest:
     job: str
     world_size: int = 1  # ranks in the job: the hit-rate line names the rank when > 1
     loader: str = "0"  # which DataLoader of the process (cube_torch.patch.loader_id): its own plan
+    first: int = 0  # samples the loader asks for as soon as it starts (its workers' first batches)
     handled: threading.Event = field(default_factory=threading.Event)  # set once sent (or given up)
 
 
@@ -331,8 +332,10 @@ class Submitter:
             if not len(order):
                 return  # none of this epoch's samples reads a file on the mount
             dtype = "<u4" if len(files.paths) < 2**32 else "<u8"
+            # The daemon answers once the files of the first batches are local (bounded).
+            first = len(_file_order(files.offsets, request.order[:request.first])) if request.first else 0
             client.submit_plan(request.job, request.rank, request.epoch, dataset_id,
-                               order.astype(dtype).tobytes(), dtype, loader=request.loader)
+                               order.astype(dtype).tobytes(), dtype, loader=request.loader, first=first)
             self.last_job = JobIdentity(request.job, request.rank, request.world_size, request.vol_name)
             self.plans_sent += 1
         except ProtocolError as exc:

@@ -121,8 +121,17 @@ class PlannedSampler:
         # (workers open nothing before that), waiting at most PLAN_SUBMIT_WAIT; a slower
         # submission (a first, large file list) finishes in the background.
         submitter.submit_and_wait(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size(),
-                                              loader=self._loader_id), PLAN_SUBMIT_WAIT)
+                                              loader=self._loader_id, first=_first_samples(self._loader(), items)),
+                                  PLAN_SUBMIT_WAIT)
         reporter.ensure_running(planning_loaders)
+
+
+def _first_samples(loader: Any, items: list[Any]) -> int:
+    """How many samples the loader asks for as soon as it starts: each worker's first
+    ``prefetch_factor`` batches (one batch without workers)."""
+    workers = int(getattr(loader, "num_workers", 0) or 0)
+    batches = workers * int(getattr(loader, "prefetch_factor", None) or 2) if workers > 0 else 1
+    return sum(len(b) if isinstance(b, (list, tuple)) else 1 for b in items[:batches])
 
 
 def _epoch_of(loader: Any, sampler: Any) -> int:

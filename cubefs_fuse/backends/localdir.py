@@ -59,6 +59,11 @@ WANTED_FD_LIMIT = 65536
 # once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
 MAX_LOGGED_ERROR_FILES = 10_000
 
+# A listing reads its entries' attributes in chunks of this many (one worker-thread call
+# each, in series within it), LISTDIR_CONCURRENCY chunks at once: a quarter of the
+# default backendThreads (32), so a large listing never takes every thread from reads.
+LISTDIR_CHUNK = 16
+LISTDIR_CONCURRENCY = 8
 # Errors of the root descriptor that mean "this descriptor is dead, the path may be fine":
 # a FUSE remote that was unmounted (ENOTCONN, or ECONNABORTED for a request aborted under
 # it), an NFS handle that went stale with a server-side remount (ESTALE), a failed mount (EIO).
@@ -418,7 +423,14 @@ class LocalDirBackend:
         def lstat() -> os.stat_result:
             if not path:
                 return self._at_root(os.fstat)
-            return self._at_parent(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
+            # Beneath the parent's cached descriptor, as stat_read and read_block: one
+            # round trip to the remote, where resolving the parent afresh costs one per
+            # component (four for a VOC image, at every stat of a cold dataset).
+            try:
+                return self._dirs.at(path, lambda fd, name: os.stat(name, dir_fd=fd, follow_symlinks=False))
+            except FileNotFoundError:
+                self._dirs.forget(path)  # the directory may have been replaced: resolve afresh next time
+                raise
 
         st = await self._run(
             "stat", path, lstat,
@@ -427,23 +439,59 @@ class LocalDirBackend:
         return Attr.from_stat(st)
 
     async def listdir(self, path: str) -> list[tuple[str, Attr]]:
+        """The directory's entries with their ``lstat`` attributes.  The names come from
+        one ``scandir``; a directory of more than ``LISTDIR_CHUNK`` entries has their
+        attributes read in chunks, ``LISTDIR_CONCURRENCY`` chunks at once: a remote's
+        round trips then overlap, where one thread pays one per entry in series (1,024
+        entries at 1 ms took 3.4 s through the mount).  Counted as one ``listdir``."""
         rel = self._rel(path)
 
-        def scan() -> list[tuple[str, Attr]]:
+        def lstat_all(fd: int, names: list[str]) -> list[tuple[str, Attr]]:
+            entries = []
+            for name in names:
+                try:
+                    entries.append((name, Attr.from_stat(os.stat(name, dir_fd=fd, follow_symlinks=False))))
+                except FileNotFoundError:
+                    continue  # removed between readdir and stat
+            return entries
+
+        def scan() -> tuple[list[tuple[str, Attr]], list[str]]:
             fd = self._at_root(lambda root: open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY))
             try:
-                entries = []
                 with os.scandir(fd) as it:
-                    for entry in it:
-                        try:
-                            entries.append((entry.name, Attr.from_stat(entry.stat(follow_symlinks=False))))
-                        except FileNotFoundError:
-                            continue  # removed between readdir and stat
-                return entries
+                    names = [entry.name for entry in it]
+                if len(names) <= LISTDIR_CHUNK:
+                    return lstat_all(fd, names), []
+                return [], names
             finally:
                 os.close(fd)
 
-        return await self._run("listdir", path, scan)
+        entries, names = await self._run("listdir", path, scan)
+        if not names:
+            return entries
+        chunks = [names[i : i + LISTDIR_CHUNK] for i in range(0, len(names), LISTDIR_CHUNK)]
+        results: list[list[tuple[str, Attr]]] = [[] for _ in chunks]
+        pending = iter(range(len(chunks)))
+
+        def chunk_job(chunk: list[str]) -> list[tuple[str, Attr]]:
+            # Beneath the directory's cached descriptor (checked in place, as for stat).
+            return self._dirs.at(f"{rel}/{chunk[0]}" if rel != "." else chunk[0],
+                                 lambda fd, _: lstat_all(fd, chunk))
+
+        async def worker() -> None:
+            for i in pending:  # the workers share one iterator: each chunk is read once
+                results[i] = await self._thread(lambda: chunk_job(chunks[i]), self._limiter)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for _ in range(min(LISTDIR_CONCURRENCY, len(chunks))):
+                    nursery.start_soon(worker)
+        except OSError as exc:
+            key = ("listdir", exc.errno or errno.EIO)
+            self._counters.errors[key] = self._counters.errors.get(key, 0) + 1
+            self._errors.report("listdir", path, exc)
+            raise
+        return [entry for chunk in results for entry in chunk]
 
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
         def read() -> bytes:

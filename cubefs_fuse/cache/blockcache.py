@@ -416,6 +416,14 @@ class BlockCache:
         if flight.error is not None:
             raise flight.error
 
+    async def settled(self, key: bytes) -> None:
+        """Wait until ``key``'s flight, if one is in progress, has ended.  Not a read: it
+        neither counts nor joins (a prefetch waited on this way stays used or wasted by
+        what applications do with it)."""
+        flight = self._flights.get(key)
+        if flight is not None:
+            await flight.done.wait()
+
     def contains(self, key: bytes) -> bool:
         return key in self.memory or (self.disk is not None and key in self.disk)
 

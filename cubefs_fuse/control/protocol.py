@@ -203,13 +203,16 @@ class ControlClient:
         return result
 
     def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str,
-                    loader: str | None = None) -> dict[str, Any]:
+                    loader: str | None = None, first: int = 0) -> dict[str, Any]:
         """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``.
         ``loader`` names the DataLoader of (job, rank) it is for (each keeps its own plan;
-        None: the daemon's default loader "0")."""
-        query = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
+        None: the daemon's default loader "0").  ``first``: the answer waits (bounded)
+        until that many first positions are cached."""
+        query: dict[str, Any] = {"job": job, "rank": rank, "epoch": epoch, "dataset": dataset, "dtype": dtype}
         if loader is not None:
             query["loader"] = loader
+        if first:
+            query["first"] = first
         result: dict[str, Any] = self.request("POST", "plans", query=query, body=order, content_type=CONTENT_BINARY)
         return result
 

@@ -15,7 +15,7 @@ from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
-from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
@@ -124,8 +124,9 @@ class Routes:
         # Which DataLoader of the rank the plan is for (each keeps its own); clients that
         # name none are loader "0".
         loader = _name(q, "loader") if "loader" in q else DEFAULT_LOADER
+        first = _int(q.get("first", "0"), "first", 0, MAX_DATASET_FILES)
         count = await self.service.submit_plan((job, rank), epoch, q.get("dataset", ""), request.body,
-                                               q.get("dtype", "<i8"), loader)
+                                               q.get("dtype", "<i8"), loader, first)
         return Response.json({"job": job, "rank": rank, "loader": loader, "epoch": epoch, "samples": count})
 
     async def stats(self, request: Request) -> Response:

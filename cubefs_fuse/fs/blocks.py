@@ -47,6 +47,15 @@ class FileBlocks:
                                 next_use=next_use, tag=tag)
         return attr.size
 
+    async def settled(self, path: str) -> None:
+        """Wait until no block of ``path`` (at its cached version) is in flight any more:
+        a prefetch issued for it has landed or failed.  Not a read: nothing is counted."""
+        attr = self.meta.peek(path)
+        if attr is None or not attr.is_file:
+            return
+        for index in range(self.count(attr.size)):
+            await self.cache.settled(block_key(path, attr.version, index))
+
     def unplan_file(self, path: str, version: FileVersion) -> None:
         """No plan reads this version of ``path`` again (it was just consumed)."""
         for index in range(self.count(version.size)):

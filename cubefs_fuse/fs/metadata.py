@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -79,6 +79,28 @@ class MetadataCache:
             raise FsError(errno.ENOENT) from None
         self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
         return attr, data
+
+    async def warm(self, paths: Iterable[str], concurrency: int) -> int:
+        """Bring the attributes of those ``paths`` that are not cached, ``concurrency``
+        backend stats at a time (in parallel: a remote's round trips overlap, where a
+        listing pays one per entry in series).  A failure is left for the file's own
+        lookup to report (a missing name is remembered as absent).  The stats made."""
+        now = trio.current_time()
+        wanted = iter([p for p in dict.fromkeys(paths) if (c := self._attrs.get(p)) is None or c[0] <= now])
+
+        async def worker() -> None:
+            for path in wanted:  # the workers share one iterator: each path is taken once
+                try:
+                    await self.stat(path)
+                except (OSError, FsError):
+                    pass
+                counted[0] += 1
+
+        counted = [0]
+        async with trio.open_nursery() as nursery:
+            for _ in range(max(1, concurrency)):
+                nursery.start_soon(worker)
+        return counted[0]
 
     def peek(self, path: str) -> Attr | None:
         """Cached, unexpired attributes of ``path`` without asking the backend."""

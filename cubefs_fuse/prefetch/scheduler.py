@@ -7,8 +7,9 @@ Its cursor is the first position not yet read; it advances as the daemon sees th
 job's processes open the plan's files: an open is matched by path against the plans of
 its (job, rank), and advances the one that reads that path nearest its cursor.  A task
 per plan keeps the files from the cursor up to its share of the byte budget (and
-``MAX_WINDOW_FILES``) in flight or cached, nearest first: metadata of the window's
-directories is listed in bulk first, then each file's blocks are handed to
+``MAX_WINDOW_FILES``) in flight or cached, nearest first: the files of each chunk of
+positions are stat'ed in parallel (never by listing a directory, one round trip per
+entry in series), then their blocks are handed, in plan order, to
 ``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
 foreground reads always go first).  The byte budget is shared equally by the plans
 still being read (a finished plan, or one no open advanced for ``PLAN_IDLE`` seconds,
@@ -58,8 +59,6 @@ MAX_WINDOW_FILES = 4096
 MATCH_AHEAD = 4 * MAX_WINDOW_FILES
 # Concurrent files being stat'ed and issued by one plan's window task.
 ISSUE_CONCURRENCY = 32
-# Positions whose directories are listed together before their data is issued.
-WARM_CHUNK = 256
 # Size assumed for a file whose attributes are not cached (an ImageNet JPEG averages ~110 KB).
 AVERAGE_FILE_GUESS = 128 * 1024
 # Cached blocks re-ranked between two checkpoints.  A block costs ~2-4 us (a policy move
@@ -76,6 +75,18 @@ INDEX_STEP = 256
 OPEN_INDEX_STEP = 16
 # Planned blocks made unplanned per checkpoint once the last plan is gone (~2 us each).
 UNPLAN_STEP = 1024
+# Positions whose files the window stats together, in parallel, before it hands their
+# blocks to the cache in plan order (nearest first) with their real sizes counted.  Small,
+# so the data of one chunk is issued after a few round trips, while the previous chunk's
+# fetches are still running.
+META_CHUNK = 32
+# Backend stats in flight while a chunk is stat'ed: with the prefetch's 16 fetch slots,
+# 8 of the default 32 backend threads stay free for foreground reads.  At 1 ms per round
+# trip that is ~8,000 stats/s, far above the cold files/s the daemon's CPU can fetch.
+META_CONCURRENCY = 8
+# The same for a plan's first positions: the loader waits for them and no prefetch is in
+# flight yet, so twice as many.
+FIRST_META_CONCURRENCY = 16
 # A plan none of whose files was opened for this long takes no share of the window
 # budget (its loader stopped early, or was dropped mid-epoch): the others' windows grow
 # back.  A DataLoader's workers open files many times a second; a minute without one is
@@ -109,13 +120,15 @@ class Plan:
     last_open: float = 0.0  # trio clock: the last open matched to this plan (or its submission)
     cursor: int = 0  # first position not yet consumed
     issued_upto: int = 0  # positions below this have been issued (or consumed)
+    warmed_upto: int = 0  # positions below this have had their files stat'ed
     indexed_upto: int = 0  # positions below this are in ``index``
     consumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     index: dict[str, list[int]] = field(default_factory=dict)
     window_bytes: int = 0
     bytes_at: dict[int, int] = field(default_factory=dict)  # position -> bytes issued for it
-    listed_dirs: set[str] = field(default_factory=set)
     wake: trio.Event = field(default_factory=trio.Event)
+    first_end: int = 0  # positions below this are brought in before anything else (``wait_first``)
+    first_ready: trio.Event = field(default_factory=trio.Event)  # set once they are in (or failed)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     counters: PlanCounters = field(default_factory=PlanCounters)
     open_paths: dict[str, int] = field(default_factory=dict)  # matched opens not yet released
@@ -154,7 +167,10 @@ class Scheduler:
         self._share = window_bytes
         self._share_at = -float("inf")  # trio clock of the last share computation
 
-    def submit(self, key: PlanKey, epoch: int, dataset: Dataset, order: np.ndarray) -> Plan:
+    def submit(self, key: PlanKey, epoch: int, dataset: Dataset, order: np.ndarray, first: int = 0) -> Plan:
+        """Start ``key``'s plan (replacing that loader's previous one).  ``first``: positions
+        the loader asks for as soon as it starts (its workers' first batches); the plan's
+        task brings them in before anything else and :meth:`wait_first` waits for them."""
         job, loader = (key[0], key[1]), key[2]
         loaders = self._by_job.setdefault(job, {})
         old = self.plans.get(key)
@@ -167,7 +183,8 @@ class Scheduler:
             self._forget(gone)
         now = trio.current_time()
         plan = Plan(key, epoch, dataset, order, origin=self.now(), submitted=now, last_open=now,
-                    consumed=np.zeros(len(order), dtype=bool))
+                    consumed=np.zeros(len(order), dtype=bool),
+                    first_end=max(0, min(first, len(order), MAX_WINDOW_FILES)))
         if old is not None:
             self._forget(old)
         self.plans[key] = plan
@@ -322,12 +339,23 @@ class Scheduler:
         while self._extend_index(plan, INDEX_STEP):
             await trio.lowlevel.checkpoint()
 
+    async def wait_first(self, plan: Plan, timeout: float) -> bool:
+        """Wait until the plan's first positions are in the cache (or failed), at most
+        ``timeout`` seconds; True if they are."""
+        with trio.move_on_after(timeout):
+            await plan.first_ready.wait()
+        return plan.first_ready.is_set()
+
     async def _run(self, plan: Plan) -> None:
         with plan.scope:
             try:
-                await self._index_ahead(plan)
-                await self._rerank(plan)
-                await self._fill(plan)
+                async with trio.open_nursery() as nursery:
+                    try:
+                        await self._issue_first(plan)
+                    finally:
+                        nursery.start_soon(self._signal_first, plan)
+                    await self._rerank(plan)
+                    await self._fill(plan)
             except Exception:
                 log.exception("prefetch for job %s rank %d loader %s failed; reads continue unprefetched",
                               *plan.key)
@@ -364,12 +392,19 @@ class Scheduler:
 
         keys: list[bytes] = []
         tags: list[int] = []
+        gathered = 0  # keys copied since the last checkpoint
         for shard in range(SHARDS):
             shard_keys, shard_tags = cache.tagged_shard(shard)
             keys += shard_keys
             tags += shard_tags
+            gathered += len(shard_keys)
             if len(keys) < RERANK_BATCH and shard < SHARDS - 1:
-                await trio.lowlevel.checkpoint()
+                if gathered >= RERANK_STEP:
+                    # A checkpoint per copied RERANK_STEP keys, not per shard: on a busy
+                    # loop each one waits a scheduling round, and 256 of them for an
+                    # empty cache would hold a cold epoch's window back by ~0.5 s.
+                    gathered = 0
+                    await trio.lowlevel.checkpoint()
                 continue
             if not keys:
                 continue
@@ -393,65 +428,90 @@ class Scheduler:
             while True:
                 await self._index_ahead(plan)
                 issued_any = False
-                # Issue in chunks: list the chunk's directories (bulk metadata), then take
-                # positions nearest first while the window has files and bytes to spare.
+                # Take positions nearest first while the window has files and bytes to
+                # spare: each chunk's files stat'ed in parallel, then issued in order.
                 while (plan.issued_upto < plan.length and plan.issued_upto - plan.cursor < MAX_WINDOW_FILES
                        and plan.window_bytes < self.share()):
-                    chunk_end = min(plan.length, plan.issued_upto + WARM_CHUNK, plan.cursor + MAX_WINDOW_FILES)
-                    await self._warm_directories(plan, plan.issued_upto, chunk_end)
-                    while plan.issued_upto < chunk_end and plan.window_bytes < self.share():
-                        position = plan.issued_upto
-                        plan.issued_upto += 1
-                        if plan.consumed[position] or position < plan.cursor:
-                            continue
-                        estimate = self._estimate(plan, position)
-                        plan.bytes_at[position] = estimate
-                        plan.window_bytes += estimate
-                        await slots.acquire()
-                        nursery.start_soon(self._issue, plan, position, slots)
-                        issued_any = True
+                    if plan.warmed_upto <= plan.issued_upto:
+                        end = min(plan.length, plan.issued_upto + META_CHUNK)
+                        await self._warm_metadata(plan, plan.issued_upto, end, META_CONCURRENCY)
+                        continue  # the reader may have moved meanwhile
+                    position = plan.issued_upto
+                    plan.issued_upto += 1
+                    if plan.consumed[position] or position < plan.cursor:
+                        continue
+                    await self._start_issue(nursery, plan, position, slots)
+                    issued_any = True
                 if plan.issued_upto >= plan.length and not issued_any:
                     return
                 plan.wake = trio.Event()
                 await plan.wake.wait()
 
+    async def _issue_first(self, plan: Plan) -> None:
+        """Issue the first positions before the re-ranking and the window (the loader's
+        workers are about to open them): their files stat'ed all at once, then their
+        blocks handed to the cache."""
+        if not plan.first_end:
+            return
+        await self._warm_metadata(plan, 0, plan.first_end, FIRST_META_CONCURRENCY)
+        slots = trio.Semaphore(ISSUE_CONCURRENCY)
+        async with trio.open_nursery() as nursery:
+            while plan.issued_upto < plan.first_end and plan.window_bytes < self.share():
+                position = plan.issued_upto
+                plan.issued_upto += 1
+                await self._start_issue(nursery, plan, position, slots)
+
+    async def _signal_first(self, plan: Plan) -> None:
+        """Set ``first_ready`` once the first positions' blocks have landed (or failed),
+        while the window goes on issuing what follows them."""
+        try:
+            for position in range(min(plan.issued_upto, plan.first_end)):
+                for path in plan.dataset.sample_paths(int(plan.order[position])):
+                    await self.fs.blocks.settled(path)
+        finally:
+            plan.first_ready.set()
+
+    async def _start_issue(self, nursery: trio.Nursery, plan: Plan, position: int, slots: trio.Semaphore) -> None:
+        """Count ``position`` into the window (its size as cached, else a guess that its
+        stat corrects) and issue it in a task of its own once a slot is free."""
+        estimate = self._estimate(plan, position)
+        plan.bytes_at[position] = estimate
+        plan.window_bytes += estimate
+        await slots.acquire()
+        nursery.start_soon(self._issue, plan, position, slots)
+
+    async def _warm_metadata(self, plan: Plan, start: int, end: int, concurrency: int) -> None:
+        """Stat the files of positions ``start`` to ``end`` that are not cached, in parallel
+        (``MetadataCache.warm``)."""
+        paths: dict[str, None] = {}
+        for position in range(start, end):
+            for path in plan.dataset.sample_paths(int(plan.order[position])):
+                paths[path] = None
+        await self.fs.meta.warm(paths, concurrency)
+        plan.warmed_upto = max(plan.warmed_upto, end)
+
     def _estimate(self, plan: Plan, position: int) -> int:
-        """Bytes of a sample's files from cached metadata (the listing just warmed it)."""
+        """Bytes of a sample's files from cached metadata (a guess for files not stat'ed yet)."""
         total = 0
         for path in plan.dataset.sample_paths(int(plan.order[position])):
             attr = self.fs.meta.peek(path)
             total += attr.size if attr is not None else AVERAGE_FILE_GUESS
         return total
 
-    async def _warm_directories(self, plan: Plan, start: int, end: int) -> None:
-        """List each new parent directory once: one backend call warms all its files' attributes."""
-        wanted = []
-        for position in range(start, end):
-            for path in plan.dataset.sample_paths(int(plan.order[position])):
-                parent = path.rpartition("/")[0]
-                if parent not in plan.listed_dirs:
-                    plan.listed_dirs.add(parent)
-                    wanted.append(parent)
-        if not wanted:
-            return
-
-        async def listing(directory: str, limiter: trio.CapacityLimiter) -> None:
-            async with limiter:
-                try:
-                    await self.fs.meta.listdir(directory)
-                except (OSError, FsError):
-                    pass  # the files' own stats will report the problem
-
-        limiter = trio.CapacityLimiter(ISSUE_CONCURRENCY)
-        async with trio.open_nursery() as nursery:
-            for directory in wanted:
-                nursery.start_soon(listing, directory, limiter)
-
     async def _issue(self, plan: Plan, position: int, slots: trio.Semaphore) -> None:
+        """Hand the position's blocks to the cache (its files' attributes are cached, else
+        stat'ed here); the window's byte count gets their real sizes."""
         try:
+            size = 0
             for path in plan.dataset.sample_paths(int(plan.order[position])):
-                await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position)
+                size += await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position)
             plan.counters.issued += 1
+            estimate = plan.bytes_at.get(position)
+            if estimate is not None:  # not consumed meanwhile
+                plan.window_bytes += size - estimate
+                plan.bytes_at[position] = size
+                if size < estimate and plan.window_bytes < self.share():
+                    plan.wake.set()  # the guess was too high: the window has room again
         except (OSError, FsError):
             plan.counters.errors += 1
         finally:

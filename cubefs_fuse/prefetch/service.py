@@ -40,6 +40,10 @@ from cubefs_fuse.prefetch.warmup import Warmups
 MAX_DATASET_BYTES = 2 * 1024 * 1024 * 1024
 # Arrays above this many elements are validated in a worker thread (~10 ms of numpy).
 _BIG_ARRAY = 1_000_000
+# How long a plan's answer waits for its first positions (the loader's first batches) to be
+# in the cache: below cube_torch's own wait for the answer (PLAN_SUBMIT_WAIT, 1 s), so the
+# loader starts with its first files local and never waits longer than it would anyway.
+FIRST_WAIT = 0.9
 # The idle check runs this often (at most every minute, at least 4 times per timeout),
 # so an idle job outlives its timeout by at most a quarter of it.
 MAX_REAP_INTERVAL = 60.0
@@ -249,10 +253,13 @@ class PrefetchService:
                 self.end_job(key, f"plan of an unregistered job unused for {self.idle_timeout:.0f} s")
 
     async def submit_plan(self, key: JobKey, epoch: int, dataset_ref: str, order_bytes: bytes, dtype: str,
-                          loader: str = DEFAULT_LOADER) -> int:
+                          loader: str = DEFAULT_LOADER, first: int = 0) -> int:
         """Plan the epoch of ``key``'s DataLoader ``loader``: ``order_bytes`` is an array of
         ``dtype`` sample indices; returns its length.  It replaces that loader's previous
-        plan only; the job's other loaders keep theirs."""
+        plan only; the job's other loaders keep theirs.
+
+        ``first``: the positions the loader asks for as soon as it starts; the answer
+        waits (at most ``FIRST_WAIT``) until they are in the cache."""
         if dtype not in PLAN_DTYPES:
             raise BadRequest(f"dtype must be one of {', '.join(PLAN_DTYPES)}")
         dataset = self.datasets.get(dataset_ref)
@@ -271,11 +278,13 @@ class PrefetchService:
         count = len(order_bytes) // PLAN_DTYPES[dtype]
         order = await trio.to_thread.run_sync(validate) if count > _BIG_ARRAY else validate()
         self.datasets.move_to_end(dataset.id)
-        self.scheduler.submit((key[0], key[1], loader), epoch, dataset, order)
+        plan = self.scheduler.submit((key[0], key[1], loader), epoch, dataset, order, first)
         if key in self.jobs.jobs:
             self.jobs.touch(key)
         else:
             self._orphans[key] = trio.current_time()
+        if plan.first_end:
+            await self.scheduler.wait_first(plan, FIRST_WAIT)
         return count
 
     # -- cache -------------------------------------------------------------------------

@@ -174,3 +174,22 @@ async def test_fresh_stat_and_invalidate(autojump_clock: trio.testing.MockClock)
     meta.invalidate("a")
     assert (await meta.stat("a")).size == 3
     assert backend.operations["stat"] == 3
+
+
+async def test_warm_stats_in_parallel_each_uncached_path_once(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=0.001)  # 1 ms per stat
+    for i in range(100):
+        backend.write(f"d/f{i:03d}", b"x" * i)
+    meta = make(backend)
+    await meta.stat("d/f000")  # already cached: not stat'ed again
+    start = trio.current_time()
+    paths = [f"d/f{i:03d}" for i in range(100)] + ["d/f001", "d/missing"]  # a duplicate, a missing name
+    assert await meta.warm(paths, 10) == 100  # 99 files and the missing name
+    # Ten at a time: ten rounds of 1 ms, where one after the other took 100.
+    assert trio.current_time() - start == pytest.approx(0.010)
+    assert backend.operations["stat"] == 101 and backend.operations["listdir"] == 0
+    assert all(meta.peek(f"d/f{i:03d}") is not None for i in range(100))
+    with pytest.raises(FsError):  # remembered as absent: no second stat
+        await meta.stat("d/missing")
+    assert backend.operations["stat"] == 101
+    assert await meta.warm(paths, 10) == 0  # everything cached now

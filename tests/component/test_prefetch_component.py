@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -30,8 +31,8 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.limits import MAX_LOADERS
-from cubefs_fuse.prefetch.scheduler import PLAN_IDLE, WARM_CHUNK
-from cubefs_fuse.prefetch.service import PrefetchService
+from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
+from cubefs_fuse.prefetch.service import FIRST_WAIT, PrefetchService
 from tests.fakes import FakeBackend
 
 BLOCK = 4096  # one block per file: a file is either resident or not
@@ -113,16 +114,22 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> No
 
 
 async def taken_in(s: System, rank: int = 0) -> None:
-    """Wait, without advancing the virtual clock, until the daemon has re-ranked the cache
-    for the newest plan and started its window.
+    """Wait until the daemon has re-ranked the cache for the newest plan and stat'ed the
+    first chunk of its window (the virtual clock advances by that stat's round trip at most).
 
     With a real clock that takes a worker thread ~1 ms after the plan arrives, before the
     epoch's first batch is read.  Under autojump_clock the reader's 2 ms misses cost no
     real time, so without this wait it would read dozens of files in "LRU mode" first."""
-    plan = s.service.scheduler.plans[(JOB, rank, "0")]
-    with trio.fail_after(1):  # virtual time: must not pass at all
-        while not plan.listed_dirs:  # filled when the window starts, right after re-ranking
-            await trio.sleep(0)  # a checkpoint; the clock only jumps when every task waits
+    await window_started(s.service.scheduler.plans[(JOB, rank, "0")])
+
+
+async def window_started(plan: Any) -> None:
+    """Wait until ``plan``'s window has stat'ed its first chunk, right after re-ranking."""
+    with trio.fail_after(1):  # virtual time: passes only while the window stats its first chunk
+        while not plan.warmed_upto:
+            # A checkpoint, or, while the window's stats are out, a step of virtual time (the
+            # clock only jumps when every task waits): at most one stat's round trip passes.
+            await trio.sleep(LATENCY / 20)
 
 
 async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: trio.testing.MockClock) -> None:
@@ -151,12 +158,13 @@ async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: tri
         assert stats.prefetch_used >= len(warm) * 0.99
         plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert plan.cursor == len(paths) and plan.counters.used == len(paths)
-        # Metadata came in bulk: one listing per class directory, no per-file stat.
+        # Metadata came per file, stat'ed in parallel by the window, never by listing a
+        # directory (a listing pays one round trip per entry in series): each file once,
+        # plus the lookups of the class directories and of the first few files, which
+        # the reader may ask for while the window's stat of them is in flight.
         directories = len(paths) // 50
-        assert backend.operations["listdir"] == directories
-        # Lookups stat each class directory once; a file is stat'ed only if the reader
-        # got to it before its directory's listing (the first few at most).
-        assert backend.operations["stat"] <= directories + 10
+        assert backend.operations["listdir"] == 0
+        assert backend.operations["stat"] <= len(paths) + directories + 10
 
 
 async def run_epochs(plans: bool, prefetch_slots: int, epochs: int = 4, files: int = 400) -> list[float]:
@@ -248,10 +256,11 @@ async def test_half_size_nvme_tier_keeps_a_stable_subset(tmp_path: Any) -> None:
 
 async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         autojump_clock: trio.testing.MockClock) -> None:
-    # Listing a directory takes 1 s, so the old plan issues its files one chunk of
-    # WARM_CHUNK positions (one round of listings) per second.
-    backend = FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0})
-    old_paths = make_dataset(backend, 4 * WARM_CHUNK, per_dir=10)
+    # A stat takes 1 s, so the old plan issues one chunk of META_CHUNK positions (stat'ed
+    # META_CONCURRENCY at a time) every `per_chunk` seconds.
+    per_chunk = META_CHUNK / META_CONCURRENCY
+    backend = FakeBackend(latency=LATENCY, op_latency={"stat": 1.0})
+    old_paths = make_dataset(backend, 8 * META_CHUNK, per_dir=10)
     new_paths = [f"other/img{i}.jpg" for i in range(20)]
     for path in new_paths:
         backend.write(path, b"n" * BLOCK)
@@ -259,27 +268,27 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         old = await register(s, old_paths)
         new = await register(s, new_paths)
         await submit(s, old, list(range(len(old_paths))), epoch=0)
-        await trio.sleep(1.5)  # the first chunk is issued, the second is being listed
+        await trio.sleep(1.5 * per_chunk)  # the first chunk is issued, the second is being stat'ed
         old_plan = s.service.scheduler.plans[(JOB, 0, "0")]
-        assert WARM_CHUNK <= old_plan.issued_upto < len(old_paths)
+        assert META_CHUNK <= old_plan.issued_upto < len(old_paths)
         issued_before = old_plan.issued_upto
         await submit(s, new, list(range(len(new_paths))), epoch=1)
         new_plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert new_plan is not old_plan
         await eventually(lambda: new_plan.counters.issued == len(new_paths)
                          and all((p, 0) in backend.read_calls for p in new_paths))
-        await trio.sleep(30)  # far longer than the old plan needed to issue everything
+        await trio.sleep(10 * per_chunk)  # longer than the old plan needed to issue everything
         # Nothing past the old plan's issued positions was issued or read.
         assert old_plan.issued_upto == issued_before
         read_old = {p for p, _ in backend.read_calls if p in set(old_paths)}
         assert read_old == set(old_paths[:issued_before])
         assert old_plan.scope.cancelled_caught  # its task ended by cancellation
     # Control: without a new plan, the old one goes on to issue everything in that time.
-    async with open_system(FakeBackend(latency=LATENCY, op_latency={"listdir": 1.0}), ram=64 << 20) as s2:
-        make_dataset(s2.backend, 4 * WARM_CHUNK, per_dir=10)
+    async with open_system(FakeBackend(latency=LATENCY, op_latency={"stat": 1.0}), ram=64 << 20) as s2:
+        make_dataset(s2.backend, 8 * META_CHUNK, per_dir=10)
         old2 = await register(s2, old_paths)
         await submit(s2, old2, list(range(len(old_paths))), epoch=0)
-        await trio.sleep(1.5 + 30)
+        await trio.sleep(1.5 * per_chunk + 10 * per_chunk)
         assert s2.service.scheduler.plans[(JOB, 0, "0")].issued_upto == len(old_paths)
 
 
@@ -324,6 +333,59 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
                 gate.set()
 
 
+async def submit_first(s: System, dataset: str, order: list[int], first: int) -> float:
+    """Submit a plan whose answer waits for its first ``first`` positions; the virtual seconds it took."""
+    start = trio.current_time()
+    await s.service.submit_plan((JOB, 0), 0, dataset, np.asarray(order, dtype="<u4").tobytes(), "<u4", first=first)
+    return trio.current_time() - start
+
+
+def cached(s: System, path: str) -> bool:
+    attr = s.fs.meta.peek(path)
+    return attr is not None and s.fs.blocks.cached_fraction(path, attr) == 1.0
+
+
+async def test_plan_answer_waits_until_the_first_batches_are_local(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 300)
+    order = list(range(len(paths)))
+    random.Random(3).shuffle(order)
+    first = [paths[i] for i in order[:64]]  # e.g. 4 workers x prefetch_factor 2 x batch 8
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        took = await submit_first(s, dataset, order, 64)
+        # Stat'ed 16 at a time and fetched on the prefetch slots: a few round trips.
+        assert took < 20 * LATENCY
+        assert all(cached(s, p) for p in first)
+        assert backend.operations["listdir"] == 0
+        # A loader starting now hits on all of them.
+        assert all([await read_file(s.fs, p) for p in first])
+    # Control: without ``first`` the answer does not wait, and the files are not there yet.
+    backend2 = FakeBackend(latency=LATENCY)
+    make_dataset(backend2, 300)
+    async with open_system(backend2, ram=64 << 20) as s2:
+        dataset = await register(s2, paths)
+        assert await submit_first(s2, dataset, order, 0) == 0
+        assert not any(cached(s2, p) for p in first)
+
+
+async def test_plan_answer_waits_for_the_first_batches_at_most_first_wait(
+        autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 100)
+    gate = backend.gate(paths[5])  # this read starts, then hangs
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        took = await submit_first(s, dataset, list(range(len(paths))), 32)
+        assert took == pytest.approx(FIRST_WAIT)
+        plan = s.service.scheduler.plans[(JOB, 0, "0")]
+        assert not plan.first_ready.is_set()
+        # The plan goes on: the rest of the window is issued meanwhile.
+        await eventually(lambda: plan.issued_upto == len(paths))
+        gate.set()
+        await eventually(plan.first_ready.is_set)
+
+
 # -- several DataLoaders of one (job, rank), each with its own plan -----------------------
 #
 # Plans arrive through the service's real handler with a loader id, as
@@ -337,17 +399,14 @@ LOADER_RAM = 200 * BLOCK  # the LOADER_RAM tier holds a third of one epoch of bo
 async def submit_for(s: System, dataset: str, order: list[int], *, loader: str | None,
                      epoch: int = 0) -> None:
     """A plan as the control API hands it over (``loader=None``: a client that names none),
-    then, as ``taken_in`` does, a wait without advancing the virtual clock until the
-    daemon has re-ranked the cache for it (a worker thread) and started its window."""
+    then, as ``taken_in`` does, a wait until the daemon has re-ranked the cache for it (a
+    worker thread) and started its window."""
     body = np.asarray(order, dtype="<u4").tobytes()
     if loader is None:
         await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4")
     else:
         await s.service.submit_plan((JOB, 0), epoch, dataset, body, "<u4", loader)
-    plan = s.service.scheduler.plans[(JOB, 0, loader or "0")]
-    with trio.fail_after(1):  # virtual time: must not pass at all
-        while not plan.listed_dirs:
-            await trio.sleep(0)
+    await window_started(s.service.scheduler.plans[(JOB, 0, loader or "0")])
 
 
 def two_domains(backend: FakeBackend) -> tuple[list[str], list[str]]:
@@ -464,7 +523,7 @@ async def test_a_later_loader_starts_at_the_clock_of_the_reads_so_far(
         scheduler = s.service.scheduler
         plan_a, plan_b = scheduler.plans[(JOB, 0, "0")], scheduler.plans[(JOB, 0, "1")]
         assert plan_a.origin == 0 and plan_a.cursor == 100 and plan_b.origin == 100
-        await eventually(lambda: plan_b.counters.issued > 10)
+        await eventually(lambda: plan_b.counters.issued > 10 and cached(s, b[0]))  # its first blocks landed
         policy = s.cache.memory.policy
         def next_use(path: str) -> int | None:
             attr = s.fs.meta.peek(path)

@@ -138,10 +138,12 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
                                           content_type=CONTENT_BINARY)
 
         def plan(body: bytes, dtype: str = "<u4", dataset_id: str = dataset, job: str = JOB,
-                 rank: str = "0", loader: str | None = None) -> Callable[[], Any]:
+                 rank: str = "0", loader: str | None = None, first: str | None = None) -> Callable[[], Any]:
             query = {"job": job, "rank": rank, "epoch": 2, "dataset": dataset_id, "dtype": dtype}
             if loader is not None:
                 query["loader"] = loader
+            if first is not None:
+                query["first"] = first
             return lambda: client.request("POST", "plans", query=query, body=body, content_type=CONTENT_BINARY)
 
         def warmup(paths: Any) -> Callable[[], Any]:
@@ -174,6 +176,9 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
             ("plan loader with a space", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="a b")),
             ("plan loader traversal", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="../x")),
             ("plan loader too long", 400, plan(np.arange(3, dtype="<u4").tobytes(), loader="l" * 129)),
+            ("plan negative first", 400, plan(np.arange(3, dtype="<u4").tobytes(), first="-1")),
+            ("plan first not a number", 400, plan(np.arange(3, dtype="<u4").tobytes(), first="all")),
+            ("plan first 5000 digits", 400, plan(np.arange(3, dtype="<u4").tobytes(), first="9" * 5000)),
             # Warmup: traversal, absolute, unnormalised, NUL, wrong types.
             ("warmup traversal", 400, warmup(["../etc"])),
             ("warmup inner traversal", 400, warmup(["a/../../etc"])),

@@ -205,8 +205,8 @@ def wire(monkeypatch: pytest.MonkeyPatch, volume: Volume) -> Wire:
         return dataset_id
 
     def plan(self: ControlClient, job: str, rank: int, epoch: int, dataset: str, order: bytes,
-             dtype: str, loader: str | None = None) -> dict[str, Any]:
-        result = submit_plan(self, job, rank, epoch, dataset, order, dtype, loader)
+             dtype: str, loader: str | None = None, first: int = 0) -> dict[str, Any]:
+        result = submit_plan(self, job, rank, epoch, dataset, order, dtype, loader, first)
         with captured.lock:
             captured.plans.append(SentPlan(job, rank, epoch, dataset, np.frombuffer(order, dtype=dtype).copy()))
         return result

@@ -208,6 +208,20 @@ def test_plan_is_the_consumed_order(kind: str, workers: int, plans: list[PlanReq
         plans.clear()
 
 
+@pytest.mark.parametrize(("kind", "workers", "first"), [
+    ("random", 0, 3),  # no workers: the first batch
+    ("random", 2, 12),  # each worker's first prefetch_factor (2) batches of 3
+    ("none", 2, 4),  # batch_size=None: one sample per "batch"
+    ("batch_sampler", 2, 3 + 1 + 4 + 2),  # uneven batches: the first four, as drawn
+])
+def test_plan_names_the_samples_the_loader_asks_for_at_once(kind: str, workers: int, first: int,
+                                                             plans: list[PlanRequest]) -> None:
+    """The daemon answers the plan once these samples' files are local: each worker's
+    first ``prefetch_factor`` batches, which it asks for as soon as it starts."""
+    _consume(kind, workers, epochs=1)
+    assert [p.first for p in plans] == [first]
+
+
 def test_loader_built_inline_is_planned(plans: list[PlanRequest]) -> None:
     """``for batch in DataLoader(...)``: the loader object is dropped as soon as its
     iterator exists; the epoch is planned all the same."""
