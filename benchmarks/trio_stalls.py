@@ -15,16 +15,25 @@ getattr, open (attributed to the registered job: the plan's open path), read, re
 each loop's wall time is one request latency.  The run ends when the plan's task has
 issued its first prefetch (re-ranking done).  Reports the longest and the 99th
 percentile latency; the contract is a longest latency under 20 ms.
+
+Wall latencies on a shared machine also count the time the OS gave the CPU to someone
+else, so two less load-sensitive figures come with them, over the same window: the
+longest garbage collection (``gc.callbacks``, by generation) and the longest trio task
+step in CPU time of the trio thread (``time.thread_time``: the work a request can wait
+behind).  And the memory of the cache's index: the process's resident growth during
+the fill, per block (16-byte key and all; the block data is one shared object).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import trio
@@ -48,11 +57,48 @@ OPENED = 256
 LIMIT_MS = 20.0
 
 
+class _Steps(trio.abc.Instrument):
+    """The longest task step in the trio thread's CPU time, and whose it was."""
+
+    def __init__(self) -> None:
+        self.started = time.thread_time()  # the step that adds the instrument counts from here
+        self.longest = 0.0
+        self.where = ""
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.started = time.thread_time()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        spent = time.thread_time() - self.started
+        if spent > self.longest:
+            self.longest, self.where = spent, task.name.rpartition(".")[2]
+
+
+class _Collections:
+    """Garbage collections (wall time, generation) while ``on``."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.started = 0.0
+        self.pauses: list[tuple[float, int]] = []
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        elif self.on:
+            self.pauses.append((time.perf_counter() - self.started, info["generation"]))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 async def _maybe(value: object) -> object:
     return await value if inspect.isawaitable(value) else value  # register_job became async
 
 
-async def run(blocks: int, files: int) -> dict[str, float]:
+async def run(blocks: int, files: int) -> dict[str, Any]:
     backend = FakeBackend()
     paths = [f"d{i // 1000:04d}/f{i:07d}.jpg" for i in range(files)]
     rng = np.random.default_rng(1)
@@ -69,12 +115,15 @@ async def run(blocks: int, files: int) -> dict[str, float]:
                               mem_cache_size=1 << 30, block_size=BLOCK)
         service = PrefetchService(nursery, fs, config)
         fs.observer = service
-        start = time.perf_counter()
         tags = [path_tag(p) for p in paths]
         one = b"x"
+        gc.collect()
+        rss = _rss_bytes()
+        start = time.perf_counter()
         for i in range(blocks):
             memory.put(i.to_bytes(8, "little") + os.urandom(8), one, tag=tags[i % files])
         fill_s = time.perf_counter() - start
+        bytes_per_block = (_rss_bytes() - rss) / blocks
         await _maybe(service.register_job(JOB[0], JOB[1], os.getpid(), caller_uid=None))
         dataset, _ = await service.register_dataset(b"\0".join(p.encode() for p in paths), 1)
         # Warm the request path (metadata of the opened files, the first block).
@@ -106,6 +155,10 @@ async def run(blocks: int, files: int) -> dict[str, float]:
 
         nursery.start_soon(requests)
         await trio.sleep(0.2)  # a baseline of unloaded requests
+        steps, collections = _Steps(), _Collections()
+        gc.callbacks.append(collections)
+        collections.on = True
+        trio.lowlevel.add_instrument(steps)
         submit_start = time.perf_counter()
         await service.submit_plan(JOB, 0, dataset.id, order.astype("<i8").tobytes(), "<i8")
         plan = service.scheduler.plans[JOB]
@@ -113,11 +166,20 @@ async def run(blocks: int, files: int) -> dict[str, float]:
             while plan.counters.issued == 0 and plan.counters.errors == 0:
                 await trio.sleep(0.001)
         rerank_s = time.perf_counter() - submit_start
+        collections.on = False
+        trio.lowlevel.remove_instrument(steps)
+        gc.callbacks.remove(collections)
         done.set()
         nursery.cancel_scope.cancel()
     ms = np.array(latencies) * 1000
+    pauses = collections.pauses or [(0.0, 0)]
+    longest_gc = max(pauses)
     return {"blocks": blocks, "files": files, "fill_s": fill_s, "rerank_s": rerank_s, "requests": len(ms),
-            "max_ms": float(ms.max()), "p99_ms": float(np.percentile(ms, 99)), "median_ms": float(np.median(ms))}
+            "max_ms": float(ms.max()), "p99_ms": float(np.percentile(ms, 99)), "median_ms": float(np.median(ms)),
+            "gc_max_ms": longest_gc[0] * 1000, "gc_max_generation": longest_gc[1],
+            "gc_count": len(collections.pauses), "gc_total_ms": sum(p for p, _ in collections.pauses) * 1000,
+            "step_cpu_max_ms": steps.longest * 1000, "step_cpu_max_task": steps.where,
+            "bytes_per_block": bytes_per_block}
 
 
 def main() -> int:
@@ -126,10 +188,14 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=100_000)
     args = parser.parse_args()
     r = trio.run(run, args.blocks, args.files)
-    print(f"cache {r['blocks']:,} blocks, plan of {r['files']:,} files: cache filled in {r['fill_s']:.1f} s")
+    print(f"cache {r['blocks']:,} blocks, plan of {r['files']:,} files: cache filled in {r['fill_s']:.1f} s, "
+          f"{r['bytes_per_block']:.0f} bytes resident per block")
     print(f"submit -> first prefetch issued (indexing + re-ranking): {r['rerank_s']:.2f} s")
     print(f"{r['requests']:,} requests: median {r['median_ms']:.3f} ms, p99 {r['p99_ms']:.2f} ms, "
           f"longest {r['max_ms']:.1f} ms (contract: < {LIMIT_MS:.0f} ms)")
+    print(f"meanwhile: {r['gc_count']} garbage collections ({r['gc_total_ms']:.1f} ms), the longest "
+          f"{r['gc_max_ms']:.1f} ms (generation {r['gc_max_generation']}); longest trio task step "
+          f"{r['step_cpu_max_ms']:.1f} ms of trio-thread CPU ({r['step_cpu_max_task']})")
     return 0 if r["max_ms"] < LIMIT_MS else 1
 
 
