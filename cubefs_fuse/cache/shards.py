@@ -27,15 +27,16 @@ _ABSENT: object = object()
 
 class ShardedDict(Generic[V]):
     """bytes -> V, as ``SHARDS`` plain dicts (``shards[key[0]]``).  Insertion order is kept
-    per shard only.  ``len`` sums the shards (~5 us): keep it off per-block paths."""
+    per shard only.  Change it through its methods (``len`` is counted as it changes)."""
 
-    __slots__ = ("shards",)
+    __slots__ = ("shards", "_len")
 
     def __init__(self) -> None:
         self.shards: list[dict[bytes, V]] = [{} for _ in range(SHARDS)]
+        self._len = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self.shards))
+        return self._len
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.shards[key[0]]
@@ -44,10 +45,14 @@ class ShardedDict(Generic[V]):
         return self.shards[key[0]][key]
 
     def __setitem__(self, key: bytes, value: V) -> None:
-        self.shards[key[0]][key] = value
+        shard = self.shards[key[0]]
+        before = len(shard)
+        shard[key] = value
+        self._len += len(shard) - before
 
     def __delitem__(self, key: bytes) -> None:
         del self.shards[key[0]][key]
+        self._len -= 1
 
     def __iter__(self) -> Iterator[bytes]:
         for shard in self.shards:
@@ -63,9 +68,11 @@ class ShardedDict(Generic[V]):
 
     def pop(self, key: bytes, default: object = _ABSENT) -> object:
         """Remove ``key`` and return its value; with ``default``, that when absent."""
-        if default is _ABSENT:
-            return self.shards[key[0]].pop(key)
-        return self.shards[key[0]].pop(key, default)
+        shard = self.shards[key[0]]
+        before = len(shard)
+        value = shard.pop(key) if default is _ABSENT else shard.pop(key, default)
+        self._len -= before - len(shard)
+        return value
 
     def items(self) -> Iterator[tuple[bytes, V]]:
         for shard in self.shards:
@@ -78,3 +85,4 @@ class ShardedDict(Generic[V]):
     def clear(self) -> None:
         for shard in self.shards:
             shard.clear()
+        self._len = 0
