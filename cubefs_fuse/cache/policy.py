@@ -186,9 +186,24 @@ class PlannedLru:
 
     def touch(self, key: bytes) -> None:
         """A read: an unplanned block becomes the most recently used."""
-        if key in self._size[key[0]] and key not in self._use[key[0]] and key != self._lru_tail:
-            self._unlink(None, key)
-            self._append(None, key)
+        # _unlink + _append of the unplanned list, inlined: this runs on every RAM hit.
+        tail = self._lru_tail
+        shard = key[0]
+        if key == tail or key not in self._size[shard] or key in self._use[shard]:
+            return
+        assert tail is not None  # key is in the (non-empty) unplanned list
+        prev, following = self._prev, self._next
+        before = prev[shard].pop(key, None)
+        after = following[shard].pop(key)  # key is not the tail: something follows it
+        if before is None:
+            self._lru_head = after
+            del prev[after[0]][after]
+        else:
+            following[before[0]][before] = after
+            prev[after[0]][after] = before
+        following[tail[0]][tail] = key
+        prev[shard][key] = tail
+        self._lru_tail = key
 
     def plan(self, key: bytes, next_use: int) -> None:
         """A plan will read ``key`` at ``next_use`` (re-planning moves it)."""
