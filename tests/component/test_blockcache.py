@@ -437,7 +437,8 @@ async def test_cached_blocks_add_nothing_for_the_garbage_collector_to_visit(tmp_
         # RAM for half the blocks: the rest is evicted to make room (eviction paths too).
         async with open_cache(disk=disk, ram_bytes=files * per_file * BLOCK // 2) as cache:
             await blocks.get(cache, "f0", 0)  # every code path warm before the baseline
-            backend.read_calls.clear(), backend.read_log.clear()  # the fake's own per-read records
+            backend.read_calls.clear()  # the fake's own per-read records
+            backend.read_log.clear()
             before = _references_the_collector_visits()
             for f in range(files):
                 for i in range(per_file):
@@ -454,7 +455,8 @@ async def test_cached_blocks_add_nothing_for_the_garbage_collector_to_visit(tmp_
                         cache.plan(blocks.key(path, i), 10**6 - f * per_file - i)
                 await trio.testing.wait_all_tasks_blocked()
             await cache.drain()
-            backend.read_calls.clear(), backend.read_log.clear()
+            backend.read_calls.clear()
+            backend.read_log.clear()
             stats = cache.statistics()
             ram = cache.memory.statistics()
             assert ram.blocks > 1000 and ram.evictions > 0 and ram.planned_bytes > 0
