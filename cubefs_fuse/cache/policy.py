@@ -87,12 +87,8 @@ class _SortedInts:
         i = min(bisect_left(self._maxes, value), len(self._maxes) - 1)
         chunk = self._chunks[i]
         chunk.insert(bisect_left(chunk, value), value)
-        if len(chunk) > 2 * USE_CHUNK:
-            self._chunks[i + 1 : i + 1] = [chunk[USE_CHUNK:]]
-            del chunk[USE_CHUNK:]
-            self._maxes[i : i + 1] = [chunk[-1], self._chunks[i + 1][-1]]
-        else:
-            self._maxes[i] = chunk[-1]
+        self._maxes[i] = chunk[-1]
+        self._split_if_large(i)
 
     def remove(self, value: int) -> None:
         """Remove ``value`` (present)."""
@@ -105,17 +101,20 @@ class _SortedInts:
             return
         self._maxes[i] = chunk[-1]
         if len(chunk) < USE_CHUNK // 4 and i + 1 < len(self._chunks):
-            # Merge a small chunk into the next one, so chunks stay >= USE_CHUNK / 4 on
-            # average and the chunk list short (re-split if the merge is too large).
-            following = self._chunks[i + 1]
-            chunk.extend(following)
+            # Merge a small chunk into the next one, so that every chunk but the last
+            # keeps >= USE_CHUNK / 4 values and the chunk list stays short.
+            chunk.extend(self._chunks[i + 1])
             del self._chunks[i + 1]
             del self._maxes[i + 1]
             self._maxes[i] = chunk[-1]
-            if len(chunk) > 2 * USE_CHUNK:
-                self._chunks[i + 1 : i + 1] = [chunk[USE_CHUNK:]]
-                del chunk[USE_CHUNK:]
-                self._maxes[i : i + 1] = [chunk[-1], self._chunks[i + 1][-1]]
+            self._split_if_large(i)
+
+    def _split_if_large(self, i: int) -> None:
+        chunk = self._chunks[i]
+        if len(chunk) > 2 * USE_CHUNK:
+            self._chunks.insert(i + 1, chunk[USE_CHUNK:])
+            del chunk[USE_CHUNK:]
+            self._maxes[i : i + 1] = [chunk[-1], self._chunks[i + 1][-1]]
 
     def __bool__(self) -> bool:
         return bool(self._chunks)
