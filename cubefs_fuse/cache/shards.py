@@ -7,8 +7,9 @@ hashes, so their first byte spreads them evenly over ``SHARDS`` dicts: a 10^6-bl
 tier has ~4,000 entries per shard, rebuilt in ~0.2 ms.  Keys must be non-empty bytes
 (cache keys are 16-byte hashes).
 
-Dicts whose keys and values are ``bytes`` or ``int`` are never tracked by the garbage
-collector (``gc.is_tracked`` is False), so a full collection does not visit them either.
+Dicts whose keys and values are atoms (``bytes``, ``int``, ``float``, ``bool``) are never
+tracked by the garbage collector (``gc.is_tracked`` is False), so a full collection does
+not visit them either: keep it so (no tuple, object or container as a value).
 """
 
 from __future__ import annotations
