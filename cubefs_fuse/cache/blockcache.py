@@ -29,6 +29,7 @@ import trio
 
 from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DISK_THREADS, DiskStatistics, DiskTier
 from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
+from cubefs_fuse.cache.shards import ShardedDict
 from cubefs_fuse.errors import FsError
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class _DiskRead:
         self.tag = tag
         self.done = trio.Event()
         self.data: bytes | None = None
+# _admitted_unread's value for a block the NVMe tier brought (a stall is never negative).
+_FROM_DISK = -1.0
 
 
 class Source(Enum):
@@ -226,12 +229,16 @@ class BlockCache:
         self._prefetch_issued = self._prefetch_completed = self._prefetch_failed = 0
         self._prefetch_flights = 0
         self._prefetch_used = self._prefetch_wasted = 0
-        self._unused_prefetched: set[bytes] = set()
+        # Prefetched blocks no application read yet (values unused).  This and
+        # _admitted_unread can hold every block of the RAM tier: sharded dicts of bytes and
+        # floats, which the garbage collector does not track (cache/shards.py).
+        self._unused_prefetched: ShardedDict[bool] = ShardedDict()
         self._disk_writes_skipped = 0
         # Blocks admitted for a reader (``admit``) that no application read yet -> the
-        # seconds that reader waited for them.  Entries go with the block (read, evicted,
-        # cleared), so this never outgrows the RAM tier's block count.
-        self._admitted_unread: dict[bytes, tuple[Source, float]] = {}
+        # seconds that reader waited for them (_FROM_DISK: it came from the NVMe tier).
+        # Entries go with the block (read, evicted, cleared), so this never outgrows the
+        # RAM tier's block count.
+        self._admitted_unread: ShardedDict[float] = ShardedDict()
         # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
         self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
         self._disk_writer = False
@@ -253,17 +260,15 @@ class BlockCache:
         data = self.memory.get(key)
         if data is not None:
             if self._admitted_unread:
-                admitted = self._admitted_unread.pop(key, None)
-                if admitted is not None:
-                    source, stall = admitted
-                    if source is Source.DISK:
-                        self._hits_disk += 1
-                    else:
-                        self._misses += 1
-                    return data, source, stall
+                stall = self._admitted_unread.pop(key, None)
+                if stall == _FROM_DISK:
+                    self._hits_disk += 1
+                    return data, Source.DISK, 0.0
+                if stall is not None:
+                    self._misses += 1
+                    return data, Source.BACKEND, stall
             self._hits_ram += 1
-            if key in self._unused_prefetched:
-                self._unused_prefetched.discard(key)
+            if self._unused_prefetched.pop(key, None) is not None:
                 self._prefetch_used += 1
             return data, Source.RAM, 0.0
         flight = self._flights.get(key)
@@ -349,7 +354,7 @@ class BlockCache:
         else:
             self._write_behind(key, data, None, tag)
         if self.memory.put(key, data, tag=tag):
-            self._admitted_unread[key] = (Source.DISK, 0.0) if from_disk else (Source.BACKEND, stall)
+            self._admitted_unread[key] = _FROM_DISK if from_disk else stall
 
     def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Bring a block into RAM in the background; False if already there or too busy.
@@ -397,8 +402,7 @@ class BlockCache:
 
     def _evicted(self, key: bytes) -> None:
         self._admitted_unread.pop(key, None)
-        if key in self._unused_prefetched:
-            self._unused_prefetched.discard(key)
+        if self._unused_prefetched.pop(key, None) is not None:
             self._prefetch_wasted += 1
 
     async def warm(self, key: bytes, fetch: Fetcher) -> None:
@@ -472,7 +476,7 @@ class BlockCache:
                 self._prefetch_completed += 1
                 if not flight.joined:
                     if stored:
-                        self._unused_prefetched.add(key)
+                        self._unused_prefetched[key] = True
                     else:
                         self._prefetch_wasted += 1
         except BaseException as exc:

@@ -42,6 +42,7 @@ import xxhash
 
 from cubefs_fuse.cache.keys import KEY_BYTES
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.cache.shards import ShardedDict
 from cubefs_fuse.cache.tags import TagIndex
 from cubefs_fuse.errors import ConfigError
 
@@ -123,7 +124,8 @@ class DiskTier:
         self._lock_fd = lock_fd
         self._blocks_dir = os.path.join(directory, "blocks")
         self._tmp_dir = os.path.join(directory, "tmp")
-        self._entries: dict[bytes, int] = {}  # key -> allocated bytes
+        # key -> allocated bytes; sharded (cache/shards.py): no million-entry dict resize
+        self._entries: ShardedDict[int] = ShardedDict()
         self._tags = TagIndex()  # key -> path tag (absent: unknown, e.g. after a crash scan)
         # Per fan-out directory ("ab"): blocks stored or being written there (at zero the
         # directory is removed), its allocated bytes as last measured (part of used_bytes;
@@ -169,11 +171,10 @@ class DiskTier:
             os.close(lock_fd)
             raise
         entries = loaded.entries
-        tier._entries = {key: size for key, (size, _) in entries.items()}
-        for key, (_, tag) in entries.items():
+        for key, (size, tag) in entries.items():  # oldest first: the LRU order of the last run
+            tier._entries[key] = size
             if tag:
                 tier._tags.set(key, tag)
-        for key, size in tier._entries.items():  # oldest first: the LRU order of the last run
             tier.policy.add(key, size)
         tier._fan_blocks = loaded.fan_blocks
         tier._dir_bytes = loaded.dir_bytes

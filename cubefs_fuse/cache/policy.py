@@ -5,7 +5,8 @@ Every block in a tier is either
 * **unplanned** — no active plan will read it (again): ordered by recency, evicted
   first, oldest first (plain LRU when no plan is active); or
 * **planned** — an active plan reads it at position ``next_use``: evicted only after
-  every unplanned block, the furthest ``next_use`` first.
+  every unplanned block, the furthest ``next_use`` first (among equal ones, the one
+  planned first).
 
 Admission follows Belady too: a planned block may displace a planned block needed
 later than itself, never one needed sooner; an unplanned block may displace planned
@@ -14,13 +15,34 @@ a reader is consuming right now).  So when the dataset is larger than the tier, 
 planned blocks already resident stay resident epoch after epoch (a stable subset)
 instead of being flushed by every miss, and the lookahead window, whose blocks are
 needed soonest, is never evicted to make room for anything needed later.
+
+**No garbage-collector work and no whole rebuild per block.**  A tier holds up to
+millions of blocks, and the trio thread must never stall on them (docs/architecture.md,
+"Contract: the trio thread does no work proportional to the cache or the plan"):
+
+* CPython's full (generation 2) collection visits every reference held by every tracked
+  container: an ``OrderedDict`` or a heap list of a million entries costs 10-15 ms per
+  collection each.  So the per-block state lives only in dicts whose keys and values are
+  ``bytes`` or ``int``, which the collector never tracks: the orders are doubly linked
+  lists threaded through two such dicts (``_next``/``_prev``), one list for the
+  unplanned blocks (oldest first) and one per distinct ``next_use`` (first planned
+  first), and the distinct ``next_use`` values are kept sorted in ``_SortedInts``
+  (chunks of ``array('q')``, which hold no references).
+* A dict of a million entries is resized (or compacted) in one call of 50-110 ms, and a
+  heap of tuples had to be rebuilt now and then (~25 ms).  So every per-block dict is
+  split in ``SHARDS`` by the key's first byte (``cache/shards.py``), and nothing is ever
+  rebuilt whole: every operation is O(1) dict work, plus an O(``USE_CHUNK``) memmove
+  when a ``next_use`` value appears or disappears.
 """
 
 from __future__ import annotations
 
-import heapq
-from collections import OrderedDict
-from itertools import count, islice
+from array import array
+from bisect import bisect_left
+from collections.abc import Iterator
+from typing import Any
+
+from cubefs_fuse.cache.shards import SHARDS
 
 
 # Share of a tier that blocks no plan asks for may take from planned blocks (the block a
@@ -28,96 +50,193 @@ from itertools import count, islice
 # the resident subset when the dataset is larger than the cache.
 SCRATCH_FRACTION = 32
 
+# Distinct next uses per chunk of _SortedInts: an insert or removal moves at most
+# 2 x 1024 x 8 bytes (~0.3 us), and 10^6 distinct positions need ~1,000 chunks, so
+# finding the chunk (a bisect over their maxima) stays a few probes.
+USE_CHUNK = 1024
+
+# Planned lists' ends are sharded by ``next_use & _MASK`` (like keys, by their first byte).
+_MASK = SHARDS - 1
+# Planned blocks unplan_all() unplans per call of unplan_some (any size works; the
+# scheduler's own steps are UNPLAN_STEP).
+UNPLAN_CHUNK = 1024
+
+
+class _SortedInts:
+    """A set of ints, sorted, in chunks of ``array('q')``: add, remove, descending walk.
+
+    Arrays hold their values inline (no per-value object the collector would visit), and
+    a chunk is edited in place, so nothing proportional to the set's size is ever copied.
+    """
+
+    __slots__ = ("_chunks", "_maxes")
+
+    def __init__(self) -> None:
+        self._chunks: list[array[int]] = []  # each sorted, non-empty; all of chunk i < all of chunk i+1
+        self._maxes: list[int] = []  # the last value of each chunk
+
+    def __len__(self) -> int:
+        return sum(len(chunk) for chunk in self._chunks)
+
+    def add(self, value: int) -> None:
+        """Insert ``value`` (not present)."""
+        if not self._chunks:
+            self._chunks.append(array("q", (value,)))
+            self._maxes.append(value)
+            return
+        i = min(bisect_left(self._maxes, value), len(self._maxes) - 1)
+        chunk = self._chunks[i]
+        chunk.insert(bisect_left(chunk, value), value)
+        self._maxes[i] = chunk[-1]
+        self._split_if_large(i)
+
+    def remove(self, value: int) -> None:
+        """Remove ``value`` (present)."""
+        i = bisect_left(self._maxes, value)
+        chunk = self._chunks[i]
+        del chunk[bisect_left(chunk, value)]
+        if not chunk:
+            del self._chunks[i]
+            del self._maxes[i]
+            return
+        self._maxes[i] = chunk[-1]
+        if len(chunk) < USE_CHUNK // 4 and i + 1 < len(self._chunks):
+            # Merge a small chunk into the next one, so that every chunk but the last
+            # keeps >= USE_CHUNK / 4 values and the chunk list stays short.
+            chunk.extend(self._chunks[i + 1])
+            del self._chunks[i + 1]
+            del self._maxes[i + 1]
+            self._maxes[i] = chunk[-1]
+            self._split_if_large(i)
+
+    def _split_if_large(self, i: int) -> None:
+        chunk = self._chunks[i]
+        if len(chunk) > 2 * USE_CHUNK:
+            self._chunks.insert(i + 1, chunk[USE_CHUNK:])
+            del chunk[USE_CHUNK:]
+            self._maxes[i : i + 1] = [chunk[-1], self._chunks[i + 1][-1]]
+
+    def __bool__(self) -> bool:
+        return bool(self._chunks)
+
+    def largest(self) -> int | None:
+        return self._maxes[-1] if self._maxes else None
+
+    def descending(self) -> Iterator[int]:
+        """Largest first.  The set must not change while this is consumed."""
+        for chunk in reversed(self._chunks):
+            yield from reversed(chunk)
+
 
 class PlannedLru:
+    """Keys must be non-empty bytes: every per-block dict is split by the key's first byte
+    (``shards.SHARDS``), so that none is ever rebuilt whole (see ``cache/shards.py``)."""
+
     def __init__(self, scratch_bytes: int) -> None:
         self.scratch_bytes = scratch_bytes
-        self._unplanned: OrderedDict[bytes, int] = OrderedDict()  # key -> size, oldest first
-        self._planned: dict[bytes, tuple[int, int, int]] = {}  # key -> (next_use, size, serial)
-        # (-next_use, serial, key); an entry is live only if its serial is the key's current
-        # one (a key re-planned at the same position must not be found twice).
-        self._heap: list[tuple[int, int, bytes]] = []
-        self._serial = count()
+        # Per-block state, in shards of untracked dicts (bytes/int keys and values).
+        self._size: list[dict[bytes, int]] = _shards()  # every key -> size
+        self._use: list[dict[bytes, int]] = _shards()  # planned key -> next_use
+        self._next: list[dict[bytes, bytes]] = _shards()  # key -> the key after it in its list (absent: last)
+        self._prev: list[dict[bytes, bytes]] = _shards()  # key -> the key before it (absent: the first)
+        # The unplanned list's ends, and each planned list's (sharded by next use & _MASK).
+        self._lru_head: bytes | None = None
+        self._lru_tail: bytes | None = None
+        self._heads: list[dict[int, bytes]] = [{} for _ in range(SHARDS)]
+        self._tails: list[dict[int, bytes]] = [{} for _ in range(SHARDS)]
+        self._uses = _SortedInts()  # the next uses that have a list
         self.unplanned_bytes = 0
         self.planned_bytes = 0
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._unplanned or key in self._planned
+        return key in self._size[key[0]]
 
     def __len__(self) -> int:
-        return len(self._unplanned) + len(self._planned)
+        return sum(map(len, self._size))
 
     def next_use(self, key: bytes) -> int | None:
-        entry = self._planned.get(key)
-        return entry[0] if entry is not None else None
+        return self._use[key[0]].get(key)
 
     def add(self, key: bytes, size: int, next_use: int | None = None) -> None:
         self.remove(key)
+        self._size[key[0]][key] = size
         if next_use is None:
-            self._unplanned[key] = size
             self.unplanned_bytes += size
         else:
-            serial = next(self._serial)
-            self._planned[key] = (next_use, size, serial)
+            self._use[key[0]][key] = next_use
             self.planned_bytes += size
-            heapq.heappush(self._heap, (-next_use, serial, key))
+            if next_use not in self._tails[next_use & _MASK]:
+                self._uses.add(next_use)
+        self._append(next_use, key)
 
     def remove(self, key: bytes) -> int:
         """Forget a key; its size (0 if absent)."""
-        size = self._unplanned.pop(key, None)
-        if size is not None:
+        size = self._size[key[0]].pop(key, None)
+        if size is None:
+            return 0
+        use = self._use[key[0]].pop(key, None)
+        if use is None:
             self.unplanned_bytes -= size
-            return size
-        entry = self._planned.pop(key, None)
-        if entry is not None:
-            self.planned_bytes -= entry[1]
-            self._compact()
-            return entry[1]
-        return 0
+        else:
+            self.planned_bytes -= size
+        if self._unlink(use, key) and use is not None:
+            self._uses.remove(use)
+        return size
 
     def touch(self, key: bytes) -> None:
         """A read: an unplanned block becomes the most recently used."""
-        if key in self._unplanned:
-            self._unplanned.move_to_end(key)
+        # _unlink + _append of the unplanned list, inlined: this runs on every RAM hit.
+        tail = self._lru_tail
+        shard = key[0]
+        if key == tail or key not in self._size[shard] or key in self._use[shard]:
+            return
+        assert tail is not None  # key is in the (non-empty) unplanned list
+        prev, following = self._prev, self._next
+        before = prev[shard].pop(key, None)
+        after = following[shard].pop(key)  # key is not the tail: something follows it
+        if before is None:
+            self._lru_head = after
+            del prev[after[0]][after]
+        else:
+            following[before[0]][before] = after
+            prev[after[0]][after] = before
+        following[tail[0]][tail] = key
+        prev[shard][key] = tail
+        self._lru_tail = key
 
     def plan(self, key: bytes, next_use: int) -> None:
         """A plan will read ``key`` at ``next_use`` (re-planning moves it)."""
-        if key in self._unplanned:
-            size = self._unplanned.pop(key)
-            self.unplanned_bytes -= size
-        elif key in self._planned:
-            if self._planned[key][0] == next_use:
-                return
-            size = self._planned.pop(key)[1]
-            self.planned_bytes -= size
-        else:
+        size = self._size[key[0]].get(key)
+        if size is None or self._use[key[0]].get(key) == next_use:
             return
         self.add(key, size, next_use)
 
     def unplan(self, key: bytes) -> None:
         """No plan reads ``key`` any more (consumed, or its plan was replaced)."""
-        entry = self._planned.pop(key, None)
-        if entry is not None:
-            self.planned_bytes -= entry[1]
-            self._unplanned[key] = entry[1]
-            self.unplanned_bytes += entry[1]
-            self._compact()
+        if key in self._use[key[0]]:
+            self.add(key, self._size[key[0]][key], None)
 
     def order(self) -> list[bytes]:
         """Every key, first to be evicted first (unplanned by age, then furthest next use)."""
-        planned = sorted(self._planned.items(), key=lambda item: -item[1][0])
-        return list(self._unplanned) + [key for key, _ in planned]
+        keys = list(self._walk(None))
+        for use in self._uses.descending():
+            keys += self._walk(use)
+        return keys
 
     def unplan_all(self) -> None:
-        for key in list(self._planned):
-            self.unplan(key)
+        while self.unplan_some(UNPLAN_CHUNK):
+            pass
 
     def unplan_some(self, count: int) -> bool:
-        """Unplan up to ``count`` blocks (O(count): the first ones are always planned ones,
-        since unplanning removes them); True if planned blocks remain."""
-        for key in list(islice(self._planned, count)):
-            self.unplan(key)
-        return bool(self._planned)
+        """Unplan up to ``count`` blocks, in eviction order (the furthest next use first: the
+        blocks the plan needed last become the oldest unplanned ones); O(count).  True if
+        planned blocks remain."""
+        for _ in range(count):
+            use = self._uses.largest()
+            if use is None:
+                return False
+            self.unplan(self._heads[use & _MASK][use])
+        return bool(self._uses)
 
     def victims(self, need: int, free: int, next_use: int | None) -> list[bytes] | None:
         """Keys to evict so that ``need`` bytes fit beside ``free``; None: do not admit.
@@ -127,37 +246,76 @@ class PlannedLru:
         victims: list[bytes] = []
         if need <= free:
             return victims
-        for key, size in self._unplanned.items():
+        size_of = self._size
+        for key in self._walk(None):
             victims.append(key)
-            free += size
+            free += size_of[key[0]][key]
             if need <= free:
                 return victims
         if next_use is None and need > self.scratch_bytes:
             return None  # an unplanned block displaces planned ones only within the scratch room
-        popped: list[tuple[int, int, bytes]] = []
-        admitted = False
-        while self._heap:
-            entry = heapq.heappop(self._heap)
-            neg_use, serial, key = entry
-            planned = self._planned.get(key)
-            if planned is None or planned[2] != serial:
-                continue  # stale
-            popped.append(entry)
-            if next_use is not None and -neg_use <= next_use:
-                break  # everything left is needed no later than the newcomer
-            victims.append(key)
-            free += planned[1]
-            if need <= free:
-                admitted = True
-                break
-        # Live entries go back, so that this stays a query (entries of victims the caller
-        # then removes turn stale and are compacted away).
-        for entry in popped:
-            heapq.heappush(self._heap, entry)
-        return victims if admitted else None
+        for use in self._uses.descending():
+            if next_use is not None and use <= next_use:
+                return None  # everything left is needed no later than the newcomer
+            for key in self._walk(use):
+                victims.append(key)
+                free += size_of[key[0]][key]
+                if need <= free:
+                    return victims
+        return None
 
-    def _compact(self) -> None:
-        # Drop stale heap entries once they outnumber live ones (amortised O(1) per change).
-        if len(self._heap) > 2 * len(self._planned) + 64:
-            self._heap = [e for e in self._heap if self._planned.get(e[2], (0, 0, -1))[2] == e[1]]
-            heapq.heapify(self._heap)
+    # -- the lists: unplanned (use None) and one per next use -----------------------------
+
+    def _walk(self, use: int | None) -> Iterator[bytes]:
+        key = self._lru_head if use is None else self._heads[use & _MASK].get(use)
+        following = self._next
+        while key is not None:
+            yield key
+            key = following[key[0]].get(key)
+
+    def _append(self, use: int | None, key: bytes) -> None:
+        if use is None:
+            tail = self._lru_tail
+            self._lru_tail = key
+            if tail is None:
+                self._lru_head = key
+        else:
+            tails = self._tails[use & _MASK]
+            tail = tails.get(use)
+            tails[use] = key
+            if tail is None:
+                self._heads[use & _MASK][use] = key
+        if tail is not None:
+            self._next[tail[0]][tail] = key
+            self._prev[key[0]][key] = tail
+
+    def _unlink(self, use: int | None, key: bytes) -> bool:
+        """Take ``key`` out of its list; True if the list is now empty (and gone)."""
+        before = self._prev[key[0]].pop(key, None)
+        after = self._next[key[0]].pop(key, None)
+        if before is None:  # key was the head
+            if after is None:
+                if use is None:
+                    self._lru_head = self._lru_tail = None
+                else:
+                    del self._heads[use & _MASK][use], self._tails[use & _MASK][use]
+                return True
+            if use is None:
+                self._lru_head = after
+            else:
+                self._heads[use & _MASK][use] = after
+            del self._prev[after[0]][after]
+        elif after is None:  # key was the tail
+            if use is None:
+                self._lru_tail = before
+            else:
+                self._tails[use & _MASK][use] = before
+            del self._next[before[0]][before]
+        else:
+            self._next[before[0]][before] = after
+            self._prev[after[0]][after] = before
+        return False
+
+
+def _shards() -> list[dict[bytes, Any]]:
+    return [{} for _ in range(SHARDS)]

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-# 256 shards: a 10^6-block cache has ~4,000 blocks per shard, copied in ~0.2 ms.
-SHARDS = 256
+from cubefs_fuse.cache.shards import SHARDS as SHARDS  # re-exported: a walk takes SHARDS steps
 
 
 class TagIndex:

@@ -9,6 +9,7 @@ wall time); "held" fetches use the fake's gates and ``wait_all_tasks_blocked``.
 from __future__ import annotations
 
 import errno
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -451,5 +452,55 @@ async def test_prefetches_from_nvme_share_worker_thread_calls(tmp_path: Path) ->
             for i in range(n):
                 data, source = await blocks.get(cache, "f", i)
                 assert data == blocks.expected("f", i) and source is Source.RAM
+
+def _references_the_collector_visits() -> int:
+    """What a full collection traverses: the references held by every tracked object."""
+    gc.collect()
+    return sum(len(gc.get_referents(o)) for o in gc.get_objects())
+
+
+async def test_cached_blocks_add_nothing_for_the_garbage_collector_to_visit(tmp_path: Path) -> None:
+    """Thousands of blocks in both tiers, read, prefetched with positions, admitted,
+    planned, evicted: a full collection visits no more references than with an empty
+    cache (docs/architecture.md, "Concurrency": per-block state only in untracked dicts),
+    so its pause does not grow with the cache."""
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    files, per_file = 40, 100
+    for f in range(files):
+        blocks.file(f"f{f}", per_file)
+    disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
+    try:
+        # RAM for half the blocks: the rest is evicted to make room (eviction paths too).
+        async with open_cache(disk=disk, ram_bytes=files * per_file * BLOCK // 2) as cache:
+            await blocks.get(cache, "f0", 0)  # every code path warm before the baseline
+            backend.read_calls.clear()  # the fake's own per-read records
+            backend.read_log.clear()
+            before = _references_the_collector_visits()
+            for f in range(files):
+                for i in range(per_file):
+                    path = f"f{f}"
+                    if f % 4 == 0:
+                        await blocks.get(cache, path, i)  # foreground miss
+                        await blocks.get(cache, path, i)  # RAM hit
+                    elif f % 4 == 1:
+                        cache.prefetch(blocks.key(path, i), blocks.fetcher(path, i), next_use=f * per_file + i)
+                    elif f % 4 == 2:
+                        cache.admit(blocks.key(path, i), blocks.expected(path, i), stall=0.01)
+                    else:
+                        await blocks.get(cache, path, i)
+                        cache.plan(blocks.key(path, i), 10**6 - f * per_file - i)
+                await trio.testing.wait_all_tasks_blocked()
+            await cache.drain()
+            backend.read_calls.clear()
+            backend.read_log.clear()
+            stats = cache.statistics()
+            ram = cache.memory.statistics()
+            assert ram.blocks > 1000 and ram.evictions > 0 and ram.planned_bytes > 0
+            assert stats.disk is not None and stats.disk.blocks > 2000
+            grown = _references_the_collector_visits() - before
+            # Far below one reference per block (an OrderedDict or a set of the blocks
+            # would add 1-2 per block: 4,000-8,000).
+            assert grown < files * per_file // 10, grown
     finally:
         await disk.close()

@@ -1,17 +1,24 @@
 """PlannedLru (cache/policy.py): LRU without plans, Belady with them.
 
 The randomized test drives PlannedLru and a deliberately naive reference model (lists
-and sorts, no heap) with the same operations and checks that they choose the same
-victims, so the heap's lazy deletion and compaction cannot drift from the rules.
+and sorts, no linked lists) with the same operations and checks that they choose the
+same victims and the same eviction order, so the linked lists and the sorted next uses
+cannot drift from the rules.  PlannedLru keeps its per-block state out of the garbage
+collector's sight (docs/architecture.md, "the trio thread does no work proportional to
+the cache"): the tests check that too.
 """
 
 from __future__ import annotations
 
+import gc
 import random
+
+import pytest
 from dataclasses import dataclass, field
 
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.cache.policy import PlannedLru
+from cubefs_fuse.cache import policy
+from cubefs_fuse.cache.policy import USE_CHUNK, PlannedLru, _SortedInts
 
 SIZE = 10  # every block in these tests has the same size unless said otherwise
 
@@ -168,6 +175,13 @@ class Reference:
         if key in self.planned:
             self.add(key, self.planned[key][2], None)
 
+    def eviction_order(self) -> list[bytes]:
+        """Planned keys: furthest next use first; among equals, the one planned first."""
+        return [key for key, _ in sorted(self.planned.items(), key=lambda e: (-e[1][0], e[1][1]))]
+
+    def order(self) -> list[bytes]:
+        return [key for key, _ in self.unplanned] + self.eviction_order()
+
     def victims(self, need: int, free: int, next_use: int | None) -> list[bytes] | None:
         out: list[bytes] = []
         if need <= free:
@@ -180,7 +194,8 @@ class Reference:
         if next_use is None and need > self.scratch:
             return None
         # Furthest next use first; among equals, the one planned first.
-        for key, (use, _, size) in sorted(self.planned.items(), key=lambda e: (-e[1][0], e[1][1])):
+        for key in self.eviction_order():
+            use, _, size = self.planned[key]
             if next_use is not None and use <= next_use:
                 return None
             out.append(key)
@@ -198,12 +213,19 @@ def check_consistent(p: PlannedLru, ref: Reference) -> None:
         assert p.next_use(key) == use
     for key, _ in ref.unplanned:
         assert key in p and p.next_use(key) is None
-    # White box: every planned block has a live heap entry, so eviction can find it.
-    live = {key for neg, _, key in p._heap if key in ref.planned and ref.planned[key][0] == -neg}
-    assert live == set(ref.planned)
+    # The whole eviction order, not just the victims of one admission.
+    assert p.order() == ref.order()
+    # White box: each distinct next use has exactly one list, and the lists hold every key once.
+    assert list(p._uses.descending()) == sorted({e[0] for e in ref.planned.values()}, reverse=True)
+    lists = sum(map(len, p._heads)) + (p._lru_head is not None)
+    assert sum(map(len, p._next)) == sum(map(len, p._prev)) == len(p) - lists
 
 
-def test_randomized_churn_matches_the_reference_model() -> None:
+@pytest.mark.parametrize("chunk", [USE_CHUNK, 2])
+def test_randomized_churn_matches_the_reference_model(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # With chunks of 2 next uses, the ~20 distinct ones resident split and merge chunks
+    # all the time (the default size only does that past a thousand).
+    monkeypatch.setattr(policy, "USE_CHUNK", chunk)
     rng = random.Random(20240601)  # fixed seed: a failure reproduces
     limit = 400  # bytes of the simulated tier; blocks are 5..40 bytes, so ~20 resident
     scratch = 45
@@ -246,20 +268,26 @@ def test_randomized_churn_matches_the_reference_model() -> None:
         elif op < 0.9:
             p.unplan(key)
             ref.unplan(key)
-        elif op < 0.99:
+        elif op < 0.985:
             used -= p.remove(key)
             ref.remove(key)
+        elif op < 0.995:
+            count = rng.randrange(1, 8)
+            assert p.unplan_some(count) == (len(ref.planned) > count)
+            for key2 in ref.eviction_order()[:count]:  # the furthest next use first
+                ref.unplan(key2)
         else:
             p.unplan_all()
-            for key2 in list(ref.planned):  # both keep planned keys in planning order
+            for key2 in ref.eviction_order():
                 ref.unplan(key2)
         if step % 97 == 0:
             check_consistent(p, ref)
     check_consistent(p, ref)
     # The run exercised every branch: admissions, refusals and evictions.
     assert min(decisions.values()) > 100, decisions
-    # Lazy deletion stays bounded: stale heap entries are compacted away.
-    assert len(p._heap) <= 2 * len(ref.planned) + 64 + 1
+    # Nothing left behind: the lists hold exactly the resident keys.
+    assert sum(map(len, p._heads)) == sum(map(len, p._tails)) == len(p._uses)
+    assert (p._lru_head is None) == (p._lru_tail is None) == (not ref.unplanned)
 
 
 def test_a_block_replanned_to_an_earlier_position_is_evicted_once() -> None:
@@ -275,3 +303,49 @@ def test_a_block_replanned_to_an_earlier_position_is_evicted_once() -> None:
     assert tier.policy.victims(2 * SIZE, 0, next_use=0) == [k(2), k(1)]
     assert tier.put(k(8), b"x" * 2 * SIZE, next_use=0)
     assert k(0) in tier and k(8) in tier and tier.used_bytes == 3 * SIZE
+
+
+# -- the sorted next uses and the collector ------------------------------------------------
+
+
+def test_sorted_ints_matches_a_sorted_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = 8  # small chunks: many splits and merges
+    monkeypatch.setattr(policy, "USE_CHUNK", chunk)
+    rng = random.Random(7)
+    s, ref = _SortedInts(), set()
+    for step in range(5_000):
+        value = rng.randrange(-50, 300)
+        if value in ref:
+            s.remove(value)
+            ref.discard(value)
+        else:
+            s.add(value)
+            ref.add(value)
+        if step % 50 == 0 or step > 4_900:
+            assert list(s.descending()) == sorted(ref, reverse=True), f"step {step}"
+            assert len(s) == len(ref)
+            assert all(s._chunks) and s._maxes == [c[-1] for c in s._chunks]
+            assert all(len(c) <= 2 * chunk for c in s._chunks)
+            # Merges keep every chunk but the last at least a quarter full, so the chunk
+            # list stays proportional to the values, not to their history.
+            assert all(len(c) >= chunk // 4 for c in s._chunks[:-1])
+
+
+def test_per_block_state_is_invisible_to_the_garbage_collector() -> None:
+    # The point of the structure: a full collection must not visit a reference per
+    # block, so every per-block container must be one CPython does not track.
+    p = PlannedLru(scratch_bytes=0)
+    blocks = 20_000
+    for i in range(blocks):
+        p.add(i.to_bytes(16, "little"), 4096, next_use=i // 4 if i % 3 else None)
+    for i in range(0, blocks, 7):
+        p.touch(i.to_bytes(16, "little"))
+        p.plan((i + 1).to_bytes(16, "little"), blocks + i)
+    for name in ("_size", "_use", "_next", "_prev", "_heads", "_tails"):
+        shards = getattr(p, name)
+        assert sum(map(len, shards)) > blocks // 10, name
+        assert not any(gc.is_tracked(shard) for shard in shards), name
+    # The sorted next uses: a few arrays (tracked, but they hold no references).
+    assert len(p._uses) > blocks // 4 and len(p._uses._chunks) <= 4 * len(p._uses) // USE_CHUNK + 1
+    assert all(not gc.get_referents(chunk) or gc.get_referents(chunk) == [type(chunk)]
+               for chunk in p._uses._chunks)
