@@ -452,6 +452,9 @@ async def test_prefetches_from_nvme_share_worker_thread_calls(tmp_path: Path) ->
             for i in range(n):
                 data, source = await blocks.get(cache, "f", i)
                 assert data == blocks.expected("f", i) and source is Source.RAM
+    finally:
+        await disk.close()
+
 
 def _references_the_collector_visits() -> int:
     """What a full collection traverses: the references held by every tracked object."""
