@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
-from cubefs_fuse.cache.shards import ShardedDict
+from cubefs_fuse.cache.shards import SHARDS, ShardedDict
 from cubefs_fuse.cache.tags import TagIndex
 
 
@@ -103,7 +103,14 @@ class MemoryTier:
         return self.policy.unplan_some(count)
 
     def clear(self) -> None:
-        for key in list(self._blocks):
+        for shard in range(SHARDS):
+            self.clear_shard(shard)
+
+    def clear_shard(self, shard: int) -> None:
+        """Drop the blocks of one shard of the block map (``shards.SHARDS``): a caller on
+        the trio thread clears the tier a shard at a time, with a checkpoint between, so
+        no step does work proportional to the whole tier."""
+        for key in list(self._blocks.shards[shard]):
             self.discard(key)
 
     def statistics(self) -> TierStatistics:

@@ -87,3 +87,8 @@ class ShardedDict(Generic[V]):
         for shard in self.shards:
             shard.clear()
         self._len = 0
+
+    def clear_shard(self, shard: int) -> None:
+        """Empty one shard (callers clearing a large dict in steps)."""
+        self._len -= len(self.shards[shard])
+        self.shards[shard].clear()

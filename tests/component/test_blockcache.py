@@ -507,3 +507,60 @@ async def test_cached_blocks_add_nothing_for_the_garbage_collector_to_visit(tmp_
             assert grown < files * per_file // 10, grown
     finally:
         await disk.close()
+
+
+async def test_dropping_the_cache_yields_to_other_tasks_between_shards(tmp_path: Path) -> None:
+    """``clear`` (cubefs-fuse drop-cache) empties both tiers a shard at a time with a
+    checkpoint between: another task runs many times during one drop (a single step
+    would let it run at most once), and afterwards both tiers and their accounting are
+    empty; the files are gone."""
+    from cubefs_fuse.cache.shards import SHARDS
+
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = 600  # spread over most of the 256 shards (keys are hashes)
+    blocks.file("f", n)
+    disk = await DiskTier.open(str(tmp_path), 256 << 20, 0.0)
+    empty = disk.used_bytes  # the tier's own directories
+    try:
+        async with open_cache(disk=disk, ram_bytes=2 * n * BLOCK) as cache:
+            for i in range(n):
+                await blocks.get(cache, "f", i)
+            await cache.drain()
+            assert cache.memory.statistics().blocks == n and disk.statistics().blocks == n
+            ticks = 0
+            done = False
+
+            async def other() -> None:
+                nonlocal ticks
+                while not done:
+                    ticks += 1
+                    await trio.lowlevel.checkpoint()
+
+            # The other task's tick count at each NVMe index drop: all equal if the
+            # index were emptied in one step.
+            seen: set[int] = set()
+            drop = disk._drop_entry
+
+            def counted_drop(key: bytes, emptied: list[str]) -> int:
+                seen.add(ticks)
+                return drop(key, emptied)
+
+            disk._drop_entry = counted_drop  # type: ignore[method-assign]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other)
+                await trio.lowlevel.checkpoint()  # it has started
+                start = ticks
+                await cache.clear()
+                during = ticks - start
+                done = True
+            assert during >= 2 * SHARDS, during  # each tier a shard at a time
+            assert len(seen) >= SHARDS // 2, len(seen)  # the shards hit by 600 hashed keys
+            assert cache.memory.statistics().blocks == 0 and cache.memory.used_bytes == 0
+            stats = disk.statistics()
+            assert stats.blocks == 0 and disk.used_bytes == empty, (disk.used_bytes, empty)
+            assert not any(disk_file(tmp_path, blocks.key("f", i)).exists() for i in range(n))
+            data, source = await blocks.get(cache, "f", 3)  # the cache still works
+            assert data == blocks.expected("f", 3) and source is Source.BACKEND
+    finally:
+        await disk.close()
