@@ -299,6 +299,13 @@ class Submitter:
                 warn_once("unexpected", "could not submit the epoch plan: %r", exc)
             finally:
                 request.handled.set()
+            try:
+                # After the file plan (what the first index waits for): the sample store's
+                # eviction needs the order before the epoch's puts, not its first read.
+                _plan_samples(request.dataset, request.order)
+            except Exception as exc:
+                warn_once("unexpected-samples", "could not send the epoch's order to the sample store: %r", exc)
+            finally:
                 self._queue.task_done()
 
     def _send(self, request: PlanRequest) -> None:
@@ -359,6 +366,21 @@ class Submitter:
         except TypeError:
             self._files_by_id[id(dataset)] = files
         return files
+
+
+def _plan_samples(dataset: Any, order: np.ndarray) -> None:
+    """A CachedDataset (``cube_torch_cached``) read in ``order``, directly or through
+    ``Subset``s: send its store the epoch's keys (the indices into the CachedDataset).
+    Other wrappers (ConcatDataset, ...) are not followed: their stores get no plan and evict
+    least recently used first."""
+    from torch.utils.data import Subset
+
+    keys = order
+    while isinstance(dataset, Subset):
+        keys = np.asarray(dataset.indices, dtype=np.int64)[keys]
+        dataset = dataset.dataset
+    if getattr(type(dataset), "cube_torch_cached", False) and callable(getattr(dataset, "plan", None)):
+        dataset.plan(keys)
 
 
 def _collect(mapping: SampleFiles, samples: int, mount_point: str) -> _DatasetFiles:
