@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
 from torchvision import datasets, transforms  # noqa: E402
@@ -258,6 +258,36 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], tmp_path
     got = epochs(loader(ds), 1)
     assert computed(counts) == [5]
     assert_same(got, reference(root, 1))  # the new image, not the cached old one
+
+
+def fast_path_requests(mount: Mount) -> tuple[float, float]:
+    """Batches the workers asked the daemon to resolve over the fast path, and their files."""
+    scraped = mount.scrape()
+    return (scraped.get("cubefs_fuse_fastpath_batches_total", 0.0),
+            sum(v for k, v in scraped.items() if k.startswith("cubefs_fuse_fastpath_files_total")))
+
+
+def test_a_subset_of_a_cached_dataset_asks_the_fast_path_for_its_misses_only(volume: tuple[Mount, str],
+                                                                             tmp_path: Path) -> None:
+    """Through a Subset too, the fast path serves the files of a batch's misses only: once
+    every sample is cached, an epoch asks the daemon for no file at all."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    picked = list(range(1, FILES, 2))
+    subset = Subset(cached(root, counts, "subset"), picked)
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    want = epochs(loader(Subset(plain, picked)), 2)
+    dl = loader(subset)
+    got = epochs(dl, 1)
+    assert sorted(computed(counts)) == picked and served_by_fast_path(counts) > 0  # misses: through the fast path
+    settled(mount, "subset", len(picked))
+    before = fast_path_requests(mount)
+    torch.manual_seed(SEED + 1)  # epoch 1, seeded as the reference's
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got, want)
+    assert sorted(computed(counts)) == picked  # every sample a hit
+    assert fast_path_requests(mount) == before, "hits must not make the daemon resolve their files"
 
 
 @pytest.fixture
