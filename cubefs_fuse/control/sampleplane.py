@@ -125,4 +125,4 @@ class SamplePlane:
         self.store.resolve(peer.uid, data.get("name"), write=True)
         # Up to a ring (32 MiB) of keys: copied in a worker thread, not on the trio thread.
         keys = await trio.to_thread.run_sync(lambda: ring.map[:count * 8])
-        return {"planned": await self.store.plan(peer.uid, data.get("name"), keys)}
+        return {"planned": await self.store.plan(peer.uid, data.get("name"), keys, source=peer.pid)}
