@@ -28,7 +28,8 @@ from tools.harness import Dataset, HarnessError, machine, make_class_images, rem
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch
 # The sample-cache workload's files (its own photo-like JPEGs): ~1-2 s per baseline epoch on
-# 2 cores, so the workload (making them, a warm-up and the epochs of two loaders) adds ~30 s.
+# 2 cores, so the workload (making them, a warm-up and the epochs of two loaders) adds ~30 s
+# per store (Redis, the daemon's).
 SAMPLE_CACHE_FILES = 320
 
 
