@@ -457,8 +457,6 @@ class SampleCache:
             state.counts["dropped"] += 1
         return entry
 
-    # -- the rest ----------------------------------------------------------------------------
-
     # -- planning ----------------------------------------------------------------------------
 
     def plan(self, keys: Sequence[int] | np.ndarray) -> None:
@@ -479,6 +477,8 @@ class SampleCache:
             state.counts["plans"] += 1
         except StoreError as exc:
             state.fail("plan", exc, reads=False)
+
+    # -- the rest ----------------------------------------------------------------------------
 
     def statistics(self) -> CacheStatistics:
         state = self._here()

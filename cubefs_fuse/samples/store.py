@@ -47,7 +47,7 @@ import trio
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
-                                MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
+                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,8 @@ class _Plan:
 
 
 class _Cache:
-    __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses", "stored", "evictions",
-                 "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
+    __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses",
+                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
 
     def __init__(self, cache_id: int, owner: int, name: str, shared: bool) -> None:
         self.id = cache_id
@@ -365,7 +365,8 @@ class SampleStore:
         """The cache's next order (little-endian int64 keys) from ``source`` (the caller's
         pid; 0: unknown); how many keys were kept.  A source's plan replaces its previous
         one; the plans of the sources still alive are merged (ranks read side by side), at
-        most MAX_SAMPLE_PLAN_KEYS keys together (the least recently planned go first)."""
+        most MAX_SAMPLE_PLAN_SOURCES of them and MAX_SAMPLE_PLAN_KEYS keys together (the
+        least recently planned go first)."""
         owner, name = self.resolve(caller, reference, write=True)
         data = data[:MAX_SAMPLE_PLAN_KEYS * 8]
         keys = await trio.to_thread.run_sync(lambda: np.frombuffer(data, dtype="<i8").astype(np.int64))
@@ -378,7 +379,7 @@ class SampleStore:
             del parts[gone]  # a process gone (an earlier run): its order will not be read
         parts[source] = keys
         parts.move_to_end(source)
-        while sum(len(p) for p in parts.values()) > MAX_SAMPLE_PLAN_KEYS:
+        while len(parts) > MAX_SAMPLE_PLAN_SOURCES or sum(len(p) for p in parts.values()) > MAX_SAMPLE_PLAN_KEYS:
             parts.popitem(last=False)
         cache.plan_generation += 1
         generation = cache.plan_generation
