@@ -112,7 +112,8 @@ class Suite:
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
-            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "sample_cache_daemon": None, "runs": [], "bars": [],
+            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "sample_cache_daemon": None,
+            "runs": [], "bars": [],
         }
 
     def run(self) -> None:
