@@ -459,24 +459,34 @@ class SampleCache:
 
     # -- planning ----------------------------------------------------------------------------
 
-    def plan(self, keys: Sequence[int] | np.ndarray) -> None:
+    def plan(self, keys: Sequence[int] | np.ndarray) -> np.ndarray | None:
         """Tell the store the order in which ``keys`` will be read next (an epoch's), for its
-        eviction.  Called by cube_torch's background submitter thread at each epoch's start
-        (never the training step); it goes through the writer's store object, under its lock,
-        and is bounded by the store's own timeouts.  A failure is the store's failure: logged
-        once, writes bypassed for a while."""
+        eviction; returns which of them the store holds an entry for (a bool per key) when
+        the store says (the daemon's ``plan_held``), else None.  Called by cube_torch's
+        background submitter thread at each epoch's start (never the training step); it goes
+        through the writer's store object, under its lock, and is bounded by the store's own
+        timeouts.  A failure is the store's failure: logged once, writes bypassed for a while."""
         state = self._here()
         if not state.writable():
-            return
+            return None
         store = state.open_writer()
         if store is None:
-            return
+            return None
+        held: np.ndarray | None = None
         try:
             with state.write_lock:
-                store.plan(self.name, cast(Sequence[int], keys))
+                plan_held = getattr(store, "plan_held", None)
+                if callable(plan_held):
+                    held = plan_held(self.name, cast(Sequence[int], keys))
+                else:
+                    store.plan(self.name, cast(Sequence[int], keys))
             state.counts["plans"] += 1
         except StoreError as exc:
             state.fail("plan", exc, reads=False)
+            return None
+        if not isinstance(held, np.ndarray) or held.shape != (len(keys),):
+            return None
+        return held.astype(bool, copy=False)
 
     # -- the rest ----------------------------------------------------------------------------
 

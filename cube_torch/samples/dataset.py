@@ -110,10 +110,11 @@ class CachedDataset(Dataset[Any]):
             return samples
         return [self.transform(sample) for sample in samples]
 
-    def plan(self, keys: Sequence[int] | np.ndarray) -> None:
+    def plan(self, keys: Sequence[int] | np.ndarray) -> np.ndarray | None:
         """Send the store the next epoch's key order (cube_torch does, at each epoch start,
-        from its background thread; see SampleCache.plan)."""
-        self.cache.plan(keys)
+        from its background thread); which keys the store holds, when it says (see
+        SampleCache.plan)."""
+        return self.cache.plan(keys)
 
     def statistics(self) -> CacheStatistics:
         """This process's hit/miss counters of the cache."""

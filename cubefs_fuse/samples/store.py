@@ -401,6 +401,23 @@ class SampleStore:
         await self._rerank(cache, plan)
         return len(keys)
 
+    async def held(self, caller: int, reference: Any, data: bytes) -> np.ndarray:
+        """Which of the keys (little-endian int64) the cache holds an entry for, one uint8
+        each (1: held), CHUNK keys between checkpoints.  What cube_torch leaves out of the
+        file plan it sends for prefetch (an entry may still turn out stale: then its sample
+        is computed from a file read on demand)."""
+        owner, name = self.resolve(caller, reference)
+        keys = np.frombuffer(data, dtype="<i8")
+        out = np.zeros(len(keys), dtype=np.uint8)
+        cache = self._cache(owner, name, create=False)
+        if cache is None or cache.dropped:
+            return out
+        for start in range(0, len(keys), CHUNK):
+            entries = cache.entries
+            out[start:start + CHUNK] = [k in entries for k in keys[start:start + CHUNK].tolist()]
+            await trio.lowlevel.checkpoint()
+        return out
+
     def _forget_plan(self, cache: _Cache) -> None:
         if cache.plan is not None:
             self.planned_keys -= len(cache.plan.keys)

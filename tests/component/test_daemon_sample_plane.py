@@ -125,6 +125,21 @@ async def test_a_plan_beyond_the_ring_is_cut_to_what_the_ring_holds(tmp_path: Pa
         client.close()
 
 
+async def test_a_plan_can_ask_which_keys_are_held(tmp_path: Path) -> None:
+    async with serving(tmp_path) as (store, _, vol):
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+
+        def work() -> Any:
+            client.put_many("held", [(k, entry(k, 100)) for k in range(10)])
+            return client.plan_held("held", [5, 50, 0, 9, -1])
+
+        held = await trio.to_thread.run_sync(work)
+        assert held.tolist() == [True, False, True, True, False]
+        assert store.statistics().caches[0].planned == 5  # a plan all the same
+        assert await trio.to_thread.run_sync(client.plan_held, f"~{os.geteuid()}/held", [5]) is None  # read-only
+        client.close()
+
+
 async def test_the_plans_of_two_processes_are_merged_until_one_exits(tmp_path: Path) -> None:
     """Another process (a second rank) plans its share of the same cache: the daemon holds
     both shares (sources told apart by the data socket's peer pid); once that process has

@@ -290,6 +290,44 @@ def test_a_subset_of_a_cached_dataset_asks_the_fast_path_for_its_misses_only(vol
     assert fast_path_requests(mount) == before, "hits must not make the daemon resolve their files"
 
 
+def plan_lengths(mount: Mount) -> dict[int, int]:
+    """The daemon's prefetch plans of this process's job, by epoch: their lengths (files)."""
+    result = cli("status", str(mount.mount_point), "--json")
+    assert result.returncode == 0, result.stderr
+    plans = json.loads(result.stdout)[0]["plans"]
+    return {int(p["epoch"]): int(p["samples"]) for p in plans if p["job"] == ct_client.default_job()}
+
+
+def test_the_daemon_is_not_asked_to_prefetch_the_files_of_cached_samples(volume: tuple[Mount, str],
+                                                                         tmp_path: Path) -> None:
+    """The store answers the epoch's key order with what it holds: those samples read no
+    file, so the file plan sent for prefetch leaves them out (all of them held: one sample
+    stays, the daemon takes no empty plan)."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    ds = cached(root, counts, f"held-{time.monotonic_ns()}")
+    dl = loader(ds, persistent=True)
+    want = reference(root, 3, persistent=True)
+    got = epochs(dl, 1)
+    assert plan_lengths(mount).get(0) == FILES  # nothing held yet: every sample's files
+    settled(mount, ds.name, FILES)
+    torch.manual_seed(SEED + 1)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert plan_lengths(mount).get(1) == 1
+    assert_same(got, want[:2])
+    # A changed source file: its sample is held (stale), its file read on demand, correctly.
+    target = ds.base.samples[5][0]
+    source = mount.source / os.path.relpath(target, mount.mount_point)
+    Image.fromarray(np.full((30, 30, 3), 90, dtype=np.uint8)).save(source, format="JPEG")
+    time.sleep(3 * TTL)
+    want = reference(root, 3, persistent=True)
+    torch.manual_seed(SEED + 2)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got[2:], want[2:])
+    assert sorted(computed(counts)) == sorted([*range(FILES), 5])
+
+
 @pytest.fixture
 def worker_log(tmp_path: Path) -> Iterator[Path]:
     """cube_torch's log lines of this process and its (forked) workers, in a file."""
