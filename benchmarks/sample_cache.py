@@ -189,21 +189,49 @@ def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, lim
     return results
 
 
-def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int,
+def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, store: str = "redis",
             on_epoch: Callable[[Result], None] | None = None) -> dict[str, Any]:
-    """The suite's figures (results.json's ``sample_cache``): ``files`` photo-like JPEGs made
-    in ``workdir``, a local redis-server."""
-    figures: dict[str, Any] = {"store": "redis (local redis-server, allkeys-lru)", "workers": workers,
-                               "files": files, "epochs": [], "error": None}
+    """The suite's figures (results.json's ``sample_cache`` for ``store="redis"``, a local
+    redis-server, and ``sample_cache_daemon`` for ``store="daemon"``, a cubefs-fuse daemon
+    mounted over the photos): ``files`` photo-like JPEGs made in ``workdir``."""
+    title = {"redis": "redis (local redis-server, allkeys-lru)",
+             "daemon": "daemon (cubefs-fuse ai_prefetch mount, RAM + NVMe)"}[store]
+    figures: dict[str, Any] = {"store": title, "workers": workers, "files": files, "epochs": [], "error": None}
+    daemon: DaemonMount | None = None
+    vol_name = os.environ.get("VOL_NAME")
     try:
         make_photos(workdir / "photos", files, seed=seed)
-        with local_redis(workdir) as url:
-            results = run(workdir / "photos", url, epochs, workers, seed, on_epoch=on_epoch)
+        if store == "daemon":
+            daemon = _daemon(workdir, workdir / "photos")
+            results = run(daemon.mount_point, None, epochs, workers, seed, on_epoch=on_epoch)
+        else:
+            with local_redis(workdir) as url:
+                results = run(workdir / "photos", url, epochs, workers, seed, on_epoch=on_epoch)
         figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
                               "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
     except (HarnessError, OSError, RuntimeError, ValueError) as exc:
         figures["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    finally:
+        if daemon is not None:
+            daemon.cleanup()
+            remove_workdir(workdir / "daemon", daemon.mount_point)
+        if vol_name is None:
+            os.environ.pop("VOL_NAME", None)
+        else:
+            os.environ["VOL_NAME"] = vol_name
     return figures
+
+
+def _daemon(workdir: Path, source: Path) -> DaemonMount:
+    """A cubefs-fuse ``ai_prefetch`` daemon mounted over ``source`` (its sample store on,
+    default budgets), ``$VOL_NAME`` set to it: CachedDataset's default store.  Both loaders
+    read the mount."""
+    daemon = DaemonMount(workdir / "daemon", source, workdir / "daemon" / "cache", vol_name=f"samples{os.getpid()}",
+                         mem_cache_size="1GiB", disk_cache_size="4GiB", profile="ai_prefetch")
+    daemon.workdir.mkdir(parents=True, exist_ok=True)
+    daemon.mount()
+    os.environ["VOL_NAME"] = str(daemon.config["volName"])
+    return daemon
 
 
 def print_epoch(result: Result) -> None:
@@ -250,10 +278,7 @@ def main(argv: list[str] | None = None) -> int:
               f"crop {CROP} + flip after; {args.workers} workers, batch {BATCH}", flush=True)
         root = source
         if args.store == "daemon":
-            daemon = DaemonMount(workdir, source, workdir / "cache", vol_name=f"samples{os.getpid()}",
-                                 mem_cache_size="1GiB", disk_cache_size="4GiB", profile="ai_prefetch")
-            daemon.mount()
-            os.environ["VOL_NAME"] = str(daemon.config["volName"])
+            daemon = _daemon(workdir, source)
             root = daemon.mount_point
             results = run(root, None, args.epochs, args.workers, args.seed, on_epoch=print_epoch)
         elif args.store == "redis":

@@ -10,6 +10,7 @@ thread outlives the loaders that need it for long.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 import queue
@@ -295,7 +296,15 @@ class Submitter:
             except queue.Empty:
                 return
             try:
-                self._send(request)
+                # A CachedDataset's store gets the epoch's keys first (its eviction needs them
+                # before the epoch's puts); the samples it holds read no file, so the daemon
+                # is not asked to prefetch theirs.
+                held = None
+                try:
+                    held = _plan_samples(request.dataset, request.order)
+                except Exception as exc:
+                    warn_once("unexpected-samples", "could not send the epoch's order to the sample store: %r", exc)
+                self._send(request if held is None else _without_held(request, held))
             except Exception as exc:  # never let the thread die on a surprise
                 warn_once("unexpected", "could not submit the epoch plan: %r", exc)
             finally:
@@ -362,6 +371,36 @@ class Submitter:
         except TypeError:
             self._files_by_id[id(dataset)] = files
         return files
+
+
+def _plan_samples(dataset: Any, order: np.ndarray) -> np.ndarray | None:
+    """A CachedDataset (``cube_torch_cached``) read in ``order``, directly or through
+    ``Subset``s: send its store the epoch's keys (the indices into the CachedDataset);
+    which of the order's samples the store holds (a bool each), when it says.  Other
+    wrappers (ConcatDataset, ...) are not followed: their stores get no plan and evict
+    least recently used first."""
+    from torch.utils.data import Subset
+
+    keys = order
+    while isinstance(dataset, Subset):
+        keys = np.asarray(dataset.indices, dtype=np.int64)[keys]
+        dataset = dataset.dataset
+    if not getattr(type(dataset), "cube_torch_cached", False) or not callable(getattr(dataset, "plan", None)):
+        return None
+    held = dataset.plan(keys)
+    if not isinstance(held, np.ndarray) or held.shape != order.shape:
+        return None
+    return held.astype(bool, copy=False)
+
+
+def _without_held(request: PlanRequest, held: np.ndarray) -> PlanRequest:
+    """The request with the samples the store holds left out of its order (their files
+    will not be read).  When it holds them all, the first sample stays: the daemon takes no
+    empty plan, and this one replaces the loader's previous epoch's plan all the same."""
+    order = request.order[~held]
+    if not len(order):
+        order = request.order[:1]
+    return dataclasses.replace(request, order=order)
 
 
 def _collect(mapping: SampleFiles, samples: int, mount_point: str) -> _DatasetFiles:

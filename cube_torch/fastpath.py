@@ -406,11 +406,22 @@ _original_fetch: Any = None
 def _fetch(self: Any, possibly_batched_index: Any) -> Any:
     from torch.utils.data import get_worker_info
 
-    if get_worker_info() is None or not enabled() or getattr(self.dataset, "cube_torch_own_batches", False):
+    if get_worker_info() is None or not enabled() or _owns_batches(self.dataset):
         return _original_fetch(self, possibly_batched_index)  # (a CachedDataset scopes its own misses)
     indices = list(possibly_batched_index) if self.auto_collation else [possibly_batched_index]
     with batch_scope(self.dataset, indices):
         return _original_fetch(self, possibly_batched_index)
+
+
+def _owns_batches(dataset: Any) -> bool:
+    """A dataset that scopes its own batches (``cube_torch_own_batches``: a CachedDataset),
+    itself or under ``Subset``s (whose ``__getitems__`` hands it the whole batch at once).
+    Other wrappers load sample by sample: the fetcher serves their batches."""
+    from torch.utils.data import Subset
+
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    return bool(getattr(dataset, "cube_torch_own_batches", False))
 
 
 def own_batch_scope(dataset: Any, indices: list[int]) -> AbstractContextManager[int]:

@@ -62,3 +62,8 @@ SAMPLE_NAME_PATTERN = r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME
 # key (the sorted key, its position, a consumed flag), so 16 Mi keys bound plans to ~220 MB
 # whatever users send; past it, the least recently planned caches lose their plans (LRU).
 MAX_SAMPLE_PLANNED_KEYS = 4 * MAX_SAMPLE_PLAN_KEYS
+# Processes whose plans of one sample cache are kept side by side (a node's ranks each plan
+# their share of the epoch: 8-16 GPUs a node, several loaders each); a merge re-sorts all
+# of them, and each new plan checks each source is still alive (one kill(pid, 0) each).
+# Past it, the least recently planned source's plan is dropped.
+MAX_SAMPLE_PLAN_SOURCES = 64

@@ -9,7 +9,7 @@ from typing import Any
 
 # raw_io, training, cache: the foundation's (a)-(c); nvme and daemon_cpu: the fast path's NVMe regime
 # and the daemon's CPU per file (benchmarks/suite/daemon_cpu.py); samples: the processed-sample
-# cache on and off (benchmarks/sample_cache.py, a local redis-server).
+# cache on and off (benchmarks/sample_cache.py, a local redis-server, then the daemon store).
 WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu", "samples")
 ALL_SYSTEMS = ("local", "remote", "cubefs", "cubefs+ct", "rclone", "juicefs")
 

@@ -63,7 +63,8 @@ _TOP_FIELDS: dict[str, tuple[type, ...]] = {
     "runs": (list,), "bars": (list,),
 }
 # The processed-sample cache workload (benchmarks/sample_cache.py's measure); results.json's
-# ``sample_cache``, absent or None when not measured.
+# ``sample_cache`` (a local Redis) and ``sample_cache_daemon`` (the daemon store), each
+# absent or None when not measured.
 _SAMPLES_FIELDS: dict[str, tuple[type, ...]] = {
     "store": (str,), "workers": (int,), "files": (int,), "epochs": (list,), "error": (str, type(None)),
 }
@@ -126,12 +127,13 @@ def validate(results: Any) -> list[str]:
                 if epoch["samples"] != results["dataset"].get("files"):
                     problems.append(f"{where}.epochs[{j}].samples: {epoch['samples']} != dataset files")
     problems += _validate_cpu(results["daemon_cpu"], results["dataset"])
-    samples = results.get("sample_cache")
-    if samples is not None:
-        problems += _check(samples, _SAMPLES_FIELDS, "sample_cache")
-        if not problems:
-            for j, epoch in enumerate(samples["epochs"]):
-                problems += _check(epoch, _SAMPLES_EPOCH_FIELDS, f"sample_cache.epochs[{j}]")
+    for key in ("sample_cache", "sample_cache_daemon"):
+        samples = results.get(key)
+        if samples is not None:
+            problems += _check(samples, _SAMPLES_FIELDS, key)
+            if not problems:
+                for j, epoch in enumerate(samples["epochs"]):
+                    problems += _check(epoch, _SAMPLES_EPOCH_FIELDS, f"{key}.epochs[{j}]")
     for i, bar in enumerate(results["bars"]):
         problems += _check(bar, {"bar": (str,), "passed": (bool, type(None)), "measured": (str,), "issues": (str,)},
                            f"bars[{i}]")
@@ -356,7 +358,8 @@ def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict
 
 def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None,
                   daemon_cpu: dict[str, Any] | None = None,
-                  sample_cache: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  sample_cache: dict[str, Any] | None = None,
+                  sample_cache_daemon: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Where the run stands against each performance bars (passed None: not measured).
 
     The fast-path bars come first; of the foundation's, those it restates (training at 300 µs, raw
@@ -365,19 +368,22 @@ def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None 
     ``ceiling_files_per_s``: the emulator's own zero-latency ceiling, quoted next to
     epoch-1 figures so that a bar the emulator itself prevents is recognisable.
     ``daemon_cpu``: results.json's daemon_cpu object (None: not measured); ``sample_cache``:
-    its sample_cache object (None: not measured).
+    its sample_cache object (a local Redis; None: not measured); ``sample_cache_daemon``: the
+    same with the daemon store.
     """
     systems_run = {r["system"] for r in runs}
     raw = _raw_bars(runs, ceiling_files_per_s)
     return (_cpu_bars(daemon_cpu) + _training_bars(runs) + [_nvme_bar(runs), raw[0], _plain_training_bar(runs)]
-            + _versus_bars(runs, systems_run) + raw[1:] + _cache_bars(runs) + _samples_bars(sample_cache))
+            + _versus_bars(runs, systems_run) + raw[1:] + _cache_bars(runs)
+            + _samples_bars(sample_cache, "local Redis") + _samples_bars(sample_cache_daemon, "daemon store"))
 
 
-def _samples_bars(figures: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The processed-sample cache: epoch 1 >= 0.9 x the loader without it, later epochs >= 2 x."""
-    first = (f"processed-sample cache (local Redis): epoch 1 >= {SAMPLES_FIRST_EPOCH_BAR:g} × the same loader "
+def _samples_bars(figures: dict[str, Any] | None, store: str) -> list[dict[str, Any]]:
+    """The processed-sample cache with ``store``: epoch 1 >= 0.9 x the loader without it,
+    later epochs >= 2 x."""
+    first = (f"processed-sample cache ({store}): epoch 1 >= {SAMPLES_FIRST_EPOCH_BAR:g} × the same loader "
              "without it")
-    later = f"processed-sample cache (local Redis): later epochs >= {SAMPLES_LATER_EPOCHS_BAR:g} × without it"
+    later = f"processed-sample cache ({store}): later epochs >= {SAMPLES_LATER_EPOCHS_BAR:g} × without it"
     epochs = figures["epochs"] if figures is not None else []
     if not epochs:
         why = "not measured" + (f" ({figures['error']})" if figures is not None and figures["error"] else "")
@@ -492,9 +498,11 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("daemon_cpu") is not None:
         out += ["", "## Daemon CPU per file (one reader, local source, no latency)", "",
                 cpu_table(results["daemon_cpu"])]
-    if results.get("sample_cache") is not None:
-        out += ["", "## (e) processed-sample cache: the training loader with and without CachedDataset", "",
-                samples_table(results["sample_cache"])]
+    stores = [results[k] for k in ("sample_cache", "sample_cache_daemon") if results.get(k) is not None]
+    if stores:
+        out += ["", "## (e) processed-sample cache: the training loader with and without CachedDataset"]
+        for figures in stores:
+            out += ["", samples_table(figures)]
     epochs = int(preset["epochs"])
     for workload, title in WORKLOAD_TITLES.items():
         if any(r["workload"] == workload for r in results["runs"]):

@@ -28,7 +28,8 @@ from tools.harness import Dataset, HarnessError, machine, make_class_images, rem
 console = Console(stderr=True, soft_wrap=True)  # soft_wrap: log lines are not cut at 80 columns in files
 SEED = 7  # the shuffle seed: every system reads the same order in the same epoch
 # The sample-cache workload's files (its own photo-like JPEGs): ~1-2 s per baseline epoch on
-# 2 cores, so the workload (making them, a warm-up and the epochs of two loaders) adds ~30 s.
+# 2 cores, so the workload (making them, a warm-up and the epochs of two loaders) adds ~30 s
+# per store (Redis, the daemon's).
 SAMPLE_CACHE_FILES = 320
 
 
@@ -111,7 +112,8 @@ class Suite:
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
-            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "runs": [], "bars": [],
+            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "sample_cache_daemon": None,
+            "runs": [], "bars": [],
         }
 
     def run(self) -> None:
@@ -244,30 +246,34 @@ class Suite:
         self._write(partial=True)
 
     def _sample_cache(self) -> None:
-        """The training loader with and without CachedDataset on a local redis-server
+        """The training loader with and without CachedDataset, with each store: a local
+        redis-server, then the default store, a cubefs-fuse daemon mounted over the photos
         (benchmarks/sample_cache.py, on its own photo-like JPEGs, local: decoding is what
         the cache saves, not I/O)."""
         from benchmarks import sample_cache  # imports torch: after the quick checks
 
-        console.print(f"processed-sample cache: a training loader with and without CachedDataset (local "
-                      f"redis-server), {min(SAMPLE_CACHE_FILES, self.preset.files)} files ...")
-        workdir = self.workdir / "sample-cache"
-        workdir.mkdir()
+        files = min(SAMPLE_CACHE_FILES, self.preset.files)
+        for store, key, title in (("redis", "sample_cache", "local redis-server"),
+                                  ("daemon", "sample_cache_daemon", "the daemon store")):
+            console.print(f"processed-sample cache: a training loader with and without CachedDataset ({title}), "
+                          f"{files} files ...")
+            workdir = self.workdir / f"sample-cache-{store}"
+            workdir.mkdir()
 
-        def on_epoch(r: Any) -> None:
-            console.print(f"  epoch {r.epoch}: {r.baseline:,.0f} samples/s without, {r.cached:,.0f} with the cache: "
-                          f"[bold]{r.ratio:.2f} ×[/]")
+            def on_epoch(r: Any) -> None:
+                console.print(f"  epoch {r.epoch}: {r.baseline:,.0f} samples/s without, {r.cached:,.0f} with the "
+                              f"cache: [bold]{r.ratio:.2f} ×[/]")
 
-        try:
-            figures = sample_cache.measure(workdir, files=min(SAMPLE_CACHE_FILES, self.preset.files),
-                                           epochs=self.preset.epochs, workers=self.preset.train_workers, seed=SEED,
-                                           on_epoch=on_epoch)
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        if figures["error"]:
-            console.print(f"[red]  processed-sample cache failed:[/] {figures['error']}")
-        self.results["sample_cache"] = figures
-        self._write(partial=True)
+            try:
+                figures = sample_cache.measure(workdir, files=files, epochs=self.preset.epochs,
+                                               workers=self.preset.train_workers, seed=SEED, store=store,
+                                               on_epoch=on_epoch)
+            finally:
+                remove_workdir(workdir, workdir / "daemon" / "mnt")  # never through a live mount
+            if figures["error"]:
+                console.print(f"[red]  processed-sample cache ({title}) failed:[/] {figures['error']}")
+            self.results[key] = figures
+            self._write(partial=True)
 
     def _write(self, *, partial: bool = False) -> None:
         self.results["finished"] = _now()
@@ -276,7 +282,8 @@ class Suite:
         report.fill_ratios(self.results["runs"])
         ceiling = self.results["emulator"].get("ceiling") or {}
         self.results["bars"] = report.evaluate_bars(self.results["runs"], ceiling.get("files_per_s"),
-                                                    self.results["daemon_cpu"], self.results["sample_cache"])
+                                                    self.results["daemon_cpu"], self.results["sample_cache"],
+                                                    self.results["sample_cache_daemon"])
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1, ensure_ascii=False) + "\n")

@@ -47,8 +47,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import numpy as np
 import xxhash
 
 from cube_torch.client import once
@@ -122,6 +123,7 @@ class CacheStatistics:
     dropped: int  # entries not written: buffer full, writes bypassed, not encodable
     failures: int  # store calls that failed
     bypassed: bool  # the store is being bypassed right now
+    plans: int = 0  # epoch key orders sent to the store (SampleCache.plan)
 
 
 class _Miss:
@@ -173,7 +175,7 @@ class _State:
     def open_writer(self) -> SampleStore | None:
         if self.write_store is None:
             if self.shared:
-                self.write_store = self.store
+                self.write_store = self.open()  # the caller's object itself (a plan may come before any read)
             else:
                 try:
                     self.write_store = open_store(self.spec)
@@ -455,6 +457,37 @@ class SampleCache:
             state.counts["dropped"] += 1
         return entry
 
+    # -- planning ----------------------------------------------------------------------------
+
+    def plan(self, keys: Sequence[int] | np.ndarray) -> np.ndarray | None:
+        """Tell the store the order in which ``keys`` will be read next (an epoch's), for its
+        eviction; returns which of them the store holds an entry for (a bool per key) when
+        the store says (the daemon's ``plan_held``), else None.  Called by cube_torch's
+        background submitter thread at each epoch's start (never the training step); it goes
+        through the writer's store object, under its lock, and is bounded by the store's own
+        timeouts.  A failure is the store's failure: logged once, writes bypassed for a while."""
+        state = self._here()
+        if not state.writable():
+            return None
+        store = state.open_writer()
+        if store is None:
+            return None
+        held: np.ndarray | None = None
+        try:
+            with state.write_lock:
+                plan_held = getattr(store, "plan_held", None)
+                if callable(plan_held):
+                    held = plan_held(self.name, cast(Sequence[int], keys))
+                else:
+                    store.plan(self.name, cast(Sequence[int], keys))
+            state.counts["plans"] += 1
+        except StoreError as exc:
+            state.fail("plan", exc, reads=False)
+            return None
+        if not isinstance(held, np.ndarray) or held.shape != (len(keys),):
+            return None
+        return held.astype(bool, copy=False)
+
     # -- the rest ----------------------------------------------------------------------------
 
     def statistics(self) -> CacheStatistics:
@@ -462,7 +495,7 @@ class SampleCache:
         c = state.counts
         return CacheStatistics(hits=c["hits"], misses=c["misses"], stale=c["stale"], writes=c["writes"],
                                dropped=c["dropped"], failures=c["failures"],
-                               bypassed=time.monotonic() < state.read_retry_at)
+                               bypassed=time.monotonic() < state.read_retry_at, plans=c["plans"])
 
     def flush(self, timeout: float = FLUSH_TIMEOUT) -> bool:
         """Wait until this process's pending writes are in the store (False after ``timeout`` s)."""

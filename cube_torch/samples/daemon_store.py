@@ -9,7 +9,9 @@ control/sampleplane.py): one message per batch of keys, no per-sample round trip
 
 Names are the caller's own (the daemon scopes them by the process's uid); ``~UID/NAME``
 reads another user's cache that its owner's daemon config shares (``sampleCacheShared``):
-such a store is read-only, its ``put_many`` and ``plan`` do nothing.
+such a store is read-only, its ``put_many`` and ``plan`` do nothing.  ``plan_held`` is
+``plan`` plus the daemon's answer of which keys it holds (cube_torch leaves their files out
+of the epoch's prefetch plan).
 
 Timeouts: connecting and the hello within :data:`~cube_torch.fastpath.CONNECT_TIMEOUT`
 (2 s), each answer within :data:`~cube_torch.fastpath.REPLY_TIMEOUT` (10 s).  Any failure
@@ -102,13 +104,31 @@ class DaemonStore:
             self._put(name, batch)
 
     def plan(self, name: str, keys: Sequence[int]) -> None:
+        self._plan(name, keys, held=False)
+
+    def plan_held(self, name: str, keys: Sequence[int]) -> np.ndarray | None:
+        """``plan``, and which of the keys the daemon holds an entry for (a bool per key;
+        keys past the plan's cut count as not held); None for another user's cache (no plan
+        is sent) or a daemon that does not say."""
+        return self._plan(name, keys, held=True)
+
+    def _plan(self, name: str, keys: Sequence[int], *, held: bool) -> np.ndarray | None:
         if name.startswith("~"):
-            return
-        order = np.asarray(keys, dtype="<i8")[:MAX_SAMPLE_PLAN_KEYS]
+            return None
+        wanted = np.asarray(keys, dtype="<i8")
+        order = wanted[:MAX_SAMPLE_PLAN_KEYS]
         channel = self._connect()
         order = order[:channel.size // 8]
         channel.ring[:order.nbytes] = order.tobytes()
-        self._call({"op": "sample_plan", "name": name, "count": int(len(order))})
+        request: dict[str, Any] = {"op": "sample_plan", "name": name, "count": int(len(order))}
+        if held:
+            request["held"] = True
+        reply = self._call(request)
+        if not held or type(reply.get("held")) is not int:
+            return None
+        out = np.zeros(len(wanted), dtype=bool)
+        out[:len(order)] = np.frombuffer(channel.ring[:len(order)], dtype=np.uint8) != 0
+        return out
 
     def close(self) -> None:
         if self._channel is not None:

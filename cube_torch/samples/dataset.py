@@ -13,6 +13,9 @@ ConcatDataset of those); a changed file makes its samples computed again.
 
 cube_torch plans a CachedDataset's epochs as its base's (same files), and in DataLoader
 workers the fast path serves the files of the batch's *misses* only (hits read no file).
+At each epoch's start cube_torch also sends the epoch's key order to the store
+(:meth:`CachedDataset.plan`; through a ``Subset`` the keys are the subset's indices), so
+that a store that evicts (the daemon) keeps the entries needed soonest.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from cube_torch.files import SampleFiles, Unsupported, sample_files
@@ -105,6 +109,12 @@ class CachedDataset(Dataset[Any]):
         if self.transform is None:
             return samples
         return [self.transform(sample) for sample in samples]
+
+    def plan(self, keys: Sequence[int] | np.ndarray) -> np.ndarray | None:
+        """Send the store the next epoch's key order (cube_torch does, at each epoch start,
+        from its background thread); which keys the store holds, when it says (see
+        SampleCache.plan)."""
+        return self.cache.plan(keys)
 
     def statistics(self) -> CacheStatistics:
         """This process's hit/miss counters of the cache."""

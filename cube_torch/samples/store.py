@@ -14,7 +14,10 @@ Contract, shared by every implementation:
 * ``put_many(name, items)`` stores ``(key, entry)`` pairs; it may drop any of them (a full
   store, an entry over the store's size bound): a store is a cache, never the only copy.
 * ``plan(name, keys)``: the order in which the keys will be asked for next (an epoch's
-  order); a store that evicts may use it, others ignore it.
+  order); a store that evicts may use it, others ignore it.  Optional:
+  ``plan_held(name, keys)``, the same plus which keys the store holds (a numpy bool array,
+  one per key, or None): cube_torch then leaves those samples' files out of the epoch's
+  prefetch plan (the daemon store has it).
 * Any failure (down, refused, full beyond recovery, a malformed answer) raises
   :class:`StoreError`; the caller then logs once and bypasses the store for a while.
   No call waits unboundedly: each implementation documents its timeouts.

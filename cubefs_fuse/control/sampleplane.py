@@ -16,7 +16,9 @@ caller's own, ``~UID/NAME`` another user's (samples/store.py says who may do wha
   were kept (a store may drop any: full, still loading).
 * ``{"op": "sample_plan", "name": N, "count": c}`` → ``{"planned": c}``: the next order of
   the cache's keys, ``c`` little-endian int64s at the start of the ring (at most
-  MAX_SAMPLE_PLAN_KEYS: one ring).
+  MAX_SAMPLE_PLAN_KEYS: one ring).  With ``"held": true`` the answer also has ``"held": h``
+  and the ring's first ``c`` bytes say, key by key, whether the cache holds an entry (1)
+  or not (0): what the client need not have prefetched.
 
 A request the store refuses (a bad name, a foreign cache, too large, no room) is
 answered ``{"error": ..., "status": <HTTP-like status>}`` and the connection stays open;
@@ -125,4 +127,10 @@ class SamplePlane:
         self.store.resolve(peer.uid, data.get("name"), write=True)
         # Up to a ring (32 MiB) of keys: copied in a worker thread, not on the trio thread.
         keys = await trio.to_thread.run_sync(lambda: ring.map[:count * 8])
-        return {"planned": await self.store.plan(peer.uid, data.get("name"), keys)}
+        planned = await self.store.plan(peer.uid, data.get("name"), keys, source=peer.pid)
+        if data.get("held") is not True:
+            return {"planned": planned}
+        # Asked for: which of the keys the cache holds, one byte each, over the keys' start.
+        held = await self.store.held(peer.uid, data.get("name"), keys)
+        await trio.to_thread.run_sync(lambda: ring.map.__setitem__(slice(0, len(held)), held.tobytes()))
+        return {"planned": planned, "held": int(held.sum())}

@@ -47,7 +47,7 @@ import trio
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
-                                MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
+                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files
 
 log = logging.getLogger(__name__)
@@ -114,19 +114,29 @@ class _Entry:
 class _Plan:
     """A cache's next order: key -> first position, and which keys a get consumed."""
 
-    def __init__(self, keys: np.ndarray) -> None:
-        order = np.argsort(keys, kind="stable")
+    def __init__(self, keys: np.ndarray, positions: np.ndarray | None = None) -> None:
+        if positions is None:
+            positions = np.arange(len(keys), dtype=np.int64)
+        order = np.lexsort((positions, keys))  # by key, a key's earliest position first
         ordered = keys[order]
         first = np.ones(len(ordered), dtype=bool)
         first[1:] = ordered[1:] != ordered[:-1]
         self.keys = ordered[first]
-        self.positions = order[first].astype(np.int32)  # < MAX_SAMPLE_PLAN_KEYS
+        self.positions = positions[order][first].astype(np.int32)  # < MAX_SAMPLE_PLAN_KEYS
         self.consumed = np.zeros(len(self.keys), dtype=bool)
         self.length = len(keys)
 
     @classmethod
     def build(cls, data: bytes) -> _Plan:  # a worker thread: O(n log n)
         return cls(np.frombuffer(data, dtype="<i8").astype(np.int64))
+
+    @classmethod
+    def merge(cls, parts: list[np.ndarray]) -> _Plan:  # a worker thread: O(n log n)
+        """One plan of several sources' orders read side by side (the ranks of a node, each
+        its share of the epoch): a key's position is its position in its own order."""
+        if len(parts) == 1:
+            return cls(parts[0])
+        return cls(np.concatenate(parts), np.concatenate([np.arange(len(p), dtype=np.int64) for p in parts]))
 
     def _index(self, key: int) -> int:
         i = int(np.searchsorted(self.keys, key))
@@ -154,8 +164,8 @@ class _Plan:
 
 
 class _Cache:
-    __slots__ = ("id", "owner", "name", "entries", "plan", "hits", "misses", "stored", "evictions",
-                 "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
+    __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses",
+                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
 
     def __init__(self, cache_id: int, owner: int, name: str, shared: bool) -> None:
         self.id = cache_id
@@ -163,6 +173,10 @@ class _Cache:
         self.name = name
         self.entries: dict[int, _Entry] = {}
         self.plan: _Plan | None = None
+        # Its plan's sources (the peer pid of each process that plans it: a node's ranks each
+        # send their share of the epoch), least recently planned first: source -> its keys.
+        self.plan_parts: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.plan_generation = 0  # a plan being merged is stale once another one has come
         self.hits = self.misses = self.stored = self.evictions = 0
         self.ram_bytes = self.disk_bytes = self.bytes = 0
         self.io_lock = trio.Lock()  # its NVMe writes and its removal, one at a time
@@ -347,20 +361,37 @@ class SampleStore:
         self.dropped += len({k for k, _ in items} - kept)
         return len(kept)
 
-    async def plan(self, caller: int, reference: Any, data: bytes) -> int:
-        """The cache's next order (little-endian int64 keys); how many keys were kept."""
+    async def plan(self, caller: int, reference: Any, data: bytes, source: int = 0) -> int:
+        """The cache's next order (little-endian int64 keys) from ``source`` (the caller's
+        pid; 0: unknown); how many keys were kept.  A source's plan replaces its previous
+        one; the plans of the sources still alive are merged (ranks read side by side), at
+        most MAX_SAMPLE_PLAN_SOURCES of them and MAX_SAMPLE_PLAN_KEYS keys together (the
+        least recently planned go first)."""
         owner, name = self.resolve(caller, reference, write=True)
         data = data[:MAX_SAMPLE_PLAN_KEYS * 8]
-        plan = await trio.to_thread.run_sync(_Plan.build, data)
+        keys = await trio.to_thread.run_sync(lambda: np.frombuffer(data, dtype="<i8").astype(np.int64))
         cache = self._cache(owner, name, create=True)
         assert cache is not None
         if cache.dropped:
             return 0
+        parts = cache.plan_parts
+        for gone in [s for s in parts if s != source and not _alive(s)]:
+            del parts[gone]  # a process gone (an earlier run): its order will not be read
+        parts[source] = keys
+        parts.move_to_end(source)
+        while len(parts) > MAX_SAMPLE_PLAN_SOURCES or sum(len(p) for p in parts.values()) > MAX_SAMPLE_PLAN_KEYS:
+            parts.popitem(last=False)
+        cache.plan_generation += 1
+        generation = cache.plan_generation
+        plan = await trio.to_thread.run_sync(_Plan.merge, list(parts.values()))
+        if cache.dropped or cache.plan_generation != generation:
+            return len(keys)  # a newer plan of this cache is being merged (with this source's keys)
         self._forget_plan(cache)
         # Plans of other caches go, least recently planned first, until this one fits.
         while self.planned_keys + len(plan.keys) > MAX_SAMPLE_PLANNED_KEYS and self._plans:
             _, other = self._plans.popitem(last=False)
             self._forget_plan(other)
+            other.plan_parts.clear()
             log.info("sample cache %r of uid %d: plan dropped (plans are held for %d keys at most)",
                      other.name, other.owner, MAX_SAMPLE_PLANNED_KEYS)
             await self._rerank(other, None)
@@ -368,7 +399,24 @@ class SampleStore:
         self._plans[cache.id] = cache
         self.planned_keys += len(plan.keys)
         await self._rerank(cache, plan)
-        return plan.length
+        return len(keys)
+
+    async def held(self, caller: int, reference: Any, data: bytes) -> np.ndarray:
+        """Which of the keys (little-endian int64) the cache holds an entry for, one uint8
+        each (1: held), CHUNK keys between checkpoints.  What cube_torch leaves out of the
+        file plan it sends for prefetch (an entry may still turn out stale: then its sample
+        is computed from a file read on demand)."""
+        owner, name = self.resolve(caller, reference)
+        keys = np.frombuffer(data, dtype="<i8")
+        out = np.zeros(len(keys), dtype=np.uint8)
+        cache = self._cache(owner, name, create=False)
+        if cache is None or cache.dropped:
+            return out
+        for start in range(0, len(keys), CHUNK):
+            entries = cache.entries
+            out[start:start + CHUNK] = [k in entries for k in keys[start:start + CHUNK].tolist()]
+            await trio.lowlevel.checkpoint()
+        return out
 
     def _forget_plan(self, cache: _Cache) -> None:
         if cache.plan is not None:
@@ -643,6 +691,19 @@ class SampleStore:
                             "ram_bytes": c.ram_bytes, "disk_bytes": c.disk_bytes, "hits": c.hits, "misses": c.misses,
                             "stored": c.stored, "evictions": c.evictions, "planned": c.planned, "shared": c.shared}
                            for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
+
+
+def _alive(pid: int) -> bool:
+    """Whether the process that sent a plan still runs (pid 0, unknown: always)."""
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: it exists
+    return True
 
 
 def _read_entries(root: str, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:

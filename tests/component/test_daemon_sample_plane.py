@@ -13,6 +13,7 @@ import array
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.samples.store import SampleStore
 
+REPO = Path(__file__).resolve().parents[2]
 RING = 1024 * 1024  # small rings, so that answers need several rounds
 
 
@@ -120,6 +122,40 @@ async def test_a_plan_beyond_the_ring_is_cut_to_what_the_ring_holds(tmp_path: Pa
         client = DaemonStore(vol, config_dir=str(tmp_path))
         await trio.to_thread.run_sync(client.plan, "long", np.arange(RING // 8 + 1000).tolist())
         assert store.statistics().caches[0].planned == RING // 8
+        client.close()
+
+
+async def test_a_plan_can_ask_which_keys_are_held(tmp_path: Path) -> None:
+    async with serving(tmp_path) as (store, _, vol):
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+
+        def work() -> Any:
+            client.put_many("held", [(k, entry(k, 100)) for k in range(10)])
+            return client.plan_held("held", [5, 50, 0, 9, -1])
+
+        held = await trio.to_thread.run_sync(work)
+        assert held.tolist() == [True, False, True, True, False]
+        assert store.statistics().caches[0].planned == 5  # a plan all the same
+        assert await trio.to_thread.run_sync(client.plan_held, f"~{os.geteuid()}/held", [5]) is None  # read-only
+        client.close()
+
+
+async def test_the_plans_of_two_processes_are_merged_until_one_exits(tmp_path: Path) -> None:
+    """Another process (a second rank) plans its share of the same cache: the daemon holds
+    both shares (sources told apart by the data socket's peer pid); once that process has
+    exited, the next plan drops its share."""
+    async with serving(tmp_path) as (store, _, vol):
+        child = (f"from cube_torch.samples.daemon_store import DaemonStore\n"
+                 f"s = DaemonStore({vol!r}, config_dir={str(tmp_path)!r})\n"
+                 f"s.plan('ranks', list(range(100, 130)))\ns.close()\n")
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+        await trio.to_thread.run_sync(client.plan, "ranks", list(range(20)))
+        result = await trio.run_process([sys.executable, "-c", child], capture_stderr=True, check=False,
+                                        env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert result.returncode == 0, result.stderr
+        assert store.statistics().caches[0].planned == 20 + 30
+        await trio.to_thread.run_sync(client.plan, "ranks", list(range(10)))  # the child has exited
+        assert store.statistics().caches[0].planned == 10
         client.close()
 
 

@@ -88,12 +88,15 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert "| 0.3 ms, 2 w, RAM 0.25 | cubefs+ct |" in markdown
     assert "## Daemon CPU per file" in markdown and "Clock-tick caveat" in markdown
     assert "| kernel page-cache hit | no | 5 × 20 |" in markdown
-    # The processed-sample cache: the loader with and without CachedDataset on a local Redis.
-    samples = results["sample_cache"]
-    assert samples["error"] is None and samples["files"] == 20 and [e["epoch"] for e in samples["epochs"]] == [1, 2]
-    assert all(e["baseline_samples_per_s"] > 0 and e["cached_samples_per_s"] > 0 for e in samples["epochs"])
+    # The processed-sample cache: the loader with and without CachedDataset on a local Redis
+    # and with the daemon store.
+    for key in ("sample_cache", "sample_cache_daemon"):
+        samples = results[key]
+        assert samples["error"] is None and samples["files"] == 20 and [e["epoch"] for e in samples["epochs"]] == [1, 2]
+        assert all(e["baseline_samples_per_s"] > 0 and e["cached_samples_per_s"] > 0 for e in samples["epochs"])
+    assert sum(text.startswith("processed-sample cache") for text in bars) == 4
     assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("processed-sample cache"))
-    assert "## (e) processed-sample cache" in markdown
+    assert "## (e) processed-sample cache" in markdown and "store: daemon" in markdown
     for plot in ("raw_io.png", "nvme.png"):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list((tmp_path / "w").iterdir())  # the scratch directory is gone

@@ -191,8 +191,8 @@ def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
     assert _bar(bars, "cache = 0.5 × dataset: cube_torch ≥ 1.5")["passed"] is True  # 0.54 / 0.3 = 1.8 ×
     assert _bar(bars, "raw I/O, 8 workers, 2 ms: later epochs")["issues"] == "5"
     assert all(b["issues"] in ("5", "12", "5, 12", "15") for b in bars)
-    # Every bar once: nothing superseded is left twice (16, and the sample cache's 2).
-    assert len({b["bar"] for b in bars}) == len(bars) == 18
+    # Every bar once: nothing superseded is left twice (16, and the sample cache's 2 per store).
+    assert len({b["bar"] for b in bars}) == len(bars) == 20
 
 
 def _results(cpu: dict[str, Any] | None) -> dict[str, Any]:
@@ -233,6 +233,12 @@ def test_sample_cache_bars(ratios: list[float], first: bool, later: bool) -> Non
     bars = report.evaluate_bars([], None, None, _samples(ratios))
     assert _bar(bars, "processed-sample cache (local Redis): epoch 1")["passed"] is first
     assert _bar(bars, "processed-sample cache (local Redis): later")["passed"] is later
+    assert _bar(bars, "processed-sample cache (daemon store): epoch 1")["passed"] is None  # not measured
+    # The daemon store's row has bars of its own, judged on its own figures.
+    both = report.evaluate_bars([], None, None, _samples([5.0, 5.0, 5.0]), _samples(ratios))
+    assert _bar(both, "processed-sample cache (local Redis): epoch 1")["passed"] is True
+    assert _bar(both, "processed-sample cache (daemon store): epoch 1")["passed"] is first
+    assert _bar(both, "processed-sample cache (daemon store): later")["passed"] is later
     for figures in (None, _samples([], "HarnessError: redis-server is not installed")):
         missing = report.evaluate_bars([], None, None, figures)
         assert _bar(missing, "processed-sample cache (local Redis): epoch 1")["passed"] is None

@@ -4,6 +4,7 @@ eviction order with and without a plan, damaged files never served, restart, own
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -93,6 +94,39 @@ async def test_with_a_plan_unplanned_go_first_then_the_furthest_next_use(tmp_pat
     assert await store.put_many(ME, "c", [(300, entry(300, size))]) == 0
     assert 300 not in store._caches[(ME, "c")].entries
     assert store.ram_used <= store.mem_limit
+
+
+async def test_the_plans_of_several_processes_are_read_side_by_side(tmp_path: Path) -> None:
+    """Two ranks of a node plan their halves of an epoch: both halves stay planned (each
+    key at its position in its own rank's order).  A rank's next plan replaces its own
+    only; the plan of a process that is gone is dropped."""
+    size = 1000
+    cost = len(entry(0, size)) + RAM_ENTRY_OVERHEAD
+    store = await open_store(tmp_path, 6 * cost, 0)
+    rank0 = subprocess.Popen(["sleep", "60"])
+    try:
+        rank1 = os.getpid()
+        await store.put_many(ME, "c", [(k, entry(k, size)) for k in range(6)])
+        assert await store.plan(ME, "c", np.array([0, 1, 2], dtype="<i8").tobytes(), source=rank0.pid) == 3
+        assert await store.plan(ME, "c", np.array([3, 4, 9], dtype="<i8").tobytes(), source=rank1) == 3
+        cache = store._caches[(ME, "c")]
+        assert cache.plan is not None and cache.plan.length == 6
+        assert [store._next_use(cache, k) for k in (0, 1, 2, 3, 4, 5, 9)] == [0, 1, 2, 0, 1, None, 2]
+        # Over budget: 5, planned by neither rank, goes first; both ranks' entries stay.
+        await store.put_many(ME, "c", [(9, entry(9, size))])
+        assert set(cache.entries) == {0, 1, 2, 3, 4, 9}
+        # Rank 1's next epoch replaces its own order, not rank 0's.
+        await store.plan(ME, "c", np.array([4, 3], dtype="<i8").tobytes(), source=rank1)
+        assert [store._next_use(cache, k) for k in (0, 1, 2, 3, 4, 9)] == [0, 1, 2, 1, 0, None]
+        # Rank 0 is gone (an earlier run): the next plan drops its order.
+        rank0.kill()
+        rank0.wait()
+        await store.plan(ME, "c", np.array([9], dtype="<i8").tobytes(), source=rank1)
+        assert [store._next_use(cache, k) for k in (0, 1, 2, 3, 4, 9)] == [None] * 5 + [0]
+        assert cache.plan is not None and cache.plan.length == 1 and store.planned_keys == 1
+    finally:
+        rank0.kill()
+        rank0.wait()
 
 
 async def test_a_consumed_planned_entry_becomes_unplanned(tmp_path: Path) -> None:

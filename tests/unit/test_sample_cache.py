@@ -32,6 +32,7 @@ class MemoryStore:
         self.fail_get = self.fail_put = False
         self.stall = threading.Event()
         self.stall.set()
+        self.plans: list[tuple[str, list[int]]] = []
 
     def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
         self.calls["get_many"] += 1
@@ -48,7 +49,7 @@ class MemoryStore:
             self.entries[(name, key)] = bytes(entry)
 
     def plan(self, name: str, keys: Sequence[int]) -> None:
-        pass
+        self.plans.append((name, [int(k) for k in keys]))
 
     def close(self) -> None:
         self.calls["close"] += 1
@@ -253,6 +254,37 @@ def test_cached_dataset(tmp_path: Path) -> None:
     assert clone.cache._state is None and clone.cache.store_spec == "redis://127.0.0.1:1/0" and len(clone) == 10
     with pytest.raises(TypeError, match="map-style"):
         CachedDataset(iter([]), name="x", store=store)
+
+
+def test_each_epoch_sends_its_key_order_to_the_store(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """cube_torch's patch hands every planned epoch to its background thread, which sends a
+    CachedDataset's store the epoch's keys: directly, and through a Subset (its indices)."""
+    import cube_torch
+    from torch.utils.data import DataLoader, Subset
+
+    monkeypatch.setenv("VOL_NAME", f"no-daemon-{os.getpid()}")  # plans on; no daemon for the file plan
+    cube_torch.install()
+    store = MemoryStore()
+    ds = CachedDataset([torch.tensor(i) for i in range(20)], name="planned", store=store)
+    subset = Subset(ds, list(range(19, -1, -2)))  # keys 19, 17, ..., 1
+    for dataset, name in ((ds, "ds"), (subset, "subset")):
+        store.plans.clear()
+        dl = DataLoader(dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
+        for epoch in range(2):
+            read = [int(v) for batch in dl for v in batch]
+            assert client.submitter.wait_idle(10)
+            assert store.plans[epoch] == ("planned", read), (name, epoch)  # the order read, as keys
+        assert len(store.plans) == 2 and store.plans[0][1] != store.plans[1][1]
+    assert ds.statistics().plans == 4
+    # A store that fails the plan: logged once (as any store failure), the epoch unharmed.
+    monkeypatch.setattr(store, "plan", lambda name, keys: (_ for _ in ()).throw(StoreError("refused")))
+    with caplog.at_level(logging.WARNING, logger="cube_torch"):
+        for _ in range(2):
+            assert sorted(int(v) for batch in DataLoader(ds, batch_size=4, shuffle=True) for v in batch) == \
+                list(range(20))
+            assert client.submitter.wait_idle(10)
+    assert sum("store failed (plan)" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_the_store_is_opened_per_process(tmp_path: Path) -> None:

@@ -1,0 +1,456 @@
+"""The processed-sample cache with its default store, the node's daemon, end to end.
+
+``CachedDataset(base, name=...)`` with no ``store=``: the daemon of ``$VOL_NAME``'s
+mount, a real ``cubefs-fuse mount`` subprocess with ``"profile": "ai_prefetch"`` that
+also serves the dataset (a folder of JPEGs), plans cube_torch's epochs and serves the
+workers' misses through the fast path.  The cached part is decoding + resizing
+(``base[i]`` is a PIL image and its label); RandomCrop and a flip run after the cache.
+Computes are counted across the DataLoader worker processes (one line per ``base[i]`` in
+a file); hits are counted by the daemon (``cubefs-fuse status --json``'s samples
+section).
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import signal
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+import cube_torch
+from cube_torch import client as ct_client
+from cube_torch import fastpath
+from cube_torch.samples.cache import RETRY_AFTER
+from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
+from tools.harness import drop_page_cache
+
+SEED = 1234
+FILES, CLASSES = 24, 3
+SIDE, CROP = 40, 32  # resized (cached) side, random crop after the cache
+WORKERS, BATCH = 2, 4
+TTL = 0.2  # the mount's attrValid/lookupValid: a changed source file is seen this soon
+
+pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
+
+
+class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
+    """An ImageFolder that appends each computed index to a file (workers are processes),
+    and whether cube_torch's fast path had the batch's files served (its open hook active)."""
+
+    def __init__(self, root: Path, counts: Path, transform: Any) -> None:
+        super().__init__(str(root), transform=transform)
+        self.counts = str(counts)
+
+    def __getitem__(self, index: int) -> Any:
+        fd = os.open(self.counts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{index} {int(builtins.open is fastpath._hooked_open)}\n".encode())
+        finally:
+            os.close(fd)
+        return super().__getitem__(index)
+
+
+def computed(counts: Path) -> list[int]:
+    return [int(line.split()[0]) for line in counts.read_text().splitlines()] if counts.exists() else []
+
+
+def served_by_fast_path(counts: Path) -> int:
+    return sum(int(line.split()[1]) for line in counts.read_text().splitlines())
+
+
+DECODE_RESIZE = transforms.Resize((SIDE, SIDE))
+AUGMENT = transforms.Compose([transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip(), transforms.ToTensor()])
+
+
+def augment(sample: Any) -> Any:
+    image, label = sample
+    return AUGMENT(image), label
+
+
+@pytest.fixture(scope="module")
+def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, str]]:
+    base = tmp_path_factory.mktemp("sample_cache_volume")
+    port = free_port()
+    name = f"samples{port}"
+    m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
+              {"profile": "ai_prefetch", "volName": name, "attrValid": TTL, "lookupValid": TTL,
+               "sampleCacheMemSize": "16MiB", "sampleCacheDiskSize": "64MiB"})
+    for d in (m.source, m.mount_point):
+        d.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    for i in range(FILES):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i:03d}.jpg", quality=90)
+    os.environ["VOL_NAME"] = name
+    try:
+        m.mount()
+        yield m, name
+        m.umount()
+    finally:
+        os.environ.pop("VOL_NAME", None)
+        force_unmount(m)
+
+
+@pytest.fixture(autouse=True)
+def patched() -> Iterator[None]:
+    cube_torch.install()
+    ct_client._warned.clear()
+    yield
+
+
+def loader(dataset: Any, *, sampler: Any = None, persistent: bool = False) -> DataLoader[Any]:
+    g = torch.Generator()
+    g.manual_seed(SEED)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=sampler is None, sampler=sampler, num_workers=WORKERS,
+                      generator=g, persistent_workers=persistent)
+
+
+def epochs(dl: DataLoader[Any], n: int, sampler: Any = None) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    out = []
+    for epoch in range(n):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        torch.manual_seed(SEED + epoch)
+        out.append([(x.clone(), y.clone()) for x, y in dl])
+    return out
+
+
+def reference(root: Path, n: int, sampler: Any = None, persistent: bool = False
+              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The same pipeline without the cache (same seeds, same worker setup)."""
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    return epochs(loader(plain, sampler=sampler, persistent=persistent), n, sampler)
+
+
+def cached(root: Path, counts: Path, name: str) -> cube_torch.CachedDataset:
+    """The dataset under test: no ``store=``, so the daemon of $VOL_NAME."""
+    return cube_torch.CachedDataset(CountingFolder(root, counts, DECODE_RESIZE), name=name, transform=augment)
+
+
+def assert_same(got: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                want: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    assert len(got) == len(want)
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), epoch
+        for (gx, gy), (wx, wy) in zip(g, w):
+            assert torch.equal(gx, wx) and torch.equal(gy, wy), f"epoch {epoch} differs"
+
+
+def status(mount: Mount) -> dict[str, Any]:
+    """The daemon's samples section of ``cubefs-fuse status --json``."""
+    result = cli("status", str(mount.mount_point), "--json")
+    assert result.returncode == 0, result.stderr
+    samples: dict[str, Any] = json.loads(result.stdout)[0]["samples"]
+    return samples
+
+
+def cache_counts(mount: Mount, name: str) -> dict[str, int]:
+    """Entries, hits and misses of one of this uid's sample caches, as the daemon counts them."""
+    for cache in status(mount)["caches"]:
+        if cache["name"] == name and cache["owner"] == os.geteuid():
+            return {k: int(cache[k]) for k in ("entries", "hits", "misses")}
+    return {"entries": 0, "hits": 0, "misses": 0}
+
+
+def settled(mount: Mount, name: str, entries: int) -> None:
+    """Wait until the workers' background writers have stored ``entries`` entries."""
+    wait_until(lambda: cache_counts(mount, name)["entries"] >= entries, what=f"{entries} entries in {name!r}")
+
+
+def test_same_tensors_every_epoch_and_a_second_run_reuses(volume: tuple[Mount, str], tmp_path: Path) -> None:
+    mount, _ = volume
+    wait_until(lambda: status(mount)["loaded"], what="the sample store's start-up scan")
+    root = mount.mount_point / "train"
+    want = reference(root, 3)
+    counts = tmp_path / "computed"
+    name = "train-decoded-40"
+    got = epochs(loader(cached(root, counts, name)), 3)
+    assert_same(got, want)
+    assert sorted(computed(counts)) == list(range(FILES))  # epoch 0 computed each sample once; 1 and 2 none
+    # The misses' files came through cube_torch's fast path (the daemon's data socket).
+    assert served_by_fast_path(counts) > 0
+    settled(mount, name, FILES)
+    first = cache_counts(mount, name)
+    assert first["entries"] == FILES and first["hits"] >= 2 * FILES, first  # epochs 1 and 2: the daemon's hits
+    # The kernel forgets the mount's inodes (cubefs-fuse then numbers them anew): entries of
+    # unchanged files stay valid all the same.
+    assert drop_page_cache()
+    time.sleep(3 * TTL)
+    again = tmp_path / "computed-again"  # a second run: a new dataset object, new workers
+    assert_same(epochs(loader(cached(root, again, name)), 2), want[:2])
+    assert computed(again) == []
+    assert cache_counts(mount, name)["hits"] - first["hits"] == 2 * FILES
+
+    # The daemon restarts (same disk cache directory): the entries come back from NVMe and
+    # a third run still computes nothing.
+    mount.umount()
+    mount.mount()
+    wait_until(lambda: status(mount)["loaded"], what="the sample store's start-up scan")
+    assert cache_counts(mount, name)["entries"] == FILES
+    after_restart = tmp_path / "computed-after-restart"
+    assert_same(epochs(loader(cached(root, after_restart, name)), 1), want[:1])
+    assert computed(after_restart) == []
+    assert cache_counts(mount, name)["hits"] == FILES
+
+
+def test_two_ranks_share_entries(volume: tuple[Mount, str], tmp_path: Path) -> None:
+    mount, _ = volume
+    wait_until(lambda: status(mount)["loaded"], what="the sample store's start-up scan")
+    root = mount.mount_point / "train"
+    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
+    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
+            for r in (0, 1)]
+    counts = [tmp_path / "rank0", tmp_path / "rank1"]
+    name = f"ranks-{time.monotonic_ns()}"
+    loaders = [loader(cached(root, counts[r], name), sampler=samplers[r]) for r in (0, 1)]
+    got: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [[], []]
+    seen: list[list[set[int]]] = [[], []]
+    for epoch in range(2):
+        for r in (0, 1):
+            samplers[r].set_epoch(epoch)
+            seen[r].append(set(samplers[r]))
+            before = len(computed(counts[r]))
+            torch.manual_seed(SEED + epoch)
+            got[r].append([(x.clone(), y.clone()) for x, y in loaders[r]])
+            if epoch == 1:
+                assert len(computed(counts[r])) == before  # every sample a hit, half of them the other rank's
+        if epoch == 0:
+            settled(mount, name, FILES)  # both ranks' writes are in before epoch 1 reads them
+            hits_after_0 = cache_counts(mount, name)["hits"]
+    for r in (0, 1):
+        assert_same(got[r], want[r])
+        assert seen[r][1] & seen[1 - r][0], "the ranks' second epochs should reuse the other rank's samples"
+    assert sorted(computed(counts[0]) + computed(counts[1])) == list(range(FILES))
+    # The daemon served every sample of epoch 1, to both ranks.
+    assert cache_counts(mount, name)["hits"] - hits_after_0 == FILES
+
+
+def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], tmp_path: Path) -> None:
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    ds = cached(root, counts, "changes")
+    epochs(loader(ds), 1)
+    assert len(computed(counts)) == FILES
+    settled(mount, "changes", FILES)
+    target = ds.base.samples[5][0]
+    source = mount.source / os.path.relpath(target, mount.mount_point)
+    Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
+    time.sleep(3 * TTL)  # the mount sees the new version after attrValid
+    counts.unlink()
+    got = epochs(loader(ds), 1)
+    assert computed(counts) == [5]
+    assert_same(got, reference(root, 1))  # the new image, not the cached old one
+
+
+def fast_path_requests(mount: Mount) -> tuple[float, float]:
+    """Batches the workers asked the daemon to resolve over the fast path, and their files."""
+    scraped = mount.scrape()
+    return (scraped.get("cubefs_fuse_fastpath_batches_total", 0.0),
+            sum(v for k, v in scraped.items() if k.startswith("cubefs_fuse_fastpath_files_total")))
+
+
+def test_a_subset_of_a_cached_dataset_asks_the_fast_path_for_its_misses_only(volume: tuple[Mount, str],
+                                                                             tmp_path: Path) -> None:
+    """Through a Subset too, the fast path serves the files of a batch's misses only: once
+    every sample is cached, an epoch asks the daemon for no file at all."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    picked = list(range(1, FILES, 2))
+    subset = Subset(cached(root, counts, "subset"), picked)
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    want = epochs(loader(Subset(plain, picked)), 2)
+    dl = loader(subset)
+    got = epochs(dl, 1)
+    assert sorted(computed(counts)) == picked and served_by_fast_path(counts) > 0  # misses: through the fast path
+    settled(mount, "subset", len(picked))
+    before = fast_path_requests(mount)
+    torch.manual_seed(SEED + 1)  # epoch 1, seeded as the reference's
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got, want)
+    assert sorted(computed(counts)) == picked  # every sample a hit
+    assert fast_path_requests(mount) == before, "hits must not make the daemon resolve their files"
+
+
+def plan_lengths(mount: Mount) -> dict[int, int]:
+    """The daemon's prefetch plans of this process's job, by epoch: their lengths (files)."""
+    result = cli("status", str(mount.mount_point), "--json")
+    assert result.returncode == 0, result.stderr
+    plans = json.loads(result.stdout)[0]["plans"]
+    return {int(p["epoch"]): int(p["samples"]) for p in plans if p["job"] == ct_client.default_job()}
+
+
+def test_the_daemon_is_not_asked_to_prefetch_the_files_of_cached_samples(volume: tuple[Mount, str],
+                                                                         tmp_path: Path) -> None:
+    """The store answers the epoch's key order with what it holds: those samples read no
+    file, so the file plan sent for prefetch leaves them out (all of them held: one sample
+    stays, the daemon takes no empty plan)."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    ds = cached(root, counts, f"held-{time.monotonic_ns()}")
+    dl = loader(ds, persistent=True)
+    want = reference(root, 3, persistent=True)
+    got = epochs(dl, 1)
+    assert plan_lengths(mount).get(0) == FILES  # nothing held yet: every sample's files
+    settled(mount, ds.name, FILES)
+    torch.manual_seed(SEED + 1)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert plan_lengths(mount).get(1) == 1
+    assert_same(got, want[:2])
+    # A changed source file: its sample is held (stale), its file read on demand, correctly.
+    target = ds.base.samples[5][0]
+    source = mount.source / os.path.relpath(target, mount.mount_point)
+    Image.fromarray(np.full((30, 30, 3), 90, dtype=np.uint8)).save(source, format="JPEG")
+    time.sleep(3 * TTL)
+    want = reference(root, 3, persistent=True)
+    torch.manual_seed(SEED + 2)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got[2:], want[2:])
+    assert sorted(computed(counts)) == sorted([*range(FILES), 5])
+
+
+@pytest.fixture
+def worker_log(tmp_path: Path) -> Iterator[Path]:
+    """cube_torch's log lines of this process and its (forked) workers, in a file."""
+    path = tmp_path / "cube_torch.log"
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("cube_torch")
+    logger.addHandler(handler)
+    yield path
+    logger.removeHandler(handler)
+    handler.close()
+
+
+def warning_lines(log: Path) -> list[str]:
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines() if "sample cache" in line and "store failed" in line]
+
+
+def test_daemon_killed_mid_training_warns_once_and_training_continues(tmp_path: Path, worker_log: Path) -> None:
+    """The store's daemon is SIGKILLed in the middle of an epoch.  The images are read from
+    the source folder itself here (a killed daemon takes its mount down, and reads of a dead
+    mount fail: that is the mount's failure, not the sample cache's)."""
+    port = free_port()
+    name = f"killed{port}"
+    m = Mount(tmp_path, tmp_path / "source", tmp_path / "mnt", tmp_path / "cache", tmp_path / "client.json", port,
+              {"profile": "ai_prefetch", "volName": name, "sampleCacheMemSize": "16MiB",
+               "sampleCacheDiskSize": "64MiB"})
+    m.source.mkdir()
+    m.mount_point.mkdir()
+    rng = np.random.default_rng(11)
+    for i in range(FILES):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, size=(48, 50 + i, 3), dtype=np.uint8)).save(folder / f"i{i}.jpg")
+    root = m.source / "train"
+    previous = os.environ.get("VOL_NAME")
+    os.environ["VOL_NAME"] = name
+    try:
+        m.mount()
+        wait_until(lambda: status(m)["loaded"], what="the sample store's start-up scan")
+        counts = tmp_path / "computed"
+        dl = loader(cached(root, counts, "killed"), persistent=True)
+        want = reference(root, 3, persistent=True)
+        got = epochs(dl, 1)
+        settled(m, "killed", FILES)
+        # Epoch 1, the daemon killed after its first batch.
+        pid = m.pid()
+        torch.manual_seed(SEED + 1)
+        batches = []
+        started = time.monotonic()
+        for x, y in dl:
+            batches.append((x.clone(), y.clone()))
+            if len(batches) == 1:
+                os.kill(pid, signal.SIGKILL)
+                wait_until(lambda: not Path(f"/proc/{pid}").exists(), what="the daemon's death")
+        got.append(batches)
+        torch.manual_seed(SEED + 2)
+        got.append([(x.clone(), y.clone()) for x, y in dl])
+        elapsed = time.monotonic() - started
+        assert_same(got, want)
+        # Epoch 0 computed every sample; after the kill the samples not already read ahead
+        # from the store are computed again (epoch 2: all of them).
+        assert len(computed(counts)) >= 2 * FILES
+        lines = warning_lines(worker_log)
+        # Once per process, not per batch: each worker's reads, and the main process's
+        # epoch plan (sent to the store from cube_torch's background thread).
+        assert 1 <= len(lines) <= WORKERS + 1, lines
+        assert sum("(plan)" in line for line in lines) <= 1, lines
+        assert elapsed < RETRY_AFTER, "a dead store must be bypassed, not retried per batch"
+    finally:
+        if previous is None:
+            os.environ.pop("VOL_NAME", None)
+        else:
+            os.environ["VOL_NAME"] = previous
+        force_unmount(m)
+
+
+def test_the_epoch_plan_keeps_the_entries_needed_soonest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RAM-only store holding about a third of the samples.  cube_torch sends each epoch's
+    key order to the daemon, whose eviction then keeps the resident entries the reshuffled
+    next epoch reads (and does not let the epoch's new puts push them out first): epoch 1
+    hits about every entry resident after epoch 0.  The same run without the plan (LRU)
+    loses resident entries to the new puts before they are read."""
+    samples = 96
+    port = free_port()
+    vol = f"evict{port}"
+    # RAM for about a third of the samples (an entry: ~4.9 KB encoded, charged 256 bytes more).
+    m = Mount(tmp_path, tmp_path / "source", tmp_path / "mnt", tmp_path / "cache", tmp_path / "client.json", port,
+              {"profile": "ai_prefetch", "volName": vol, "sampleCacheMemSize": str(32 * 5300),
+               "sampleCacheDiskSize": "0"})
+    m.source.mkdir()
+    m.mount_point.mkdir()
+    rng = np.random.default_rng(3)
+    for i in range(samples):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, size=(48, 48, 3), dtype=np.uint8)).save(folder / f"i{i:03d}.jpg")
+    monkeypatch.setenv("VOL_NAME", vol)
+    try:
+        m.mount()
+        root = m.mount_point / "train"
+        epoch1_hits: dict[str, int] = {}
+        resident: dict[str, int] = {}
+        for name, planned in (("lru", False), ("planned", True)):
+            if not planned:
+                monkeypatch.setattr(ct_client, "_plan_samples", lambda dataset, order: None)
+            else:
+                monkeypatch.undo()
+                monkeypatch.setenv("VOL_NAME", vol)
+                drop = cli("drop-cache", str(m.mount_point), "--samples", "lru")
+                assert drop.returncode == 0, drop.stderr
+            counts = tmp_path / f"computed-{name}"
+            dl = loader(cached(root, counts, name))
+            epochs(dl, 1)  # fills the store; the workers have written everything when they exit
+            resident[name] = cache_counts(m, name)["entries"]
+            before = cache_counts(m, name)["hits"]
+            torch.manual_seed(SEED + 1)
+            list(dl)  # a reshuffled epoch
+            epoch1_hits[name] = cache_counts(m, name)["hits"] - before
+        assert 20 <= resident["planned"] < samples / 2 and resident["lru"] == resident["planned"], resident
+        # With the plan every entry resident after epoch 0 is read before it could be evicted
+        # (a batch per worker of slack: the first gets may come before the plan arrives).
+        assert epoch1_hits["planned"] >= resident["planned"] - WORKERS * BATCH, (epoch1_hits, resident)
+        assert epoch1_hits["planned"] > epoch1_hits["lru"], (epoch1_hits, resident)
+    finally:
+        force_unmount(m)
