@@ -74,45 +74,31 @@ def _retry() -> Any:
     return Retry(NoBackoff(), RETRIES)
 
 
-class RedisStore:
-    """One Redis server: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL (redis-py's forms)."""
+class _RedisBase:
+    """What both stores share: a client opened lazily per process, pipelined ``SET``s,
+    no use for the plan, a best-effort close.  Subclasses open the client (``_open``)
+    and read a batch (``get_many``)."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._client: Any = None
         self._pid = 0
 
-    def _redis(self) -> Any:
+    def _open(self) -> Any:
+        raise NotImplementedError
+
+    def _connected(self) -> Any:
         if self._client is None or self._pid != os.getpid():  # never a parent's connection
-            try:
-                import redis
-            except ImportError:
-                raise StoreError("the redis store needs redis-py: pip install 'cubefs-fuse[redis]'") from None
-            try:
-                self._client = redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT,
-                                                    socket_connect_timeout=CONNECT_TIMEOUT, retry=_retry(),
-                                                    socket_read_size=READ_SIZE)
-            except (ValueError, *_errors()) as exc:  # type: ignore[misc]
-                raise _store_error(self.url, exc) from None
+            self._client = self._open()
             self._pid = os.getpid()
         return self._client
-
-    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
-        if not keys:
-            return []
-        client = self._redis()
-        try:
-            values = client.mget([key_of(name, k) for k in keys])
-        except _errors() as exc:
-            raise _store_error(self.url, exc) from None
-        return _checked(values, len(keys))
 
     def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
         if not items:
             return
-        client = self._redis()
+        client = self._connected()
         try:
-            pipe = client.pipeline(transaction=False)
+            pipe = client.pipeline(transaction=False)  # a cluster's pipelines never are
             for key, entry in items:
                 pipe.set(key_of(name, key), entry)
             pipe.execute()
@@ -129,6 +115,37 @@ class RedisStore:
                 client.close()
             except _errors():
                 pass
+
+
+def _redis_py() -> Any:
+    try:
+        import redis
+    except ImportError:
+        raise StoreError("the redis store needs redis-py: pip install 'cubefs-fuse[redis]'") from None
+    return redis
+
+
+class RedisStore(_RedisBase):
+    """One Redis server: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL (redis-py's forms)."""
+
+    def _open(self) -> Any:
+        redis = _redis_py()
+        try:
+            return redis.Redis.from_url(self.url, socket_timeout=SOCKET_TIMEOUT,
+                                        socket_connect_timeout=CONNECT_TIMEOUT, retry=_retry(),
+                                        socket_read_size=READ_SIZE)
+        except (ValueError, *_errors()) as exc:  # type: ignore[misc]
+            raise _store_error(self.url, exc) from None
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        if not keys:
+            return []
+        client = self._connected()
+        try:
+            values = client.mget([key_of(name, k) for k in keys])
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
+        return _checked(values, len(keys))
 
 
 def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
@@ -148,37 +165,30 @@ def cluster_nodes(url: str) -> tuple[list[tuple[str, int]], str | None, str | No
     return nodes, username, password
 
 
-class RedisClusterStore:
+class RedisClusterStore(_RedisBase):
     """A Redis Cluster: ``redis+cluster://host:port[,host:port...]``; any reachable node will do
     (the client learns the slot map from it)."""
 
     def __init__(self, url: str) -> None:
-        self.url = url
+        super().__init__(url)
         self.nodes, self._username, self._password = cluster_nodes(url)
-        self._client: Any = None
-        self._pid = 0
 
-    def _cluster(self) -> Any:
-        if self._client is None or self._pid != os.getpid():
-            try:
-                from redis.cluster import ClusterNode, RedisCluster
-            except ImportError:
-                raise StoreError("the redis store needs redis-py: pip install 'cubefs-fuse[redis]'") from None
-            try:
-                startup = [ClusterNode(h, p) for h, p in self.nodes]  # type: ignore[no-untyped-call]
-                self._client = RedisCluster(startup_nodes=startup,
-                                            username=self._username, password=self._password,
-                                            socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
-                                            retry=_retry(), socket_read_size=READ_SIZE)
-            except _errors() as exc:
-                raise _store_error(self.url, exc) from None
-            self._pid = os.getpid()
-        return self._client
+    def _open(self) -> Any:
+        _redis_py()
+        from redis.cluster import ClusterNode, RedisCluster
+
+        try:
+            startup = [ClusterNode(h, p) for h, p in self.nodes]  # type: ignore[no-untyped-call]
+            return RedisCluster(startup_nodes=startup, username=self._username, password=self._password,
+                                socket_timeout=SOCKET_TIMEOUT, socket_connect_timeout=CONNECT_TIMEOUT,
+                                retry=_retry(), socket_read_size=READ_SIZE)
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
 
     def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
         if not keys:
             return []
-        client = self._cluster()
+        client = self._connected()
         try:
             pipe = client.pipeline()
             for k in keys:
@@ -188,29 +198,6 @@ class RedisClusterStore:
             self._client = None  # a changed slot map or a dead node: ask the cluster again next time
             raise _store_error(self.url, exc) from None
         return _checked(values, len(keys))
-
-    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
-        if not items:
-            return
-        client = self._cluster()
-        try:
-            pipe = client.pipeline()
-            for key, entry in items:
-                pipe.set(key_of(name, key), entry)
-            pipe.execute()
-        except _errors() as exc:
-            raise _store_error(self.url, exc) from None
-
-    def plan(self, name: str, keys: Sequence[int]) -> None:
-        """Redis evicts by its own policy: the order is not used."""
-
-    def close(self) -> None:
-        client, self._client = self._client, None
-        if client is not None and self._pid == os.getpid():
-            try:
-                client.close()
-            except _errors():
-                pass
 
 
 def _checked(values: Any, expected: int) -> list[bytes | memoryview | None]:

@@ -10,8 +10,6 @@ across the DataLoader worker processes (one line per ``base[i]`` in a file).
 
 from __future__ import annotations
 
-import builtins
-import logging
 import os
 import re
 import time
@@ -23,87 +21,27 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
-import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
-from cube_torch import fastpath
 from cube_torch.samples.cache import RETRY_AFTER
 from cube_torch.samples.redis_store import KEY_PREFIX, RedisClusterStore, RedisStore
 from cube_torch.samples.store import StoreError
-from tests.helpers import Mount, force_unmount, free_port
+from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
+    SEED, FILES, WORKERS, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+)
+from tests.helpers import Mount, free_port
 from tools.harness import drop_page_cache
 from tests.redis_servers import RedisCluster, RedisServer, make_redis, redis_cluster, redis_server  # noqa: F401
-
-SEED = 1234
-FILES, CLASSES = 24, 3
-SIDE, CROP = 40, 32  # resized (cached) side, random crop after the cache
-WORKERS, BATCH = 2, 4
-TTL = 0.2  # the mount's attrValid/lookupValid: a changed source file is seen this soon
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
-class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
-    """An ImageFolder that appends each computed index to a file (workers are processes),
-    and whether cube_torch's fast path had the batch's files served (its open hook active)."""
-
-    def __init__(self, root: Path, counts: Path, transform: Any) -> None:
-        super().__init__(str(root), transform=transform)
-        self.counts = str(counts)
-
-    def __getitem__(self, index: int) -> Any:
-        fd = os.open(self.counts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, f"{index} {int(builtins.open is fastpath._hooked_open)}\n".encode())
-        finally:
-            os.close(fd)
-        return super().__getitem__(index)
-
-
-def computed(counts: Path) -> list[int]:
-    return [int(line.split()[0]) for line in counts.read_text().splitlines()] if counts.exists() else []
-
-
-def served_by_fast_path(counts: Path) -> int:
-    return sum(int(line.split()[1]) for line in counts.read_text().splitlines())
-
-
-DECODE_RESIZE = transforms.Resize((SIDE, SIDE))
-AUGMENT = transforms.Compose([transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip(), transforms.ToTensor()])
-
-
-def augment(sample: Any) -> Any:
-    image, label = sample
-    return AUGMENT(image), label
-
-
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, str]]:
-    base = tmp_path_factory.mktemp("sample_cache_volume")
-    port = free_port()
-    name = f"samples{port}"
-    m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
-              {"profile": "ai_prefetch", "volName": name, "attrValid": TTL, "lookupValid": TTL})
-    for d in (m.source, m.mount_point):
-        d.mkdir(parents=True)
-    rng = np.random.default_rng(7)
-    for i in range(FILES):
-        folder = m.source / "train" / f"class{i % CLASSES}"
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(folder / f"img{i:03d}.jpg", quality=90)
-    os.environ["VOL_NAME"] = name
-    try:
-        m.mount()
-        yield m, name
-        m.umount()
-    finally:
-        os.environ.pop("VOL_NAME", None)
-        force_unmount(m)
+    yield from sample_volume(tmp_path_factory, {})
 
 
 @pytest.fixture(autouse=True)
@@ -113,42 +51,9 @@ def patched() -> Iterator[None]:
     yield
 
 
-def loader(dataset: Any, *, sampler: Any = None, persistent: bool = False) -> DataLoader[Any]:
-    g = torch.Generator()
-    g.manual_seed(SEED)
-    return DataLoader(dataset, batch_size=BATCH, shuffle=sampler is None, sampler=sampler, num_workers=WORKERS,
-                      generator=g, persistent_workers=persistent)
-
-
-def epochs(dl: DataLoader[Any], n: int, sampler: Any = None) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    out = []
-    for epoch in range(n):
-        if sampler is not None:
-            sampler.set_epoch(epoch)
-        torch.manual_seed(SEED + epoch)
-        out.append([(x.clone(), y.clone()) for x, y in dl])
-    return out
-
-
-def reference(root: Path, n: int, sampler: Any = None, persistent: bool = False
-              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """The same pipeline without the cache (same seeds, same worker setup)."""
-    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
-    return epochs(loader(plain, sampler=sampler, persistent=persistent), n, sampler)
-
-
 def cached(root: Path, counts: Path, store: str, name: str = "train-decoded-40") -> cube_torch.CachedDataset:
     return cube_torch.CachedDataset(CountingFolder(root, counts, DECODE_RESIZE), name=name, transform=augment,
                                     store=store)
-
-
-def assert_same(got: list[list[tuple[torch.Tensor, torch.Tensor]]],
-                want: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
-    assert len(got) == len(want)
-    for epoch, (g, w) in enumerate(zip(got, want)):
-        assert len(g) == len(w), epoch
-        for (gx, gy), (wx, wy) in zip(g, w):
-            assert torch.equal(gx, wx) and torch.equal(gy, wy), f"epoch {epoch} differs"
 
 
 def test_same_tensors_every_epoch_and_a_second_run_reuses(volume: tuple[Mount, str], redis_server: RedisServer,
@@ -217,24 +122,6 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], redis_se
     got = epochs(loader(ds), 1)
     assert computed(counts) == [5]
     assert_same(got, reference(root, 1))  # the new image, not the cached old one
-
-
-@pytest.fixture
-def worker_log(tmp_path: Path) -> Iterator[Path]:
-    """cube_torch's log lines of this process and its (forked) workers, in a file."""
-    path = tmp_path / "cube_torch.log"
-    handler = logging.FileHandler(path)
-    handler.setLevel(logging.WARNING)
-    logger = logging.getLogger("cube_torch")
-    logger.addHandler(handler)
-    yield path
-    logger.removeHandler(handler)
-    handler.close()
-
-
-def warning_lines(log: Path) -> list[str]:
-    text = log.read_text() if log.exists() else ""
-    return [line for line in text.splitlines() if "sample cache" in line and "store failed" in line]
 
 
 def test_redis_down_warns_once_and_training_continues(volume: tuple[Mount, str], make_redis: Any,

@@ -1,0 +1,147 @@
+"""What the processed-sample cache's mounted torch tests share (tests/torch/test_sample_*.py).
+
+The pipeline under test: an ImageFolder whose ``base[i]`` (decode + resize: the cached,
+deterministic part) is counted per computed index across the DataLoader's worker
+processes, RandomCrop and a flip after the cache; a volume of small JPEGs served by a
+real ``ai_prefetch`` mount with ``$VOL_NAME`` set; loaders and epochs seeded so that the
+same pipeline without the cache gives the same tensors.
+"""
+
+from __future__ import annotations
+
+import builtins
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets, transforms  # noqa: E402
+
+from cube_torch import fastpath
+from tests.helpers import Mount, force_unmount, free_port
+
+SEED = 1234
+FILES, CLASSES = 24, 3
+SIDE, CROP = 40, 32  # resized (cached) side, random crop after the cache
+WORKERS, BATCH = 2, 4
+TTL = 0.2  # the mount's attrValid/lookupValid: a changed source file is seen this soon
+
+
+class CountingFolder(datasets.ImageFolder):  # type: ignore[misc]
+    """An ImageFolder that appends each computed index to a file (workers are processes),
+    and whether cube_torch's fast path had the batch's files served (its open hook active)."""
+
+    def __init__(self, root: Path, counts: Path, transform: Any) -> None:
+        super().__init__(str(root), transform=transform)
+        self.counts = str(counts)
+
+    def __getitem__(self, index: int) -> Any:
+        fd = os.open(self.counts, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, f"{index} {int(builtins.open is fastpath._hooked_open)}\n".encode())
+        finally:
+            os.close(fd)
+        return super().__getitem__(index)
+
+
+def computed(counts: Path) -> list[int]:
+    return [int(line.split()[0]) for line in counts.read_text().splitlines()] if counts.exists() else []
+
+
+def served_by_fast_path(counts: Path) -> int:
+    return sum(int(line.split()[1]) for line in counts.read_text().splitlines())
+
+
+DECODE_RESIZE = transforms.Resize((SIDE, SIDE))
+AUGMENT = transforms.Compose([transforms.RandomCrop(CROP), transforms.RandomHorizontalFlip(), transforms.ToTensor()])
+
+
+def augment(sample: Any) -> Any:
+    image, label = sample
+    return AUGMENT(image), label
+
+
+def sample_volume(tmp_path_factory: pytest.TempPathFactory, config: dict[str, Any]) -> Iterator[tuple[Mount, str]]:
+    """A module's volume: FILES JPEGs in CLASSES class folders under ``train/``, mounted with
+    ``"profile": "ai_prefetch"`` plus ``config``, ``VOL_NAME`` set while it is mounted."""
+    base = tmp_path_factory.mktemp("sample_cache_volume")
+    port = free_port()
+    name = f"samples{port}"
+    m = Mount(base, base / "source", base / "mnt", base / "cache", base / "client.json", port,
+              {"profile": "ai_prefetch", "volName": name, "attrValid": TTL, "lookupValid": TTL, **config})
+    for d in (m.source, m.mount_point):
+        d.mkdir(parents=True)
+    rng = np.random.default_rng(7)
+    for i in range(FILES):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        pixels = rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(folder / f"img{i:03d}.jpg", quality=90)
+    os.environ["VOL_NAME"] = name
+    try:
+        m.mount()
+        yield m, name
+        m.umount()
+    finally:
+        os.environ.pop("VOL_NAME", None)
+        force_unmount(m)
+
+
+def loader(dataset: Any, *, sampler: Any = None, persistent: bool = False) -> DataLoader[Any]:
+    g = torch.Generator()
+    g.manual_seed(SEED)
+    return DataLoader(dataset, batch_size=BATCH, shuffle=sampler is None, sampler=sampler, num_workers=WORKERS,
+                      generator=g, persistent_workers=persistent)
+
+
+def epochs(dl: DataLoader[Any], n: int, sampler: Any = None) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    out = []
+    for epoch in range(n):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        torch.manual_seed(SEED + epoch)
+        out.append([(x.clone(), y.clone()) for x, y in dl])
+    return out
+
+
+def reference(root: Path, n: int, sampler: Any = None, persistent: bool = False
+              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """The same pipeline without the cache (same seeds, same worker setup)."""
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    return epochs(loader(plain, sampler=sampler, persistent=persistent), n, sampler)
+
+
+
+def assert_same(got: list[list[tuple[torch.Tensor, torch.Tensor]]],
+                want: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> None:
+    assert len(got) == len(want)
+    for epoch, (g, w) in enumerate(zip(got, want)):
+        assert len(g) == len(w), epoch
+        for (gx, gy), (wx, wy) in zip(g, w):
+            assert torch.equal(gx, wx) and torch.equal(gy, wy), f"epoch {epoch} differs"
+
+
+@pytest.fixture
+def worker_log(tmp_path: Path) -> Iterator[Path]:
+    """cube_torch's log lines of this process and its (forked) workers, in a file."""
+    path = tmp_path / "cube_torch.log"
+    handler = logging.FileHandler(path)
+    handler.setLevel(logging.WARNING)
+    logger = logging.getLogger("cube_torch")
+    logger.addHandler(handler)
+    yield path
+    logger.removeHandler(handler)
+    handler.close()
+
+
+def warning_lines(log: Path) -> list[str]:
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines() if "sample cache" in line and "store failed" in line]
