@@ -375,18 +375,30 @@ class Scheduler:
         # dropped or left mid-epoch) protects nothing any more: its blocks go unplanned.
         now = trio.current_time()
         live = [p for p in self.plans.values() if p is plan or self._active(p, now)]
-        inverse: list[np.ndarray] = []  # computed once per plan, in the first worker call
+        inverse: list[np.ndarray] = []  # one per live plan, in the first worker call
+
+        def unread_inverse(p: Plan) -> np.ndarray:
+            """Sample -> the shared-clock position at which ``p`` reads it next (-1: not
+            again: passed, consumed, or not in its order), with ``p``'s cursor and
+            consumed marks as of this first worker call.  Folding them in once leaves one
+            numpy pass per plan and tag batch: each pass gives the GIL up and waits to get
+            it back from a busy trio thread (docs/benchmarks.md, "Trio thread stalls")."""
+            positions = p.dataset.inverse_of(p.order)
+            listed = positions >= 0
+            at = positions[listed]
+            unread = at >= p.cursor
+            unread[unread] = ~p.consumed[at[unread]]
+            positions[listed] = np.where(unread, at + p.origin, -1)
+            return positions
 
         def positions_of(tags: np.ndarray) -> np.ndarray:
+            if not live:
+                return np.full(len(tags), -1, dtype=np.int64)
             if not inverse:
-                inverse.extend(p.dataset.inverse_of(p.order) for p in live)
-            best = np.full(len(tags), -1, dtype=np.int64)
-            for p, p_inverse in zip(live, inverse):
-                found = p.dataset.positions_of(tags, p_inverse)
-                # A position already read (or passed) is no future use of that plan.
-                valid = found >= p.cursor
-                valid[valid] = ~p.consumed[found[valid]]
-                at = np.where(valid, found + p.origin, -1)
+                inverse.extend(unread_inverse(p) for p in live)
+            best = live[0].dataset.positions_of(tags, inverse[0])
+            for p, p_inverse in zip(live[1:], inverse[1:]):
+                at = p.dataset.positions_of(tags, p_inverse)
                 best = np.where((at >= 0) & ((best < 0) | (at < best)), at, best)
             return best
 
