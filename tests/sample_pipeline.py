@@ -26,7 +26,7 @@ import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module
 from torchvision import datasets, transforms  # noqa: E402
 
 from cube_torch import fastpath
-from tests.helpers import Mount, force_unmount, free_port
+from tests.helpers import Mount, force_unmount, free_port, wait_until
 
 SEED = 1234
 FILES, CLASSES = 24, 3
@@ -145,3 +145,13 @@ def worker_log(tmp_path: Path) -> Iterator[Path]:
 def warning_lines(log: Path) -> list[str]:
     text = log.read_text() if log.exists() else ""
     return [line for line in text.splitlines() if "sample cache" in line and "store failed" in line]
+
+
+def wait_until_seen(mounted: str | Path, source: Path) -> None:
+    """Wait until the mount shows ``source``'s new version (size and mtime), which it does
+    once the old attributes expire (``attrValid``, TTL)."""
+    def seen() -> bool:
+        got, want = os.stat(mounted), source.stat()
+        return got.st_size == want.st_size and got.st_mtime_ns == want.st_mtime_ns
+
+    wait_until(seen, what=f"the mount to show the new {source.name}")

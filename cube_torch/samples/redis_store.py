@@ -18,6 +18,7 @@ and used in forked DataLoader workers opens its connections in each worker.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -74,7 +75,7 @@ def _retry() -> Any:
     return Retry(NoBackoff(), RETRIES)
 
 
-class _RedisBase:
+class _RedisBase(ABC):
     """What both stores share: a client opened lazily per process, pipelined ``SET``s,
     no use for the plan, a best-effort close.  Subclasses open the client (``_open``)
     and read a batch (``get_many``)."""
@@ -84,8 +85,9 @@ class _RedisBase:
         self._client: Any = None
         self._pid = 0
 
+    @abstractmethod
     def _open(self) -> Any:
-        raise NotImplementedError
+        """A new client for this process (raises StoreError)."""
 
     def _connected(self) -> Any:
         if self._client is None or self._pid != os.getpid():  # never a parent's connection

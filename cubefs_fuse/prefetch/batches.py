@@ -27,6 +27,7 @@ from __future__ import annotations
 import os
 import stat
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import trio
@@ -226,9 +227,7 @@ class BatchResolver:
             return True
         if not may_read(caller, attr, 4):
             return False
-        parent = path
-        while parent:
-            parent = parent.rpartition("/")[0]
+        for parent in _parents(path):
             directory = self.fs.meta.peek(parent)
             if directory is None or not stat.S_ISDIR(directory.mode) or not may_read(caller, directory, 1):
                 return False
@@ -241,11 +240,15 @@ class BatchResolver:
             return True
         if not may_read(caller, attr, 4):
             return False
-        parent = path
-        while parent:
-            parent = parent.rpartition("/")[0]
+        for parent in _parents(path):
             directory = await self.fs.meta.stat(parent)
             if not stat.S_ISDIR(directory.mode) or not may_read(caller, directory, 1):
                 return False
         return True
 
+
+def _parents(path: str) -> Iterator[str]:
+    """Every directory above a relative path, nearest first, the root ("") last."""
+    while path:
+        path = path.rpartition("/")[0]
+        yield path

@@ -33,7 +33,7 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch.samples.cache import RETRY_AFTER
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
-    SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+    wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
 )
 from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 from tools.harness import drop_page_cache
@@ -158,7 +158,7 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], tmp_path
     target = ds.base.samples[5][0]
     source = mount.source / os.path.relpath(target, mount.mount_point)
     Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
-    time.sleep(3 * TTL)  # the mount sees the new version after attrValid
+    wait_until_seen(target, source)
     counts.unlink()
     got = epochs(loader(ds), 1)
     assert computed(counts) == [5]
@@ -225,7 +225,7 @@ def test_the_daemon_is_not_asked_to_prefetch_the_files_of_cached_samples(volume:
     target = ds.base.samples[5][0]
     source = mount.source / os.path.relpath(target, mount.mount_point)
     Image.fromarray(np.full((30, 30, 3), 90, dtype=np.uint8)).save(source, format="JPEG")
-    time.sleep(3 * TTL)
+    wait_until_seen(target, source)
     want = reference(root, 3, persistent=True)
     torch.manual_seed(SEED + 2)
     got.append([(x.clone(), y.clone()) for x, y in dl])

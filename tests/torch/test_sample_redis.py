@@ -30,7 +30,7 @@ from cube_torch.samples.cache import RETRY_AFTER
 from cube_torch.samples.redis_store import KEY_PREFIX, RedisClusterStore, RedisStore
 from cube_torch.samples.store import StoreError
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
-    SEED, FILES, WORKERS, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+    wait_until_seen, SEED, FILES, WORKERS, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
 )
 from tests.helpers import Mount, free_port
 from tools.harness import drop_page_cache
@@ -117,7 +117,7 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], redis_se
     target = ds.base.samples[5][0]
     source = mount.source / os.path.relpath(target, mount.mount_point)
     Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
-    time.sleep(3 * TTL)  # the mount sees the new version after attrValid
+    wait_until_seen(target, source)
     counts.unlink()
     got = epochs(loader(ds), 1)
     assert computed(counts) == [5]
