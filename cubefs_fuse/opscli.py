@@ -231,8 +231,10 @@ def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
     console.print(f"  sample store: RAM {_size(ram['used_bytes'])} of {_size(ram['limit_bytes'])}, "
                   f"NVMe {_size(disk['used_bytes'])} of {_size(disk['limit_bytes'])}, "
                   f"{samples['corrupt']} damaged entries{loading}")
+    hidden = samples.get("hidden", 0)
+    others = f" ({hidden} other users' sample caches not shown)" if hidden else ""
     if not samples["caches"]:
-        console.print("  no sample caches")
+        console.print(f"  no sample caches{others}")
         return
     table = Table(box=box.SIMPLE, show_header=True)
     for column in ("sample cache", "owner", "entries", "bytes", "hits", "misses", "hit rate"):
@@ -243,6 +245,8 @@ def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
         table.add_row(c["name"] + (" (shared)" if c["shared"] else ""), str(c["owner"]), str(c["entries"]),
                       _size(c["bytes"]), str(c["hits"]), str(c["misses"]), rate)
     console.print(table)
+    if others:
+        console.print(" " + others)
 
 
 def _plan_cells(p: dict[str, Any] | None) -> tuple[str, str, str]:

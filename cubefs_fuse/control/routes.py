@@ -90,7 +90,26 @@ class Routes:
     async def status(self, request: Request) -> Response:
         return Response.json({"version": __version__, "protocol_version": PROTOCOL_VERSION,
                               "profile": "ai_prefetch" if self.ai_prefetch else "", **self.service.status(),
-                              "samples": self.samples.status() if self.samples is not None else None})
+                              "samples": self._sample_status(request)})
+
+    def _sample_status(self, request: Request) -> dict[str, Any] | None:
+        """The sample store's status as this caller may see it.  A cache's name can say what
+        a user trains on, so a caller sees the rows of the caches it could read: its own and
+        those shared with it (``sampleCacheShared``); an administrator (root, the daemon's
+        uid) sees every row.  A TCP caller has no uid: shared caches only.  The store's
+        totals are the node's and stay visible to all; ``hidden`` counts the rows left out."""
+        if self.samples is None:
+            return None
+        status = self.samples.status()
+        peer = request.peer
+        if peer.transport == "unix" and peer.uid in self.samples.admins:
+            status["hidden"] = 0
+            return status
+        uid = peer.uid if peer.transport == "unix" else None
+        caches = status["caches"]
+        status["caches"] = [c for c in caches if c["owner"] == uid or c["shared"]]
+        status["hidden"] = len(caches) - len(status["caches"])
+        return status
 
     async def needs_ai_prefetch(self, request: Request) -> Response:
         raise NotFound('this mount runs without "profile": "ai_prefetch": it keeps no datasets, jobs or plans')

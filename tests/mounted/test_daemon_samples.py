@@ -53,6 +53,11 @@ for kind, name, arg in actions:
         elif kind == "drop":
             control = read_volume_config(vol, config_dir).control_socket
             out.append(ControlClient(control, timeout=10).request("POST", "samples/drop", query={"name": name}, body=b"{}"))
+        elif kind == "status":  # the sample caches this uid may see
+            control = read_volume_config(vol, config_dir).control_socket
+            samples = ControlClient(control, timeout=10).request("GET", "status")["samples"]
+            out.append({"caches": sorted([c["name"], c["owner"]] for c in samples["caches"]),
+                        "hidden": samples["hidden"]})
     except (StoreError, ProtocolError) as exc:
         out.append({"error": str(exc)})
 print(json.dumps(out))
@@ -188,7 +193,12 @@ def test_two_users_cannot_read_or_overwrite_each_others_entries(make_mount: Call
         assert "not shared" in alice[2]["error"]
         assert _as(BOB, m, [("get", "model", [1])]) == [["bob-1"]]
         owners = {(c["name"], c["owner"]) for c in _status(m)["caches"]}
-        assert owners == {("model", ALICE), ("public", ALICE), ("model", BOB)}
+        assert owners == {("model", ALICE), ("public", ALICE), ("model", BOB)}  # root sees every cache
+        # A user's status shows the caches it may read, not the names of the others'.
+        assert _as(BOB, m, [("status", "", None)]) == [
+            {"caches": [["model", BOB], ["public", ALICE]], "hidden": 1}]
+        assert _as(ALICE, m, [("status", "", None)]) == [
+            {"caches": [["model", ALICE], ["public", ALICE]], "hidden": 1}]
         # Root reads anyone's entries (an administrator), and may drop them.
         store = _store(m)
         assert store.get_many(f"~{ALICE}/model", [1]) == [b"alice-1"]
