@@ -141,9 +141,9 @@ async def test_an_announced_read_promotes_a_queued_prefetch_without_reading() ->
         blocks.file(name, 1)
     gates = {name: backend.gate(name) for name in ("p0", "p1", "p2")}
     async with open_cache(fetch_slots=4, prefetch_slots=1) as cache:
-        for name in ("p0", "p1", "p2"):
+        for name in ("p0", "p1", "p2"):  # one at a time: trio may run new tasks in any order
             assert blocks.prefetch(cache, name, 0)
-        await trio.testing.wait_all_tasks_blocked()
+            await trio.testing.wait_all_tasks_blocked()
         slots = cache.statistics().slots
         assert (slots.busy_background, slots.waiting_background) == (1, 2)  # p0 runs; p1, p2 queue
         cache.promote(blocks.key("p2", 0))
