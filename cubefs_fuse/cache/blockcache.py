@@ -10,7 +10,10 @@ RAM), then runs ``fetch`` under a fetch slot.  Concurrency invariants:
 * Fetch slots are shared by foreground reads and prefetch.  Prefetch may hold at most
   ``background_max`` slots (< total), so foreground reads always have slots of their
   own, and a waiting foreground fetch is served before any waiting prefetch.  A
-  foreground read that joins a queued prefetch flight promotes it.
+  foreground read that joins a queued prefetch flight promotes it, and so does a
+  reader's announcement that it is about to ask (``prefetch(urgent=True)``,
+  ``promote``): a DataLoader's next batches, which its workers ask for within about one
+  batch's time.
 * Blocks fetched from the backend go to RAM at once and to NVMe in the background;
   pending NVMe writes are capped in bytes (``max_pending_disk_bytes``) so a slow disk
   cannot turn into unbounded memory: past the cap a block simply is not written.
@@ -70,12 +73,15 @@ class Source(Enum):
 
 
 class _Waiter:
-    __slots__ = ("event", "foreground", "granted")
+    __slots__ = ("event", "foreground", "granted", "in_background_queue")
 
     def __init__(self, foreground: bool) -> None:
         self.event = trio.Event()
         self.foreground = foreground
         self.granted = False
+        # Appended to the background queue and not yet taken off it (a promoted waiter
+        # stays there, ignored, until the queue reaches it: promotion is O(1)).
+        self.in_background_queue = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,7 @@ class PrioritySlots:
         self._busy_bg = 0
         self._fg: deque[_Waiter] = deque()
         self._bg: deque[_Waiter] = deque()
+        self._bg_promoted = 0  # waiters in _bg that were promoted (skipped when reached)
 
     def _can_grant(self, foreground: bool) -> bool:
         if self._busy_fg + self._busy_bg >= self.total:
@@ -127,14 +134,21 @@ class PrioritySlots:
         if self._can_grant(waiter.foreground):
             self._grant(waiter)
             return
-        (self._fg if waiter.foreground else self._bg).append(waiter)
+        if waiter.foreground:
+            self._fg.append(waiter)
+        else:
+            self._bg.append(waiter)
+            waiter.in_background_queue = True
         try:
             await waiter.event.wait()
         except BaseException:
             if waiter.granted:
                 self.release(waiter)
+            elif waiter.foreground:
+                self._fg.remove(waiter)  # a promoted one's stale entry in _bg is skipped later
             else:
-                (self._fg if waiter.foreground else self._bg).remove(waiter)
+                self._bg.remove(waiter)
+                waiter.in_background_queue = False
             raise
 
     def release(self, waiter: _Waiter) -> None:
@@ -145,21 +159,30 @@ class PrioritySlots:
         waiter.granted = False
         while self._fg and self._can_grant(True):
             self._wake(self._fg.popleft())
-        while self._bg and self._can_grant(False):
-            self._wake(self._bg.popleft())
+        while self._bg:
+            if self._bg[0].foreground:  # promoted: it waits (or waited) in _fg
+                self._bg.popleft().in_background_queue = False
+                self._bg_promoted -= 1
+                continue
+            if not self._can_grant(False):
+                break
+            waiter = self._bg.popleft()
+            waiter.in_background_queue = False
+            self._wake(waiter)
 
     def _wake(self, waiter: _Waiter) -> None:
         self._grant(waiter)
         waiter.event.set()
 
     def promote(self, waiter: _Waiter) -> None:
-        """Make a background waiter a foreground one (queued or not yet queued)."""
+        """Make a background waiter a foreground one (queued or not yet queued), in O(1):
+        its entry in the background queue stays, and is skipped when reached."""
         if waiter.foreground or waiter.granted:
             return
         waiter.foreground = True
-        if waiter not in self._bg:
+        if not waiter.in_background_queue:
             return  # not queued yet (still reading the disk tier): it will queue as foreground
-        self._bg.remove(waiter)
+        self._bg_promoted += 1
         if self._can_grant(True):
             self._wake(waiter)
         else:
@@ -167,18 +190,19 @@ class PrioritySlots:
 
     def statistics(self) -> SlotStatistics:
         return SlotStatistics(self.total, self.background_max, self._busy_fg, self._busy_bg,
-                              len(self._fg), len(self._bg))
+                              len(self._fg), len(self._bg) - self._bg_promoted)
 
 
 class _Flight:
     __slots__ = ("done", "waiter", "prefetch", "data", "source", "error", "next_use", "tag", "joined")
 
-    def __init__(self, foreground: bool, next_use: int | None, tag: int) -> None:
+    def __init__(self, foreground: bool, prefetch: bool, next_use: int | None, tag: int) -> None:
         self.done = trio.Event()
         self.waiter = _Waiter(foreground)
         # Fixed at start: a read that joins promotes the waiter to foreground, but the
-        # flight still counts as (and among) the prefetch flights it was started as.
-        self.prefetch = not foreground
+        # flight still counts as (and among) the prefetch flights it was started as; an
+        # urgent prefetch starts at foreground priority and is a prefetch all the same.
+        self.prefetch = prefetch
         self.data: bytes | None = None
         self.source = Source.BACKEND
         self.error: BaseException | None = None
@@ -273,13 +297,12 @@ class BlockCache:
             return data, Source.RAM, 0.0
         flight = self._flights.get(key)
         if flight is None:
-            flight = self._start(key, fetch, foreground=True, tag=tag)
+            flight = self._start(key, fetch, foreground=True, prefetch=False, tag=tag)
         else:
             self._joined += 1
-            if not flight.waiter.foreground:
-                if not flight.joined:
-                    self._prefetch_used += 1
-                self.slots.promote(flight.waiter)
+            if flight.prefetch and not flight.joined:
+                self._prefetch_used += 1
+            self.slots.promote(flight.waiter)
         flight.joined = True
         await flight.done.wait()
         if flight.error is not None:
@@ -356,19 +379,35 @@ class BlockCache:
         if self.memory.put(key, data, tag=tag):
             self._admitted_unread[key] = _FROM_DISK if from_disk else stall
 
-    def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0) -> bool:
+    def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0,
+                 urgent: bool = False) -> bool:
         """Bring a block into RAM in the background; False if already there or too busy.
 
-        ``next_use`` is the plan position that will read the block (for eviction)."""
+        ``next_use`` is the plan position that will read the block (for eviction).
+        ``urgent``: a reader is about to ask for it (:meth:`promote`): fetched at
+        foreground priority, beyond the prefetch slots, and still counted as a prefetch."""
         if key in self.memory:
             if next_use is not None:
                 self.plan(key, next_use)
             return False
-        if key in self._flights or self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
+        if key in self._flights:
+            if urgent:
+                self.promote(key)
+            return False
+        if self._prefetch_flights >= MAX_PREFETCH_FLIGHTS:
             return False
         self._prefetch_issued += 1
-        self._start(key, fetch, foreground=False, next_use=next_use, tag=tag)
+        self._start(key, fetch, foreground=urgent, prefetch=True, next_use=next_use, tag=tag)
         return True
+
+    def promote(self, key: bytes) -> None:
+        """A reader is about to ask for ``key`` (a plan's next positions): its flight, if it
+        is a prefetch still waiting behind the prefetch slots, waits as a foreground fetch
+        instead, as if the read had come.  Not a read: nothing is counted.  O(prefetches
+        waiting) at worst (the slot queue's removal), as a read that joins one."""
+        flight = self._flights.get(key)
+        if flight is not None:
+            self.slots.promote(flight.waiter)
 
     def plan(self, key: bytes, next_use: int) -> None:
         """An active plan reads ``key`` at ``next_use`` (both tiers evict by it)."""
@@ -414,7 +453,7 @@ class BlockCache:
         flight = self._flights.get(key)
         if flight is None:
             self._prefetch_issued += 1
-            flight = self._start(key, fetch, foreground=False)
+            flight = self._start(key, fetch, foreground=False, prefetch=True)
             flight.joined = True  # a warmup waits for it: neither used nor wasted prefetch
         await flight.done.wait()
         if flight.error is not None:
@@ -447,11 +486,11 @@ class BlockCache:
         while self._pending_disk:
             await trio.sleep(0.01)
 
-    def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool, next_use: int | None = None,
+    def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool, prefetch: bool, next_use: int | None = None,
                tag: int = 0) -> _Flight:
-        flight = _Flight(foreground, next_use, tag)
+        flight = _Flight(foreground, prefetch, next_use, tag)
         self._flights[key] = flight
-        if not foreground:
+        if prefetch:
             self._prefetch_flights += 1
         self._nursery.start_soon(self._fly, key, fetch, flight)
         return flight

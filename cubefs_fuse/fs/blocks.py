@@ -34,18 +34,29 @@ class FileBlocks:
     def count(self, size: int) -> int:
         return -(-size // self.block_size)
 
-    async def prefetch_file(self, path: str, next_use: int | None = None) -> int:
+    async def prefetch_file(self, path: str, next_use: int | None = None, urgent: bool = False) -> int:
         """Start bringing every block of ``path`` into RAM; its size (0 if not a file).
 
-        ``next_use``: the plan position that will read it (protects it from eviction)."""
+        ``next_use``: the plan position that will read it (protects it from eviction).
+        ``urgent``: a reader is about to ask for it (``BlockCache.prefetch``)."""
         attr = await self.meta.stat(path)
         if not attr.is_file:
             return 0
         version, tag = attr.version, path_tag(path)
         for index in range(self.count(attr.size)):
             self.cache.prefetch(block_key(path, version, index), self.fetcher(path, version, index),
-                                next_use=next_use, tag=tag)
+                                next_use=next_use, tag=tag, urgent=urgent)
         return attr.size
+
+    def promote_file(self, path: str) -> None:
+        """A reader is about to ask for ``path``: its blocks' prefetches, if still waiting
+        behind the prefetch slots, wait as foreground fetches (``BlockCache.promote``).
+        Only for a file whose attributes are cached (one its prefetch has stat'ed)."""
+        attr = self.meta.peek(path)
+        if attr is None or not attr.is_file:
+            return
+        for index in range(self.count(attr.size)):
+            self.cache.promote(block_key(path, attr.version, index))
 
     async def settled(self, path: str) -> None:
         """Wait until no block of ``path`` (at its cached version) is in flight any more:

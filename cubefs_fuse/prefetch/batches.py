@@ -14,12 +14,17 @@ source during the read (``StaleVersion``), any error, not done in time — is an
 worker's read through FUSE joins them.
 
 Accounting is the FUSE path's (prefetch/service.py): the caller is attributed to its job
-like an opening process, and each open of a *served* file, as the worker reports them
-when it releases the batch (``commit``), is one request (a hit if no block waited on the
-backend) and advances the job's plan cursor, as an open and release through the mount
-would.  A file sent back to the mount, or served but never opened from Python (a loader
-reading from C), is counted by its FUSE open instead: each open is one request,
-whichever way it went.
+like an opening process.  A file the daemon starts reading for the batch is *opened*
+then, at the ask: it advances the job's plan cursor, as an open through the mount does
+before its first read, so the plan's window moves past the batch's files while they are
+fetched and prefetches what the worker asks for next (moved only at the release, the
+window spent itself on the files of the batches in progress).  Each open of a *served* file, as the worker reports them when it releases
+the batch (``commit``), is one request (a hit if no block waited on the backend, a miss
+if one did, including a wait for a prefetch still in flight); a second open of the file
+advances the cursor again, as a second open through the mount would.  A file sent back
+to the mount, or served but never opened from Python (a loader reading from C), is
+counted by its FUSE open instead: each open is one request, whichever way it went (its
+release pairs with the open made at the ask, so it advances the cursor once).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from cubefs_fuse.cache.blockcache import Source
 from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.fs.filesystem import OpenFile
+from cubefs_fuse.prefetch.jobs import JobKey
 from cubefs_fuse.prefetch.service import PrefetchService
 
 # How long a batch may wait for its files' blocks (cache hits need no wait; misses take a
@@ -117,10 +123,13 @@ class BatchResolver:
             return results
         budget = [room]
         with trio.move_on_after(self.wait):
+            key = await self.service.jobs.resolve(caller.pid)  # as an open's attribution
+            if key is not None:
+                self.service.jobs.touch(key)
             await self._load_from_disk(caller, paths, room)
             async with trio.open_nursery() as nursery:
                 for entry in results:
-                    nursery.start_soon(self._one, caller, entry, budget)
+                    nursery.start_soon(self._one, caller, key, entry, budget)
         # Files cut off by the deadline (neither served nor sent back with a reason).
         self._to_mount(sum(1 for r in results if r.parts is None and r.reason is None), "not ready in time")
         return results
@@ -135,14 +144,15 @@ class BatchResolver:
         like an open and release through the mount (``opens``: per file of the batch, as the
         worker reports them; None: once per served file).  The first open is a hit if no
         block waited on the backend; further opens of the same file are hits (through the
-        mount the kernel's page cache would answer them)."""
+        mount the kernel's page cache would answer them).  The first open advanced the
+        plan's cursor when the batch asked (:meth:`_one`); each further one advances it here."""
         for i, r in enumerate(results):
             if r.parts is None or r.version is None:
                 continue
             count = 1 if opens is None else (opens[i] if i < len(opens) else 0)
             for n in range(count):
-                if isinstance(r.owner, tuple):
-                    self.service.scheduler.observe_open(r.owner, r.path)  # the plan's cursor, per open
+                if n and isinstance(r.owner, tuple):
+                    self.service.scheduler.observe_open(r.owner, r.path)  # the plan's cursor, per further open
                 waited = r.waited and n == 0
                 if waited:
                     self.stats.served_misses += 1
@@ -162,7 +172,7 @@ class BatchResolver:
         entry.reason = reason
         self._to_mount(1, reason)
 
-    async def _one(self, caller: Caller, entry: Resolved, budget: list[int]) -> None:
+    async def _one(self, caller: Caller, key: JobKey | None, entry: Resolved, budget: list[int]) -> None:
         path = entry.path
         try:
             attr = await self.fs.meta.stat(path)
@@ -176,9 +186,11 @@ class BatchResolver:
                 self._send_back(entry, "ring full")
                 return
             budget[0] -= attr.size  # reserved before any await: the ring never overflows
-            entry.owner = key = await self.service.jobs.resolve(caller.pid)  # as an open's attribution
+            entry.owner = key
             if key is not None:
-                self.service.jobs.touch(key)
+                # The worker's open of this file, made now (module doc): the plan's cursor
+                # moves before the blocks are fetched, as at an open through the mount.
+                self.service.scheduler.observe_open(key, path)
             version, tag = attr.version, path_tag(path)
             blocks = self.fs.blocks
             parts: list[bytes] = []

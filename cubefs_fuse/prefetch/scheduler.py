@@ -11,7 +11,13 @@ per plan keeps the files from the cursor up to its share of the byte budget (and
 positions are stat'ed in parallel (never by listing a directory, one round trip per
 entry in series), then their blocks are handed, in plan order, to
 ``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
-foreground reads always go first).  The byte budget is shared equally by the plans
+foreground reads always go first).  The loader's *next* files are the exception: the
+positions just past the cursor, as many as the loader has batches in progress (the
+plan's ``first``: its workers ask for them within about one batch's time each) and at
+most one per fetch slot, are fetched as foreground reads, issued so or promoted as the
+cursor reaches them (``BlockCache.promote``), so that a loader faster than the prefetch
+slots alone does not find them still queued behind the rest of the window while fetch
+slots sit idle for want of a read.  The byte budget is shared equally by the plans
 still being read (a finished plan, or one no open advanced for ``PLAN_IDLE`` seconds,
 takes no share).  A new plan for the same (job, rank, loader) cancels the old one's
 task; its outstanding prefetches finish but nothing new is issued.  The plans of a job
@@ -128,6 +134,7 @@ class Plan:
     bytes_at: dict[int, int] = field(default_factory=dict)  # position -> bytes issued for it
     wake: trio.Event = field(default_factory=trio.Event)
     first_end: int = 0  # positions below this are brought in before anything else (``wait_first``)
+    depth: int = 0  # positions past the cursor fetched as foreground reads (``Scheduler.depth``)
     first_ready: trio.Event = field(default_factory=trio.Event)  # set once they are in (or failed)
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     counters: PlanCounters = field(default_factory=PlanCounters)
@@ -184,7 +191,8 @@ class Scheduler:
         now = trio.current_time()
         plan = Plan(key, epoch, dataset, order, origin=self.now(), submitted=now, last_open=now,
                     consumed=np.zeros(len(order), dtype=bool),
-                    first_end=max(0, min(first, len(order), MAX_WINDOW_FILES)))
+                    first_end=max(0, min(first, len(order), MAX_WINDOW_FILES)),
+                    depth=max(0, min(first, MAX_WINDOW_FILES)))
         if old is not None:
             self._forget(old)
         self.plans[key] = plan
@@ -314,13 +322,33 @@ class Scheduler:
         # Positions far behind the newest read are taken as skipped (the reader will not
         # come back for them); readers interleave, so only a window's worth behind counts.
         floor = position - MAX_WINDOW_FILES
+        before = plan.cursor
         while plan.cursor < plan.length and (plan.consumed[plan.cursor] or plan.cursor < floor):
             if not plan.consumed[plan.cursor]:
                 plan.counters.skipped += 1
                 plan.window_bytes -= plan.bytes_at.pop(plan.cursor, 0)
             plan.cursor += 1
+        depth = self.depth(plan)
+        if depth and plan.cursor > before:
+            self._promote(plan, max(before + depth, plan.cursor), plan.cursor + depth)
         if plan.finished:
             self._shares_changed()  # its share goes to the others
+
+    def depth(self, plan: Plan) -> int:
+        """Positions past the cursor fetched as foreground reads (module doc): the loader's
+        batches in progress, but no more than the cache has fetch slots: more would only
+        queue, in order, ahead of other readers' foreground reads."""
+        return min(plan.depth, self.fs.cache.slots.total)
+
+    def _promote(self, plan: Plan, start: int, end: int) -> None:
+        """The issued, unread positions from ``start`` to ``end`` came within the plan's
+        depth: their prefetches still waiting for a prefetch slot wait as foreground reads.
+        At most :meth:`depth` positions per call (O(1) per block), amortised one per open."""
+        for position in range(start, min(end, plan.issued_upto, plan.length)):
+            if plan.consumed[position]:
+                continue
+            for path in plan.dataset.sample_paths(int(plan.order[position])):
+                self.fs.blocks.promote_file(path)
 
     def _extend_index(self, plan: Plan, most: int) -> bool:
         """Index up to ``most`` more positions toward ``MATCH_AHEAD`` past the cursor;
@@ -516,7 +544,9 @@ class Scheduler:
         try:
             size = 0
             for path in plan.dataset.sample_paths(int(plan.order[position])):
-                size += await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position)
+                # Within the depth when issued: a read on the loader's behalf (module doc).
+                urgent = position < plan.cursor + self.depth(plan)
+                size += await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position, urgent=urgent)
             plan.counters.issued += 1
             estimate = plan.bytes_at.get(position)
             if estimate is not None:  # not consumed meanwhile

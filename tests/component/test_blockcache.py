@@ -129,6 +129,56 @@ async def test_foreground_not_starved_by_prefetch(autojump_clock: trio.testing.M
         assert backend.operations["read"] == 101
 
 
+async def test_an_announced_read_promotes_a_queued_prefetch_without_reading() -> None:
+    """``promote`` (a plan's next files) and ``prefetch(urgent=True)``: a prefetch queued
+    behind the prefetch slot starts at once on a free foreground slot, ahead of the
+    prefetches queued before it; nothing is counted as read, and a later read of it is a
+    used prefetch (a RAM hit once it landed).  The promoted waiter's old place in the
+    prefetch queue is skipped, and the queue's counts stay exact."""
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    for name in ("p0", "p1", "p2", "p3", "p4"):
+        blocks.file(name, 1)
+    gates = {name: backend.gate(name) for name in ("p0", "p1", "p2")}
+    async with open_cache(fetch_slots=4, prefetch_slots=1) as cache:
+        for name in ("p0", "p1", "p2"):  # one at a time: trio may run new tasks in any order
+            assert blocks.prefetch(cache, name, 0)
+            await trio.testing.wait_all_tasks_blocked()
+        slots = cache.statistics().slots
+        assert (slots.busy_background, slots.waiting_background) == (1, 2)  # p0 runs; p1, p2 queue
+        cache.promote(blocks.key("p2", 0))
+        await trio.testing.wait_all_tasks_blocked()
+        slots = cache.statistics().slots
+        assert (slots.busy_foreground, slots.busy_background, slots.waiting_background) == (1, 1, 1)
+        assert [path for path, _ in backend.read_log] == ["p0", "p2"]  # ahead of p1
+        # Not queued yet when announced: starts as a foreground fetch, still a prefetch.
+        assert cache.prefetch(blocks.key("p3", 0), blocks.fetcher("p3", 0), urgent=True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ("p3", 0) in backend.read_log
+        stats = cache.statistics()
+        assert (stats.misses, stats.hits_ram, stats.prefetch_issued) == (0, 0, 4)
+        assert stats.slots.busy_foreground == 1  # p3 landed already (no gate); p2 holds its slot
+        gates["p2"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert await blocks.get(cache, "p2", 0) == (blocks.expected("p2", 0), Source.RAM)
+        assert cache.statistics().prefetch_used == 1
+        gates["p0"].set()  # p1 gets the prefetch slot; p2's stale queue entry is skipped
+        await trio.testing.wait_all_tasks_blocked()
+        slots = cache.statistics().slots
+        assert (slots.busy_background, slots.waiting_background) == (1, 0)
+        assert [path for path, _ in backend.read_log] == ["p0", "p2", "p3", "p1"]
+        gates["p1"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        stats = cache.statistics()
+        assert stats.prefetch_completed == 4 and stats.flights == 0
+        assert (stats.slots.busy_foreground, stats.slots.busy_background, stats.slots.waiting_background) == (0, 0, 0)
+        # A prefetch of a block already in flight, announced: promoted, not started twice.
+        assert blocks.prefetch(cache, "p4", 0)
+        assert not cache.prefetch(blocks.key("p4", 0), blocks.fetcher("p4", 0), urgent=True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.read_calls[("p4", 0)] == 1
+
+
 async def test_waiting_foreground_served_before_waiting_prefetch() -> None:
     backend = FakeBackend()
     blocks = Blocks(backend)

@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -32,6 +33,7 @@ from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control.protocol import ProtocolError
 from cubefs_fuse.fs.filesystem import Filesystem
+from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch.batches import BatchResolver, Caller
 from cubefs_fuse.prefetch.service import PrefetchService
@@ -45,14 +47,16 @@ ATTR_TTL = 1.0
 
 
 @asynccontextmanager
-async def open_resolver(backend: FakeBackend, *, wait: float = 2.0,
-                        disk: DiskTier | None = None) -> AsyncIterator[BatchResolver]:
+async def open_resolver(backend: FakeBackend, *, wait: float = 2.0, disk: DiskTier | None = None,
+                        mem_cache_size: int = 1 << 24) -> AsyncIterator[BatchResolver]:
+    """``mem_cache_size``: what the daemon is told (plans' windows get half of it); the
+    RAM tier itself holds 16 MiB either way."""
     async with trio.open_nursery() as nursery:
         cache = BlockCache(nursery, MemoryTier(1 << 24), disk, fetch_slots=8, prefetch_slots=4)
         meta = MetadataCache(backend, attr_ttl=ATTR_TTL, lookup_ttl=ATTR_TTL, max_entries=10_000)
         fs = Filesystem(meta, cache, backend, block_size=BLOCK)
         config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
-                              job_idle_timeout=1e9, mem_cache_size=1 << 24, block_size=BLOCK,
+                              job_idle_timeout=1e9, mem_cache_size=mem_cache_size, block_size=BLOCK,
                               prefetch_threads=4, backend_threads=8)
         service = PrefetchService(nursery, fs, config)
         fs.observer = service
@@ -92,6 +96,63 @@ async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.te
         resolver.commit(third)
         assert counters(resolver) == (11, 6, 5)
         assert resolver.stats.by_reason == {"not a regular file": 1, "error": 1, "ring full": 4}
+
+
+async def test_a_batch_moves_the_plan_past_its_files_when_it_asks(autojump_clock: trio.testing.MockClock) -> None:
+    """A batch's files are opened when the worker asks for them, as through the mount an
+    open comes before the reads: the plan's cursor moves past them at once, so its window
+    fetches the *next* batch's files while the worker loads this one (not the files this
+    batch is fetching itself), and the next batch finds them in RAM.  Each file is still
+    one request, counted at the release; a file the worker then reads through the mount
+    is counted by that open alone and moves the cursor once."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = [f"d/{i:03d}.jpg" for i in range(48)]
+    data = {path: bytes([i]) * BLOCK for i, path in enumerate(paths)}  # one block each
+    for path in paths:
+        backend.write(path, data[path])
+    window = 8  # the plan's window holds 8 files (its share is half of mem_cache_size)
+    async with open_resolver(backend, mem_cache_size=2 * window * BLOCK) as resolver:
+        service, fs = resolver.service, resolver.fs
+        dataset, _ = await service.register_dataset(b"\0".join(p.encode() for p in paths), 1)
+        await service.submit_plan(("train", 0), 0, dataset.id, np.arange(len(paths), dtype="<u4").tobytes(), "<u4")
+        plan = service.scheduler.plans[("train", 0, "0")]
+
+        def in_ram(path: str) -> bool:
+            attr = fs.meta.peek(path)
+            return attr is not None and block_key(path, attr.version, 0) in fs.cache.memory
+
+        with trio.fail_after(60):
+            while not all(in_ram(p) for p in paths[:window]):
+                await trio.sleep(LATENCY / 4)
+        assert not any(in_ram(p) for p in paths[window:]), "the window holds 8 files, no more"
+
+        first = await resolver.resolve(ME, paths[:16], 1 << 20)
+        assert served(first) == [data[p] for p in paths[:16]]
+        assert plan.cursor == 16, "the batch's asks moved the cursor, before its release"
+        await trio.sleep(20 * LATENCY)  # the worker loads the batch
+        assert all(in_ram(p) for p in paths[16:16 + window]), "meanwhile the window fetched the next files"
+        resolver.commit(first)
+        assert counters(resolver) == (16, 8, 8)  # the window's 8 hits, the batch's own 8 misses
+        assert (plan.cursor, plan.counters.used, plan.counters.requests, plan.counters.hits) == (16, 16, 16, 8)
+
+        second = await resolver.resolve(ME, paths[16:32], 1 << 20)
+        assert [r.waited for r in second] == [False] * window + [True] * (16 - window)
+        await trio.sleep(20 * LATENCY)
+        # The first file opened twice from the ring, the second never (a loader reading it
+        # from C): it is read through the mount, where its open is the one request.
+        resolver.commit(second, [2, 0] + [1] * 14)
+        assert counters(resolver) == (32, 16, 16)
+        # The second open of a file the plan reads once is the job's request, not the plan's
+        # (as through the mount: it matches no position left).
+        assert (plan.cursor, plan.counters.used, plan.counters.requests) == (32, 32, 31)
+        inode = ROOT_INODE
+        for name in paths[17].split("/"):
+            inode = (await fs.lookup(inode, name)).inode
+        fh = await fs.open(inode, os.O_RDONLY, PID)
+        assert await fs.read(fh, 0, BLOCK) == data[paths[17]]
+        fs.release(fh)
+        assert counters(resolver) == (33, 17, 16)
+        assert (plan.cursor, plan.counters.used, plan.counters.requests) == (32, 32, 32)
 
 
 async def test_a_batch_waits_for_in_flight_prefetches_and_sends_late_files_to_the_mount(

@@ -386,6 +386,37 @@ async def test_plan_answer_waits_for_the_first_batches_at_most_first_wait(
         await eventually(plan.first_ready.is_set)
 
 
+async def test_the_loaders_next_files_are_fetched_as_foreground_reads(autojump_clock: trio.testing.MockClock) -> None:
+    """The plan's ``first`` positions past the cursor (the loader's batches in progress)
+    are fetched as foreground reads, issued so or promoted as the cursor reaches them: a
+    loader reading twice as fast as the one prefetch slot can fetch finds them in RAM,
+    instead of queued behind that slot while the other fetch slots sit idle.  They are
+    still prefetches (used, not misses), and each was read from the remote once."""
+
+    async def epoch(first: int) -> tuple[float, System]:
+        backend = FakeBackend(latency=LATENCY)
+        paths = make_dataset(backend, 200)
+        async with open_system(backend, ram=64 << 20, fetch_slots=8, prefetch_slots=1) as s:
+            dataset = await register(s, paths)
+            order = list(range(len(paths)))
+            await submit_first(s, dataset, order, first)
+            await taken_in(s)
+            outcomes = []
+            for sample in order:
+                outcomes.append(await read_file(s.fs, paths[sample]))
+                await trio.sleep(LATENCY / 2)  # the loader: two files per remote round trip
+            assert set(backend.read_calls.values()) == {1}
+            return sum(outcomes[10:]) / len(outcomes[10:]), s
+
+    rate, s = await epoch(first=4)
+    assert rate >= 0.95, rate
+    stats = s.cache.statistics()
+    assert stats.prefetch_used >= 0.95 * 190 and stats.misses <= 0.05 * 200
+    # Control: the same loader without a depth (first=0) outruns the one prefetch slot.
+    control, _ = await epoch(first=0)
+    assert control <= 0.7, control
+
+
 # -- several DataLoaders of one (job, rank), each with its own plan -----------------------
 #
 # Plans arrive through the service's real handler with a loader id, as
