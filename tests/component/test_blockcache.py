@@ -410,6 +410,29 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
         await disk.close()
 
 
+async def test_write_behind_gathers_blocks_missed_one_at_a_time(tmp_path: Path) -> None:
+    """One reader missing blocks one after another (a cold file each, as one DataLoader
+    worker does) queues one block at a time: the write-behind waits DISK_BATCH_LINGER for
+    more instead of a thread hop per block, and every block still lands."""
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = 20
+    blocks.file("f", n)
+    disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
+    try:
+        async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK) as cache:
+            for i in range(n):  # sequential misses, each well within the linger of the last
+                assert await blocks.get(cache, "f", i) == (blocks.expected("f", i), Source.BACKEND)
+            await cache.drain()
+            assert cache._disk_batches <= 2, cache._disk_batches  # not one hop per block
+            stats = cache.statistics()
+            assert stats.disk is not None and stats.disk.inserts == n and stats.pending_disk_bytes == 0
+            for i in range(n):
+                assert await disk.get(blocks.key("f", i)) == blocks.expected("f", i)
+    finally:
+        await disk.close()
+
+
 async def test_prefetches_from_nvme_share_worker_thread_calls(tmp_path: Path) -> None:
     """Prefetch flights whose blocks are on NVMe read them DISK_READ_BATCH at a time in one
     worker-thread call each (not one call per block); every block arrives and counts as an
