@@ -226,6 +226,7 @@ class DiskTier:
         # deleted) and its slack (part of used_bytes while the segment file may exist).
         self._seg_live: dict[int, int] = {}
         self._seg_slack: dict[int, int] = {}
+        self._slack_total = 0  # sum of _seg_slack (statistics() reads it: no pass over segments)
         self._active: int | None = None  # the segment being appended to (None: start one)
         self._tail = 0  # the active segment's next free offset
         self._next_segment = 0
@@ -276,9 +277,10 @@ class DiskTier:
             tier.policy.add(key, size)
         tier._seg_live = live
         tier._seg_slack = dict(loaded.segments)
+        tier._slack_total = sum(tier._seg_slack.values())
         tier._next_segment = loaded.next_segment
         tier._dir_bytes = loaded.dir_bytes
-        tier.used_bytes = stored + sum(tier._seg_slack.values()) + tier._dir_bytes + DIR_SLACK
+        tier.used_bytes = stored + tier._slack_total + tier._dir_bytes + DIR_SLACK
         tier.startup_source = loaded.source
         tier.startup_discarded = loaded.discarded
         if loaded.discarded:
@@ -299,6 +301,7 @@ class DiskTier:
                 discarded += sum(len(files) for _, _, files in os.walk(path))
                 shutil.rmtree(path, ignore_errors=True)
         os.makedirs(self._segments_dir, exist_ok=True)
+        _check_hole_punching(self._segments_dir)
         names = {}
         for entry in os.scandir(self._segments_dir):
             segment = _segment_id(entry.name)
@@ -486,6 +489,7 @@ class DiskTier:
             self._tail += need
             self._seg_live[segment] += 1
             self._seg_slack[segment] += slack
+            self._slack_total += slack
             self._writing[key] = need
         else:
             self._rejected += 1
@@ -543,7 +547,9 @@ class DiskTier:
         """A segment without blocks goes: ``ops`` deletes its file; its slack."""
         del self._seg_live[segment]
         ops.unlinks.append(segment)
-        return self._seg_slack.pop(segment)
+        slack = self._seg_slack.pop(segment)
+        self._slack_total -= slack
+        return slack
 
     def _unclaim(self, segment: int) -> None:
         """A write into ``segment`` that was counted in its blocks did not happen (the
@@ -655,7 +661,7 @@ class DiskTier:
             self._hits, self._misses, self._evictions, self._inserts, self._rejected,
             self._checksum_failures, self._write_errors, self._read_errors,
             self.startup_seconds, self.startup_source, self.startup_discarded,
-            self._dir_bytes + DIR_SLACK + sum(self._seg_slack.values()), len(self._seg_live),
+            self._dir_bytes + DIR_SLACK + self._slack_total, len(self._seg_live),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -770,6 +776,25 @@ def _punch(fd: int, offset: int, length: int) -> None:
     if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
+
+
+def _check_hole_punching(segments_dir: str) -> None:
+    """Refuse a filesystem that cannot punch holes (``EOPNOTSUPP``): evicted blocks would
+    stay allocated while counted free, and the limit would not hold.  ext4, xfs, btrfs
+    and tmpfs can."""
+    probe = os.path.join(segments_dir, ".punch-probe")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.pwrite(fd, bytes(ALLOCATION_UNIT), 0)
+        _punch(fd, 0, ALLOCATION_UNIT)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise ConfigError(f"key 'diskCacheDir': the filesystem of {segments_dir!r} cannot punch holes "
+                              "(fallocate PUNCH_HOLE), which the NVMe tier needs to free evicted blocks") from None
+        raise
+    finally:
+        os.close(fd)
+        _unlink_quietly(probe)
 
 
 def _free_space(ops: _Ops, segments_dir: str) -> None:

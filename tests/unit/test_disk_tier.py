@@ -6,6 +6,7 @@ filesystem of its own (a tmpfs, so root), is in tests/mounted/test_disk_tier_ful
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from cubefs_fuse.cache import disk as disk_module
 from cubefs_fuse.cache.disk import DIR_SLACK, HEADER_BYTES, SEGMENT_BYTES, DiskTier, _unpack, allocated_bytes
 from cubefs_fuse.errors import ConfigError
 from tests.helpers import allocated_on_disk, block_key as key, block_payload as payload
@@ -324,3 +326,18 @@ async def test_limit_holds_under_concurrent_writers_with_small_blocks(tmp_path: 
             nursery.start_soon(writer, w)
     assert check_accounting(tier, tmp_path) <= tier.used_bytes <= limit
     await tier.close()
+
+
+async def test_a_filesystem_that_cannot_punch_holes_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Evicted blocks are freed by punching their ranges: where that fails (EOPNOTSUPP) the
+    # limit could not hold, so the directory is refused at start-up, naming the key.
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(disk_module, "_punch", unsupported)
+    with pytest.raises(ConfigError, match="diskCacheDir.*cannot punch holes"):
+        await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    monkeypatch.undo()
+    tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)  # the lock was released
+    assert os.listdir(tmp_path / "segments") == []  # the probe is gone
+    tier.release()
