@@ -802,7 +802,10 @@ def _free_space(ops: _Ops, segments_dir: str) -> None:
     opened once); errors are logged, the space counted free (a range that could not be
     punched is at worst a few KiB the accounting does not see until its segment goes)."""
     for segment in ops.unlinks:
-        _unlink_quietly(os.path.join(segments_dir, f"{segment:08x}.seg"))
+        try:
+            _unlink_quietly(os.path.join(segments_dir, f"{segment:08x}.seg"))
+        except OSError as exc:
+            log.warning("disk cache: could not delete segment %x: %s", segment, exc)
     by_segment: dict[int, list[tuple[int, int]]] = {}
     for segment, offset, size in ops.punches:
         by_segment.setdefault(segment, []).append((offset, size))
@@ -810,6 +813,9 @@ def _free_space(ops: _Ops, segments_dir: str) -> None:
         try:
             fd = os.open(os.path.join(segments_dir, f"{segment:08x}.seg"), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            continue  # deleted meanwhile: its ranges went with it
+        except OSError as exc:
+            log.warning("disk cache: could not open segment %x to free ranges: %s", segment, exc)
             continue
         try:
             for offset, size in ranges:
@@ -824,10 +830,12 @@ def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
               ) -> tuple[list[OSError | None], int, tuple[int, int] | None]:
     """The jobs in order, each freeing its space first (so the bytes on disk stay within
     the reservation at every instant) and then writing its entry, each reported on its
-    own (an error ends only its block); then the allocated bytes of ``segments_dir`` and
-    one ``statvfs`` of the cache filesystem (None if it failed)."""
+    own (an error ends only its block); then the allocated bytes of ``segments_dir`` (-1
+    if unknown) and one ``statvfs`` of the cache filesystem (None if it failed).  Raises
+    nothing of its own: a block written is always reported as written."""
     errors: list[OSError | None] = []
     fds: dict[int, int] = {}
+    dir_bytes = -1
     try:
         for ops, write in jobs:
             if ops:
@@ -840,7 +848,8 @@ def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
                 errors.append(None)
                 continue
             errors.append(_write_entry(fds, segments_dir, write))
-        dir_bytes = os.lstat(segments_dir).st_blocks * 512
+        with contextlib.suppress(OSError):
+            dir_bytes = os.lstat(segments_dir).st_blocks * 512
     finally:
         for fd in fds.values():
             os.close(fd)
