@@ -101,9 +101,10 @@ DISK_BATCH_BLOCKS = 32
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
 # A block's location, one int per block (no per-block tuple or object): segment id,
-# offset and allocated size, the last two in allocation units.  24 bits of units hold
-# 64 GiB, far above the largest segment (one 64 MiB block).
-_UNIT_BITS = 24
+# offset and allocated size, the last two in allocation units.  16 bits of units hold
+# 256 MiB, above the largest segment (one 64 MiB block); the id's 32 bits leave the
+# location within the index's u64 for 2^32 segments, 64 PiB written through one cache.
+_UNIT_BITS = 16
 _UNIT_MASK = (1 << _UNIT_BITS) - 1
 
 _FALLOC_FL_KEEP_SIZE = 0x01

@@ -341,3 +341,21 @@ async def test_a_filesystem_that_cannot_punch_holes_is_refused(tmp_path: Path, m
     tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)  # the lock was released
     assert os.listdir(tmp_path / "segments") == []  # the probe is gone
     tier.release()
+
+
+async def test_large_segment_ids_survive_the_index(tmp_path: Path) -> None:
+    # Segment ids only grow (one per ~16 MiB written over the cache's life): a location
+    # with a large id still fits the index's u64 and comes back whole.
+    tier = await DiskTier.open(str(tmp_path), 1 << 26, 0.0)
+    tier._next_segment = (1 << 32) - 2
+    big = SEGMENT_BYTES - 2 * PAGE  # two of them take two segments
+    for i in range(3):
+        assert await tier.put(key(i), payload(i, big if i < 2 else 100))
+    assert tier.statistics().segments == 2
+    await tier.close()
+    tier = await DiskTier.open(str(tmp_path), 1 << 26, 0.0)
+    assert tier.statistics().startup_source == "index" and tier.statistics().blocks == 3
+    for i in range(3):
+        assert await tier.get(key(i)) == payload(i, big if i < 2 else 100)
+    check_accounting(tier, tmp_path)
+    await tier.close()
