@@ -2,7 +2,7 @@
 
 Fills a DiskTier with ``--blocks`` small blocks, closes it (the index is written), times
 ``DiskTier.open()`` from the index, then releases it without an index (a crash) and times
-``open()`` again (the directory-scan path).  The target: under 2 s for 100k
+``open()`` again (the scan of the segment files' headers).  The target: under 2 s for 100k
 blocks.  With ``--drop-caches`` (root) the kernel's page and dentry caches are dropped
 before each timed open, which is what a start-up after a reboot sees.
 

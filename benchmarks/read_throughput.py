@@ -126,7 +126,8 @@ def mount_pass(readers: Readers, mount: DaemonMount, dataset: Dataset, name: str
     with the daemon's CPU seconds over it and what its /metrics counted.
 
     ``cold``: the pass fills the NVMe tier; its write-behind is waited for (by counting
-    block files, which costs the daemon nothing) and charged to the pass.
+    the entries of its segment files, which costs the daemon nothing) and charged to the
+    pass.
     The benchmark suite's daemon-CPU figures (benchmarks/suite/daemon_cpu.py) use it too.
     """
     dropped = drop_page_cache() if drop else False

@@ -147,29 +147,46 @@ def stat_tree(root: Path) -> dict[str, os.stat_result]:
 
 
 def allocated_on_disk(cache_dir: Path) -> int:
-    """Bytes the filesystem has allocated to a disk tier's block files (finished, in
-    ``blocks/``, and being written, in ``tmp/``) and to its directories (``blocks/``,
-    the fan-outs ``blocks/ab``, ``tmp/``), summed file by file.
+    """Bytes the filesystem has allocated to a disk tier's segment files and their
+    directory ``segments/``, summed file by file.
 
-    ``blocks/`` is walked before ``tmp/``: files only ever move from tmp to blocks, so a
-    file renamed during the walk is missed at worst, never counted twice.  Not atomic: a
-    file evicted after it was counted and another written before the walk ends are both
-    counted, so under churn this may exceed what was on disk at any one instant.  For
-    one consistent state, walk inside ``DiskTier.io_paused()``.
+    Not atomic: a segment deleted after it was counted and another written before the
+    walk ends are both counted, so under churn this may exceed what was on disk at any
+    one instant.  For one consistent state, walk inside ``DiskTier.io_paused()``.
     """
-    total = 0
-    for sub in ("blocks", "tmp"):
-        for directory, _, files in os.walk(cache_dir / sub):
-            try:
-                total += os.lstat(directory).st_blocks * 512
-            except FileNotFoundError:
-                continue  # a fan-out removed while we looked
-            for name in files:
-                try:
-                    total += os.lstat(os.path.join(directory, name)).st_blocks * 512
-                except FileNotFoundError:
-                    pass  # evicted or renamed while we looked
+    segments = cache_dir / "segments"
+    try:
+        total = os.lstat(segments).st_blocks * 512
+        names = os.listdir(segments)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        try:
+            total += os.lstat(segments / name).st_blocks * 512
+        except FileNotFoundError:
+            pass  # deleted while we looked
     return total
+
+
+def damage_block(cache_dir: Path, key: bytes, at: int) -> None:
+    """Flip one byte of ``key``'s payload (at ``at``; from its end if negative) in a disk
+    tier's segment files (the layout documented in cubefs_fuse/cache/disk.py: entries at
+    4 KiB-aligned offsets, a header of magic, format, reserved, payload length, key...)."""
+    for segment in sorted((cache_dir / "segments").iterdir()):
+        with open(segment, "r+b") as f:
+            size = os.fstat(f.fileno()).st_size
+            for offset in range(0, size, 4096):
+                f.seek(offset)
+                header = f.read(28)
+                if header[:4] == b"CFSG" and header[12:28] == key:
+                    length = int.from_bytes(header[8:12], "little")
+                    where = offset + 40 + (at if at >= 0 else length + at)
+                    f.seek(where)
+                    byte = f.read(1)
+                    f.seek(where)
+                    f.write(bytes([byte[0] ^ 0x40]))
+                    return
+    raise AssertionError(f"no entry of {key.hex()} in {cache_dir}")
 
 
 def block_key(i: int) -> bytes:

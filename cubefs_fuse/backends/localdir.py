@@ -52,7 +52,7 @@ T = TypeVar("T")
 # 1000 class directories; the daemon raises its open-file limit at start (raise_fd_limit).
 DIR_FD_CACHE = 1024
 # Open-file limit the daemon asks for (bounded by the hard limit): directory descriptors,
-# NVMe block files in flight, FUSE, sockets.
+# NVMe segment files in flight, FUSE, sockets.
 WANTED_FD_LIMIT = 65536
 
 # Distinct files whose errors are logged individually; past this many the log says so

@@ -1,30 +1,47 @@
-"""The NVMe tier: one checksummed file per block, a byte limit and a free-space floor.
+"""The NVMe tier: checksummed blocks packed into segment files, a byte limit and a free-space floor.
 
 Layout of the cache directory::
 
-    lock                 flock()ed by the daemon that owns the directory (holds its pid)
-    index.bin            the block list, written at clean shutdown, deleted at start-up
-    blocks/ab/<hex key>  one file per block: 36-byte header + payload
-    tmp/                 blocks being written (wiped at start-up)
+    lock                      flock()ed by the daemon that owns the directory (holds its pid)
+    index.bin                 the block list, written at clean shutdown, deleted at start-up
+    segments/<hex id>.seg     append-only segment files of entries (below)
+
+An entry is a 40-byte header (magic, format, payload length, key, xxh3-64 of the
+payload, xxh32 of the header itself) and the payload, at a 4 KiB-aligned offset of its
+segment, occupying the header and payload rounded up to 4 KiB (``allocated_bytes``).
+One segment is open for appending at a time (the *active* one); an entry that would
+take it past ``SEGMENT_BYTES`` starts a new one, so a file is created once per ~16 MiB
+of blocks instead of once per block (creating a file, its inode and directory entry
+was the largest cost of a cold block on ext4).  Offsets are handed out on the trio
+thread, so concurrent writers never overlap.  A daemon always starts a new segment.
+
+Eviction frees an entry's 4 KiB-aligned range with ``fallocate(PUNCH_HOLE)`` (the
+range then reads as zeros); a segment is deleted when its last block goes (and it is
+not the active one).  An entry is in the block list only once its write returned, so
+a reader never sees a block being written; a read that races an eviction reads zeros
+or a missing file, which the header and checksum turn into a miss, never into bytes.
 
 Start-up reads ``index.bin`` (one sequential read, no per-block syscalls) and deletes
 it, so a daemon that crashes later leaves no index and the next start falls back to a
-directory scan.  Blocks are written to ``tmp/`` and renamed into place, so a block file
-is complete or absent; a damaged one is caught by its checksum, counted, deleted and
-reported as a miss, never served.
+scan of the segments' headers (``SEEK_DATA`` skips punched ranges); a range whose
+header is damaged (a write cut short by a crash) is punched and counted as
+discarded.  A scan does not read payloads: a damaged payload is caught by its checksum
+when read, counted, punched and reported as a miss, never served.  The layout before
+segments (``blocks/ab/<key>`` files and ``tmp/``) is deleted at start-up as junk.
 
-Accounting is in allocated bytes (header + payload rounded up to 4 KiB, what ``du``
-shows), reserved on the trio thread before a write starts and released after an
-unlink, so the bytes on disk never exceed the limit.  Directories count too:
-``blocks/`` and ``tmp/`` as measured at start-up, each fan-out directory ``blocks/ab``
-as last measured by a worker (``st_blocks``), plus ``DIR_SLACK`` while writes into it
-are in flight (a rename may grow it); a fan-out whose last block goes is removed and
-stops counting once it is gone.
+Accounting is in allocated bytes: each entry's ``allocated_bytes``, each segment's
+``segment_slack`` (its extent tree, at most one extent per 4 KiB unit of the file),
+the ``segments/`` directory as last measured by a worker plus ``DIR_SLACK`` for its
+growth before the next measurement.  A put reserves its space on the trio thread
+before its write starts; freed ranges stay counted until punched, so the bytes on
+disk never exceed the limit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
 import fcntl
 import logging
@@ -33,8 +50,8 @@ import shutil
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 import trio
@@ -48,40 +65,87 @@ from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("<4sHHI16sQ")  # magic, format, reserved, payload length, key, xxh3-64 of payload
-_MAGIC = b"CFBK"
-_FORMAT = 1
+# magic, format, reserved, payload length, key, xxh3-64 of the payload, xxh32 of the 36 bytes before it
+_HEADER = struct.Struct("<4sHHI16sQI")
+_HEADER_BODY = _HEADER.size - 4
+_MAGIC = b"CFSG"
+_FORMAT = 2
 HEADER_BYTES = _HEADER.size
 _INDEX_HEADER = struct.Struct("<8sQQ")  # magic, entry count, xxh3-64 of the body
-# Body: the keys (16 bytes each), then the sizes and the path tags (<u8 each), eviction order.
-_INDEX_MAGIC = b"CFIDX002"
+# Body: the keys (16 bytes each), then the locations and the path tags (<u8 each), eviction order.
+_INDEX_MAGIC = b"CFIDX003"
 # Filesystem allocation unit used for accounting; 4 KiB is the block size of ext4/xfs on NVMe.
 ALLOCATION_UNIT = 4096
-# Concurrent block file reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
+# Concurrent segment reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
 # without starving the backend's threads of the GIL on a 2-core machine.
 DISK_THREADS = 8
-# Bytes reserved for a fan-out directory while writes into it are in flight: creating it
-# takes one allocation unit, and the largest growth one new entry can cause on ext4 is
-# two (a one-block directory turning into an htree: a root and two leaves).  A 4 KiB
-# leaf holds ~100 of our 40-byte entries and is half full after a split, so the at most
-# DISK_BATCH_BLOCKS + DISK_THREADS (40 < 50) renames between two measurements that count
-# (a batch's are counted when it returns) cannot cause two growths.
+# Bytes a segment file takes before a new one is started.  16 MiB amortise a file's
+# creation (~50-100 us of ext4 inode and directory work) over ~140 blocks of ~110 KB or
+# 16 of 1 MiB, and keep the extent-tree bound per segment (segment_slack) at 0.3 %.
+SEGMENT_BYTES = 16 * 1024 * 1024
+# ext4 extents per 4 KiB extent-tree block ((4096 - 12-byte header) / 12-byte extent).
+_EXTENTS_PER_BLOCK = 340
+# Bytes reserved for the segments/ directory's growth between two measurements (every
+# write batch measures it): a one-block directory turning into an htree takes two more
+# units, and a 4 KiB leaf holds ~150 of our ~24-byte entries and is half full after a
+# split, while at most a segment per put, DISK_BATCH_BLOCKS * DISK_THREADS (256 < 75 *
+# 4 KiB leaves' worth) names, can be created between two measurements that count.
 DIR_SLACK = 2 * ALLOCATION_UNIT
 # Blocks one write-behind batch (put_many: one thread hop, one statvfs) takes at most.
-# 32 amortise the hop (~100 us here) to a few us per block and keep DIR_SLACK sufficient
-# (above); a batch of 32 1 MiB blocks is ~30 ms of NVMe writing, so blocks queued behind
-# it wait little.
+# 32 amortise the hop (~100 us here) to a few us per block; a batch of 32 1 MiB blocks
+# is ~30 ms of NVMe writing, so blocks queued behind it wait little.
 DISK_BATCH_BLOCKS = 32
 
-
-# The largest payload a block file can hold: blockSize is at most 64 MiB (config.py).  A
+# The largest payload an entry can hold: blockSize is at most 64 MiB (config.py).  A
 # damaged header claiming more is refused before anything of that size is allocated.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
+# A block's location, one int per block (no per-block tuple or object): segment id,
+# offset and allocated size, the last two in allocation units.  16 bits of units hold
+# 256 MiB, above the largest segment (one 64 MiB block); the id's 32 bits leave the
+# location within the index's u64 for 2^32 segments, 64 PiB written through one cache.
+_UNIT_BITS = 16
+_UNIT_MASK = (1 << _UNIT_BITS) - 1
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+_libc.fallocate.restype = ctypes.c_int
+
 
 def allocated_bytes(payload: int) -> int:
-    """Bytes a block file of ``payload`` bytes occupies on disk."""
+    """Bytes an entry of ``payload`` bytes occupies in its segment."""
     return -(-(HEADER_BYTES + payload) // ALLOCATION_UNIT) * ALLOCATION_UNIT
+
+
+def segment_slack(length: int) -> int:
+    """Allocated bytes a segment of ``length`` bytes may need beyond its entries: its
+    extent tree on ext4 with one extent per 4 KiB unit (the worst case: every other
+    range punched, or a fragmented filesystem).  The inode holds 4 extents, or 4
+    pointers to leaf blocks of _EXTENTS_PER_BLOCK extents; more leaves need index
+    blocks of as many pointers (a tree of depth 2 holds 4 * 340 * 340 extents, 1.8 GiB
+    of units, far above any segment)."""
+    units = -(-length // ALLOCATION_UNIT)
+    if units <= 4:
+        return 0
+    leaves = -(-units // _EXTENTS_PER_BLOCK)
+    index = 0 if leaves <= 4 else -(-leaves // _EXTENTS_PER_BLOCK)
+    return (leaves + index) * ALLOCATION_UNIT
+
+
+def _pack(segment: int, offset: int, size: int) -> int:
+    return (segment << (2 * _UNIT_BITS)) | ((offset // ALLOCATION_UNIT) << _UNIT_BITS) | (size // ALLOCATION_UNIT)
+
+
+def _unpack(location: int) -> tuple[int, int, int]:
+    """(segment, offset, allocated size) of a packed location."""
+    return (location >> (2 * _UNIT_BITS), ((location >> _UNIT_BITS) & _UNIT_MASK) * ALLOCATION_UNIT,
+            (location & _UNIT_MASK) * ALLOCATION_UNIT)
+
+
+def _size(location: int) -> int:
+    return (location & _UNIT_MASK) * ALLOCATION_UNIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,20 +164,53 @@ class DiskStatistics:
     read_errors: int
     startup_seconds: float
     startup_source: str  # "index", "scan" or "empty"
-    startup_discarded: int  # files deleted at start-up: partial writes in tmp/, junk and truncated blocks
-    directory_bytes: int  # allocated bytes of the tier's directories (part of used_bytes)
+    startup_discarded: int  # found at start-up and deleted: damaged entries, junk and old-layout files
+    directory_bytes: int  # allocated bytes beyond the entries (directory, segment slack), part of used_bytes
+    segments: int
 
 
 @dataclass(frozen=True, slots=True)
 class _Loaded:
     """What start-up found in the cache directory (read in a worker thread)."""
 
-    entries: OrderedDict[bytes, tuple[int, int]]  # key -> (allocated bytes, path tag), oldest first
+    entries: OrderedDict[bytes, tuple[int, int]]  # key -> (location, path tag), oldest first
     source: str
     discarded: int
-    fan_blocks: dict[str, int]
-    dir_bytes: dict[str, int]
-    base_dir_bytes: int
+    segments: dict[int, int]  # segment id -> its slack
+    dir_bytes: int
+    next_segment: int
+
+
+@dataclass(slots=True)
+class _Ops:
+    """Space a worker frees before it writes: ranges to punch, segments to delete."""
+
+    punches: list[tuple[int, int, int]] = field(default_factory=list)  # (segment, offset, size)
+    unlinks: list[int] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.punches or self.unlinks)
+
+
+@dataclass(frozen=True, slots=True)
+class _Write:
+    segment: int
+    offset: int
+    key: bytes
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class _Put:
+    """A put's reservation, from ``_reserve`` to ``_settle``."""
+
+    key: bytes
+    location: int
+    need: int  # the entry's allocated bytes
+    slack: int  # what this put's range adds to its segment's slack
+    reserved: int
+    write: _Write | None  # None: no room, only the removals
+    ops: _Ops
 
 
 class DiskTier:
@@ -122,37 +219,35 @@ class DiskTier:
         self.limit_bytes = limit_bytes
         self.free_ratio = free_ratio
         self._lock_fd = lock_fd
-        self._blocks_dir = os.path.join(directory, "blocks")
-        self._tmp_dir = os.path.join(directory, "tmp")
-        # key -> allocated bytes; sharded (cache/shards.py): no million-entry dict resize
+        self._segments_dir = os.path.join(directory, "segments")
+        # key -> packed location (_pack); sharded (cache/shards.py): no million-entry dict resize
         self._entries: ShardedDict[int] = ShardedDict()
         self._tags = TagIndex()  # key -> path tag (absent: unknown, e.g. after a crash scan)
-        # Per fan-out directory ("ab"): blocks stored or being written there (at zero the
-        # directory is removed), its allocated bytes as last measured (part of used_bytes;
-        # absent: no directory, or one whose removal is in flight), and writes in flight.
-        self._fan_blocks: dict[str, int] = {}
-        self._dir_bytes: dict[str, int] = {}
-        self._dir_writes: dict[str, int] = {}
-        # Fan-out directories with DIR_SLACK reserved: 0 while it is part of a put's own
-        # reservation, DIR_SLACK once held apart for the writes into it still in flight.
-        self._slack_held: dict[str, int] = {}
-        self._base_dir_bytes = 0  # blocks/ and tmp/ themselves (constant: see _measure_dirs)
+        # Per segment: blocks stored or being written there (at zero a sealed segment is
+        # deleted) and its slack (part of used_bytes while the segment file may exist).
+        self._seg_live: dict[int, int] = {}
+        self._seg_slack: dict[int, int] = {}
+        self._slack_total = 0  # sum of _seg_slack (statistics() reads it: no pass over segments)
+        self._active: int | None = None  # the segment being appended to (None: start one)
+        self._tail = 0  # the active segment's next free offset
+        self._next_segment = 0
+        self._dir_bytes = 0  # segments/ as last measured (directories only grow while they exist)
         # Eviction order, as in the RAM tier: unplanned LRU first, then furthest next use.
         self.policy = PlannedLru(limit_bytes // SCRATCH_FRACTION)
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
-        # Allocated bytes of stored blocks plus reservations of writes in progress.  A put
-        # reserves max(its block, the victims it evicts) until its worker has unlinked the
-        # victims and written the block, so a concurrent put can never reuse the space of
-        # a file that is still on disk; dropped blocks likewise stay counted until unlinked.
+        # Allocated bytes of stored blocks, segment slack and the directory, plus
+        # reservations of writes in progress.  A put reserves max(its block, the ranges it
+        # frees) until its worker has punched the victims and written the block, so a
+        # concurrent put can never reuse space still allocated; dropped blocks likewise
+        # stay counted until punched.
         self.used_bytes = 0
-        self._reserved = 0  # the in-flight part of used_bytes (writes and unlinks in progress)
+        self._reserved = 0  # the in-flight part of used_bytes (writes and punches in progress)
         self._inserted_bytes = 0  # cumulative bytes of blocks stored by put(), for _set_headroom
         self._headroom = limit_bytes  # used_bytes may grow to this before the free-space floor is hit
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
         self._pause_lock = trio.Lock()
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
         self._checksum_failures = self._write_errors = self._read_errors = 0
-        self._tmp_serial = 0
         self.startup_seconds = 0.0
         self.startup_source = "empty"
         self.startup_discarded = 0
@@ -171,75 +266,78 @@ class DiskTier:
             os.close(lock_fd)
             raise
         entries = loaded.entries
-        for key, (size, tag) in entries.items():  # oldest first: the LRU order of the last run
-            tier._entries[key] = size
+        live = dict.fromkeys(loaded.segments, 0)
+        stored = 0
+        for key, (location, tag) in entries.items():  # oldest first: the LRU order of the last run
+            tier._entries[key] = location
             if tag:
                 tier._tags.set(key, tag)
+            size = _size(location)
+            stored += size
+            live[location >> (2 * _UNIT_BITS)] += 1
             tier.policy.add(key, size)
-        tier._fan_blocks = loaded.fan_blocks
+        tier._seg_live = live
+        tier._seg_slack = dict(loaded.segments)
+        tier._slack_total = sum(tier._seg_slack.values())
+        tier._next_segment = loaded.next_segment
         tier._dir_bytes = loaded.dir_bytes
-        tier._base_dir_bytes = loaded.base_dir_bytes
-        tier.used_bytes = sum(tier._entries.values()) + tier._base_dir_bytes + sum(tier._dir_bytes.values())
+        tier.used_bytes = stored + tier._slack_total + tier._dir_bytes + DIR_SLACK
         tier.startup_source = loaded.source
         tier.startup_discarded = loaded.discarded
         if loaded.discarded:
-            log.warning("disk cache %s: deleted %d partial or damaged files at start-up", directory, loaded.discarded)
+            log.warning("disk cache %s: deleted %d damaged entries or junk files at start-up", directory,
+                        loaded.discarded)
         await tier._refresh_headroom()
         await tier._shrink_to_fit()
         tier.startup_seconds = time.perf_counter() - start
-        log.info("disk cache %s: %d blocks, %d bytes, loaded from %s in %.3f s", directory,
-                 len(entries), tier.used_bytes, loaded.source, tier.startup_seconds)
+        log.info("disk cache %s: %d blocks in %d segments, %d bytes, loaded from %s in %.3f s", directory,
+                 len(entries), len(tier._seg_live), tier.used_bytes, loaded.source, tier.startup_seconds)
         return tier
 
     def _load(self) -> _Loaded:
-        discarded = _count_files(self._tmp_dir)  # partial writes of a daemon that died
-        shutil.rmtree(self._tmp_dir, ignore_errors=True)
-        os.makedirs(self._tmp_dir, exist_ok=True)
-        os.makedirs(self._blocks_dir, exist_ok=True)
+        discarded = 0
+        for old in ("blocks", "tmp"):  # the layout before segments: one file per block
+            path = os.path.join(self.directory, old)
+            if os.path.isdir(path):
+                discarded += sum(len(files) for _, _, files in os.walk(path))
+                shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(self._segments_dir, exist_ok=True)
+        _check_hole_punching(self._segments_dir)
+        names = {}
+        for entry in os.scandir(self._segments_dir):
+            segment = _segment_id(entry.name)
+            if segment is None or not entry.is_file(follow_symlinks=False):
+                discarded += _remove_junk(entry.path)
+            else:
+                names[segment] = entry.path
         index_path = os.path.join(self.directory, "index.bin")
         entries = _read_index(index_path)
         if entries is not None:
             # From here on the index is stale: only a clean shutdown writes a new one.
             os.unlink(index_path)
             source = "index"
+            missing = [key for key, (location, _) in entries.items() if location >> (2 * _UNIT_BITS) not in names]
+            for key in missing:
+                del entries[key]
+            discarded += len(missing)
         else:
-            entries, junk = self._scan()
-            discarded += junk
+            entries = OrderedDict()
+            for segment in sorted(names):
+                discarded += _scan_segment(names[segment], segment, entries)
             source = "scan"
-        fan_blocks: dict[str, int] = {}
-        for key in entries:
-            sub = key[:1].hex()
-            fan_blocks[sub] = fan_blocks.get(sub, 0) + 1
-        dir_bytes = _measure_fanouts(self._blocks_dir, fan_blocks)
-        base = sum(os.lstat(d).st_blocks * 512 for d in (self._blocks_dir, self._tmp_dir))
-        return _Loaded(entries, source, discarded, fan_blocks, dir_bytes, base)
-
-    def _scan(self) -> tuple[OrderedDict[bytes, tuple[int, int]], int]:
-        """Rebuild the block list from the files (after a crash), oldest write first, and
-        the number of files deleted (names that are no key, files shorter than a header)."""
-        found: list[tuple[int, bytes, int]] = []
-        discarded = 0
-        for sub in os.scandir(self._blocks_dir):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                try:
-                    key = bytes.fromhex(entry.name)
-                    st = entry.stat(follow_symlinks=False)
-                except (ValueError, FileNotFoundError):
-                    discarded += _unlink_quietly(entry.path)
-                    continue
-                if len(key) != KEY_BYTES or st.st_size < HEADER_BYTES or key[:1].hex() != sub.name:
-                    discarded += _unlink_quietly(entry.path)
-                    continue
-                found.append((st.st_mtime_ns, key, allocated_bytes(st.st_size - HEADER_BYTES)))
-        found.sort()
-        # Tags come back as blocks are read.
-        return OrderedDict((key, (size, 0)) for _, key, size in found), discarded
+        used = {location >> (2 * _UNIT_BITS) for location, _ in entries.values()}
+        segments: dict[int, int] = {}
+        for segment, path in names.items():
+            if segment in used:
+                segments[segment] = segment_slack(os.stat(path).st_size)
+            else:  # nothing live in it: a segment emptied while its deletion was in flight
+                _unlink_quietly(path)
+        dir_bytes = os.lstat(self._segments_dir).st_blocks * 512
+        return _Loaded(entries, source, discarded, segments, dir_bytes, max(names, default=-1) + 1)
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
-        entries = [(key, size, self._tags.get(key, 0)) for key, size in self._lru_order()]
+        entries = [(key, location, self._tags.get(key, 0)) for key, location in self._lru_order()]
         try:
             await trio.to_thread.run_sync(_write_index, os.path.join(self.directory, "index.bin"), entries)
         except OSError as exc:
@@ -263,39 +361,35 @@ class DiskTier:
         return key in self._entries
 
     async def get(self, key: bytes, tag: int = 0) -> bytes | None:
-        """The block, or None if absent or damaged (a damaged block is deleted).
+        """The block, or None if absent or damaged (a damaged block is punched out).
 
         ``tag`` (the reader's path tag) restores a tag lost by a crash scan."""
-        if key not in self._entries:
+        location = self._entries.get(key)
+        if location is None:
             self._misses += 1
             return None
         self.policy.touch(key)
         if tag and key not in self._tags:
             self._tags.set(key, tag)
-        path = self._path(key)
+        path = self._segment_path(location >> (2 * _UNIT_BITS))
         try:
-            data = await trio.to_thread.run_sync(_read_block_file, path, key, limiter=self._limiter)
+            data = await trio.to_thread.run_sync(_read_entry, path, location, key, limiter=self._limiter)
         except FileNotFoundError:
             data = None  # evicted while we were reading
         except _Corrupt as exc:
-            self._checksum_failures += 1
-            log.warning("disk cache block %s is damaged (%s): discarded, will refetch", path, exc)
-            size = 0
-            if key in self._entries:  # its bytes stay counted until the file is gone
-                size = self._drop_entry(key, [])
-            self._reserved += size
-            try:
-                await trio.to_thread.run_sync(_unlink_quietly, path, limiter=self._limiter)
-            finally:
-                self._reserved -= size
-                self.used_bytes -= size
+            if self._entries.get(key) == location:  # not a range punched by an eviction meanwhile
+                self._checksum_failures += 1
+                log.warning("disk cache block %s at %s is damaged (%s): discarded, will refetch",
+                            key.hex(), path, exc)
+                await self._free([key])
             data = None
         except OSError as exc:
             self._read_errors += 1
             log.warning("disk cache read of %s failed: %s", path, exc)
             data = None
         if data is None:
-            self._forget(key)
+            if self._entries.get(key) == location:
+                await self._free([key])
             self._misses += 1
             return None
         self._hits += 1
@@ -305,12 +399,13 @@ class DiskTier:
         """The block's checked payload, read by the calling worker thread (not the trio
         thread), or None if it is not stored, was evicted meanwhile or is damaged (the
         trio thread's :meth:`get` then deals with it).  Touches no accounting: the trio
-        thread calls :meth:`count_hit` with the bytes.  Block files are immutable once in
+        thread calls :meth:`count_hit` with the bytes.  An entry is never rewritten in
         place, so a concurrent eviction costs at most a None."""
-        if key not in self._entries:
+        location = self._entries.get(key)
+        if location is None:
             return None
         try:
-            return _read_block_file(self._path(key), key)
+            return _read_entry(self._segment_path(location >> (2 * _UNIT_BITS)), location, key)
         except (OSError, _Corrupt):
             return None
 
@@ -329,159 +424,168 @@ class DiskTier:
 
     async def put_many(self, blocks: list[tuple[bytes, bytes, int | None, int]]) -> list[bool]:
         """Store blocks ``(key, data, next_use, tag)`` as :meth:`put` does, in one worker
-        thread call (one thread hop and one ``statvfs`` for them all); per block whether
-        it was stored.  Every block's space is reserved before the call, so the limit
-        holds at every instant exactly as for single puts."""
+        thread call (one thread hop, one ``statvfs`` and one open per segment for them
+        all); per block whether it was stored.  Every block's space is reserved before
+        the call, so the limit holds at every instant exactly as for single puts."""
         puts = [self._reserve(key, data, next_use) for key, data, next_use, _ in blocks]
-        jobs = [p.job for p in puts if p is not None]
+        jobs = [(p.ops, p.write) for p in puts if p is not None]
         inserted_before = self._inserted_bytes
         space: tuple[int, int] | None = None
-        done: list[_Written] = []
+        errors: list[OSError | None] = []
+        dir_bytes = -1
         try:
             if jobs:
-                done, space = await trio.to_thread.run_sync(_write_block_files, jobs, self._tmp_dir,
-                                                            limiter=self._limiter)
+                errors, dir_bytes, space = await trio.to_thread.run_sync(
+                    _run_jobs, jobs, self._segments_dir, limiter=self._limiter)
         except OSError as exc:  # not raised by the worker (it reports per block): nothing is known
-            done = [_Written(-1, [-1] * len(job.emptied), exc) for job in jobs]
+            errors = [exc] * len(jobs)
         except BaseException:
-            done = [_Written(-1, [-1] * len(job.emptied), OSError(errno.ECANCELED, "cancelled")) for job in jobs]
+            errors = [OSError(errno.ECANCELED, "cancelled")] * len(jobs)
             raise
         finally:
-            results = iter(done)
+            results = iter(errors)
             stored = []
-            for put, (key, _, next_use, tag) in zip(puts, blocks):
+            for put, (_, _, next_use, tag) in zip(puts, blocks):
                 stored.append(self._settle(put, next(results), next_use, tag) if put is not None else True)
+            self._keep_dir(dir_bytes)
         if space is not None:
-            own = sum(p.need for p, ok in zip(puts, stored) if p is not None and p.fits and ok)
+            own = sum(p.need for p, ok in zip(puts, stored) if p is not None and p.write is not None and ok)
             self._set_headroom(space, self._inserted_bytes - inserted_before - own)
         return stored
 
     def _reserve(self, key: bytes, data: bytes, next_use: int | None) -> _Put | None:
-        """Reserve a block's space and choose its victims (None: already stored or being
-        written, nothing to do)."""
+        """Reserve a block's space, choose its victims and its place (None: already stored
+        or being written, nothing to do)."""
         if key in self._entries or key in self._writing:
             if next_use is not None:
                 self.policy.plan(key, next_use)
             return None
-        sub = _fanout(key)
-        # The block's fan-out directory may be created or grow: reserve DIR_SLACK for it
-        # unless it is reserved already (for other writes into it still in flight).
-        slack = 0 if sub in self._slack_held else DIR_SLACK
         need = allocated_bytes(len(data))
+        new_segment = self._active is None or self._tail + need > SEGMENT_BYTES
+        tail = 0 if new_segment else self._tail
+        slack = segment_slack(tail + need) - segment_slack(tail)  # the segment's extent-tree bound grows
         limit = self.effective_limit_bytes
         chosen = (self.policy.victims(need + slack, limit - self.used_bytes, next_use)
                   if need + slack <= limit else None)
-        victims = chosen or []
-        self._fan_blocks[sub] = self._fan_blocks.get(sub, 0) + 1  # no rmdir of our own directory
-        freed = 0
-        emptied: list[str] = []
-        for victim in victims:
-            freed += self._drop_entry(victim, emptied)
-            self._evictions += 1
+        ops = _Ops()
+        freed = sum(self._drop_entry(victim, ops) for victim in chosen or [])
+        self._evictions += len(chosen or [])
         fits = chosen is not None and self.used_bytes - freed + need + slack <= limit
-        if not fits:
+        location = 0
+        write = None
+        if fits:
+            if new_segment:
+                old = self._active
+                self._active = self._next_segment
+                self._next_segment += 1
+                self._tail = 0
+                self._seg_live[self._active] = 0
+                self._seg_slack[self._active] = 0
+                if old is not None and not self._seg_live[old]:
+                    freed += self._drop_segment(old, ops)
+            segment = self._active
+            assert segment is not None
+            location = _pack(segment, self._tail, need)
+            write = _Write(segment, self._tail, key, data)
+            self._tail += need
+            self._seg_live[segment] += 1
+            self._seg_slack[segment] += slack
+            self._slack_total += slack
+            self._writing[key] = need
+        else:
             self._rejected += 1
-            self._unclaim(sub)
             slack = 0
-        freed += self._take_emptied(emptied)
-        # The victims' files (and emptied directories) and the new file are never on disk
-        # together (the worker removes first), so max() bounds what this put has on disk.
+        # The victims' ranges and the new entry (with the extent-tree growth its range may
+        # cause) are never on disk together (the worker frees first), so max() bounds what
+        # this put has on disk; the slack is part of the reservation until _settle, then
+        # counted with the segment.
         reserved = max(need + slack, freed) if fits else freed
         self.used_bytes += reserved - freed
         self._reserved += reserved
-        if fits:
-            self._writing[key] = need
-            self._dir_writes[sub] = self._dir_writes.get(sub, 0) + 1
-            if slack:
-                self._slack_held[sub] = 0  # inside this put's reservation for now
-        self._tmp_serial += 1
-        tmp = os.path.join(self._tmp_dir, f"{self._tmp_serial}")
-        job = _Job([self._path(v) for v in victims], [self._dir_path(e) for e in emptied], tmp,
-                   self._path(key) if fits else None, key, data)
-        return _Put(key, sub, need, slack, reserved, fits, emptied, job)
+        return _Put(key, location, need if fits else 0, slack, reserved, write, ops)
 
-    def _settle(self, put: _Put, done: _Written, next_use: int | None, tag: int) -> bool:
-        """Account a reserved put whose worker returned ``done``; whether it was stored."""
-        key, sub, fits, slack = put.key, put.sub, put.fits, put.slack
+    def _settle(self, put: _Put, error: OSError | None, next_use: int | None, tag: int) -> bool:
+        """Account a reserved put whose worker returned ``error``; whether it was stored."""
+        key = put.key
         self._writing.pop(key, None)
         self._reserved -= put.reserved
         self.used_bytes -= put.reserved
-        if fits:
-            self._dir_writes[sub] -= 1
-            if slack and self._dir_writes[sub]:
-                # Other writes into the directory still count on the slack: hold it apart.
-                self._slack_held[sub] = slack
-                self._reserved += slack
-                self.used_bytes += slack
-            elif not self._dir_writes[sub]:
-                del self._dir_writes[sub]
-                held = self._slack_held.pop(sub, 0)
-                self._reserved -= held
-                self.used_bytes -= held
-        # (No await since the worker returned: the measured sizes replace the slack at once.)
-        for name, size in zip(put.emptied, done.kept_dirs):
-            self._keep_dir(name, size)
-        if fits:
-            self._keep_dir(sub, done.dir_bytes)
-        if done.error is not None:
-            self._write_errors += 1
-            log.warning("disk cache write failed: %s", done.error)
-            if fits:
-                self._unclaim(sub)
+        write = put.write
+        if write is None:
             return False
-        if fits:
-            self._entries[key] = put.need
-            self.used_bytes += put.need
-            self.policy.add(key, put.need, next_use)
-            if tag:
-                self._tags.set(key, tag)
-            self._inserted_bytes += put.need
-            self._inserts += 1
-        return fits
+        # The segment's slack grew for this put's range, written or not: counted with the
+        # segment from now on.
+        self.used_bytes += put.slack
+        if error is not None:
+            self._write_errors += 1
+            log.warning("disk cache write failed: %s", error)
+            self._unclaim(write.segment)
+            return False
+        self._entries[key] = put.location
+        self.used_bytes += put.need
+        self.policy.add(key, put.need, next_use)
+        if tag:
+            self._tags.set(key, tag)
+        self._inserted_bytes += put.need
+        self._inserts += 1
+        return True
 
-    def _drop_entry(self, key: bytes, emptied: list[str]) -> int:
-        """Forget a stored block (its file is still on disk: the caller removes it and
-        keeps its bytes counted until then); its size.  A fan-out directory left without
-        blocks is appended to ``emptied``."""
-        size = self._entries.pop(key)
+    def _drop_entry(self, key: bytes, ops: _Ops) -> int:
+        """Forget a stored block (its range is still allocated: the caller frees it with
+        ``ops`` and keeps its bytes counted until then); the bytes freed, with its
+        segment's slack if that segment goes too."""
+        location = self._entries.pop(key)
         self.policy.remove(key)
         self._tags.pop(key)
-        sub = _fanout(key)
-        self._fan_blocks[sub] -= 1
-        if not self._fan_blocks[sub]:
-            del self._fan_blocks[sub]
-            emptied.append(sub)
+        segment, offset, size = _unpack(location)
+        self._seg_live[segment] -= 1
+        if not self._seg_live[segment] and segment != self._active:
+            return size + self._drop_segment(segment, ops)
+        ops.punches.append((segment, offset, size))
         return size
 
-    def _unclaim(self, sub: str) -> None:
-        """A write into ``sub`` that was counted in its blocks did not happen."""
-        self._fan_blocks[sub] -= 1
-        if not self._fan_blocks[sub]:
-            del self._fan_blocks[sub]
+    def _drop_segment(self, segment: int, ops: _Ops) -> int:
+        """A segment without blocks goes: ``ops`` deletes its file; its slack."""
+        del self._seg_live[segment]
+        ops.unlinks.append(segment)
+        slack = self._seg_slack.pop(segment)
+        self._slack_total -= slack
+        return slack
 
-    def _take_emptied(self, emptied: list[str]) -> int:
-        """Fan-out directories about to be removed stop being known (a write that comes
-        before the removal is done reserves a new directory); their bytes, which the caller
-        keeps counted until the removal."""
-        freed = 0
-        for sub in emptied:
-            freed += self._dir_bytes.pop(sub, 0)
-        return freed
+    def _unclaim(self, segment: int) -> None:
+        """A write into ``segment`` that was counted in its blocks did not happen (the
+        worker punched whatever of it reached the file).  A sealed segment left without
+        blocks this way (its other writes failed too) stays, counted, until the next
+        start deletes it: write errors are rare, and the file holds only holes."""
+        self._seg_live[segment] -= 1
 
-    def _keep_dir(self, sub: str, size: int) -> None:
-        """A worker found fan-out ``sub`` on disk with ``size`` allocated bytes (-1: absent)."""
-        if size < 0:
-            return
+    def _keep_dir(self, size: int) -> None:
+        """A worker measured segments/ at ``size`` allocated bytes (-1: not measured)."""
         # Directories only grow while they exist; measurements may arrive out of order.
-        old = self._dir_bytes.get(sub, 0)
-        if size > old:
-            self._dir_bytes[sub] = size
-            self.used_bytes += size - old
+        if size > self._dir_bytes:
+            self.used_bytes += size - self._dir_bytes
+            self._dir_bytes = size
+
+    async def _free(self, keys: Iterable[bytes]) -> None:
+        """Drop ``keys`` (stored ones) and free their ranges; their bytes stay counted
+        until a worker has punched them."""
+        ops = _Ops()
+        freed = sum(self._drop_entry(key, ops) for key in keys if key in self._entries)
+        await self._run_ops(ops, freed)
+
+    async def _run_ops(self, ops: _Ops, freed: int) -> None:
+        self._reserved += freed
+        try:
+            if ops:
+                await trio.to_thread.run_sync(_free_space, ops, self._segments_dir, limiter=self._limiter)
+        finally:
+            self._reserved -= freed
+            self.used_bytes -= freed
 
     @contextlib.asynccontextmanager
     async def io_paused(self) -> AsyncIterator[None]:
-        """Hold every disk worker slot: while inside, no block file or directory of the tier
-        changes (workers in progress finish first), so the directory can be measured as one
+        """Hold every disk worker slot: while inside, no segment of the tier changes
+        (workers in progress finish first), so the directory can be measured as one
         consistent state.  For tests and tools; the trio thread is not blocked."""
         borrowers = [object() for _ in range(DISK_THREADS)]
         acquired = []
@@ -510,42 +614,47 @@ class DiskTier:
         return self.policy.unplan_some(count)
 
     def _lru_order(self) -> list[tuple[bytes, int]]:
-        """Blocks in eviction order (for the index: the next run starts from it)."""
+        """(key, location) in eviction order (for the index: the next run starts from it)."""
         return [(key, self._entries[key]) for key in self.policy.order() if key in self._entries]
 
     async def clear(self) -> None:
-        """Drop every stored block and its file (writes in progress still land).
+        """Drop every stored block (writes in progress still land).
 
         The index is emptied a shard at a time (``shards.SHARDS``, ~4k entries per shard
         at 10^6 blocks) with a checkpoint between shards, so FUSE requests are served
         while a large tier is dropped; a block stored meanwhile is newer than the drop
-        and stays.  Each shard's bytes stay counted (``_reserved``) until the files are
-        gone, as do the fan-out directories it emptied."""
-        paths: list[str] = []
-        emptied: list[str] = []
+        and stays.  The active segment is sealed first, so every segment left without
+        blocks is deleted whole; each shard's bytes stay counted (``_reserved``) until
+        the worker has freed them."""
+        active, self._active = self._active, None  # the next put starts a new segment
+        ops = _Ops()
         freed = 0
+        if active is not None and not self._seg_live[active]:  # no block left in it already
+            freed = self._drop_segment(active, ops)
+            self._reserved += freed
         try:
             for shard in range(SHARDS):
                 keys = list(self._entries.shards[shard])
-                paths.extend(self._path(k) for k in keys)
-                step: list[str] = []
-                dropped = sum(self._drop_entry(key, step) for key in keys)
-                dropped += self._take_emptied(step)
-                emptied.extend(step)
-                self._reserved += dropped  # counted until the files are gone
+                dropped = sum(self._drop_entry(key, ops) for key in keys)
+                self._reserved += dropped  # counted until the space is freed
                 freed += dropped
                 await trio.lowlevel.checkpoint()
-            kept = await trio.to_thread.run_sync(_remove_all, paths, [self._dir_path(e) for e in emptied],
-                                                 limiter=self._limiter)
+            # Punches into segments deleted later in the drop are moot.
+            gone = set(ops.unlinks)
+            ops.punches = [p for p in ops.punches if p[0] not in gone]
+            if ops:
+                await trio.to_thread.run_sync(_free_space, ops, self._segments_dir, limiter=self._limiter)
         finally:
             self._reserved -= freed
             self.used_bytes -= freed
-        for name, size in zip(emptied, kept):
-            self._keep_dir(name, size)
 
     @property
     def effective_limit_bytes(self) -> int:
         return max(0, min(self.limit_bytes, self._headroom))
+
+    @property
+    def blocks(self) -> int:
+        return len(self._entries)
 
     def statistics(self) -> DiskStatistics:
         return DiskStatistics(
@@ -553,31 +662,22 @@ class DiskTier:
             self._hits, self._misses, self._evictions, self._inserts, self._rejected,
             self._checksum_failures, self._write_errors, self._read_errors,
             self.startup_seconds, self.startup_source, self.startup_discarded,
-            self._base_dir_bytes + sum(self._dir_bytes.values()),
+            self._dir_bytes + DIR_SLACK + self._slack_total, len(self._seg_live),
         )
 
     # -- internals -------------------------------------------------------------------
 
-    def _path(self, key: bytes) -> str:
-        name = key.hex()
-        return os.path.join(self._blocks_dir, name[:2], name)
-
-    def _dir_path(self, sub: str) -> str:
-        return os.path.join(self._blocks_dir, sub)
-
-    def _forget(self, key: bytes) -> None:
-        """The block's file is gone (its directory stays, counted, until emptied by a put)."""
-        if key in self._entries:
-            self.used_bytes -= self._drop_entry(key, [])
+    def _segment_path(self, segment: int) -> str:
+        return os.path.join(self._segments_dir, f"{segment:08x}.seg")
 
     def _set_headroom(self, avail_bytes: tuple[int, int], stored_since: int = 0) -> None:
         """``avail_bytes`` was measured by a worker; ``stored_since`` bytes of blocks were
-        stored after that worker started (their files may postdate the measurement)."""
+        stored after that worker started (their entries may postdate the measurement)."""
         available, total = avail_bytes
         floor = int(self.free_ratio * total)
         # What we surely held when ``available`` was measured, plus what the filesystem
-        # could still give before the floor.  Only blocks whose files were on disk at that
-        # moment count: in-flight writes and unlinks may or may not have reached the
+        # could still give before the floor.  Only blocks whose entries were on disk at
+        # that moment count: in-flight writes and punches may or may not have reached the
         # filesystem (``available`` may or may not include them), and neither may blocks
         # stored while the worker ran.  Counting any of them lets concurrent writes
         # overshoot the floor.
@@ -590,25 +690,30 @@ class DiskTier:
     async def _shrink_to_fit(self) -> None:
         """Evict down to the limit (the limit may have shrunk since the last run)."""
         limit = self.effective_limit_bytes
-        victims = []
-        emptied: list[str] = []
-        if self.used_bytes > limit:
-            for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
-                if self.used_bytes <= limit:
-                    break
-                first = len(emptied)
-                self.used_bytes -= self._drop_entry(victim, emptied)
-                self.used_bytes -= self._take_emptied(emptied[first:])
-                self._evictions += 1
-                victims.append(self._path(victim))
-        if victims:
-            kept = await trio.to_thread.run_sync(_remove_all, victims, [self._dir_path(e) for e in emptied])
-            for name, size in zip(emptied, kept):
-                self._keep_dir(name, size)
+        if self.used_bytes <= limit:
+            return
+        ops = _Ops()
+        freed = 0
+        for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
+            if self.used_bytes - freed <= limit:
+                break
+            freed += self._drop_entry(victim, ops)
+            self._evictions += 1
+        await self._run_ops(ops, freed)
 
 
 class _Corrupt(Exception):
     pass
+
+
+def _segment_id(name: str) -> int | None:
+    stem, dot, ext = name.partition(".")
+    if ext != "seg" or not dot or not stem:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None
 
 
 def _lock_directory(directory: str) -> int:
@@ -627,22 +732,38 @@ def _lock_directory(directory: str) -> int:
     return fd
 
 
-def _read_block_file(path: str, key: bytes) -> bytes:
+def _header(key: bytes, data: bytes) -> bytes:
+    body = struct.pack("<4sHHI16sQ", _MAGIC, _FORMAT, 0, len(data), key, xxhash.xxh3_64_intdigest(data))
+    return body + struct.pack("<I", xxhash.xxh32_intdigest(body))
+
+
+def _parse_header(header: bytes) -> tuple[int, bytes, int] | None:
+    """(payload length, key, payload checksum) of a sound header, else None."""
+    if len(header) < HEADER_BYTES:
+        return None
+    magic, fmt, _, length, key, checksum, own = _HEADER.unpack_from(header)
+    if magic != _MAGIC or fmt != _FORMAT or length > MAX_PAYLOAD_BYTES:
+        return None
+    if xxhash.xxh32_intdigest(memoryview(header)[:_HEADER_BODY]) != own:
+        return None
+    return length, key, checksum
+
+
+def _read_entry(path: str, location: int, key: bytes) -> bytes:
     # Header and payload in two preads: the payload is read into its own bytes object
     # (no copy of a whole block out of a header+payload buffer).
+    _, offset, size = _unpack(location)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        header = os.pread(fd, HEADER_BYTES, 0)
-        if len(header) < HEADER_BYTES:
-            raise _Corrupt("truncated header")
-        magic, fmt, _, length, stored_key, checksum = _HEADER.unpack(header)
-        if magic != _MAGIC or fmt != _FORMAT:
-            raise _Corrupt("bad magic")
+        parsed = _parse_header(os.pread(fd, HEADER_BYTES, offset))
+        if parsed is None:
+            raise _Corrupt("bad header")
+        length, stored_key, checksum = parsed
         if stored_key != key:
             raise _Corrupt("key mismatch")
-        if length > MAX_PAYLOAD_BYTES:
-            raise _Corrupt(f"length {length} too large")
-        payload = os.pread(fd, length + 1, HEADER_BYTES)  # one byte more: a longer file is damaged too
+        if allocated_bytes(length) != size:
+            raise _Corrupt(f"length {length} does not fit the entry")
+        payload = os.pread(fd, length, offset + HEADER_BYTES)
     finally:
         os.close(fd)
     if len(payload) != length:
@@ -652,132 +773,174 @@ def _read_block_file(path: str, key: bytes) -> bytes:
     return payload
 
 
-@dataclass(frozen=True, slots=True)
-class _Written:
-    dir_bytes: int  # allocated bytes of the block's fan-out directory after the write (-1: none)
-    kept_dirs: list[int]  # per emptied directory: -1 if removed, else its allocated bytes
-    error: OSError | None
+def _punch(fd: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code))
 
 
-@dataclass(frozen=True, slots=True)
-class _Job:
-    """What a worker does for one put: unlink the victims, remove emptied directories,
-    write the block through ``tmp`` and rename it to ``final`` (None: no room, only the
-    removals)."""
-
-    victims: list[str]
-    emptied: list[str]
-    tmp: str
-    final: str | None
-    key: bytes
-    data: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class _Put:
-    """A put's reservation, from ``_reserve`` to ``_settle``."""
-
-    key: bytes
-    sub: str
-    need: int
-    slack: int
-    reserved: int
-    fits: bool
-    emptied: list[str]
-    job: _Job
-
-
-def _write_block_files(jobs: list[_Job], tmp_dir: str) -> tuple[list[_Written], tuple[int, int] | None]:
-    """The jobs in order, each reported on its own (an error ends only its block), then
-    one ``statvfs`` of the cache filesystem (None if it failed)."""
-    done = []
-    for job in jobs:
-        try:
-            done.append(_write_block_file(job))
-        except OSError as exc:  # unlinking a victim failed: nothing is known of this block
-            done.append(_Written(-1, [-1] * len(job.emptied), exc))
+def _check_hole_punching(segments_dir: str) -> None:
+    """Refuse a filesystem that cannot punch holes (``EOPNOTSUPP``): evicted blocks would
+    stay allocated while counted free, and the limit would not hold.  ext4, xfs, btrfs
+    and tmpfs can."""
+    probe = os.path.join(segments_dir, ".punch-probe")
+    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        st = os.statvfs(tmp_dir)
-    except OSError:
-        return done, None
-    return done, (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+        os.pwrite(fd, bytes(ALLOCATION_UNIT), 0)
+        _punch(fd, 0, ALLOCATION_UNIT)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
+            raise ConfigError(f"key 'diskCacheDir': the filesystem of {segments_dir!r} cannot punch holes "
+                              "(fallocate PUNCH_HOLE), which the NVMe tier needs to free evicted blocks") from None
+        raise
+    finally:
+        os.close(fd)
+        _unlink_quietly(probe)
 
 
-def _write_block_file(job: _Job) -> _Written:
-    # Victims go first so the bytes on disk stay within the reservation at every instant.
-    kept = _remove_all(job.victims, job.emptied)
-    error: OSError | None = None
-    dir_bytes = -1
-    final, tmp, data = job.final, job.tmp, job.data
-    if final is not None:
+def _free_space(ops: _Ops, segments_dir: str) -> None:
+    """Delete the segments of ``ops.unlinks``, punch its ranges (each range's segment
+    opened once); errors are logged, the space counted free (a range that could not be
+    punched is at worst a few KiB the accounting does not see until its segment goes)."""
+    for segment in ops.unlinks:
         try:
-            header = _HEADER.pack(_MAGIC, _FORMAT, 0, len(data), job.key, xxhash.xxh3_64_intdigest(data))
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            try:
-                os.writev(fd, [header, data])
-            finally:
-                os.close(fd)
-            try:
-                os.rename(tmp, final)
-            except FileNotFoundError:  # a new fan-out, or one just removed as emptied
-                os.makedirs(os.path.dirname(final), exist_ok=True)
-                os.rename(tmp, final)
+            _unlink_quietly(os.path.join(segments_dir, f"{segment:08x}.seg"))
         except OSError as exc:
-            error = exc
-            _unlink_quietly(tmp)
-        dir_bytes = _allocated(os.path.dirname(final))
-    return _Written(dir_bytes, kept, error)
-
-
-def _remove_all(paths: list[str], directories: list[str]) -> list[int]:
-    """Unlink ``paths``, then remove ``directories``; per directory -1 if it is gone, else
-    its allocated bytes (a write put a block into it meanwhile)."""
-    for path in paths:
-        _unlink_quietly(path)
-    kept = []
-    for directory in directories:
+            log.warning("disk cache: could not delete segment %x: %s", segment, exc)
+    by_segment: dict[int, list[tuple[int, int]]] = {}
+    for segment, offset, size in ops.punches:
+        by_segment.setdefault(segment, []).append((offset, size))
+    for segment, ranges in by_segment.items():
         try:
-            os.rmdir(directory)
-            kept.append(-1)
+            fd = os.open(os.path.join(segments_dir, f"{segment:08x}.seg"), os.O_WRONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            kept.append(-1)
-        except OSError:
-            kept.append(_allocated(directory))
-    return kept
-
-
-def _allocated(path: str) -> int:
-    """Allocated bytes of a file or directory, -1 if it does not exist."""
-    try:
-        return os.lstat(path).st_blocks * 512
-    except FileNotFoundError:
-        return -1
-
-
-def _fanout(key: bytes) -> str:
-    """The fan-out directory of a key: its first byte in hex."""
-    return key[:1].hex()
-
-
-def _measure_fanouts(blocks_dir: str, fan_blocks: dict[str, int]) -> dict[str, int]:
-    """Allocated bytes of each fan-out directory that holds blocks; empty ones are removed."""
-    sizes = {}
-    for sub in os.scandir(blocks_dir):
-        if not sub.is_dir(follow_symlinks=False):
+            continue  # deleted meanwhile: its ranges went with it
+        except OSError as exc:
+            log.warning("disk cache: could not open segment %x to free ranges: %s", segment, exc)
             continue
-        if sub.name in fan_blocks:
-            sizes[sub.name] = sub.stat(follow_symlinks=False).st_blocks * 512
-        else:
-            with contextlib.suppress(OSError):  # not empty: files we do not know, left alone
-                os.rmdir(sub.path)
-    return sizes
+        try:
+            for offset, size in ranges:
+                _punch(fd, offset, size)
+        except OSError as exc:
+            log.warning("disk cache: could not free a range of segment %x: %s", segment, exc)
+        finally:
+            os.close(fd)
 
 
-def _count_files(directory: str) -> int:
+def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
+              ) -> tuple[list[OSError | None], int, tuple[int, int] | None]:
+    """The jobs in order, each freeing its space first (so the bytes on disk stay within
+    the reservation at every instant) and then writing its entry, each reported on its
+    own (an error ends only its block); then the allocated bytes of ``segments_dir`` (-1
+    if unknown) and one ``statvfs`` of the cache filesystem (None if it failed).  Raises
+    nothing of its own: a block written is always reported as written."""
+    errors: list[OSError | None] = []
+    fds: dict[int, int] = {}
+    dir_bytes = -1
     try:
-        return sum(1 for _ in os.scandir(directory))
-    except FileNotFoundError:
-        return 0
+        for ops, write in jobs:
+            if ops:
+                _free_space(ops, segments_dir)
+                for segment in ops.unlinks:
+                    fd = fds.pop(segment, None)
+                    if fd is not None:
+                        os.close(fd)
+            if write is None:
+                errors.append(None)
+                continue
+            errors.append(_write_entry(fds, segments_dir, write))
+        with contextlib.suppress(OSError):
+            dir_bytes = os.lstat(segments_dir).st_blocks * 512
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    try:
+        st = os.statvfs(segments_dir)
+    except OSError:
+        return errors, dir_bytes, None
+    return errors, dir_bytes, (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+
+
+def _write_entry(fds: dict[int, int], segments_dir: str, write: _Write) -> OSError | None:
+    """Write one entry (header and payload, one ``pwritev``); on an error, punch what of
+    it reached the file."""
+    fd = fds.get(write.segment)
+    try:
+        if fd is None:
+            fd = os.open(os.path.join(segments_dir, f"{write.segment:08x}.seg"),
+                         os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fds[write.segment] = fd
+        data = write.data
+        written = os.pwritev(fd, [_header(write.key, data), data], write.offset)
+        if written != HEADER_BYTES + len(data):
+            raise OSError(errno.ENOSPC, f"short write ({written} of {HEADER_BYTES + len(data)} bytes)")
+        return None
+    except OSError as exc:
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                _punch(fd, write.offset, allocated_bytes(len(write.data)))
+        return exc
+
+
+def _scan_segment(path: str, segment: int, entries: OrderedDict[bytes, tuple[int, int]]) -> int:
+    """Add the sound entries of one segment to ``entries`` (in write order, a later copy
+    of a key replacing an earlier one); punch what is neither entry nor hole (a damaged
+    header: a write cut short).  Returns the number of damaged ranges punched."""
+    discarded = 0
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        end = os.fstat(fd).st_size
+        pos = 0
+        junk_start = -1
+        while pos < end:
+            try:
+                data_at = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:
+                    raise
+                data_at = end  # only a hole up to the end
+            if data_at != pos:
+                if junk_start >= 0:
+                    _punch(fd, junk_start, pos - junk_start)
+                    junk_start = -1
+                pos = data_at // ALLOCATION_UNIT * ALLOCATION_UNIT
+                if pos >= end:
+                    break
+            parsed = _parse_header(os.pread(fd, HEADER_BYTES, pos))
+            if parsed is not None and pos + HEADER_BYTES + parsed[0] <= end:
+                if junk_start >= 0:
+                    _punch(fd, junk_start, pos - junk_start)
+                    junk_start = -1
+                size = allocated_bytes(parsed[0])
+                key = parsed[1]
+                previous = entries.pop(key, None)
+                if previous is not None:  # an evicted copy, left by a crash before its punch
+                    old_segment, offset, old_size = _unpack(previous[0])
+                    if old_segment == segment:
+                        _punch(fd, offset, old_size)
+                    else:
+                        _free_space(_Ops([(old_segment, offset, old_size)]), os.path.dirname(path))
+                entries[key] = (_pack(segment, pos, size), 0)  # tags come back as blocks are read
+                pos += size
+            else:
+                if junk_start < 0:
+                    junk_start = pos
+                    discarded += 1
+                pos += ALLOCATION_UNIT
+        if junk_start >= 0:
+            _punch(fd, junk_start, -(-end // ALLOCATION_UNIT) * ALLOCATION_UNIT - junk_start)
+    finally:
+        os.close(fd)
+    return discarded
+
+
+def _remove_junk(path: str) -> int:
+    """Delete a file or tree the tier does not know; how many files went."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        count = sum(len(files) for _, _, files in os.walk(path))
+        shutil.rmtree(path, ignore_errors=True)
+        return count
+    return _unlink_quietly(path)
 
 
 def _unlink_quietly(path: str) -> int:
@@ -801,16 +964,16 @@ def _read_index(path: str) -> OrderedDict[bytes, tuple[int, int]] | None:
     magic, count, checksum = _INDEX_HEADER.unpack_from(raw)
     body = memoryview(raw)[_INDEX_HEADER.size:]
     if magic != _INDEX_MAGIC or len(body) != count * (KEY_BYTES + 16) or xxhash.xxh3_64_intdigest(body) != checksum:
-        log.warning("disk cache index %s is damaged; scanning instead", path)
+        log.warning("disk cache index %s is damaged or of another format; scanning instead", path)
         return None
     keys = bytes(body[: count * KEY_BYTES])
-    sizes = np.frombuffer(body, dtype="<u8", offset=count * KEY_BYTES, count=count).tolist()
+    locations = np.frombuffer(body, dtype="<u8", offset=count * KEY_BYTES, count=count).tolist()
     tags = np.frombuffer(body, dtype="<u8", offset=count * (KEY_BYTES + 8), count=count).tolist()
-    return OrderedDict(zip((keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)), zip(sizes, tags)))
+    return OrderedDict(zip((keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES)), zip(locations, tags)))
 
 
 def _write_index(path: str, entries: list[tuple[bytes, int, int]]) -> None:
-    """(key, allocated size, path tag) per block, in eviction order."""
+    """(key, location, path tag) per block, in eviction order."""
     body = (b"".join(k for k, _, _ in entries)
             + np.fromiter((s for _, s, _ in entries), dtype="<u8", count=len(entries)).tobytes()
             + np.fromiter((t for _, _, t in entries), dtype="<u8", count=len(entries)).tobytes())
@@ -821,4 +984,3 @@ def _write_index(path: str, entries: list[tuple[bytes, int, int]]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.rename(tmp, path)
-

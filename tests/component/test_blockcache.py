@@ -8,6 +8,7 @@ wall time); "held" fetches use the fake's gates and ``wait_all_tasks_blocked``.
 
 from __future__ import annotations
 
+import os
 import errno
 import gc
 from collections.abc import AsyncIterator
@@ -19,11 +20,12 @@ import trio
 import trio.testing
 
 from cubefs_fuse.cache.blockcache import MAX_PREFETCH_FLIGHTS, BlockCache, Fetcher, Source
-from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier
+from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.errors import errno_of
 from tests.fakes import FakeBackend
+from tests.helpers import damage_block
 
 BLOCK = 4096  # small blocks keep the tests light; the cache does not care about the size
 LATENCY = 1.0  # seconds of virtual time per backend read under autojump_clock
@@ -69,11 +71,6 @@ async def open_cache(
         yield BlockCache(nursery, MemoryTier(ram_bytes), disk, fetch_slots=fetch_slots,
                          prefetch_slots=prefetch_slots, max_pending_disk_bytes=max_pending_disk_bytes)
         nursery.cancel_scope.cancel()
-
-
-def disk_file(directory: Path, key: bytes) -> Path:
-    """Where DiskTier keeps a block (layout documented in cubefs_fuse/cache/disk.py)."""
-    return directory / "blocks" / key.hex()[:2] / key.hex()
 
 
 async def test_single_flight(autojump_clock: trio.testing.MockClock) -> None:
@@ -321,10 +318,7 @@ async def test_corrupted_disk_block_refetched(tmp_path: Path) -> None:
             await blocks.get(cache, "f", 0)
             await blocks.get(cache, "f", 1)  # evicts block 0 from RAM
             await cache.drain()
-            path = disk_file(tmp_path, blocks.key("f", 0))
-            raw = bytearray(path.read_bytes())
-            raw[HEADER_BYTES + 100] ^= 0x40
-            path.write_bytes(raw)
+            damage_block(tmp_path, blocks.key("f", 0), 100)
 
             assert await blocks.get(cache, "f", 0) == (blocks.expected("f", 0), Source.BACKEND)
             stats = cache.statistics()
@@ -453,7 +447,7 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
                 for i in range(n):
                     nursery.start_soon(blocks.get, cache, "f", i)
             await cache.drain()
-            writes = hops.count("_write_block_files")
+            writes = hops.count("_run_jobs")
             assert writes <= -(-n // DISK_BATCH_BLOCKS) + 1 and writes == statvfs_calls
             assert cache._disk_batches == writes
             stats = cache.statistics()
@@ -463,6 +457,29 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
                 assert await disk.get(blocks.key("f", i)) == blocks.expected("f", i)
     finally:
         monkeypatch.undo()
+        await disk.close()
+
+
+async def test_write_behind_gathers_blocks_missed_one_at_a_time(tmp_path: Path) -> None:
+    """One reader missing blocks one after another (a cold file each, as one DataLoader
+    worker does) queues one block at a time: the write-behind waits DISK_BATCH_LINGER for
+    more instead of a thread hop per block, and every block still lands."""
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    n = 20
+    blocks.file("f", n)
+    disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
+    try:
+        async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK) as cache:
+            for i in range(n):  # sequential misses, each well within the linger of the last
+                assert await blocks.get(cache, "f", i) == (blocks.expected("f", i), Source.BACKEND)
+            await cache.drain()
+            assert cache._disk_batches <= 2, cache._disk_batches  # not one hop per block
+            stats = cache.statistics()
+            assert stats.disk is not None and stats.disk.inserts == n and stats.pending_disk_bytes == 0
+            for i in range(n):
+                assert await disk.get(blocks.key("f", i)) == blocks.expected("f", i)
+    finally:
         await disk.close()
 
 
@@ -483,8 +500,7 @@ async def test_prefetches_from_nvme_share_worker_thread_calls(tmp_path: Path) ->
             for i in range(n):
                 await blocks.get(cache, "f", i)
             await cache.drain()
-        damaged = disk_file(tmp_path, blocks.key("f", 5))
-        damaged.write_bytes(damaged.read_bytes()[:-1] + b"X")
+        damage_block(tmp_path, blocks.key("f", 5), -1)
         reads = backend.statistics().operations.get("read", 0)
         async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK, prefetch_slots=4) as cache:  # RAM empty
             for i in range(n):
@@ -609,7 +625,7 @@ async def test_dropping_the_cache_yields_to_other_tasks_between_shards(tmp_path:
             assert cache.memory.statistics().blocks == 0 and cache.memory.used_bytes == 0
             stats = disk.statistics()
             assert stats.blocks == 0 and disk.used_bytes == empty, (disk.used_bytes, empty)
-            assert not any(disk_file(tmp_path, blocks.key("f", i)).exists() for i in range(n))
+            assert os.listdir(tmp_path / "segments") == []  # every segment emptied, so deleted
             data, source = await blocks.get(cache, "f", 3)  # the cache still works
             assert data == blocks.expected("f", 3) and source is Source.BACKEND
     finally:

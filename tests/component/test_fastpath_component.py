@@ -38,6 +38,7 @@ from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch.batches import BatchResolver, Caller
 from cubefs_fuse.prefetch.service import PrefetchService
 from tests.fakes import FakeBackend
+from tests.helpers import damage_block
 
 BLOCK = 4096
 LATENCY = 0.002
@@ -199,9 +200,7 @@ async def test_a_batchs_nvme_blocks_are_read_in_one_thread_call(tmp_path: Path,
         async with open_resolver(backend, disk=disk) as resolver:
             resolver.commit(await resolver.resolve(ME, names, 1 << 20))
             await resolver.fs.cache.drain()
-        damaged = block_key("d/5.jpg", backend.version("d/5.jpg"), 1).hex()
-        block_file = tmp_path / "blocks" / damaged[:2] / damaged
-        block_file.write_bytes(block_file.read_bytes()[:-1] + b"X")
+        damage_block(tmp_path, block_key("d/5.jpg", backend.version("d/5.jpg"), 1), -1)
         backend.operations.clear()
         async with open_resolver(backend, disk=disk) as resolver:  # fresh RAM tier and metadata
             for name in names:
@@ -220,7 +219,7 @@ async def test_a_batchs_nvme_blocks_are_read_in_one_thread_call(tmp_path: Path,
             # usual flight: one disk read that finds it damaged (and a thread to delete it),
             # then the source.
             assert hops.count("read_all") == 1
-            assert hops.count("_read_block_file") == 1
+            assert hops.count("_read_entry") == 1
             assert backend.operations["read"] == 1
             resolver.commit(results)
             assert counters(resolver) == (6, 5, 1)

@@ -27,6 +27,7 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.fs.metadata import MetadataCache
 from tests.fakes import FakeBackend
+from tests.helpers import damage_block
 
 BLOCK = 4096
 LATENCY = 0.01
@@ -218,9 +219,7 @@ async def test_a_file_on_nvme_comes_with_its_lookup_and_counts_as_a_disk_hit(tmp
             assert await read_file(fs, "f") == b"n" * 3000
             assert await read_file(fs, "bad") == b"b" * 3000
             await fs.cache.drain()
-        bad = tmp_path / "blocks" / block_key("bad", backend.version("bad"), 0).hex()[:2]
-        bad_file = bad / block_key("bad", backend.version("bad"), 0).hex()
-        bad_file.write_bytes(bad_file.read_bytes()[:-1] + b"X")  # damaged on NVMe
+        damage_block(tmp_path, block_key("bad", backend.version("bad"), 0), -1)  # damaged on NVMe
         backend.operations.clear()
         async with filesystem(backend, disk=disk) as fs:  # a fresh RAM tier and metadata cache
             assert await read_file(fs, "f") == b"n" * 3000

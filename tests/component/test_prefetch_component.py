@@ -223,6 +223,7 @@ async def run_epochs_on_disk(directory: str, plans: bool, epochs: int = 4, files
         # RAM: two blocks, so hits must come from the disk tier; one prefetch slot, so the
         # hit rate rests on what eviction keeps, not on prefetch outrunning the reader.
         async with open_system(backend, ram=2 * BLOCK, fetch_slots=2, prefetch_slots=1, disk=disk) as s:
+            s.cache.disk_batch_linger = 0  # each write is waited for below: no batch to gather
             dataset = await register(s, paths)
             for epoch in range(epochs):
                 order = list(range(files))

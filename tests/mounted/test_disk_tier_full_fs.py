@@ -42,7 +42,9 @@ async def test_free_space_floor(small_fs: Path) -> None:
         st = os.statvfs(small_fs)
         assert st.f_bavail * st.f_frsize >= floor, f"floor broken after put {i}"
         assert tier.used_bytes <= tier.effective_limit_bytes
-        assert allocated_on_disk(directory) == tier.used_bytes
+        # On disk: the entries and no more than the overhead counted with them (the
+        # directory's growth and the segments' extent trees are bounded, not measured).
+        assert 0 <= tier.used_bytes - allocated_on_disk(directory) <= tier.statistics().directory_bytes
     stats = tier.statistics()
     assert stats.effective_limit_bytes < stats.limit_bytes
     assert stats.evictions > 0  # a full cache keeps taking new blocks by evicting old ones
@@ -67,5 +69,5 @@ async def test_free_space_floor(small_fs: Path) -> None:
         for w in range(24):
             nursery.start_soon(writer, w)
     assert lowest >= floor, f"free space fell to {lowest} below the floor {floor}"
-    assert allocated_on_disk(directory) == tier.used_bytes
+    assert 0 <= tier.used_bytes - allocated_on_disk(directory) <= tier.statistics().directory_bytes
     await tier.close()

@@ -1,9 +1,12 @@
 """DiskTier on real files: limits (accounting and on-disk), corruption, restart from the
-index and from a scan, and the directory lock.  The free-space floor, which needs a small
+index and from a scan (after a crash, with damaged and junk leftovers, the old one-file-
+per-block layout), eviction freeing space (punched ranges, deleted segments), and the
+directory lock.  The free-space floor, which needs a small
 filesystem of its own (a tmpfs, so root), is in tests/mounted/test_disk_tier_full_fs.py."""
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 from pathlib import Path
@@ -11,7 +14,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from cubefs_fuse.cache.disk import HEADER_BYTES, DiskTier, allocated_bytes
+from cubefs_fuse.cache import disk as disk_module
+from cubefs_fuse.cache.disk import DIR_SLACK, HEADER_BYTES, SEGMENT_BYTES, DiskTier, _unpack, allocated_bytes
 from cubefs_fuse.errors import ConfigError
 from tests.helpers import allocated_on_disk, block_key as key, block_payload as payload
 
@@ -19,9 +23,27 @@ from tests.helpers import allocated_on_disk, block_key as key, block_payload as 
 PAGE = 4096
 
 
-def block_path(directory: Path, k: bytes) -> Path:
-    """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py)."""
-    return directory / "blocks" / k.hex()[:2] / k.hex()
+def entry_at(tier: DiskTier, directory: Path, k: bytes) -> tuple[Path, int, int]:
+    """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py): its
+    segment file, offset and allocated size."""
+    segment, offset, size = _unpack(tier._entries[k])
+    return directory / "segments" / f"{segment:08x}.seg", offset, size
+
+
+def stored_bytes(tier: DiskTier) -> int:
+    return sum(_unpack(location)[2] for location in tier._entries.values())
+
+
+def check_accounting(tier: DiskTier, directory: Path) -> int:
+    """With nothing in flight: the tier counts its entries and its overhead
+    (``directory_bytes``: the directory as measured plus DIR_SLACK, the segments'
+    extent-tree bounds) and the filesystem holds at least the entries and at most what
+    is counted.  Returns the bytes on disk."""
+    stats = tier.statistics()
+    on_disk = allocated_on_disk(directory)
+    assert stats.used_bytes == stored_bytes(tier) + stats.directory_bytes
+    assert stored_bytes(tier) <= on_disk <= stats.used_bytes
+    return on_disk
 
 
 async def test_put_get_roundtrip(tmp_path: Path) -> None:
@@ -34,9 +56,10 @@ async def test_put_get_roundtrip(tmp_path: Path) -> None:
     assert await tier.get(key(99)) is None
     stats = tier.statistics()
     assert stats.blocks == len(sizes) and stats.hits == len(sizes) and stats.misses == 1
-    assert stats.directory_bytes > 0  # blocks/, tmp/ and the fan-out blocks/00
-    assert stats.used_bytes == sum(allocated_bytes(s) for s in sizes) + stats.directory_bytes
-    assert stats.used_bytes == allocated_on_disk(tmp_path)
+    assert stats.segments == 1 and len(os.listdir(tmp_path / "segments")) == 1  # packed into one file
+    assert stats.directory_bytes >= DIR_SLACK
+    assert stored_bytes(tier) == sum(allocated_bytes(s) for s in sizes)
+    check_accounting(tier, tmp_path)
     await tier.close()
 
 
@@ -48,17 +71,13 @@ async def test_limit_holds_sequential_and_concurrent(tmp_path: Path) -> None:
     for i in range(300):
         size = rng.choice([0, rng.randrange(1, 3 * PAGE), rng.randrange(3 * PAGE, 12 * PAGE)])
         assert await tier.put(key(i), payload(i, size))
-        on_disk = allocated_on_disk(tmp_path)
         assert tier.used_bytes <= limit
-        assert on_disk <= limit
-        assert on_disk == tier.used_bytes  # nothing in flight: they must match exactly
+        assert check_accounting(tier, tmp_path) <= limit  # nothing in flight
     assert tier.statistics().evictions > 0
 
     # Concurrent: 40 writers race; each samples the filesystem after each of its puts,
-    # with the tier's disk workers paused: a walk while other writers' threads unlink and
-    # write counts an evicted file and its replacement both (a diagnosis that tracked the
-    # bytes under a lock at every write and unlink found the tier at most at its limit
-    # while such a walk read above it, once in ~200 runs), so it is taken in one state.
+    # with the tier's disk workers paused: a walk while other writers' threads punch and
+    # write counts a freed range and its replacement both, so it is taken in one state.
     peak = 0
 
     async def writer(w: int) -> None:
@@ -75,7 +94,7 @@ async def test_limit_holds_sequential_and_concurrent(tmp_path: Path) -> None:
     async with trio.open_nursery() as nursery:
         for w in range(40):
             nursery.start_soon(writer, w)
-    assert allocated_on_disk(tmp_path) == tier.used_bytes <= limit
+    assert check_accounting(tier, tmp_path) <= tier.used_bytes <= limit
     assert peak > limit // 2  # the check ran against a well-filled cache, not an empty one
     await tier.close()
 
@@ -86,7 +105,8 @@ async def test_limit_shrunk_between_runs(tmp_path: Path) -> None:
         await tier.put(key(i), payload(i, 100))
     await tier.close()
     tier = await DiskTier.open(str(tmp_path), 10 * PAGE, 0.0)
-    assert tier.used_bytes <= 10 * PAGE and tier.used_bytes == allocated_on_disk(tmp_path)
+    assert tier.used_bytes <= 10 * PAGE
+    check_accounting(tier, tmp_path)
     kept = tier.statistics().blocks
     assert kept == (10 * PAGE - tier.statistics().directory_bytes) // PAGE
     # The most recently written blocks are the ones kept.
@@ -95,52 +115,63 @@ async def test_limit_shrunk_between_runs(tmp_path: Path) -> None:
     await tier.close()
 
 
-def _flip_payload_byte(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[HEADER_BYTES + 5] ^= 0xFF
-    path.write_bytes(raw)
+def _flip_payload_byte(path: Path, offset: int, length: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset + HEADER_BYTES + 5)
+        byte = f.read(1)
+        f.seek(offset + HEADER_BYTES + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def _truncate_header(path: Path) -> None:
-    os.truncate(path, HEADER_BYTES - 10)
+def _truncate_header(path: Path, offset: int, length: int) -> None:
+    os.truncate(path, offset + HEADER_BYTES - 10)
 
 
-def _truncate_payload(path: Path) -> None:
-    os.truncate(path, path.stat().st_size - 1)
+def _truncate_payload(path: Path, offset: int, length: int) -> None:
+    os.truncate(path, offset + HEADER_BYTES + length - 1)
 
 
-def _extend_payload(path: Path) -> None:
-    with open(path, "ab") as f:
-        f.write(b"x")
+def _zeroed(path: Path, offset: int, length: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(bytes(HEADER_BYTES + length))
 
 
-def _huge_length(path: Path) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[8:12] = ((1 << 32) - 1).to_bytes(4, "little")  # the header's payload length: 4 GiB
-    path.write_bytes(raw)
+def _huge_length(path: Path, offset: int, length: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset + 8)  # the header's payload length: 4 GiB (its own checksum no longer holds)
+        f.write(((1 << 32) - 1).to_bytes(4, "little"))
 
 
-@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_header, _truncate_payload, _extend_payload,
+@pytest.mark.parametrize("damage", [_flip_payload_byte, _truncate_header, _truncate_payload, _zeroed,
                                     _huge_length, "wrong_key"])
 async def test_corrupted_block_is_discarded(tmp_path: Path, damage: object) -> None:
     tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
     good, other = key(1), key(2)
-    await tier.put(good, payload(1, 5000))
     await tier.put(other, payload(2, 5000))
-    path = block_path(tmp_path, good)
+    await tier.put(good, payload(1, 5000))  # the segment's last entry: truncating it spares the other
+    path, offset, size = entry_at(tier, tmp_path, good)
     if damage == "wrong_key":
-        # A well-formed block file under the wrong name (its header holds another key).
-        path.write_bytes(block_path(tmp_path, other).read_bytes())
+        # A well-formed entry in the wrong place (its header holds another key).
+        other_path, other_offset, _ = entry_at(tier, tmp_path, other)
+        with open(other_path, "rb") as f:
+            f.seek(other_offset)
+            raw = f.read(size)
+        with open(path, "r+b") as f:
+            f.seek(offset)
+            f.write(raw)
     else:
         assert callable(damage)
-        damage(path)
+        damage(path, offset, 5000)
     assert await tier.get(good) is None
     stats = tier.statistics()
     assert stats.checksum_failures == 1
-    assert not path.exists()
     assert good not in tier
-    assert stats.blocks == 1 and tier.used_bytes == allocated_bytes(5000) + stats.directory_bytes
-    assert tier.used_bytes == allocated_on_disk(tmp_path)
+    assert stats.blocks == 1 and stored_bytes(tier) == allocated_bytes(5000)
+    check_accounting(tier, tmp_path)
+    with open(path, "rb") as f:  # the damaged range was punched: a hole that reads as zeros
+        if offset + size <= os.fstat(f.fileno()).st_size:
+            assert os.lseek(f.fileno(), offset, os.SEEK_HOLE) == offset
     assert await tier.get(other) == payload(2, 5000)  # the neighbour is untouched
     # Once discarded, the key is an ordinary miss and can be stored again.
     assert await tier.get(good) is None and tier.statistics().checksum_failures == 1
@@ -149,12 +180,15 @@ async def test_corrupted_block_is_discarded(tmp_path: Path, damage: object) -> N
     await tier.close()
 
 
-async def _fill(directory: Path, n: int) -> dict[bytes, bytes]:
+async def _fill(directory: Path, n: int, *, close: bool = True) -> dict[bytes, bytes]:
     tier = await DiskTier.open(str(directory), 1 << 24, 0.0)
     blocks = {key(i): payload(i, i * 37 % 9000) for i in range(n)}
     for k, data in blocks.items():
         await tier.put(k, data)
-    await tier.close()
+    if close:
+        await tier.close()
+    else:
+        tier.release()  # a crash: no index
     return blocks
 
 
@@ -163,8 +197,8 @@ async def _check_reopened(directory: Path, blocks: dict[bytes, bytes], source: s
     stats = tier.statistics()
     assert stats.startup_source == source
     assert stats.blocks == len(blocks)
-    assert stats.used_bytes == sum(allocated_bytes(len(d)) for d in blocks.values()) + stats.directory_bytes
-    assert stats.used_bytes == allocated_on_disk(directory)
+    assert stored_bytes(tier) == sum(allocated_bytes(len(d)) for d in blocks.values())
+    check_accounting(tier, directory)
     for k, data in blocks.items():
         assert k in tier
         assert await tier.get(k) == data
@@ -181,19 +215,48 @@ async def test_restart_from_index_then_from_scan(tmp_path: Path) -> None:
     tier.release()  # a crash: no index written
     assert not (tmp_path / "index.bin").exists()
 
-    # Leftovers of a crash: a half-written block in tmp/ and junk among the blocks.
+    # Leftovers of a crash: a torn entry at the end of a segment (a header whose payload
+    # never made it), a segment of garbage, junk among the segments; and the layout of
+    # old versions (one file per block in blocks/ab/, partial writes in tmp/).
+    segments = sorted((tmp_path / "segments").iterdir())
+    with open(segments[-1], "r+b") as f:
+        end = -(-os.fstat(f.fileno()).st_size // PAGE) * PAGE
+        f.seek(end)
+        f.write(bytes(range(256)) * 16)  # a unit that is no header
+    (tmp_path / "segments" / "ffffff00.seg").write_bytes(b"g" * 3 * PAGE)
+    (tmp_path / "segments" / "not-a-segment").write_bytes(b"junk")
+    (tmp_path / "blocks" / "00").mkdir(parents=True)
+    (tmp_path / "blocks" / "00" / ("00" + "ff" * 15)).write_bytes(b"x" * 100)
+    (tmp_path / "tmp").mkdir()
     (tmp_path / "tmp" / "77").write_bytes(b"partial")
-    junk = tmp_path / "blocks" / "00" / "not-a-key"
-    junk.parent.mkdir(exist_ok=True)
-    junk.write_bytes(b"junk")
-    short = tmp_path / "blocks" / "00" / ("00" + "ff" * 15)  # a key's name, shorter than a header
-    short.write_bytes(b"x" * (HEADER_BYTES - 1))
     tier = await _check_reopened(tmp_path, blocks, "scan")
-    assert not junk.exists() and not short.exists()
-    assert os.listdir(tmp_path / "tmp") == []
-    assert tier.statistics().startup_discarded == 3  # the partial write, the junk, the short block
+    assert not (tmp_path / "blocks").exists() and not (tmp_path / "tmp").exists()
+    assert not (tmp_path / "segments" / "not-a-segment").exists()
+    assert not (tmp_path / "segments" / "ffffff00.seg").exists()  # nothing sound in it: deleted
+    # The old layout's two files, the junk file, the torn unit and the garbage segment.
+    assert tier.statistics().startup_discarded == 5
     await tier.close()
     tier = await _check_reopened(tmp_path, blocks, "index")
+    await tier.close()
+
+
+async def test_crash_between_writes_and_index(tmp_path: Path) -> None:
+    # Blocks written, some evicted, then a crash (no index): a scan finds what is stored
+    # and nothing that was evicted (its range was punched before the crash).
+    limit = 48 * PAGE
+    tier = await DiskTier.open(str(tmp_path), limit, 0.0)
+    for i in range(100):
+        assert await tier.put(key(i), payload(i, 3000))
+    kept = {k for k in (key(i) for i in range(100)) if k in tier}
+    assert 0 < len(kept) < 100
+    tier.release()
+    tier = await DiskTier.open(str(tmp_path), limit, 0.0)
+    assert tier.statistics().startup_source == "scan"
+    assert {k for k in (key(i) for i in range(100)) if k in tier} == kept
+    check_accounting(tier, tmp_path)
+    for i in range(100):
+        if key(i) in kept:
+            assert await tier.get(key(i)) == payload(i, 3000)
     await tier.close()
 
 
@@ -218,34 +281,34 @@ async def test_second_open_fails_naming_the_pid(tmp_path: Path) -> None:
     second.release()
 
 
-def spread_key(i: int) -> bytes:
-    """Key ``i`` in fan-out directory ``i % 256`` (real keys are hashes: spread evenly)."""
-    return bytes([i % 256]) + i.to_bytes(15, "big")
-
-
-async def test_fanout_directories_are_counted_and_removed(tmp_path: Path) -> None:
-    # 200 blocks of one page each in 200 fan-outs: without its directories counted the
-    # tier would hold 64 blocks and 64 fan-outs (4 KiB each on ext4), twice its limit.
-    limit = 64 * PAGE
+async def test_eviction_frees_space_and_deletes_empty_segments(tmp_path: Path) -> None:
+    # Blocks of 1 MiB in a 6 MiB tier: 16 fill a segment, so eviction punches ranges of
+    # the active segment; then blocks that start new segments seal it, and once its last
+    # block is evicted the whole file goes.
+    limit = 6 * 1024 * 1024
     tier = await DiskTier.open(str(tmp_path), limit, 0.0)
-    for i in range(200):
-        assert await tier.put(spread_key(i), payload(i, 100))
-        stats = tier.statistics()
-        assert stats.used_bytes == allocated_on_disk(tmp_path) <= limit
-    fanouts = [d for d in (tmp_path / "blocks").iterdir()]
-    assert len(fanouts) == stats.blocks  # one block per fan-out: emptied ones were removed
-    assert stats.directory_bytes == sum(os.lstat(p).st_blocks * 512 for p in
-                                        [tmp_path / "blocks", tmp_path / "tmp", *fanouts])
+    big = (1 << 20) - HEADER_BYTES  # one entry of exactly 1 MiB
+    for i in range(40):
+        assert await tier.put(key(i), payload(i, big))
+        assert check_accounting(tier, tmp_path) <= limit
+    stats = tier.statistics()
+    assert stats.evictions == 40 - stats.blocks
+    # 40 MiB went through; the first two segments (16 MiB each) have no block left.
+    assert len(os.listdir(tmp_path / "segments")) == stats.segments == 1
+    assert 40 * (1 << 20) > SEGMENT_BYTES * 2
     await tier.clear()
-    assert list((tmp_path / "blocks").iterdir()) == []
-    assert tier.used_bytes == allocated_on_disk(tmp_path)
+    assert os.listdir(tmp_path / "segments") == [] and tier.statistics().segments == 0
+    assert check_accounting(tier, tmp_path) <= tier.used_bytes
+    assert await tier.put(key(100), payload(100, 10))  # a new segment after the drop
+    assert await tier.get(key(100)) == payload(100, 10)
     await tier.close()
     tier = await DiskTier.open(str(tmp_path), limit, 0.0)
-    assert tier.used_bytes == allocated_on_disk(tmp_path) == tier.statistics().directory_bytes
+    assert tier.statistics().blocks == 1
+    check_accounting(tier, tmp_path)
     await tier.close()
 
 
-async def test_fanout_limit_holds_under_concurrent_writers(tmp_path: Path) -> None:
+async def test_limit_holds_under_concurrent_writers_with_small_blocks(tmp_path: Path) -> None:
     limit = 96 * PAGE
     tier = await DiskTier.open(str(tmp_path), limit, 0.0)
     rng = random.Random(11)
@@ -253,7 +316,7 @@ async def test_fanout_limit_holds_under_concurrent_writers(tmp_path: Path) -> No
     async def writer(w: int) -> None:
         for j in range(20):
             i = w * 1000 + j
-            await tier.put(spread_key(rng.randrange(1 << 20)), payload(i, rng.randrange(0, 3 * PAGE)))
+            await tier.put(key(rng.randrange(1 << 20)), payload(i, rng.randrange(0, 3 * PAGE)))
             assert tier.used_bytes <= limit
             async with tier.io_paused():
                 assert allocated_on_disk(tmp_path) <= limit
@@ -261,5 +324,38 @@ async def test_fanout_limit_holds_under_concurrent_writers(tmp_path: Path) -> No
     async with trio.open_nursery() as nursery:
         for w in range(30):
             nursery.start_soon(writer, w)
-    assert allocated_on_disk(tmp_path) == tier.used_bytes <= limit
+    assert check_accounting(tier, tmp_path) <= tier.used_bytes <= limit
+    await tier.close()
+
+
+async def test_a_filesystem_that_cannot_punch_holes_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Evicted blocks are freed by punching their ranges: where that fails (EOPNOTSUPP) the
+    # limit could not hold, so the directory is refused at start-up, naming the key.
+    def unsupported(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(disk_module, "_punch", unsupported)
+    with pytest.raises(ConfigError, match="diskCacheDir.*cannot punch holes"):
+        await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    monkeypatch.undo()
+    tier = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)  # the lock was released
+    assert os.listdir(tmp_path / "segments") == []  # the probe is gone
+    tier.release()
+
+
+async def test_large_segment_ids_survive_the_index(tmp_path: Path) -> None:
+    # Segment ids only grow (one per ~16 MiB written over the cache's life): a location
+    # with a large id still fits the index's u64 and comes back whole.
+    tier = await DiskTier.open(str(tmp_path), 1 << 26, 0.0)
+    tier._next_segment = (1 << 32) - 2
+    big = SEGMENT_BYTES - 2 * PAGE  # two of them take two segments
+    for i in range(3):
+        assert await tier.put(key(i), payload(i, big if i < 2 else 100))
+    assert tier.statistics().segments == 2
+    await tier.close()
+    tier = await DiskTier.open(str(tmp_path), 1 << 26, 0.0)
+    assert tier.statistics().startup_source == "index" and tier.statistics().blocks == 3
+    for i in range(3):
+        assert await tier.get(key(i)) == payload(i, big if i < 2 else 100)
+    check_accounting(tier, tmp_path)
     await tier.close()
