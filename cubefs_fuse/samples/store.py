@@ -6,11 +6,13 @@ and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCache
 ``sampleCacheDiskSize``; 0 turns a tier off):
 
 * **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot part;
-* **NVMe**: one checksummed file per entry under ``<diskCacheDir>/samples/`` (files.py),
-  written by ``put_many`` in one worker-thread hop per batch, so entries survive a
-  restart; at start-up the file headers are scanned in a worker thread and merged into
-  the index in chunks (until that is done, gets miss and puts are dropped).  A damaged
-  file is deleted, counted and answered as a miss, never served.
+* **NVMe**: checksummed entries under ``<diskCacheDir>/samples/`` (files.py), each put
+  batch one segment file written in one worker-thread hop, so entries survive a restart;
+  an entry that leaves is punched out of its segment, and a segment is unlinked when its
+  last entry goes (``_Cache.segments`` counts them).  At start-up the segments' headers
+  are scanned in a worker thread and merged into the index in chunks (until that is
+  done, gets miss and puts are dropped).  A damaged entry is freed, counted and answered
+  as a miss, never served.
 
 **Eviction** (cache/policy.py's :class:`PlannedLru`, one per tier, over every cache of
 the node): ``plan(name, keys)`` gives a cache's next order (an epoch's); an entry the
@@ -46,7 +48,7 @@ import trio
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
-from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
+from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
                                 MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files
 
@@ -103,12 +105,27 @@ class SampleStoreStatistics:
 
 
 class _Entry:
-    __slots__ = ("size", "ram", "disk")
+    __slots__ = ("size", "ram", "disk", "segment", "offset")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.ram: bytes | None = None
-        self.disk = 0  # allocated bytes of its file (0: not on NVMe)
+        self.disk = 0  # bytes charged for it on NVMe (0: not on NVMe)
+        self.segment = self.offset = 0  # where it is on NVMe (while disk)
+
+
+class _Release:
+    """NVMe ranges to punch and segments to unlink, gathered on the trio thread, done in
+    a worker thread (files.release)."""
+
+    __slots__ = ("punches", "unlink")
+
+    def __init__(self) -> None:
+        self.punches: list[tuple[str, int, int]] = []
+        self.unlink: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.punches or self.unlink)
 
 
 class _Plan:
@@ -165,7 +182,8 @@ class _Plan:
 
 class _Cache:
     __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses",
-                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
+                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared",
+                 "segments")
 
     def __init__(self, cache_id: int, owner: int, name: str, shared: bool) -> None:
         self.id = cache_id
@@ -180,9 +198,10 @@ class _Cache:
         self.hits = self.misses = self.stored = self.evictions = 0
         self.ram_bytes = self.disk_bytes = self.bytes = 0
         self.io_lock = trio.Lock()  # its NVMe writes and its removal, one at a time
-        self.writing: set[int] = set()  # keys whose file is being written
+        self.writing: set[int] = set()  # keys whose entry is being written
         self.dropped = False
         self.shared = shared
+        self.segments: dict[int, int] = {}  # segment id -> its entries on NVMe (counted in disk_entries)
 
 
 def check_name(name: Any) -> str:
@@ -217,6 +236,10 @@ class SampleStore:
         self.startup_seconds = 0.0
         self.startup_discarded = 0
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
+        # Segment ids: unique in the store, so a late eviction of a dropped cache's entry can
+        # never punch a segment of a new cache of the same name.
+        self._next_segment = 0
+        self.segment_entries = MAX_SAMPLE_KEYS  # entries per segment: 1 where holes cannot be punched
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, directory: str, mem_limit: int, disk_limit: int,
@@ -225,7 +248,9 @@ class SampleStore:
         """The store over ``directory`` (created); its NVMe entries load in the background."""
         store = cls(directory, mem_limit, disk_limit, free_ratio, shared=shared, admins=admins)
         if disk_limit:
-            await trio.to_thread.run_sync(files.prepare, directory)
+            if not await trio.to_thread.run_sync(files.prepare, directory):
+                store.segment_entries = 1
+                log.warning("sample store: %s cannot punch holes; entries are written one per segment file", directory)
             nursery.start_soon(store._load)
         else:
             store.loaded = True
@@ -277,7 +302,8 @@ class SampleStore:
             return [None] * len(keys)
         out: list[bytes | None] = []
         from_disk: list[int] = []
-        sizes: list[int] = []
+        # key, segment, offset and size of each entry read from NVMe, as they were when asked
+        located: list[tuple[int, int, int, int]] = []
         room = limit_bytes
         for i, key in enumerate(keys):
             entry = cache.entries.get(key)
@@ -293,14 +319,14 @@ class SampleStore:
                 self.ram_policy.touch(_PK.pack(cache.id, key))
             elif entry.disk:
                 from_disk.append(i)
-                sizes.append(entry.size)
+                located.append((key, entry.segment, entry.offset, entry.size))
         keys = keys[:len(out)]
         if from_disk:
-            wanted = [keys[i] for i in from_disk]
-            read = await self._read(owner, name, wanted)
+            read = await self._read(owner, name, [(key, segment, offset) for key, segment, offset, _ in located])
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
                 return [None] * len(keys)
-            for i, key, size, data in zip(from_disk, wanted, sizes, read):
+            damaged = _Release()
+            for i, (key, segment, offset, size), data in zip(from_disk, located, read):
                 entry = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
                     continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
@@ -311,11 +337,14 @@ class SampleStore:
                     if entry is not None:
                         self.disk_policy.touch(_PK.pack(cache.id, key))
                     continue
+                if entry is None or not entry.disk or (entry.segment, entry.offset) != (segment, offset):
+                    continue  # evicted or rewritten meanwhile (its range freed under the read): a miss
                 if data is False:
                     self.corrupt += 1
-                    log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; deleted", name, owner, key)
-                if entry is not None and entry.disk:
-                    self._forget_disk(cache, key, entry)  # the file is gone (deleted above, or by someone)
+                    log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; freed", name, owner, key)
+                self._forget_disk(cache, key, entry, damaged)  # damaged, or its segment is gone
+            if damaged:
+                await trio.to_thread.run_sync(files.release, damaged.punches, damaged.unlink, limiter=self._limiter)
         hits = sum(1 for data in out if data is not None)
         cache.hits += hits
         cache.misses += len(keys) - hits
@@ -484,15 +513,15 @@ class SampleStore:
 
     # -- tiers ------------------------------------------------------------------------
 
-    async def _read(self, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
-        """The keys' files, read by up to DISK_THREADS worker threads at once (a batch's
-        entries are independent files: reading them in parallel keeps the NVMe queue busy)."""
-        share = max(READ_SHARE, -(-len(keys) // DISK_THREADS))
-        parts = [keys[i:i + share] for i in range(0, len(keys), share)]
+    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int]]) -> list[bytes | None | bool]:
+        """The (key, segment, offset) entries, read by up to DISK_THREADS worker threads at
+        once (reading them in parallel keeps the NVMe queue busy)."""
+        share = max(READ_SHARE, -(-len(wanted) // DISK_THREADS))
+        parts = [wanted[i:i + share] for i in range(0, len(wanted), share)]
         results: list[list[bytes | None | bool]] = [[] for _ in parts]
 
         async def read(i: int) -> None:
-            results[i] = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, parts[i],
+            results[i] = await trio.to_thread.run_sync(files.read_entries, self.root, owner, name, parts[i],
                                                        limiter=self._limiter)
 
         async with trio.open_nursery() as nursery:
@@ -533,15 +562,27 @@ class SampleStore:
         cache.ram_bytes -= len(entry.ram)
         entry.ram = None
 
-    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry) -> None:
-        """The entry's file is gone: release its bytes."""
-        self.disk_policy.remove(_PK.pack(cache.id, key))
+    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
+        """The entry leaves NVMe now (``release`` frees its range): release its bytes."""
         self.disk_used -= entry.disk
-        cache.disk_bytes -= entry.disk
-        self.disk_entries -= 1
-        entry.disk = 0
+        self._leave_disk(cache, key, entry, release)
         if entry.ram is None and key not in cache.writing:
             self._remove_entry(cache, key, entry)
+
+    def _leave_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
+        """Take the entry off NVMe in the index (the caller settles ``disk_used``): its range
+        is punched, or its segment unlinked if no other entry of it is left."""
+        self.disk_policy.remove(_PK.pack(cache.id, key))
+        cache.disk_bytes -= entry.disk
+        self.disk_entries -= 1
+        path = files.segment_path(self.root, cache.owner, cache.name, entry.segment)
+        left = cache.segments.pop(entry.segment) - 1
+        if left:
+            cache.segments[entry.segment] = left
+            release.punches.append((path, entry.offset, files.span_of(entry.disk)))
+        else:
+            release.unlink.append(path)
+        entry.disk = 0
 
     def _remove_entry(self, cache: _Cache, key: int, entry: _Entry) -> None:
         if cache.entries.get(key) is entry:
@@ -549,13 +590,14 @@ class SampleStore:
             cache.bytes -= entry.size
 
     async def _write(self, cache: _Cache, items: list[tuple[int, bytes]]) -> set[int]:
-        """Write the items' files (one worker-thread hop), evicting what must go; the keys written."""
+        """Write the items as one new segment (one worker-thread hop), evicting what must go;
+        the keys written."""
         async with cache.io_lock:
             if cache.dropped:
                 return set()
-            # key, data, its file's bytes, the bytes reserved for it, the bytes of the file it replaces
-            batch: list[tuple[int, bytes, int, int, int]] = []
-            unlink: list[str] = []
+            # key, data, its bytes on NVMe, the bytes reserved for it
+            batch: list[tuple[int, bytes, int, int]] = []
+            release = _Release()
             seen: set[int] = set()
             stale = 0
             for key, data in reversed(items):  # the last put of a key in a batch wins
@@ -566,67 +608,67 @@ class SampleStore:
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
                 if victims is None:
                     entry = cache.entries.get(key)
-                    if entry is not None and entry.disk:  # its file holds the older value: it goes too
-                        unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
-                        stale += entry.disk  # counted until unlinked
-                        self.disk_policy.remove(_PK.pack(cache.id, key))
-                        cache.disk_bytes -= entry.disk
-                        self.disk_entries -= 1
-                        entry.disk = 0
+                    if entry is not None and entry.disk:  # NVMe holds the older value: it goes too
+                        stale += entry.disk  # counted until freed
+                        self._leave_disk(cache, key, entry, release)
                     continue
                 freed = 0
                 for pk in victims:
                     cache_id, victim_key = _PK.unpack(pk)
                     owner = self._by_id[cache_id]
                     victim = owner.entries[victim_key]
-                    unlink.append(files.entry_path(self.root, owner.owner, owner.name, victim_key))
                     freed += victim.disk
-                    self.disk_policy.remove(pk)
-                    owner.disk_bytes -= victim.disk
-                    self.disk_entries -= 1
-                    victim.disk = 0
+                    self._leave_disk(owner, victim_key, victim, release)
                     if victim.ram is None:
                         owner.evictions += 1
                         self._remove_entry(owner, victim_key, victim)
                 entry = cache.entries.get(key)
-                replaced = 0
-                if entry is not None and entry.disk:
-                    replaced = entry.disk  # renamed over: counted until the new file is in place
-                    self.disk_policy.remove(_PK.pack(cache.id, key))
-                    cache.disk_bytes -= entry.disk
-                    self.disk_entries -= 1
-                    entry.disk = 0
-                # The victims' bytes become part of this write's reservation: the worker unlinks
+                if entry is not None and entry.disk:  # the older value's range is freed too
+                    freed += entry.disk
+                    self._leave_disk(cache, key, entry, release)
+                # The freed bytes become part of this write's reservation: the worker frees
                 # them before it writes, so the disk never holds more than what is counted.
                 reserved = max(need, freed)
                 self.disk_used += reserved - freed
                 cache.writing.add(key)
-                batch.append((key, data, need, reserved, replaced))
-            if not batch and not unlink:
+                batch.append((key, data, need, reserved))
+            if not batch and not release:
                 return set()
-            result = files.WriteResult([False] * len(batch), len(batch), 0)
+            batch.reverse()  # the segment keeps the put's order
+            # One segment for the batch (one per entry where holes cannot be punched).
+            step = self.segment_entries
+            groups = [batch[i:i + step] for i in range(0, len(batch), step)]
+            segments = [self._next_segment + i for i in range(len(groups))]
+            self._next_segment += len(groups)
+            result = files.WriteResult([False] * len(groups), len(batch), 0)
             try:
                 result = await trio.to_thread.run_sync(
-                    files.write_entries, self.root, cache.owner, cache.name, [(b[0], b[1]) for b in batch],
-                    unlink, self.free_ratio, limiter=self._limiter)
+                    files.write_segments, self.root, cache.owner, cache.name,
+                    [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
+                    release.punches, release.unlink, self.free_ratio, limiter=self._limiter)
             finally:
                 self.disk_used -= stale
                 written: set[int] = set()
-                for (key, data, need, reserved, replaced), ok in zip(batch, result.written):
-                    cache.writing.discard(key)
-                    self.disk_used -= reserved + replaced
-                    if not ok:
-                        continue
-                    self.disk_used += need
-                    entry = cache.entries.get(key)
-                    if entry is None:
-                        entry = cache.entries[key] = _Entry(len(data))
-                        cache.bytes += len(data)
-                    entry.disk = need
-                    cache.disk_bytes += need
-                    self.disk_entries += 1
-                    self.disk_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
-                    written.add(key)
+                for segment, group, ok in zip(segments, groups, result.written):
+                    offsets = files.layout(cache.name, [len(b[1]) for b in group])
+                    for (key, data, need, reserved), offset in zip(group, offsets):
+                        cache.writing.discard(key)
+                        self.disk_used -= reserved
+                        if not ok:
+                            continue
+                        self.disk_used += need
+                        entry = cache.entries.get(key)
+                        if entry is None:
+                            entry = cache.entries[key] = _Entry(len(data))
+                            cache.bytes += len(data)
+                        entry.disk = need
+                        entry.segment, entry.offset = segment, offset
+                        cache.disk_bytes += need
+                        self.disk_entries += 1
+                        self.disk_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
+                        written.add(key)
+                    if ok:
+                        cache.segments[segment] = len(group)
                 self.write_errors += result.errors
             return written
 
@@ -646,27 +688,31 @@ class SampleStore:
                 need = files.allocated_bytes(f.name, f.payload)
                 entry = cache.entries[f.key] = _Entry(f.payload)
                 entry.disk = need
+                entry.segment, entry.offset = f.segment, f.offset
+                cache.segments[f.segment] = cache.segments.get(f.segment, 0) + 1
+                self._next_segment = max(self._next_segment, f.segment + 1)
                 cache.bytes += f.payload
                 cache.disk_bytes += need
                 self.disk_used += need
                 self.disk_entries += 1
                 self.disk_policy.add(_PK.pack(cache.id, f.key), need)
             await trio.lowlevel.checkpoint()
-        unlink: list[str] = []
-        if self.disk_used > self.disk_limit:  # the budget shrank since the files were written
+        release = _Release()
+        evicted = 0
+        if self.disk_used > self.disk_limit:  # the budget shrank since the entries were written
             for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
                 cache_id, key = _PK.unpack(pk)
                 cache = self._by_id[cache_id]
-                unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
-                self._forget_disk(cache, key, cache.entries[key])
+                self._forget_disk(cache, key, cache.entries[key], release)
+                evicted += 1
         for owner, name in over:
             await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
-        if unlink:
-            await trio.to_thread.run_sync(files.remove_files, unlink, limiter=self._limiter)
-        self.startup_discarded = junk + len(unlink)
+        if release:
+            await trio.to_thread.run_sync(files.release, release.punches, release.unlink, limiter=self._limiter)
+        self.startup_discarded = junk + evicted
         self.startup_seconds = time.monotonic() - started
         self.loaded = True
-        log.info("sample store: %d entries in %d caches loaded from %s in %.2f s (%d files discarded)",
+        log.info("sample store: %d entries in %d caches loaded from %s in %.2f s (%d discarded)",
                  self.disk_entries, len(self._caches), self.root, self.startup_seconds, self.startup_discarded)
 
     # -- reporting --------------------------------------------------------------------
@@ -705,6 +751,3 @@ def _alive(pid: int) -> bool:
         return True  # another user's process: it exists
     return True
 
-
-def _read_entries(root: str, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
-    return [files.read_entry(root, owner, name, key) for key in keys]
