@@ -257,6 +257,33 @@ async def test_a_restart_reuses_the_entries_and_discards_torn_files(tmp_path: Pa
     assert small.disk_used <= small.disk_limit and small.statistics().disk_entries == 5
 
 
+async def test_a_restart_walks_segments_past_holes_junk_and_older_copies(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 22)
+    await store.put_many(ME, "c", [(k, entry(k, 9000)) for k in range(6)])
+    first, _ = located(store, ME, "c", 0)
+    await store.put_many(ME, "c", [(k, entry(k, 5000)) for k in (1, 4)])  # their first ranges: holes
+    second, _ = located(store, ME, "c", 1)
+    _, offset = located(store, ME, "c", 2)
+    with open(first, "r+b") as f:  # a damaged header between live entries
+        f.seek(offset)
+        f.write(b"junk")
+    again = await open_store(tmp_path, 0, 1 << 22)
+    expected = [entry(0, 9000), entry(1, 5000), None, entry(3, 9000), entry(4, 5000), entry(5, 9000)]
+    assert await again.get_many(ME, "c", list(range(6))) == expected
+    assert again.statistics().startup_discarded == 1  # the damaged entry's range, punched
+    sizes = {0: 9000, 1: 5000, 3: 9000, 4: 5000, 5: 9000}
+    assert again.disk_used == sum(files.allocated_bytes("c", len(entry(k, n))) for k, n in sizes.items())
+    assert on_disk(tmp_path) <= again.disk_used - 5 * files.ENTRY_CHARGE
+    # A newer segment holding the same keys (a crash between a rewrite and the older
+    # value's punch): the newer copies win, the older segment, left empty, goes.
+    newer = second.with_name(str(int(second.name) + 10))
+    newer.write_bytes(second.read_bytes())
+    third = await open_store(tmp_path, 0, 1 << 22)
+    assert await third.get_many(ME, "c", list(range(6))) == expected
+    assert third.statistics().startup_discarded == 2 and not second.exists() and newer.exists()
+    assert located(third, ME, "c", 4)[0] == newer and third.disk_used == again.disk_used
+
+
 async def test_owners_namespaces_sharing_and_drop(tmp_path: Path) -> None:
     store = await open_store(tmp_path, 1 << 20, 1 << 22, shared=frozenset({(ME, "public")}))
     await store.put_many(ME, "private", [(1, b"mine")])
