@@ -169,7 +169,8 @@ def release(punches: Sequence[tuple[str, int, int]], unlink: Sequence[str]) -> N
             os.unlink(path)
 
 
-def write_segments(root: str, uid: int, name: str, segments: Sequence[tuple[int, Sequence[tuple[int, bytes]]]],
+def write_segments(root: str, uid: int, name: str,
+                   segments: Sequence[tuple[int, Sequence[tuple[int, bytes | memoryview]]]],
                    punches: Sequence[tuple[str, int, int]], unlink: Sequence[str], free_ratio: float) -> WriteResult:
     """Free what ``punches`` and ``unlink`` name (evicted entries), then write each
     (segment id, [(key, payload), ...]) as one new segment, its entries laid out as
@@ -196,7 +197,7 @@ def write_segments(root: str, uid: int, name: str, segments: Sequence[tuple[int,
     return WriteResult(written, errors, skipped)
 
 
-def _iovecs(uid: int, name: bytes, items: Sequence[tuple[int, bytes]]) -> list[list[bytes | memoryview]]:
+def _iovecs(uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> list[list[bytes | memoryview]]:
     """Per entry: its header, name, payload and padding to the next ALIGN boundary (none after the last)."""
     out: list[list[bytes | memoryview]] = []
     zeros = memoryview(_ZEROS)

@@ -40,6 +40,7 @@ import re
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,8 @@ READ_SHARE = 16
 _NAME = re.compile(SAMPLE_NAME_PATTERN)
 _FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
 _PK = struct.Struct("<Iq")  # (cache id, key): one policy key over every cache of the node
+# A put's payload: bytes, or a view of the connection's ring (valid until the put returns).
+Payload = bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,8 +360,15 @@ class SampleStore:
                     self.disk_policy.unplan(pk)
         return out
 
-    async def put_many(self, caller: int, reference: Any, items: list[tuple[int, bytes]]) -> int:
-        """Store what fits; how many entries were kept."""
+    async def put_many(self, caller: int, reference: Any, items: Sequence[tuple[int, Payload]]) -> int:
+        """Store what fits; how many entries were kept.
+
+        With an NVMe tier an entry is written there only, straight from ``items`` (it
+        enters RAM when a get first reads it); RAM takes what NVMe does not (no room, the
+        free-space floor, a failed write), or everything without an NVMe tier.  The
+        payloads may be views of a buffer the caller reuses once this returns (the
+        connection's ring): only copies of them are kept, made in worker threads.
+        """
         owner, name = self.resolve(caller, reference, write=True)
         if not self.loaded:
             self.dropped += len(items)
@@ -368,26 +378,32 @@ class SampleStore:
         if cache.dropped:  # being dropped right now
             self.dropped += len(items)
             return 0
-        kept: set[int] = set()
+        latest: dict[int, Payload] = {}  # the last put of a key in a batch wins
         for key, data in items:
+            latest[key] = data
             entry = cache.entries.get(key)
             if entry is None:
                 entry = cache.entries[key] = _Entry(len(data))
                 cache.bytes += len(data)
-            else:  # a new value: the old one leaves RAM (its file is rewritten below)
+            else:  # a new value: the old one leaves RAM (and NVMe, below)
                 self._forget_ram(cache, key, entry)
                 cache.bytes += len(data) - entry.size
                 entry.size = len(data)
-            if self._admit_ram(cache, key, entry, data):
-                kept.add(key)
             cache.stored += 1
         if self.disk_limit:
-            kept |= await self._write(cache, items)
-        for key, _ in items:
+            kept, copies = await self._write(cache, latest)
+        else:  # up to a ring of bytes: copied in a worker thread
+            kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
+        for key, data in copies:
+            entry = cache.entries.get(key)
+            if (not cache.dropped and entry is not None and entry.ram is None and entry.size == len(data)
+                    and self._admit_ram(cache, key, entry, data)):
+                kept.add(key)
+        for key in latest:
             entry = cache.entries.get(key)
             if entry is not None and entry.ram is None and entry.disk == 0 and key not in cache.writing:
                 self._remove_entry(cache, key, entry)
-        self.dropped += len({k for k, _ in items} - kept)
+        self.dropped += len(latest.keys() - kept)
         return len(kept)
 
     async def plan(self, caller: int, reference: Any, data: bytes, source: int = 0) -> int:
@@ -589,21 +605,21 @@ class SampleStore:
             del cache.entries[key]
             cache.bytes -= entry.size
 
-    async def _write(self, cache: _Cache, items: list[tuple[int, bytes]]) -> set[int]:
-        """Write the items as one new segment (one worker-thread hop), evicting what must go;
-        the keys written."""
+    async def _write(self, cache: _Cache, items: dict[int, Payload]) -> tuple[set[int], list[tuple[int, bytes]]]:
+        """Write the items as one new segment, evicting what must go, in one worker-thread
+        hop: the keys written, and copies of the items that were not (for RAM)."""
         async with cache.io_lock:
             if cache.dropped:
-                return set()
+                return set(), []
             # key, data, its bytes on NVMe, the bytes reserved for it
-            batch: list[tuple[int, bytes, int, int]] = []
+            batch: list[tuple[int, Payload, int, int]] = []
+            others: list[tuple[int, Payload]] = []  # not for NVMe: copied for RAM
             release = _Release()
-            seen: set[int] = set()
             stale = 0
-            for key, data in reversed(items):  # the last put of a key in a batch wins
-                if key in seen or key in cache.writing:
+            for key, data in items.items():
+                if key in cache.writing:  # another put of it is being written: this value is for RAM
+                    others.append((key, data))
                     continue
-                seen.add(key)
                 need = files.allocated_bytes(cache.name, len(data))
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
                 if victims is None:
@@ -611,6 +627,7 @@ class SampleStore:
                     if entry is not None and entry.disk:  # NVMe holds the older value: it goes too
                         stale += entry.disk  # counted until freed
                         self._leave_disk(cache, key, entry, release)
+                    others.append((key, data))
                     continue
                 freed = 0
                 for pk in victims:
@@ -632,20 +649,20 @@ class SampleStore:
                 self.disk_used += reserved - freed
                 cache.writing.add(key)
                 batch.append((key, data, need, reserved))
-            if not batch and not release:
-                return set()
-            batch.reverse()  # the segment keeps the put's order
+            if not batch and not release and not others:
+                return set(), []
             # One segment for the batch (one per entry where holes cannot be punched).
             step = self.segment_entries
             groups = [batch[i:i + step] for i in range(0, len(batch), step)]
             segments = [self._next_segment + i for i in range(len(groups))]
             self._next_segment += len(groups)
             result = files.WriteResult([False] * len(groups), len(batch), 0)
+            copies: list[tuple[int, bytes]] = []
             try:
-                result = await trio.to_thread.run_sync(
-                    files.write_segments, self.root, cache.owner, cache.name,
+                result, copies = await trio.to_thread.run_sync(
+                    _write_and_copy, self.root, cache.owner, cache.name,
                     [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
-                    release.punches, release.unlink, self.free_ratio, limiter=self._limiter)
+                    release, self.free_ratio, others, limiter=self._limiter)
             finally:
                 self.disk_used -= stale
                 written: set[int] = set()
@@ -670,7 +687,7 @@ class SampleStore:
                     if ok:
                         cache.segments[segment] = len(group)
                 self.write_errors += result.errors
-            return written
+            return written, copies
 
     async def _load(self) -> None:
         """Scan the NVMe entries (a worker thread), then merge them into the index in chunks."""
@@ -737,6 +754,23 @@ class SampleStore:
                             "ram_bytes": c.ram_bytes, "disk_bytes": c.disk_bytes, "hits": c.hits, "misses": c.misses,
                             "stored": c.stored, "evictions": c.evictions, "planned": c.planned, "shared": c.shared}
                            for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
+
+
+def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:
+    """Each payload as bytes of its own (a worker thread: up to a ring of bytes)."""
+    return [(key, bytes(data)) for key, data in items]
+
+
+def _write_and_copy(root: str, owner: int, name: str, segments: list[tuple[int, list[tuple[int, Payload]]]],
+                    release: _Release, free_ratio: float,
+                    others: list[tuple[int, Payload]]) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
+    """A put's worker-thread part: free what it evicts, write its segments, and copy for RAM
+    what NVMe did not take (``others``, and the entries of a segment that failed)."""
+    result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio)
+    for (_, entries), ok in zip(segments, result.written):
+        if not ok:
+            others = others + entries
+    return result, _copies(others)
 
 
 def _alive(pid: int) -> bool:

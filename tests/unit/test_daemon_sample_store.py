@@ -59,7 +59,38 @@ async def test_round_trip_in_both_tiers_and_misses(tmp_path: Path) -> None:
     (stats,) = store.statistics().caches
     assert (stats.name, stats.owner, stats.entries, stats.hits, stats.misses) == ("sweep", ME, 5, 3, 1)
     assert stats.bytes == 5 * len(entry(0))
-    assert store.statistics().disk_entries == 5 and store.statistics().ram_entries == 5
+    # A put went to NVMe only; a get promoted what it read to RAM.
+    assert store.statistics().disk_entries == 5 and store.statistics().ram_entries == 3
+    (segment,) = (tmp_path / str(ME) / "sweep").iterdir()
+    segment.unlink()  # NVMe lost: what RAM holds is still served, the rest is a miss
+    assert keys_of(await store.get_many(ME, "sweep", [0, 1, 2, 3, 4])) == [0, None, 2, None, 4]
+
+
+async def test_a_put_of_views_is_written_before_it_returns(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 20)
+    buffer = bytearray(entry(1) + entry(2, 3000))  # as a client lays entries out in its ring
+    with memoryview(buffer) as whole:
+        views = [(1, whole[:len(entry(1))]), (2, whole[len(entry(1)):])]
+        assert await store.put_many(ME, "c", views) == 2
+        for _, view in views:
+            view.release()
+    buffer[:] = bytes(len(buffer))  # the ring is the client's again
+    assert await store.get_many(ME, "c", [1, 2]) == [entry(1), entry(2, 3000)]
+
+
+async def test_ram_takes_what_nvme_does_not(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:  # a free-space floor no filesystem is above
+        store = await SampleStore.open(nursery, str(tmp_path), 1 << 20, 1 << 20, 1.0, admins=ADMINS)
+    assert await store.put_many(ME, "c", [(k, entry(k)) for k in range(3)]) == 3
+    stats = store.statistics()
+    assert (stats.ram_entries, stats.disk_entries, stats.dropped) == (3, 0, 0)
+    assert keys_of(await store.get_many(ME, "c", [0, 1, 2])) == [0, 1, 2]
+    # The payloads may be views of a buffer reused once the put returns: RAM keeps copies.
+    buffer = bytearray(entry(7))
+    with memoryview(buffer) as view:
+        assert await store.put_many(ME, "c", [(7, view)]) == 1
+    buffer[:] = bytes(len(buffer))
+    assert await store.get_many(ME, "c", [7]) == [entry(7)]
 
 
 async def test_ram_budget_holds_and_evicts_least_recently_used_without_a_plan(tmp_path: Path) -> None:
