@@ -548,6 +548,12 @@ class SampleStore:
     def _next_use(self, cache: _Cache, key: int) -> int | None:
         return cache.plan.next_use(key) if cache.plan is not None else None
 
+    def _next_uses(self, cache: _Cache, keys: list[int]) -> list[int | None]:
+        """``_next_use`` of each key, in one numpy pass (a batch's: ~10 us per key one by one)."""
+        if cache.plan is None:
+            return [None] * len(keys)
+        return [None if use < 0 else use for use in cache.plan.next_uses(keys)]
+
     def _admit_ram(self, cache: _Cache, key: int, entry: _Entry, data: bytes) -> bool:
         if not self.mem_limit:
             return False
@@ -616,12 +622,12 @@ class SampleStore:
             others: list[tuple[int, Payload]] = []  # not for NVMe: copied for RAM
             release = _Release()
             stale = 0
-            for key, data in items.items():
+            for (key, data), use in zip(items.items(), self._next_uses(cache, list(items))):
                 if key in cache.writing:  # another put of it is being written: this value is for RAM
                     others.append((key, data))
                     continue
                 need = files.allocated_bytes(cache.name, len(data))
-                victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
+                victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, use)
                 if victims is None:
                     entry = cache.entries.get(key)
                     if entry is not None and entry.disk:  # NVMe holds the older value: it goes too
@@ -668,7 +674,8 @@ class SampleStore:
                 written: set[int] = set()
                 for segment, group, ok in zip(segments, groups, result.written):
                     offsets = files.layout(cache.name, [len(b[1]) for b in group])
-                    for (key, data, need, reserved), offset in zip(group, offsets):
+                    uses = self._next_uses(cache, [b[0] for b in group])  # the plan may have changed meanwhile
+                    for (key, data, need, reserved), offset, use in zip(group, offsets, uses):
                         cache.writing.discard(key)
                         self.disk_used -= reserved
                         if not ok:
@@ -682,7 +689,7 @@ class SampleStore:
                         entry.segment, entry.offset = segment, offset
                         cache.disk_bytes += need
                         self.disk_entries += 1
-                        self.disk_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
+                        self.disk_policy.add(_PK.pack(cache.id, key), need, use)
                         written.add(key)
                     if ok:
                         cache.segments[segment] = len(group)
