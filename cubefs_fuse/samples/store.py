@@ -5,9 +5,13 @@ and checked by the training side: bytes here), shared by every rank and job of t
 and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCacheMemSize``,
 ``sampleCacheDiskSize``; 0 turns a tier off):
 
-* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot part;
+* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot
+  part: what gets read from NVMe (promoted), and what a put could not write there (or
+  every put, without an NVMe tier);
 * **NVMe**: checksummed entries under ``<diskCacheDir>/samples/`` (files.py), each put
-  batch one segment file written in one worker-thread hop, so entries survive a restart;
+  batch one segment file written in one worker-thread hop straight from the connection's
+  ring (no copy: a copy's fresh memory cost more than the write), so entries survive a
+  restart;
   an entry that leaves is punched out of its segment, and a segment is unlinked when its
   last entry goes (``_Cache.segments`` counts them).  At start-up the segments' headers
   are scanned in a worker thread and merged into the index in chunks (until that is
