@@ -221,6 +221,20 @@ async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(
     assert store.statistics().disk_entries == 10 and on_disk(tmp_path) <= store.disk_used
 
 
+async def test_without_hole_punching_each_entry_is_a_segment_of_its_own(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "punch", lambda fd, offset, length: (_ for _ in ()).throw(OSError(95, "no")))
+    one = files.allocated_bytes("c", 20_000)
+    store = await open_store(tmp_path, 0, 4 * one)
+    assert store.segment_entries == 1  # the start-up probe found no hole punching
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(4)])
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 4
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(4, 6)])  # two go: unlinked
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 4
+    assert on_disk(tmp_path) <= store.disk_used <= store.disk_limit
+    assert keys_of(await store.get_many(ME, "c", list(range(6)))) == [None, None, 2, 3, 4, 5]
+
+
 async def test_a_rewritten_key_frees_its_older_range(tmp_path: Path) -> None:
     store = await open_store(tmp_path, 0, 1 << 22)
     await store.put_many(ME, "c", [(k, entry(k, 9000)) for k in range(4)])
