@@ -378,12 +378,15 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     store = await open_store(tmp_path, 30 * (20_000 + RAM_ENTRY_OVERHEAD), 40 * one)
     rng = np.random.default_rng(11)
     halfway = trio.Event()
+    done = trio.Event()
     dropped: list[tuple[int, int]] = []
 
     async def writer(name: str, start: int) -> None:
         for i in range(30):
             if i == 10 and name == "a":
                 halfway.set()
+            if i == 20 and name == "a":
+                await done.wait()  # its last puts make "a" anew (those during the drop were dropped)
             keys = [int(k) for k in rng.integers(start, start + 200, 8)]
             await store.put_many(ME, name, [(k, entry(k, int(rng.integers(1, 20_000)))) for k in keys])
             await store.get_many(ME, name, keys[:4])
@@ -392,6 +395,7 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     async def dropper() -> None:
         await halfway.wait()  # mid-way: every writer is still putting, "a" too (it makes "a" anew)
         dropped.append(await store.drop(ME, "a"))
+        done.set()
 
     async with trio.open_nursery() as nursery:
         for name, start in (("a", 0), ("b", 1000), ("c", 2000)):
