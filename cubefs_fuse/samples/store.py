@@ -672,7 +672,7 @@ class SampleStore:
                 result, copies = await trio.to_thread.run_sync(
                     _write_and_copy, self.root, cache.owner, cache.name,
                     [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
-                    release, self.free_ratio, others, limiter=self._limiter)
+                    release, self.free_ratio, others if self.mem_limit else None, limiter=self._limiter)
             finally:
                 self.disk_used -= stale
                 written: set[int] = set()
@@ -774,10 +774,13 @@ def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:
 
 def _write_and_copy(root: str, owner: int, name: str, segments: list[tuple[int, list[tuple[int, Payload]]]],
                     release: _Release, free_ratio: float,
-                    others: list[tuple[int, Payload]]) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
+                    others: list[tuple[int, Payload]] | None) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
     """A put's worker-thread part: free what it evicts, write its segments, and copy for RAM
-    what NVMe did not take (``others``, and the entries of a segment that failed)."""
+    what NVMe did not take (``others``, and the entries of a segment that failed; None:
+    there is no RAM tier, nothing to copy)."""
     result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio)
+    if others is None:
+        return result, []
     for (_, entries), ok in zip(segments, result.written):
         if not ok:
             others = others + entries
