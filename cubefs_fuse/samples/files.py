@@ -245,30 +245,35 @@ def read_entries(root: str, uid: int, name: str,
     bytes there are not that entry, whole and intact (damaged, or freed meanwhile).
 
     The header is read first and checked against the segment's size, then exactly the
-    payload (one allocation of its size), then the checksum over both.  Nothing is
-    changed here: the store frees what is damaged.
+    payload (one allocation of its size), then the checksum over both.  One segment is
+    open at a time (consecutive entries of one segment share it), as one file was before
+    segments: a thread never holds more than one descriptor.  Nothing is changed here:
+    the store frees what is damaged.
     """
     encoded = name.encode()
     out: list[bytes | None | bool] = []
-    opened: dict[int, tuple[int, int] | None] = {}  # segment -> (fd, size), None: gone
+    current: tuple[int, int, int] | None = None  # segment, fd, size
     try:
         for key, segment, offset in wanted:
-            if segment not in opened:
+            if current is None or current[0] != segment:
+                if current is not None:
+                    os.close(current[1])
+                    current = None
                 try:
                     fd = os.open(segment_path(root, uid, name, segment), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 except OSError:
-                    opened[segment] = None
-                else:
-                    opened[segment] = (fd, os.fstat(fd).st_size)
-            at = opened[segment]
-            if at is None:
-                out.append(None)
-                continue
-            out.append(_read_one(at[0], at[1], uid, encoded, key, offset))
+                    out.append(None)
+                    continue
+                try:
+                    current = (segment, fd, os.fstat(fd).st_size)
+                except OSError:
+                    os.close(fd)
+                    out.append(False)
+                    continue
+            out.append(_read_one(current[1], current[2], uid, encoded, key, offset))
     finally:
-        for at in opened.values():
-            if at is not None:
-                os.close(at[0])
+        if current is not None:
+            os.close(current[1])
     return out
 
 
