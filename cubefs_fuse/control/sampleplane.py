@@ -13,8 +13,7 @@ caller's own, ``~UID/NAME`` another user's (samples/store.py says who may do wha
   n}``: the client wrote the entries into the ring first (the ring is sealed against
   resizing only, so the client's mapping may write); the daemon writes them to NVMe (or
   copies them to RAM) before it answers, so the ring is the client's again once the
-  answer arrives.  ``n`` entries
-  were kept (a store may drop any: full, still loading).
+  answer arrives.  ``n`` entries were kept (a store may drop any: full, still loading).
 * ``{"op": "sample_plan", "name": N, "count": c}`` → ``{"planned": c}``: the next order of
   the cache's keys, ``c`` little-endian int64s at the start of the ring (at most
   MAX_SAMPLE_PLAN_KEYS: one ring).  With ``"held": true`` the answer also has ``"held": h``
