@@ -11,9 +11,9 @@ caller's own, ``~UID/NAME`` another user's (samples/store.py says who may do wha
   again for the rest.  The bytes belong to the client until its next message.
 * ``{"op": "sample_put", "name": N, "items": [[key, offset, length], ...]}`` → ``{"stored":
   n}``: the client wrote the entries into the ring first (the ring is sealed against
-  resizing only, so the client's mapping may write); the daemon copies them out before
-  it answers, so the ring is the client's again once the answer arrives.  ``n`` entries
-  were kept (a store may drop any: full, still loading).
+  resizing only, so the client's mapping may write); the daemon writes them to NVMe (or
+  copies them to RAM) before it answers, so the ring is the client's again once the
+  answer arrives.  ``n`` entries were kept (a store may drop any: full, still loading).
 * ``{"op": "sample_plan", "name": N, "count": c}`` → ``{"planned": c}``: the next order of
   the cache's keys, ``c`` little-endian int64s at the start of the ring (at most
   MAX_SAMPLE_PLAN_KEYS: one ring).  With ``"held": true`` the answer also has ``"held": h``
@@ -24,7 +24,8 @@ A request the store refuses (a bad name, a foreign cache, too large, no room) is
 answered ``{"error": ..., "status": <HTTP-like status>}`` and the connection stays open;
 only a malformed message (not JSON, an unknown op) closes it, as for batches.
 Every op is bounded: at most MAX_SAMPLE_KEYS keys per message, at most a ring of bytes,
-copied COPY_STEP at a time between checkpoints of the trio thread.
+copied COPY_STEP at a time between checkpoints of the trio thread (a put's entries: in
+worker threads, see samples/store.py's put_many).
 """
 
 from __future__ import annotations
@@ -103,8 +104,7 @@ class SamplePlane:
             raise BadRequest(f"'items' must be a list of 1-{MAX_SAMPLE_KEYS} [key, offset, length] items")
         # Who may write is checked before any byte is copied.
         self.store.resolve(peer.uid, data.get("name"), write=True)
-        items: list[tuple[int, bytes]] = []
-        copied = 0
+        spans: list[tuple[int, int, int]] = []
         for item in raw:
             if not isinstance(item, list) or len(item) != 3:
                 raise BadRequest("each item must be [key, offset, length]")
@@ -113,12 +113,19 @@ class SamplePlane:
                 raise BadRequest(f"item {key}: [offset, length] must lie inside the ring of {ring.size} bytes")
             if length > MAX_SAMPLE_ENTRY_BYTES:
                 raise TooLarge(f"item {key}: an entry is at most {MAX_SAMPLE_ENTRY_BYTES} bytes")
-            items.append((key, ring.map[offset:offset + length]))  # a copy: the ring is the client's again
-            copied += length
-            if copied >= COPY_STEP:
-                copied = 0
-                await trio.lowlevel.checkpoint()
-        return {"stored": await self.store.put_many(peer.uid, data.get("name"), items)}
+            spans.append((key, offset, length))
+        # The store gets views of the ring: it writes NVMe straight from them and copies only
+        # what goes to RAM, in worker threads (a copy lands in fresh memory, whose page faults
+        # were most of a put's cost and held the trio thread for milliseconds per batch).
+        # The views die with this call: the ring is the client's again once answered.
+        with memoryview(ring.map) as whole:
+            views = [(key, whole[offset:offset + length]) for key, offset, length in spans]
+            try:
+                stored = await self.store.put_many(peer.uid, data.get("name"), views)
+            finally:
+                for _, view in views:
+                    view.release()
+        return {"stored": stored}
 
     async def _plan(self, data: dict[str, Any], ring: Ring, peer: Peer) -> dict[str, Any]:
         count = data.get("count")

@@ -5,12 +5,18 @@ and checked by the training side: bytes here), shared by every rank and job of t
 and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCacheMemSize``,
 ``sampleCacheDiskSize``; 0 turns a tier off):
 
-* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot part;
-* **NVMe**: one checksummed file per entry under ``<diskCacheDir>/samples/`` (files.py),
-  written by ``put_many`` in one worker-thread hop per batch, so entries survive a
-  restart; at start-up the file headers are scanned in a worker thread and merged into
-  the index in chunks (until that is done, gets miss and puts are dropped).  A damaged
-  file is deleted, counted and answered as a miss, never served.
+* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot
+  part: what gets read from NVMe (promoted), and what a put could not write there (or
+  every put, without an NVMe tier);
+* **NVMe**: checksummed entries under ``<diskCacheDir>/samples/`` (files.py), each put
+  batch one segment file written in one worker-thread hop straight from the connection's
+  ring (no copy: a copy's fresh memory cost more than the write), so entries survive a
+  restart;
+  an entry that leaves is punched out of its segment, and a segment is unlinked when its
+  last entry goes (``_Cache.segments`` counts them).  At start-up the segments' headers
+  are scanned in a worker thread and merged into the index in chunks (until that is
+  done, gets miss and puts are dropped).  A damaged entry is freed, counted and answered
+  as a miss, never served.
 
 **Eviction** (cache/policy.py's :class:`PlannedLru`, one per tier, over every cache of
 the node): ``plan(name, keys)`` gives a cache's next order (an epoch's); an entry the
@@ -38,6 +44,7 @@ import re
 import struct
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +53,7 @@ import trio
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
-from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_PLAN_KEYS,
+from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
                                 MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files
 
@@ -67,6 +74,8 @@ READ_SHARE = 16
 _NAME = re.compile(SAMPLE_NAME_PATTERN)
 _FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
 _PK = struct.Struct("<Iq")  # (cache id, key): one policy key over every cache of the node
+# A put's payload: bytes, or a view of the connection's ring (valid until the put returns).
+Payload = bytes | memoryview
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +112,27 @@ class SampleStoreStatistics:
 
 
 class _Entry:
-    __slots__ = ("size", "ram", "disk")
+    __slots__ = ("size", "ram", "disk", "segment", "offset")
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.ram: bytes | None = None
-        self.disk = 0  # allocated bytes of its file (0: not on NVMe)
+        self.disk = 0  # bytes charged for it on NVMe (0: not on NVMe)
+        self.segment = self.offset = 0  # where it is on NVMe (while disk)
+
+
+class _Release:
+    """NVMe ranges to punch and segments to unlink, gathered on the trio thread, done in
+    a worker thread (files.release)."""
+
+    __slots__ = ("punches", "unlink")
+
+    def __init__(self) -> None:
+        self.punches: list[tuple[str, int, int]] = []
+        self.unlink: list[str] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.punches or self.unlink)
 
 
 class _Plan:
@@ -165,7 +189,8 @@ class _Plan:
 
 class _Cache:
     __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses",
-                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared")
+                 "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared",
+                 "segments")
 
     def __init__(self, cache_id: int, owner: int, name: str, shared: bool) -> None:
         self.id = cache_id
@@ -180,9 +205,10 @@ class _Cache:
         self.hits = self.misses = self.stored = self.evictions = 0
         self.ram_bytes = self.disk_bytes = self.bytes = 0
         self.io_lock = trio.Lock()  # its NVMe writes and its removal, one at a time
-        self.writing: set[int] = set()  # keys whose file is being written
+        self.writing: set[int] = set()  # keys whose entry is being written
         self.dropped = False
         self.shared = shared
+        self.segments: dict[int, int] = {}  # segment id -> its entries on NVMe (counted in disk_entries)
 
 
 def check_name(name: Any) -> str:
@@ -217,6 +243,10 @@ class SampleStore:
         self.startup_seconds = 0.0
         self.startup_discarded = 0
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
+        # Segment ids: unique in the store, so a late eviction of a dropped cache's entry can
+        # never punch a segment of a new cache of the same name.
+        self._next_segment = 0
+        self.segment_entries = MAX_SAMPLE_KEYS  # entries per segment: 1 where holes cannot be punched
 
     @classmethod
     async def open(cls, nursery: trio.Nursery, directory: str, mem_limit: int, disk_limit: int,
@@ -225,7 +255,9 @@ class SampleStore:
         """The store over ``directory`` (created); its NVMe entries load in the background."""
         store = cls(directory, mem_limit, disk_limit, free_ratio, shared=shared, admins=admins)
         if disk_limit:
-            await trio.to_thread.run_sync(files.prepare, directory)
+            if not await trio.to_thread.run_sync(files.prepare, directory):
+                store.segment_entries = 1
+                log.warning("sample store: %s cannot punch holes; entries are written one per segment file", directory)
             nursery.start_soon(store._load)
         else:
             store.loaded = True
@@ -277,7 +309,8 @@ class SampleStore:
             return [None] * len(keys)
         out: list[bytes | None] = []
         from_disk: list[int] = []
-        sizes: list[int] = []
+        # key, segment, offset and size of each entry read from NVMe, as they were when asked
+        located: list[tuple[int, int, int, int]] = []
         room = limit_bytes
         for i, key in enumerate(keys):
             entry = cache.entries.get(key)
@@ -293,14 +326,14 @@ class SampleStore:
                 self.ram_policy.touch(_PK.pack(cache.id, key))
             elif entry.disk:
                 from_disk.append(i)
-                sizes.append(entry.size)
+                located.append((key, entry.segment, entry.offset, entry.size))
         keys = keys[:len(out)]
         if from_disk:
-            wanted = [keys[i] for i in from_disk]
-            read = await self._read(owner, name, wanted)
+            read = await self._read(owner, name, [(key, segment, offset) for key, segment, offset, _ in located])
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
                 return [None] * len(keys)
-            for i, key, size, data in zip(from_disk, wanted, sizes, read):
+            damaged = _Release()
+            for i, (key, segment, offset, size), data in zip(from_disk, located, read):
                 entry = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
                     continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
@@ -311,11 +344,14 @@ class SampleStore:
                     if entry is not None:
                         self.disk_policy.touch(_PK.pack(cache.id, key))
                     continue
+                if entry is None or not entry.disk or (entry.segment, entry.offset) != (segment, offset):
+                    continue  # evicted or rewritten meanwhile (its range freed under the read): a miss
                 if data is False:
                     self.corrupt += 1
-                    log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; deleted", name, owner, key)
-                if entry is not None and entry.disk:
-                    self._forget_disk(cache, key, entry)  # the file is gone (deleted above, or by someone)
+                    log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; freed", name, owner, key)
+                self._forget_disk(cache, key, entry, damaged)  # damaged, or its segment is gone
+            if damaged:
+                await trio.to_thread.run_sync(files.release, damaged.punches, damaged.unlink, limiter=self._limiter)
         hits = sum(1 for data in out if data is not None)
         cache.hits += hits
         cache.misses += len(keys) - hits
@@ -328,8 +364,15 @@ class SampleStore:
                     self.disk_policy.unplan(pk)
         return out
 
-    async def put_many(self, caller: int, reference: Any, items: list[tuple[int, bytes]]) -> int:
-        """Store what fits; how many entries were kept."""
+    async def put_many(self, caller: int, reference: Any, items: Sequence[tuple[int, Payload]]) -> int:
+        """Store what fits; how many entries were kept.
+
+        With an NVMe tier an entry is written there only, straight from ``items`` (it
+        enters RAM when a get first reads it); RAM takes what NVMe does not (no room, the
+        free-space floor, a failed write), or everything without an NVMe tier.  The
+        payloads may be views of a buffer the caller reuses once this returns (the
+        connection's ring): only copies of them are kept, made in worker threads.
+        """
         owner, name = self.resolve(caller, reference, write=True)
         if not self.loaded:
             self.dropped += len(items)
@@ -339,26 +382,32 @@ class SampleStore:
         if cache.dropped:  # being dropped right now
             self.dropped += len(items)
             return 0
-        kept: set[int] = set()
+        latest: dict[int, Payload] = {}  # the last put of a key in a batch wins
         for key, data in items:
+            latest[key] = data
             entry = cache.entries.get(key)
             if entry is None:
                 entry = cache.entries[key] = _Entry(len(data))
                 cache.bytes += len(data)
-            else:  # a new value: the old one leaves RAM (its file is rewritten below)
+            else:  # a new value: the old one leaves RAM (and NVMe, below)
                 self._forget_ram(cache, key, entry)
                 cache.bytes += len(data) - entry.size
                 entry.size = len(data)
-            if self._admit_ram(cache, key, entry, data):
-                kept.add(key)
             cache.stored += 1
         if self.disk_limit:
-            kept |= await self._write(cache, items)
-        for key, _ in items:
+            kept, copies = await self._write(cache, latest)
+        else:  # up to a ring of bytes: copied in a worker thread
+            kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
+        for key, data in copies:
+            entry = cache.entries.get(key)
+            if (not cache.dropped and entry is not None and entry.ram is None and entry.size == len(data)
+                    and self._admit_ram(cache, key, entry, data)):
+                kept.add(key)
+        for key in latest:
             entry = cache.entries.get(key)
             if entry is not None and entry.ram is None and entry.disk == 0 and key not in cache.writing:
                 self._remove_entry(cache, key, entry)
-        self.dropped += len({k for k, _ in items} - kept)
+        self.dropped += len(latest.keys() - kept)
         return len(kept)
 
     async def plan(self, caller: int, reference: Any, data: bytes, source: int = 0) -> int:
@@ -484,15 +533,15 @@ class SampleStore:
 
     # -- tiers ------------------------------------------------------------------------
 
-    async def _read(self, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
-        """The keys' files, read by up to DISK_THREADS worker threads at once (a batch's
-        entries are independent files: reading them in parallel keeps the NVMe queue busy)."""
-        share = max(READ_SHARE, -(-len(keys) // DISK_THREADS))
-        parts = [keys[i:i + share] for i in range(0, len(keys), share)]
+    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int]]) -> list[bytes | None | bool]:
+        """The (key, segment, offset) entries, read by up to DISK_THREADS worker threads at
+        once (reading them in parallel keeps the NVMe queue busy)."""
+        share = max(READ_SHARE, -(-len(wanted) // DISK_THREADS))
+        parts = [wanted[i:i + share] for i in range(0, len(wanted), share)]
         results: list[list[bytes | None | bool]] = [[] for _ in parts]
 
         async def read(i: int) -> None:
-            results[i] = await trio.to_thread.run_sync(_read_entries, self.root, owner, name, parts[i],
+            results[i] = await trio.to_thread.run_sync(files.read_entries, self.root, owner, name, parts[i],
                                                        limiter=self._limiter)
 
         async with trio.open_nursery() as nursery:
@@ -502,6 +551,12 @@ class SampleStore:
 
     def _next_use(self, cache: _Cache, key: int) -> int | None:
         return cache.plan.next_use(key) if cache.plan is not None else None
+
+    def _next_uses(self, cache: _Cache, keys: list[int]) -> list[int | None]:
+        """``_next_use`` of each key, in one numpy pass (a batch's: ~10 us per key one by one)."""
+        if cache.plan is None:
+            return [None] * len(keys)
+        return [None if use < 0 else use for use in cache.plan.next_uses(keys)]
 
     def _admit_ram(self, cache: _Cache, key: int, entry: _Entry, data: bytes) -> bool:
         if not self.mem_limit:
@@ -533,102 +588,117 @@ class SampleStore:
         cache.ram_bytes -= len(entry.ram)
         entry.ram = None
 
-    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry) -> None:
-        """The entry's file is gone: release its bytes."""
-        self.disk_policy.remove(_PK.pack(cache.id, key))
+    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
+        """The entry leaves NVMe now (``release`` frees its range): release its bytes."""
         self.disk_used -= entry.disk
-        cache.disk_bytes -= entry.disk
-        self.disk_entries -= 1
-        entry.disk = 0
+        self._leave_disk(cache, key, entry, release)
         if entry.ram is None and key not in cache.writing:
             self._remove_entry(cache, key, entry)
+
+    def _leave_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
+        """Take the entry off NVMe in the index (the caller settles ``disk_used``): its range
+        is punched, or its segment unlinked if no other entry of it is left."""
+        self.disk_policy.remove(_PK.pack(cache.id, key))
+        cache.disk_bytes -= entry.disk
+        self.disk_entries -= 1
+        path = files.segment_path(self.root, cache.owner, cache.name, entry.segment)
+        left = cache.segments.pop(entry.segment) - 1
+        if left:
+            cache.segments[entry.segment] = left
+            release.punches.append((path, entry.offset, files.span_of(entry.disk)))
+        else:
+            release.unlink.append(path)
+        entry.disk = 0
 
     def _remove_entry(self, cache: _Cache, key: int, entry: _Entry) -> None:
         if cache.entries.get(key) is entry:
             del cache.entries[key]
             cache.bytes -= entry.size
 
-    async def _write(self, cache: _Cache, items: list[tuple[int, bytes]]) -> set[int]:
-        """Write the items' files (one worker-thread hop), evicting what must go; the keys written."""
+    async def _write(self, cache: _Cache, items: dict[int, Payload]) -> tuple[set[int], list[tuple[int, bytes]]]:
+        """Write the items as one new segment, evicting what must go, in one worker-thread
+        hop: the keys written, and copies of the items that were not (for RAM)."""
         async with cache.io_lock:
             if cache.dropped:
-                return set()
-            # key, data, its file's bytes, the bytes reserved for it, the bytes of the file it replaces
-            batch: list[tuple[int, bytes, int, int, int]] = []
-            unlink: list[str] = []
-            seen: set[int] = set()
+                return set(), []
+            # key, data, its bytes on NVMe, the bytes reserved for it
+            batch: list[tuple[int, Payload, int, int]] = []
+            others: list[tuple[int, Payload]] = []  # not for NVMe: copied for RAM
+            release = _Release()
             stale = 0
-            for key, data in reversed(items):  # the last put of a key in a batch wins
-                if key in seen or key in cache.writing:
+            for (key, data), use in zip(items.items(), self._next_uses(cache, list(items))):
+                if key in cache.writing:  # another put of it is being written: this value is for RAM
+                    others.append((key, data))
                     continue
-                seen.add(key)
                 need = files.allocated_bytes(cache.name, len(data))
-                victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, self._next_use(cache, key))
+                victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, use)
                 if victims is None:
                     entry = cache.entries.get(key)
-                    if entry is not None and entry.disk:  # its file holds the older value: it goes too
-                        unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
-                        stale += entry.disk  # counted until unlinked
-                        self.disk_policy.remove(_PK.pack(cache.id, key))
-                        cache.disk_bytes -= entry.disk
-                        self.disk_entries -= 1
-                        entry.disk = 0
+                    if entry is not None and entry.disk:  # NVMe holds the older value: it goes too
+                        stale += entry.disk  # counted until freed
+                        self._leave_disk(cache, key, entry, release)
+                    others.append((key, data))
                     continue
                 freed = 0
                 for pk in victims:
                     cache_id, victim_key = _PK.unpack(pk)
                     owner = self._by_id[cache_id]
                     victim = owner.entries[victim_key]
-                    unlink.append(files.entry_path(self.root, owner.owner, owner.name, victim_key))
                     freed += victim.disk
-                    self.disk_policy.remove(pk)
-                    owner.disk_bytes -= victim.disk
-                    self.disk_entries -= 1
-                    victim.disk = 0
+                    self._leave_disk(owner, victim_key, victim, release)
                     if victim.ram is None:
                         owner.evictions += 1
                         self._remove_entry(owner, victim_key, victim)
                 entry = cache.entries.get(key)
-                replaced = 0
-                if entry is not None and entry.disk:
-                    replaced = entry.disk  # renamed over: counted until the new file is in place
-                    self.disk_policy.remove(_PK.pack(cache.id, key))
-                    cache.disk_bytes -= entry.disk
-                    self.disk_entries -= 1
-                    entry.disk = 0
-                # The victims' bytes become part of this write's reservation: the worker unlinks
+                if entry is not None and entry.disk:  # the older value's range is freed too
+                    freed += entry.disk
+                    self._leave_disk(cache, key, entry, release)
+                # The freed bytes become part of this write's reservation: the worker frees
                 # them before it writes, so the disk never holds more than what is counted.
                 reserved = max(need, freed)
                 self.disk_used += reserved - freed
                 cache.writing.add(key)
-                batch.append((key, data, need, reserved, replaced))
-            if not batch and not unlink:
-                return set()
-            result = files.WriteResult([False] * len(batch), len(batch), 0)
+                batch.append((key, data, need, reserved))
+            if not batch and not release and not others:
+                return set(), []
+            # One segment for the batch (one per entry where holes cannot be punched).
+            step = self.segment_entries
+            groups = [batch[i:i + step] for i in range(0, len(batch), step)]
+            segments = [self._next_segment + i for i in range(len(groups))]
+            self._next_segment += len(groups)
+            result = files.WriteResult([False] * len(groups), len(batch), 0)
+            copies: list[tuple[int, bytes]] = []
             try:
-                result = await trio.to_thread.run_sync(
-                    files.write_entries, self.root, cache.owner, cache.name, [(b[0], b[1]) for b in batch],
-                    unlink, self.free_ratio, limiter=self._limiter)
+                result, copies = await trio.to_thread.run_sync(
+                    _write_and_copy, self.root, cache.owner, cache.name,
+                    [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
+                    release, self.free_ratio, others if self.mem_limit else None, limiter=self._limiter)
             finally:
                 self.disk_used -= stale
                 written: set[int] = set()
-                for (key, data, need, reserved, replaced), ok in zip(batch, result.written):
-                    cache.writing.discard(key)
-                    self.disk_used -= reserved + replaced
-                    if not ok:
-                        continue
-                    self.disk_used += need
-                    entry = cache.entries.get(key)
-                    if entry is None:
-                        entry = cache.entries[key] = _Entry(len(data))
-                        cache.bytes += len(data)
-                    entry.disk = need
-                    cache.disk_bytes += need
-                    self.disk_entries += 1
-                    self.disk_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
-                    written.add(key)
+                for segment, group, ok in zip(segments, groups, result.written):
+                    offsets = files.layout(cache.name, [len(b[1]) for b in group])
+                    uses = self._next_uses(cache, [b[0] for b in group])  # the plan may have changed meanwhile
+                    for (key, data, need, reserved), offset, use in zip(group, offsets, uses):
+                        cache.writing.discard(key)
+                        self.disk_used -= reserved
+                        if not ok:
+                            continue
+                        self.disk_used += need
+                        entry = cache.entries.get(key)
+                        if entry is None:
+                            entry = cache.entries[key] = _Entry(len(data))
+                            cache.bytes += len(data)
+                        entry.disk = need
+                        entry.segment, entry.offset = segment, offset
+                        cache.disk_bytes += need
+                        self.disk_entries += 1
+                        self.disk_policy.add(_PK.pack(cache.id, key), need, use)
+                        written.add(key)
+                    if ok:
+                        cache.segments[segment] = len(group)
                 self.write_errors += result.errors
-            return written
+            return written, copies
 
     async def _load(self) -> None:
         """Scan the NVMe entries (a worker thread), then merge them into the index in chunks."""
@@ -646,27 +716,31 @@ class SampleStore:
                 need = files.allocated_bytes(f.name, f.payload)
                 entry = cache.entries[f.key] = _Entry(f.payload)
                 entry.disk = need
+                entry.segment, entry.offset = f.segment, f.offset
+                cache.segments[f.segment] = cache.segments.get(f.segment, 0) + 1
+                self._next_segment = max(self._next_segment, f.segment + 1)
                 cache.bytes += f.payload
                 cache.disk_bytes += need
                 self.disk_used += need
                 self.disk_entries += 1
                 self.disk_policy.add(_PK.pack(cache.id, f.key), need)
             await trio.lowlevel.checkpoint()
-        unlink: list[str] = []
-        if self.disk_used > self.disk_limit:  # the budget shrank since the files were written
+        release = _Release()
+        evicted = 0
+        if self.disk_used > self.disk_limit:  # the budget shrank since the entries were written
             for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
                 cache_id, key = _PK.unpack(pk)
                 cache = self._by_id[cache_id]
-                unlink.append(files.entry_path(self.root, cache.owner, cache.name, key))
-                self._forget_disk(cache, key, cache.entries[key])
+                self._forget_disk(cache, key, cache.entries[key], release)
+                evicted += 1
         for owner, name in over:
             await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
-        if unlink:
-            await trio.to_thread.run_sync(files.remove_files, unlink, limiter=self._limiter)
-        self.startup_discarded = junk + len(unlink)
+        if release:
+            await trio.to_thread.run_sync(files.release, release.punches, release.unlink, limiter=self._limiter)
+        self.startup_discarded = junk + evicted
         self.startup_seconds = time.monotonic() - started
         self.loaded = True
-        log.info("sample store: %d entries in %d caches loaded from %s in %.2f s (%d files discarded)",
+        log.info("sample store: %d entries in %d caches loaded from %s in %.2f s (%d discarded)",
                  self.disk_entries, len(self._caches), self.root, self.startup_seconds, self.startup_discarded)
 
     # -- reporting --------------------------------------------------------------------
@@ -693,6 +767,26 @@ class SampleStore:
                            for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
 
 
+def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:
+    """Each payload as bytes of its own (a worker thread: up to a ring of bytes)."""
+    return [(key, bytes(data)) for key, data in items]
+
+
+def _write_and_copy(root: str, owner: int, name: str, segments: list[tuple[int, list[tuple[int, Payload]]]],
+                    release: _Release, free_ratio: float,
+                    others: list[tuple[int, Payload]] | None) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
+    """A put's worker-thread part: free what it evicts, write its segments, and copy for RAM
+    what NVMe did not take (``others``, and the entries of a segment that failed; None:
+    there is no RAM tier, nothing to copy)."""
+    result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio)
+    if others is None:
+        return result, []
+    for (_, entries), ok in zip(segments, result.written):
+        if not ok:
+            others = others + entries
+    return result, _copies(others)
+
+
 def _alive(pid: int) -> bool:
     """Whether the process that sent a plan still runs (pid 0, unknown: always)."""
     if pid <= 0:
@@ -705,6 +799,3 @@ def _alive(pid: int) -> bool:
         return True  # another user's process: it exists
     return True
 
-
-def _read_entries(root: str, owner: int, name: str, keys: list[int]) -> list[bytes | None | bool]:
-    return [files.read_entry(root, owner, name, key) for key in keys]

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from cube_torch.samples.daemon_store import DaemonStore
+from cubefs_fuse.samples import files
 from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
 
 ALICE, BOB = 4001, 4002  # uids without a passwd entry: only the numbers matter
@@ -75,9 +76,10 @@ def shared_dir() -> Iterator[Path]:
 
 
 def _mount(make_mount: Callable[..., Mount], shared_dir: Path, **overrides: Any) -> Mount:
-    m = make_mount(profile="ai_prefetch", memCacheSize="64MiB", sampleCacheMemSize="16MiB",
-                   sampleCacheDiskSize="64MiB", configDir=str(shared_dir), controlSocket=str(shared_dir / "ctl.sock"),
-                   **overrides)
+    settings: dict[str, Any] = {"profile": "ai_prefetch", "memCacheSize": "64MiB", "sampleCacheMemSize": "16MiB",
+                                "sampleCacheDiskSize": "64MiB", "configDir": str(shared_dir),
+                                "controlSocket": str(shared_dir / "ctl.sock")}
+    m = make_mount(**{**settings, **overrides})
     write_tree(m.source, {"a.bin": b"x"})
     m.mount()
     return m
@@ -131,11 +133,16 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
 
         # A second run of the daemon: the entries come back from NVMe (a sweep decodes once).
         m.umount()
-        # Meanwhile one entry's file is damaged (a flipped payload byte): never served.
-        (damaged,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").glob("*/7")
-        data = bytearray(damaged.read_bytes())
-        data[-1] ^= 0x55
-        damaged.write_bytes(bytes(data))
+        # Meanwhile one entry is damaged (a flipped payload byte): never served.  The put was
+        # one batch, so one segment file, its entries in the put's order.
+        (segment,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").iterdir()
+        offset = files.layout("sweep", [len(e) for e in entries.values()])[7]
+        with open(segment, "r+b") as f:
+            f.seek(offset + files.HEADER_BYTES + len("sweep") + len(entries[7]) - 1)
+            last = f.read(1)[0]
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([last ^ 0x55]))
+        blocks = segment.stat().st_blocks * 512
         m.mount()
         wait_until(lambda: _status(m)["loaded"], what="the sample store's start-up scan")
         store = _store(m)
@@ -144,7 +151,8 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         store.close()
         assert _status(m)["caches"][0]["hits"] == 39
         assert metric(m.scrape(), "cubefs_fuse_sample_store_corrupt_total") == 1
-        assert not damaged.exists()
+        # Its blocks were freed (punched out of the segment); the others stay.
+        assert segment.stat().st_blocks * 512 == blocks - files.span("sweep", len(entries[7]))
 
         # drop-cache --samples destroys it (the mount found through VOL_NAME).
         dropped = subprocess.run([sys.executable, "-m", "cubefs_fuse", "drop-cache", "--samples", "sweep"],
@@ -159,6 +167,32 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         store = _store(m)
         assert store.get_many("sweep", [5]) == [None]
         store.close()
+    finally:
+        m.umount()
+
+
+def test_eviction_frees_disk_space_as_it_goes(make_mount: Callable[..., Mount], shared_dir: Path) -> None:
+    """NVMe only, a budget of 4 MiB, 12 MiB of entries in batches of 8: what is evicted is
+    freed on disk (punched out of its segment, the segment removed with its last entry),
+    so the directory never takes more than the budget, and the survivors read back."""
+    m = _mount(make_mount, shared_dir, sampleCacheMemSize="0", sampleCacheDiskSize="4MiB")
+    root = m.cache_dir / "samples" / str(os.geteuid()) / "epoch"
+    entries = {k: os.urandom(150_000) for k in range(80)}
+    try:
+        wait_until(lambda: _status(m)["loaded"], what="the sample store's start-up scan")
+        store = _store(m)
+        for start in range(0, 80, 8):
+            store.put_many("epoch", [(k, entries[k]) for k in range(start, start + 8)])
+            allocated = sum(p.stat().st_blocks * 512 for p in root.iterdir())
+            disk = _status(m)["disk"]
+            assert allocated <= disk["used_bytes"] <= 4 * 2**20, (start, allocated, disk)
+        assert len(list(root.iterdir())) <= 4  # older segments went with their last entry
+        got = store.get_many("epoch", list(entries))
+        store.close()
+        kept = [k for k, data in zip(entries, got) if data is not None]
+        assert kept and all(got[k] == entries[k] for k in kept)
+        assert len(kept) == _status(m)["disk"]["entries"] == 4 * 2**20 // files.allocated_bytes("epoch", 150_000)
+        assert set(kept) == set(range(80 - len(kept), 80))  # least recently used first
     finally:
         m.umount()
 

@@ -34,6 +34,13 @@ def keys_of(data: list[bytes | None]) -> list[int | None]:
     return [None if d is None else int.from_bytes(d[-8:], "little") for d in data]
 
 
+def located(store: SampleStore, owner: int, name: str, key: int) -> tuple[Path, int]:
+    """The segment file holding an entry, and the entry's offset in it."""
+    found = store._caches[(owner, name)].entries[key]
+    assert found.disk
+    return Path(files.segment_path(store.root, owner, name, found.segment)), found.offset
+
+
 def on_disk(root: Path) -> int:
     """Bytes the entry files take (allocated, as the store charges them, without the dirent charge)."""
     total = 0
@@ -52,7 +59,38 @@ async def test_round_trip_in_both_tiers_and_misses(tmp_path: Path) -> None:
     (stats,) = store.statistics().caches
     assert (stats.name, stats.owner, stats.entries, stats.hits, stats.misses) == ("sweep", ME, 5, 3, 1)
     assert stats.bytes == 5 * len(entry(0))
-    assert store.statistics().disk_entries == 5 and store.statistics().ram_entries == 5
+    # A put went to NVMe only; a get promoted what it read to RAM.
+    assert store.statistics().disk_entries == 5 and store.statistics().ram_entries == 3
+    (segment,) = (tmp_path / str(ME) / "sweep").iterdir()
+    segment.unlink()  # NVMe lost: what RAM holds is still served, the rest is a miss
+    assert keys_of(await store.get_many(ME, "sweep", [0, 1, 2, 3, 4])) == [0, None, 2, None, 4]
+
+
+async def test_a_put_of_views_is_written_before_it_returns(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 20)
+    buffer = bytearray(entry(1) + entry(2, 3000))  # as a client lays entries out in its ring
+    with memoryview(buffer) as whole:
+        views = [(1, whole[:len(entry(1))]), (2, whole[len(entry(1)):])]
+        assert await store.put_many(ME, "c", views) == 2
+        for _, view in views:
+            view.release()
+    buffer[:] = bytes(len(buffer))  # the ring is the client's again
+    assert await store.get_many(ME, "c", [1, 2]) == [entry(1), entry(2, 3000)]
+
+
+async def test_ram_takes_what_nvme_does_not(tmp_path: Path) -> None:
+    async with trio.open_nursery() as nursery:  # a free-space floor no filesystem is above
+        store = await SampleStore.open(nursery, str(tmp_path), 1 << 20, 1 << 20, 1.0, admins=ADMINS)
+    assert await store.put_many(ME, "c", [(k, entry(k)) for k in range(3)]) == 3
+    stats = store.statistics()
+    assert (stats.ram_entries, stats.disk_entries, stats.dropped) == (3, 0, 0)
+    assert keys_of(await store.get_many(ME, "c", [0, 1, 2])) == [0, 1, 2]
+    # The payloads may be views of a buffer reused once the put returns: RAM keeps copies.
+    buffer = bytearray(entry(7))
+    with memoryview(buffer) as view:
+        assert await store.put_many(ME, "c", [(7, view)]) == 1
+    buffer[:] = bytes(len(buffer))
+    assert await store.get_many(ME, "c", [7]) == [entry(7)]
 
 
 async def test_ram_budget_holds_and_evicts_least_recently_used_without_a_plan(tmp_path: Path) -> None:
@@ -154,26 +192,86 @@ async def test_disk_budget_holds_in_accounting_and_on_disk(tmp_path: Path) -> No
         assert store.disk_used <= limit
     entries = store.statistics().disk_entries
     assert 0 < entries < 60
-    # The files really take no more than what was charged for them (the charge includes a dirent bound).
+    # The segments really take no more than what was charged for them (the charge includes a metadata bound).
     files_bytes = sum(p.stat().st_blocks * 512 for p in (tmp_path / str(ME) / "c").rglob("*") if p.is_file())
-    assert files_bytes <= store.disk_used - entries * files.DIRENT_CHARGE
-    assert files_bytes == store.disk_used - entries * files.DIRENT_CHARGE  # exact: every file is 4 KiB-rounded
+    assert files_bytes <= store.disk_used - entries * files.ENTRY_CHARGE
+    assert files_bytes == store.disk_used - entries * files.ENTRY_CHARGE  # exact: every entry is 4 KiB-rounded
 
 
-async def test_a_damaged_or_torn_file_is_never_served_and_counted(tmp_path: Path) -> None:
-    store = await open_store(tmp_path, 0, 1 << 22)  # no RAM tier: every get reads the file
-    await store.put_many(ME, "c", [(k, entry(k, 3000)) for k in range(3)])
-    path = Path(files.entry_path(str(tmp_path), ME, "c", 1))
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0xFF  # one flipped payload bit
-    path.write_bytes(bytes(data))
-    torn = Path(files.entry_path(str(tmp_path), ME, "c", 2))
+async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(tmp_path: Path) -> None:
+    one = files.allocated_bytes("c", 20_000)
+    store = await open_store(tmp_path, 0, 10 * one)
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(8)])
+    segment = located(store, ME, "c", 0)[0]
+    assert [p for p in tmp_path.joinpath(str(ME), "c").iterdir()] == [segment]  # one file for the batch
+    assert {located(store, ME, "c", k)[0] for k in range(8)} == {segment}
+    assert [located(store, ME, "c", k)[1] % files.ALIGN for k in range(8)] == [0] * 8
+    full = segment.stat().st_blocks * 512
+    assert full == 8 * files.span("c", len(entry(0, 20_000)))
+    # Five more entries need the room of three: the three least recently used go, punched.
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(8, 13)])
+    assert store.disk_used <= store.disk_limit
+    assert keys_of(await store.get_many(ME, "c", list(range(13)))) == [None] * 3 + list(range(3, 13))
+    assert segment.stat().st_blocks * 512 == full - 3 * files.span("c", len(entry(0, 20_000)))
+    assert segment.stat().st_size >= full - files.ALIGN  # holes: the survivors stay where they were
+    # Its last entries go: the segment goes with them.
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(13, 18)])
+    assert not segment.exists()
+    assert keys_of(await store.get_many(ME, "c", list(range(8, 18)))) == list(range(8, 18))
+    assert store.statistics().disk_entries == 10 and on_disk(tmp_path) <= store.disk_used
+
+
+async def test_without_hole_punching_each_entry_is_a_segment_of_its_own(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(files, "punch", lambda fd, offset, length: (_ for _ in ()).throw(OSError(95, "no")))
+    one = files.allocated_bytes("c", 20_000)
+    store = await open_store(tmp_path, 0, 4 * one)
+    assert store.segment_entries == 1  # the start-up probe found no hole punching
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(4)])
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 4
+    await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(4, 6)])  # two go: unlinked
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 4
+    assert on_disk(tmp_path) <= store.disk_used <= store.disk_limit
+    assert keys_of(await store.get_many(ME, "c", list(range(6)))) == [None, None, 2, 3, 4, 5]
+
+
+async def test_a_rewritten_key_frees_its_older_range(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 22)
+    await store.put_many(ME, "c", [(k, entry(k, 9000)) for k in range(4)])
+    first = located(store, ME, "c", 1)[0]
+    before = first.stat().st_blocks
+    await store.put_many(ME, "c", [(1, entry(1, 500))])
+    assert await store.get_many(ME, "c", [1]) == [entry(1, 500)]
+    assert located(store, ME, "c", 1)[0] != first
+    assert first.stat().st_blocks * 512 == before * 512 - files.span("c", len(entry(1, 9000)))
+    assert store.disk_used == sum(files.allocated_bytes("c", len(entry(k, 9000 if k != 1 else 500))) for k in range(4))
+
+
+async def test_a_damaged_or_torn_entry_is_never_served_and_counted(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 22)  # no RAM tier: every get reads NVMe
+    for k in range(3):  # a segment each
+        await store.put_many(ME, "c", [(k, entry(k, 3000))])
+    await store.put_many(ME, "c", [(k, entry(k, 3000)) for k in range(10, 14)])  # one segment
+    path, offset = located(store, ME, "c", 1)
+    with open(path, "r+b") as f:  # one flipped payload bit
+        f.seek(offset + files.HEADER_BYTES + 1 + 2000)
+        bit = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([bit ^ 0x01]))
+    torn = located(store, ME, "c", 2)[0]
     torn.write_bytes(torn.read_bytes()[:-100])  # a write cut short
-    assert keys_of(await store.get_many(ME, "c", [0, 1, 2])) == [0, None, None]
-    assert store.statistics().corrupt == 2
-    assert not path.exists() and not torn.exists()
-    assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # forgotten: no second read
-    assert store.statistics().corrupt == 2 and store.statistics().disk_entries == 1
+    shared, offset = located(store, ME, "c", 12)
+    with open(shared, "r+b") as f:  # a damaged header inside a segment of four
+        f.seek(offset)
+        f.write(b"XXXX")
+    blocks = shared.stat().st_blocks
+    assert keys_of(await store.get_many(ME, "c", [0, 1, 2, 10, 11, 12, 13])) == [0, None, None, 10, 11, None, 13]
+    assert store.statistics().corrupt == 3
+    assert not path.exists() and not torn.exists()  # their only entries went: so did they
+    assert shared.stat().st_blocks * 512 == blocks * 512 - files.span("c", len(entry(12, 3000)))  # punched
+    assert keys_of(await store.get_many(ME, "c", [1, 12])) == [None, None]  # forgotten: no second read
+    assert store.statistics().corrupt == 3 and store.statistics().disk_entries == 4
+    assert keys_of(await store.get_many(ME, "c", [10, 11, 13])) == [10, 11, 13]
 
 
 async def test_a_restart_reuses_the_entries_and_discards_torn_files(tmp_path: Path) -> None:
@@ -181,20 +279,54 @@ async def test_a_restart_reuses_the_entries_and_discards_torn_files(tmp_path: Pa
     await store.put_many(ME, "sweep", [(k, entry(k)) for k in range(20)])
     await store.put_many(OTHER, "sweep", [(7, b"other")])
     used = store.disk_used
-    torn = Path(files.entry_path(str(tmp_path), ME, "sweep", 19))
-    torn.write_bytes(torn.read_bytes()[:10])
-    (tmp_path / "tmp" / "partial").write_bytes(b"x" * 100)  # a write a crash interrupted
+    torn, offset = located(store, ME, "sweep", 19)  # the batch's last entry
+    torn.write_bytes(torn.read_bytes()[:offset + 10])  # its write cut short
+    (tmp_path / "tmp" / "partial").write_bytes(b"x" * 100)  # a removal a crash interrupted
+    old = tmp_path / str(ME) / "sweep" / "2a"  # an entry file of the previous layout
+    old.mkdir()
+    (old / "42").write_bytes(b"CFSM" + b"\0" * 100)
 
     again = await open_store(tmp_path, 1 << 20, 1 << 22)
     assert keys_of(await again.get_many(ME, "sweep", list(range(20)))) == list(range(19)) + [None]
     assert await again.get_many(OTHER, "sweep", [7]) == [b"other"]
     stats = again.statistics()
-    assert stats.startup_discarded == 1 and stats.disk_entries == 20
+    assert stats.startup_discarded == 2 and stats.disk_entries == 20
     assert again.disk_used == used - files.allocated_bytes("sweep", len(entry(19)))
-    assert not (tmp_path / "tmp" / "partial").exists()
+    assert not (tmp_path / "tmp" / "partial").exists() and not old.exists()
+    # New segments never reuse an id found at start-up.
+    await again.put_many(ME, "sweep", [(19, entry(19))])
+    assert located(again, ME, "sweep", 19)[0] != torn and torn.exists()
+    assert keys_of(await again.get_many(ME, "sweep", [0, 19])) == [0, 19]
     # A smaller budget at the next start: the excess is evicted at load.
     small = await open_store(tmp_path, 0, 5 * files.allocated_bytes("sweep", len(entry(0))))
     assert small.disk_used <= small.disk_limit and small.statistics().disk_entries == 5
+
+
+async def test_a_restart_walks_segments_past_holes_junk_and_older_copies(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 22)
+    await store.put_many(ME, "c", [(k, entry(k, 9000)) for k in range(6)])
+    first, _ = located(store, ME, "c", 0)
+    await store.put_many(ME, "c", [(k, entry(k, 5000)) for k in (1, 4)])  # their first ranges: holes
+    second, _ = located(store, ME, "c", 1)
+    _, offset = located(store, ME, "c", 2)
+    with open(first, "r+b") as f:  # a damaged header between live entries
+        f.seek(offset)
+        f.write(b"junk")
+    again = await open_store(tmp_path, 0, 1 << 22)
+    expected = [entry(0, 9000), entry(1, 5000), None, entry(3, 9000), entry(4, 5000), entry(5, 9000)]
+    assert await again.get_many(ME, "c", list(range(6))) == expected
+    assert again.statistics().startup_discarded == 1  # the damaged entry's range, punched
+    sizes = {0: 9000, 1: 5000, 3: 9000, 4: 5000, 5: 9000}
+    assert again.disk_used == sum(files.allocated_bytes("c", len(entry(k, n))) for k, n in sizes.items())
+    assert on_disk(tmp_path) <= again.disk_used - 5 * files.ENTRY_CHARGE
+    # A newer segment holding the same keys (a crash between a rewrite and the older
+    # value's punch): the newer copies win, the older segment, left empty, goes.
+    newer = second.with_name(str(int(second.name) + 10))
+    newer.write_bytes(second.read_bytes())
+    third = await open_store(tmp_path, 0, 1 << 22)
+    assert await third.get_many(ME, "c", list(range(6))) == expected
+    assert third.statistics().startup_discarded == 2 and not second.exists() and newer.exists()
+    assert located(third, ME, "c", 4)[0] == newer and third.disk_used == again.disk_used
 
 
 async def test_owners_namespaces_sharing_and_drop(tmp_path: Path) -> None:
@@ -238,7 +370,7 @@ async def test_puts_while_loading_are_dropped_and_gets_miss(tmp_path: Path) -> N
     assert await store.put_many(ME, "c", [(2, b"y")]) == 0
     assert await store.get_many(ME, "c", [1]) == [None]
     assert store.statistics().dropped == 1
-    assert os.path.exists(files.entry_path(str(tmp_path), ME, "c", 1))
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 1  # the first store's segment, untouched
 
 
 async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_path: Path) -> None:
@@ -246,12 +378,15 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     store = await open_store(tmp_path, 30 * (20_000 + RAM_ENTRY_OVERHEAD), 40 * one)
     rng = np.random.default_rng(11)
     halfway = trio.Event()
+    done = trio.Event()
     dropped: list[tuple[int, int]] = []
 
     async def writer(name: str, start: int) -> None:
         for i in range(30):
             if i == 10 and name == "a":
                 halfway.set()
+            if i == 20 and name == "a":
+                await done.wait()  # its last puts make "a" anew (those during the drop were dropped)
             keys = [int(k) for k in rng.integers(start, start + 200, 8)]
             await store.put_many(ME, name, [(k, entry(k, int(rng.integers(1, 20_000)))) for k in keys])
             await store.get_many(ME, name, keys[:4])
@@ -260,6 +395,7 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     async def dropper() -> None:
         await halfway.wait()  # mid-way: every writer is still putting, "a" too (it makes "a" anew)
         dropped.append(await store.drop(ME, "a"))
+        done.set()
 
     async with trio.open_nursery() as nursery:
         for name, start in (("a", 0), ("b", 1000), ("c", 2000)):
@@ -273,8 +409,13 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     assert store.ram_used == sum(len(e.ram) + RAM_ENTRY_OVERHEAD for _, _, e in entries if e.ram is not None)
     assert store.disk_used == sum(e.disk for _, _, e in entries)
     assert stats.disk_entries == sum(1 for _, _, e in entries if e.disk)
-    on_disk = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(on_disk) == stats.disk_entries  # every counted file exists, no file is uncounted
+    segments = {Path(files.segment_path(store.root, c.owner, c.name, s)): n
+                for c in store._caches.values() for s, n in c.segments.items()}
+    assert sum(segments.values()) == stats.disk_entries
+    assert all(n == sum(1 for _, _, e in entries if e.disk and e.segment == int(p.name)) for p, n in segments.items())
+    # Every counted segment exists, no segment is uncounted, and they take no more than charged.
+    assert {p for p in tmp_path.rglob("*") if p.is_file()} == set(segments)
+    assert on_disk(tmp_path) <= store.disk_used
     assert sum(c.disk_bytes for c in caches.values()) == store.disk_used
 
 
@@ -307,5 +448,5 @@ async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it
     # A new, larger value of 1 would need more than its own room; 2 and 3 are needed sooner.
     assert await store.put_many(ME, "c", [(1, entry(1, 9000))]) == 0
     assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # never the old value
-    assert not Path(files.entry_path(str(tmp_path), ME, "c", 1)).exists()
+    assert len(list((tmp_path / str(ME) / "c").iterdir())) == 1  # the one of 2 and 3: 1's went with its value
     assert store.disk_used == 2 * one and store.statistics().disk_entries == 2
