@@ -11,8 +11,9 @@ An entry is a 16-byte header, then the codec's encoding of the value (codec.py):
 The validity tag is an xxh64 of the sample's source files' (path, size, mtime and ctime
 in ns) when the caller names the files (``CachedDataset`` does for the datasets
 cube_torch knows), else 0.  An entry whose tag differs from the files' tag now (a source
-file changed), or of another format version, is a miss: the value is computed again and
-the entry overwritten.
+file changed), or of a format version this codec does not read, is a miss: the value is
+computed again and the entry overwritten.  Entries are written as version 2 (the codec's
+memory-ordered arrays and tensors); version 1 entries (no such arrays) are read as well.
 
 Never in training's way:
 
@@ -62,7 +63,9 @@ log = logging.getLogger("cube_torch")
 T = TypeVar("T")
 
 MAGIC = b"CTSC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# The versions whose payloads this codec decodes (version 1: without memory-ordered arrays).
+READABLE_VERSIONS = frozenset([1, 2])
 HEADER = struct.Struct("<4sB3xQ")
 NO_FILES_TAG = 0  # the tag of a value whose source files are not known
 # After a store failure the cache computes without it for this long, then tries again (a
@@ -404,7 +407,7 @@ class SampleCache:
         magic, version, stored_tag = HEADER.unpack(view[:HEADER.size])
         if magic != MAGIC:
             return self._corrupt(state, "an entry without the cache's magic")
-        if version != FORMAT_VERSION or stored_tag != tag:
+        if version not in READABLE_VERSIONS or stored_tag != tag:
             state.counts["stale"] += 1
             return _MISS
         try:

@@ -18,9 +18,13 @@ Supported, round-tripping bit-exactly (NaN payloads, -0.0 included):
   nested up to :data:`MAX_DEPTH` levels; subclasses decode as the base type (a namedtuple
   as a tuple, an OrderedDict as a dict);
 * numpy arrays and numpy scalars of the dtypes in :data:`NUMPY_DTYPES` (bool, signed and
-  unsigned integers, float16/32/64, complex64/128, either byte order);
+  unsigned integers, float16/32/64, complex64/128, either byte order); layouts as for
+  tensors below (a transposed array keeps its strides, a sliced one comes back contiguous);
 * CPU torch tensors of the dtypes in :data:`TORCH_DTYPES` (bfloat16 included), any shape
-  (0-d and empty too), any strides: encoded contiguous, decoded contiguous and writable;
+  (0-d and empty too), any strides, decoded writable: a tensor whose elements are dense in
+  memory in a permuted order (torchvision's ``PILToTensor`` gives the CHW view of an HWC
+  image) is stored in that memory order and decoded with the same strides (no transposing
+  copy either way); any other layout is encoded contiguous and decoded contiguous;
   ``requires_grad`` and the autograd graph are not kept (a sample is data);
 * PIL images of the modes in :data:`PIL_MODES`: mode, size, pixels and, for ``P``/``PA``,
   the palette.  Not kept: ``info`` (EXIF, ICC profile, transparency key, DPI) and the file
@@ -41,8 +45,13 @@ Format (little-endian): one tag byte per value, then its fields::
     t u32 n, n values | l ...           tuple, list
     d u32 n, n (key, value) pairs       dict
     a u8 len, dtype, u8 ndim, ndim x u64 shape, u64 n, n bytes     numpy array (C order)
+    A u8 len, dtype, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
+                                        numpy array stored in memory order: ``order`` lists
+                                        its dimensions outermost first (a permutation)
     x u8 len, dtype, itemsize bytes     numpy scalar
-    p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor
+    p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor (C order)
+    P u8 code, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
+                                        torch tensor stored in memory order (as ``A``)
     m u8 len, mode, u32 w, u32 h, u64 n, pixels, u8 len, palette mode, u32 n, palette  PIL image
 """
 
@@ -202,8 +211,37 @@ def _shape(shape: tuple[int, ...]) -> bytes:
     return _U8.pack(len(shape)) + b"".join(_U64.pack(n) for n in shape)
 
 
+def memory_order(shape: tuple[int, ...], strides: tuple[int, ...], unit: int) -> tuple[int, ...] | None:
+    """The dimensions of a non-contiguous array, outermost first in memory, when its
+    elements are dense in that order (a transposed contiguous array), else None.
+
+    ``strides`` in the unit of ``unit``, an element's step (bytes for numpy, 1 for torch).
+    Dimensions of size 1 move no element: their stride is ignored and they go innermost."""
+    ndim = len(shape)
+    if ndim < 2 or 0 in shape:
+        return None
+    order = tuple(sorted(range(ndim), key=lambda d: (-strides[d] if shape[d] != 1 else 1, d)))
+    step = unit
+    for d in reversed(order):
+        if shape[d] != 1:
+            if strides[d] != step:
+                return None
+            step *= shape[d]
+    return None if order == tuple(range(ndim)) else order
+
+
+def _order(order: tuple[int, ...]) -> bytes:
+    return bytes(order)  # ndim <= MAX_NDIM < 256: one byte each
+
+
 def _encode_array(obj: np.ndarray[Any, Any], out: list[bytes | memoryview]) -> None:
     name = _dtype_str(obj.dtype)
+    order = None if obj.flags.c_contiguous else memory_order(obj.shape, obj.strides, obj.itemsize)
+    if order is not None:  # dense in memory order: stored as it lies
+        data = obj.transpose(order)  # C-contiguous: a view, no copy
+        out += (b"A", _U8.pack(len(name)), name, _shape(obj.shape), _order(order), _U64.pack(data.nbytes),
+                _bytes_view(data.reshape(-1)))
+        return
     data = np.ascontiguousarray(obj)  # a view when already contiguous: no copy
     out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(data.nbytes),
             _bytes_view(data.reshape(-1)))
@@ -228,10 +266,16 @@ def _encode_tensor(obj: Any, out: list[bytes | memoryview]) -> None:
                          "that runs after the cache)")
     if obj.layout != torch.strided or obj.is_quantized:
         raise CodecError(f"cannot encode a {obj.layout} tensor (only dense, strided ones)")
-    flat = obj.detach().contiguous().reshape(-1)
+    obj = obj.detach()
+    shape = tuple(obj.shape)
+    order = None if obj.is_contiguous() else memory_order(shape, tuple(obj.stride()), 1)
+    if order is not None:  # dense in memory order: stored as it lies
+        raw = obj.permute(order).reshape(-1).view(torch.uint8)  # contiguous after the permute: views only
+        out += (b"P", _U8.pack(code), _shape(shape), _order(order), _U64.pack(raw.numel()), _bytes_view(raw.numpy()))
+        return
+    flat = obj.contiguous().reshape(-1)
     raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    out += (b"p", _U8.pack(code), _shape(tuple(obj.shape)), _U64.pack(raw.numel()),
-            _bytes_view(raw.numpy()))
+    out += (b"p", _U8.pack(code), _shape(shape), _U64.pack(raw.numel()), _bytes_view(raw.numpy()))
 
 
 def _is_image(obj: Any) -> bool:
@@ -344,6 +388,8 @@ def _decode(r: _Reader, depth: int) -> Any:
         return result
     if tag == b"a":
         return _decode_array(r)
+    if tag == b"A":
+        return _decode_array(r, ordered=True)
     if tag == b"x":
         dtype = _read_dtype(r)
         data = r.take(dtype.itemsize)
@@ -352,6 +398,8 @@ def _decode(r: _Reader, depth: int) -> Any:
         return np.frombuffer(data, dtype=dtype)[0]  # a numpy scalar holds its own copy
     if tag == b"p":
         return _decode_tensor(r)
+    if tag == b"P":
+        return _decode_tensor(r, ordered=True)
     if tag == b"m":
         return _decode_image(r)
     raise CodecError(f"unknown tag {tag!r} at offset {r.pos - 1}")
@@ -386,13 +434,30 @@ def _read_data(r: _Reader, shape: tuple[int, ...], itemsize: int) -> memoryview:
     return r.take(n)
 
 
-def _decode_array(r: _Reader) -> np.ndarray[Any, Any]:
+def _read_order(r: _Reader, ndim: int) -> tuple[int, ...]:
+    """A memory order: a permutation of the ``ndim`` dimensions."""
+    order = tuple(r.take(ndim))
+    if sorted(order) != list(range(ndim)):
+        raise CodecError(f"memory order {order} is not a permutation of {ndim} dimensions")
+    return order
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    inverse = [0] * len(order)
+    for position, d in enumerate(order):
+        inverse[d] = position
+    return tuple(inverse)
+
+
+def _decode_array(r: _Reader, *, ordered: bool = False) -> np.ndarray[Any, Any]:
     dtype = _read_dtype(r)
     shape = _read_shape(r)
+    order = _read_order(r, len(shape)) if ordered else tuple(range(len(shape)))
     data = _read_data(r, shape, dtype.itemsize)
     if dtype.kind == "b":
         _check_booleans(data)
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # the one copy: owns its memory
+    stored = np.frombuffer(data, dtype=dtype).reshape([shape[d] for d in order]).copy()  # the one copy: owns its memory
+    return stored.transpose(_inverse(order)) if ordered else stored
 
 
 def _check_booleans(data: memoryview) -> None:
@@ -401,7 +466,7 @@ def _check_booleans(data: memoryview) -> None:
         raise CodecError("a boolean array holding bytes other than 0 and 1")
 
 
-def _decode_tensor(r: _Reader) -> Any:
+def _decode_tensor(r: _Reader, *, ordered: bool = False) -> Any:
     import torch
 
     code = int(r.unpack(_U8))
@@ -410,13 +475,15 @@ def _decode_tensor(r: _Reader) -> Any:
     if dtype is None:
         raise CodecError(f"torch dtype code {code} is not allowed")
     shape = _read_shape(r)
+    order = _read_order(r, len(shape)) if ordered else tuple(range(len(shape)))
     data = _read_data(r, shape, dtype.itemsize)
     if dtype == torch.bool:
         _check_booleans(data)
     if not len(data):
         return torch.empty(shape, dtype=dtype)
     raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # the one copy; aligned (malloc)
-    return raw.view(dtype).reshape(shape)
+    stored = raw.view(dtype).reshape([shape[d] for d in order])
+    return stored.permute(_inverse(order)) if ordered else stored
 
 
 def _decode_image(r: _Reader) -> Any:
