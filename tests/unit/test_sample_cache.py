@@ -287,6 +287,41 @@ def test_each_epoch_sends_its_key_order_to_the_store(monkeypatch: pytest.MonkeyP
     assert sum("store failed (plan)" in r.getMessage() for r in caplog.records) == 1
 
 
+class HoldingStore(MemoryStore):
+    """A MemoryStore that answers plans with which keys it holds (as the daemon does)."""
+
+    def plan_held(self, name: str, keys: Sequence[int]) -> Any:
+        import numpy as np
+
+        self.plan(name, keys)
+        return np.array([(name, int(k)) in self.entries for k in keys], dtype=bool)
+
+
+def test_a_concat_dataset_sends_each_cached_part_its_keys() -> None:
+    """Through ConcatDataset (and Subsets under and over it) each CachedDataset gets its own
+    keys, in the order they are read; a part met twice sends one plan; the held answers
+    come back at the epoch's positions (a plain part's samples are never held)."""
+    import numpy as np
+    from torch.utils.data import ConcatDataset, Subset
+
+    store_a, store_b = HoldingStore(), MemoryStore()
+    a = CachedDataset([torch.tensor(i) for i in range(6)], name="a", store=store_a)
+    b = CachedDataset([torch.tensor(100 + i) for i in range(5)], name="b", store=store_b)
+    plain = [torch.tensor(-1)] * 3
+    concat = ConcatDataset([a, Subset(b, [4, 2, 0]), plain, ConcatDataset([Subset(a, [5, 4])])])
+    # concat's index -> (cache, key): what each of its samples reads
+    where = [("a", k) for k in range(6)] + [("b", 4), ("b", 2), ("b", 0)] + [None] * 3 + [("a", 5), ("a", 4)]
+    outer = Subset(concat, list(range(len(concat)))[::-1])  # 14 samples, read back to front
+    order = np.array([3, 0, 13, 12, 1, 9, 11, 5, 2, 10, 4, 8, 7, 6])  # an epoch's order of `outer`
+    read = [where[len(concat) - 1 - int(i)] for i in order]
+    store_a.entries[("a", 4)] = b"held"
+    held = client._plan_samples(outer, order)
+    assert store_a.plans == [("a", [k for c, k in filter(None, read) if c == "a"])]
+    assert store_b.plans == [("b", [k for c, k in filter(None, read) if c == "b"])]
+    assert held is not None and held.tolist() == [w == ("a", 4) for w in read]
+    assert client._plan_samples(ConcatDataset([plain, Subset(b, [1])]), np.array([0, 3])) is None  # b does not say
+
+
 def test_the_store_is_opened_per_process(tmp_path: Path) -> None:
     """After a fork the child opens its own store state (never the parent's writer or lock)."""
     store = MemoryStore()
