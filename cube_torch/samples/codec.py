@@ -132,9 +132,16 @@ TORCH_DTYPES = "bool, uint8, int8, int16, int32, int64, float16, bfloat16, float
 def encode(obj: Any, prefix: bytes = b"") -> bytes:
     """The bytes of ``obj`` (see the module docstring for what is supported), after
     ``prefix`` (a header of the caller's, joined in the same single copy)."""
+    return b"".join(encode_parts(obj, prefix))
+
+
+def encode_parts(obj: Any, prefix: bytes = b"") -> list[bytes | memoryview]:
+    """What ``encode`` joins: byte strings and byte views (format ``"B"``) *into obj's own
+    arrays and tensors* (no copy), valid while ``obj`` is not changed; the caller copies
+    them out at once (``b"".join``, or into a store's buffer: the one copy)."""
     parts: list[bytes | memoryview] = [prefix]
     _encode(obj, parts, 0)
-    return b"".join(parts)
+    return parts
 
 
 def _length(n: int, what: str) -> bytes:

@@ -233,6 +233,35 @@ def test_the_daemon_is_not_asked_to_prefetch_the_files_of_cached_samples(volume:
     assert sorted(computed(counts)) == sorted([*range(FILES), 5])
 
 
+def invert(sample: Any) -> Any:
+    """A transform after the cache that changes the cached tensor in place."""
+    image, label = sample
+    return image.bitwise_not_(), label
+
+
+def test_a_transform_changing_the_sample_in_place_does_not_change_the_stored_entry(
+        volume: tuple[Mount, str], tmp_path: Path) -> None:
+    """The cached part ends in PILToTensor (the CHW view of an HWC image: stored in its
+    memory order, written straight into the connection's ring); the transform after the
+    cache inverts that very tensor in place.  The entry is the value as computed: every
+    epoch, hits included, equals the pipeline without the cache."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    to_tensor = transforms.Compose([DECODE_RESIZE, transforms.PILToTensor()])
+    ds = cube_torch.CachedDataset(CountingFolder(root, counts, to_tensor), name=f"inplace-{time.monotonic_ns()}",
+                                  transform=invert)
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([to_tensor, torch.bitwise_not]))
+    want = epochs(loader(plain, persistent=True), 2)
+    dl = loader(ds, persistent=True)
+    got = epochs(dl, 1)
+    settled(mount, ds.name, FILES)
+    torch.manual_seed(SEED + 1)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got, want)
+    assert sorted(computed(counts)) == list(range(FILES)) and cache_counts(mount, ds.name)["hits"] == FILES
+
+
 def planned_keys(mount: Mount, name: str) -> int:
     """The keys of the daemon's current plan of one of this uid's caches."""
     for cache in status(mount)["caches"]:

@@ -368,6 +368,100 @@ def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch
     assert c.flush(15)
 
 
+class Slot:
+    """An entry in a store's own buffer (what the daemon store's write_entry gives)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class SlotStore(MemoryStore):
+    """A MemoryStore with a buffer of its own: write_entry copies an entry into it (with
+    room for ``room`` entries at a time), put_many takes its slots, release frees them."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.live: set[int] = set()
+        self.slots = self.released = 0
+
+    def write_entry(self, parts: list[bytes | memoryview], size: int) -> Slot | None:
+        if len(self.live) >= self.room:
+            return None
+        slot = Slot(b"".join(parts))
+        assert len(slot) == size
+        self.live.add(id(slot))
+        self.slots += 1
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        if id(slot) in self.live:
+            self.live.discard(id(slot))
+            self.released += 1
+
+    def put_many(self, name: str, items: Sequence[tuple[int, Any]]) -> None:
+        try:
+            super().put_many(name, [(k, e.data if isinstance(e, Slot) else e) for k, e in items])
+        finally:
+            for _, e in items:
+                if isinstance(e, Slot):
+                    self.release(e)
+
+
+def test_entries_go_into_the_stores_buffer_as_snapshots_taken_at_compute_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store opened by the cache with a buffer of its own gets each entry written into it
+    at compute time (one copy): a transform that changes the value in place afterwards does
+    not change what is stored.  Without room, bytes; a key twice in a batch, bytes too."""
+    entries: dict[tuple[str, int], bytes] = {}
+    opened: list[SlotStore] = []
+
+    def fake_open(spec: Any) -> SlotStore:
+        store = SlotStore(room=3)
+        store.entries = entries
+        store.stall.clear()  # the writer holds its first batch until released below
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c = SampleCache("slots", "redis://127.0.0.1:1/0")
+    c.get(0, lambda: torch.zeros(4))  # the writer thread opens its store (stalled on its first put)
+    deadline = time.monotonic() + 10
+    while len(opened) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer = opened[1]
+    hwc = torch.arange(24, dtype=torch.uint8).reshape(2, 4, 3)
+    values = {k: hwc.permute(2, 0, 1) + k for k in range(1, 6)}  # CHW views of HWC tensors
+    got = c.get_many([1, 2, 3, 4, 4, 5], lambda k: values[k].clone())  # (clone keeps the strides)
+    for value in got:
+        value.mul_(0)  # a transform after the cache, in place
+    assert writer.slots == 3  # keys 1-3 in the buffer; 4 (asked twice) and 5 (no room) as bytes
+    assert torch.equal(got[4], values[4] * 0) and got[3] is not got[4]
+    writer.stall.set()
+    assert c.flush(10)
+    assert writer.released == 3 and not writer.live
+    for k in range(1, 6):
+        assert torch.equal(c.get(k, lambda: pytest.fail("computed")), values[k])
+    assert c.statistics().writes == 6
+
+
+def test_a_full_buffer_frees_the_slots_it_drops() -> None:
+    store = SlotStore(room=10)
+    c = SampleCache("dropped", store, max_pending_entries=1)
+    state = c._here()
+    state.write_store = store  # as if opened by the writer thread (a caller's object is never given slots)
+    assert state.write_entry([b"x"]) is None  # a caller's object: shared with reads
+    state.shared = False
+    slot = state.write_entry([b"ab", b"c"])
+    assert isinstance(slot, Slot) and slot.data == b"abc"
+    with state.cond:
+        state.pending.append((9, b"busy"))  # the buffer is full
+    state.offer(1, slot)
+    assert store.released == 1 and c.statistics().dropped == 1
+
+
 class FileStore:
     """A SampleStore in a directory (one file per entry), slow to write: shared across processes."""
 
