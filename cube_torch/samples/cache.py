@@ -11,9 +11,8 @@ An entry is a 16-byte header, then the codec's encoding of the value (codec.py):
 The validity tag is an xxh64 of the sample's source files' (path, size, mtime and ctime
 in ns) when the caller names the files (``CachedDataset`` does for the datasets
 cube_torch knows), else 0.  An entry whose tag differs from the files' tag now (a source
-file changed), or of a format version this codec does not read, is a miss: the value is
-computed again and the entry overwritten.  Entries are written as version 2 (the codec's
-memory-ordered arrays and tensors); version 1 entries (no such arrays) are read as well.
+file changed), or of another format version, is a miss: the value is computed again and
+the entry overwritten.
 
 Never in training's way:
 
@@ -67,9 +66,7 @@ log = logging.getLogger("cube_torch")
 T = TypeVar("T")
 
 MAGIC = b"CTSC"
-FORMAT_VERSION = 2
-# The versions whose payloads this codec decodes (version 1: without memory-ordered arrays).
-READABLE_VERSIONS = frozenset([1, 2])
+FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sB3xQ")
 NO_FILES_TAG = 0  # the tag of a value whose source files are not known
 # After a store failure the cache computes without it for this long, then tries again (a
@@ -208,7 +205,7 @@ class _State:
 
     # -- the writer --------------------------------------------------------------------------
 
-    def write_entry(self, parts: list[bytes | memoryview]) -> Sized | None:
+    def write_entry(self, parts: list[codec.Part]) -> Sized | None:
         """The entry's parts copied into the writer store's own buffer (the daemon store's
         ring), when it has one and room: a slot to offer; else None.  Only a store this
         cache opened itself (a caller's object may be read meanwhile: its buffer is not ours)."""
@@ -216,7 +213,7 @@ class _State:
         write_entry = getattr(store, "write_entry", None)
         if self.shared or not callable(write_entry) or not self.writable():
             return None
-        slot: Sized | None = write_entry(parts, sum(memoryview(part).nbytes for part in parts))
+        slot: Sized | None = write_entry(parts, codec.size_of(parts))
         return slot
 
     def discard(self, entries: Iterable[Sized]) -> None:
@@ -235,6 +232,13 @@ class _State:
                 return
             self.pending.append((key, entry))
             self.pending_bytes += len(entry)
+
+    def wake(self) -> None:
+        """Have the writer put what is pending (a batch's entries at once: one round trip
+        for the batch, not one per entry, and no thread switch per computed sample)."""
+        with self.cond:
+            if not self.pending:
+                return
             if self.writer is None or not self.writer.is_alive():
                 self.writer = threading.Thread(target=self.write_loop, name="cube_torch-samples", daemon=True)
                 self.writer.start()
@@ -428,7 +432,7 @@ class SampleCache:
         magic, version, stored_tag = HEADER.unpack(view[:HEADER.size])
         if magic != MAGIC:
             return self._corrupt(state, "an entry without the cache's magic")
-        if version not in READABLE_VERSIONS or stored_tag != tag:
+        if version != FORMAT_VERSION or stored_tag != tag:
             state.counts["stale"] += 1
             return _MISS
         try:
@@ -451,14 +455,17 @@ class SampleCache:
         for i in missing:
             first.setdefault(keys[i], i)
         twice = {keys[i] for i in missing if first[keys[i]] != i}
-        entries: dict[int, bytes] = {}
-        with scope(list(first)) if scope is not None else nullcontext():
-            for key, i in first.items():
-                results[i] = value = compute_one(key)
-                state.counts["misses"] += 1
-                entry = self._store(state, key, tags[i], value, keep=key in twice)
-                if entry is not None:
-                    entries[key] = entry
+        entries: dict[int, bytes | bytearray] = {}
+        try:
+            with scope(list(first)) if scope is not None else nullcontext():
+                for key, i in first.items():
+                    results[i] = value = compute_one(key)
+                    state.counts["misses"] += 1
+                    entry = self._store(state, key, tags[i], value, keep=key in twice)
+                    if entry is not None:
+                        entries[key] = entry
+        finally:
+            state.wake()  # the batch's entries, once computed (or those computed before a failure)
         for i in missing:  # a key asked twice in one batch: a fresh copy, as a hit would give
             key = keys[i]
             if first[key] != i:
@@ -466,7 +473,7 @@ class SampleCache:
                 results[i] = (codec.decode(memoryview(entry)[HEADER.size:]) if entry is not None
                               else compute_one(key))
 
-    def _store(self, state: _State, key: int, tag: int | None, value: Any, *, keep: bool = False) -> bytes | None:
+    def _store(self, state: _State, key: int, tag: int | None, value: Any, *, keep: bool = False) -> bytes | bytearray | None:
         """Hand ``value``'s entry to the writer, copied once (see the module docstring); the
         entry's bytes when ``keep`` (a key asked twice in the batch decodes its copy from
         them), else None (also when the codec refuses the value)."""
@@ -481,12 +488,12 @@ class SampleCache:
         if tag is None or state.store is None or not state.writable():
             if tag is not None:
                 state.counts["dropped"] += 1
-            return b"".join(parts) if keep else None
+            return codec.join(parts) if keep else None
         slot = None if keep else state.write_entry(parts)
         if slot is not None:
             state.offer(key, slot)
             return None
-        entry = b"".join(parts)
+        entry = codec.join(parts)
         state.offer(key, entry)
         return entry if keep else None
 

@@ -18,13 +18,9 @@ Supported, round-tripping bit-exactly (NaN payloads, -0.0 included):
   nested up to :data:`MAX_DEPTH` levels; subclasses decode as the base type (a namedtuple
   as a tuple, an OrderedDict as a dict);
 * numpy arrays and numpy scalars of the dtypes in :data:`NUMPY_DTYPES` (bool, signed and
-  unsigned integers, float16/32/64, complex64/128, either byte order); layouts as for
-  tensors below (a transposed array keeps its strides, a sliced one comes back contiguous);
+  unsigned integers, float16/32/64, complex64/128, either byte order);
 * CPU torch tensors of the dtypes in :data:`TORCH_DTYPES` (bfloat16 included), any shape
-  (0-d and empty too), any strides, decoded writable: a tensor whose elements are dense in
-  memory in a permuted order (torchvision's ``PILToTensor`` gives the CHW view of an HWC
-  image) is stored in that memory order and decoded with the same strides (no transposing
-  copy either way); any other layout is encoded contiguous and decoded contiguous;
+  (0-d and empty too), any strides: encoded contiguous, decoded contiguous and writable;
   ``requires_grad`` and the autograd graph are not kept (a sample is data);
 * PIL images of the modes in :data:`PIL_MODES`: mode, size, pixels and, for ``P``/``PA``,
   the palette.  Not kept: ``info`` (EXIF, ICC profile, transparency key, DPI) and the file
@@ -45,13 +41,8 @@ Format (little-endian): one tag byte per value, then its fields::
     t u32 n, n values | l ...           tuple, list
     d u32 n, n (key, value) pairs       dict
     a u8 len, dtype, u8 ndim, ndim x u64 shape, u64 n, n bytes     numpy array (C order)
-    A u8 len, dtype, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
-                                        numpy array stored in memory order: ``order`` lists
-                                        its dimensions outermost first (a permutation)
     x u8 len, dtype, itemsize bytes     numpy scalar
-    p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor (C order)
-    P u8 code, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
-                                        torch tensor stored in memory order (as ``A``)
+    p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor
     m u8 len, mode, u32 w, u32 h, u64 n, pixels, u8 len, palette mode, u32 n, palette  PIL image
 """
 
@@ -129,19 +120,56 @@ TORCH_DTYPES = "bool, uint8, int8, int16, int32, int64, float16, bfloat16, float
 # -- encode ------------------------------------------------------------------------------------
 
 
+# A part of an encoding: bytes, a byte view (format "B") of a contiguous array, or a
+# non-contiguous numpy array (a view of the value's own memory), written in C order.
+Part = bytes | bytearray | memoryview | np.ndarray  # (see encode_parts)
+
+
 def encode(obj: Any, prefix: bytes = b"") -> bytes:
     """The bytes of ``obj`` (see the module docstring for what is supported), after
-    ``prefix`` (a header of the caller's, joined in the same single copy)."""
-    return b"".join(encode_parts(obj, prefix))
+    ``prefix`` (a header of the caller's)."""
+    return bytes(join(encode_parts(obj, prefix)))
 
 
-def encode_parts(obj: Any, prefix: bytes = b"") -> list[bytes | memoryview]:
-    """What ``encode`` joins: byte strings and byte views (format ``"B"``) *into obj's own
-    arrays and tensors* (no copy), valid while ``obj`` is not changed; the caller copies
-    them out at once (``b"".join``, or into a store's buffer: the one copy)."""
-    parts: list[bytes | memoryview] = [prefix]
+def encode_parts(obj: Any, prefix: bytes = b"") -> list[Part]:
+    """What ``encode`` joins, in order: byte strings, and views *of obj's own arrays and
+    tensors* (no copy), valid while ``obj`` is not changed; the caller copies them out at
+    once (:func:`join`, or :func:`write_parts` into a store's buffer): one copy of each
+    array's bytes, a non-contiguous one (torchvision's ``PILToTensor`` gives the CHW view of
+    an HWC image) reordered in that same copy."""
+    parts: list[Part] = [prefix]
     _encode(obj, parts, 0)
     return parts
+
+
+def size_of(parts: list[Part]) -> int:
+    return sum(part.nbytes if isinstance(part, (memoryview, np.ndarray)) else len(part) for part in parts)
+
+
+def join(parts: list[Part]) -> bytes | bytearray:
+    """The parts as one buffer: one copy of every byte."""
+    if not any(isinstance(part, np.ndarray) for part in parts):
+        return b"".join(parts)  # type: ignore[arg-type]  # (only bytes and byte views)
+    out = bytearray(size_of(parts))
+    with memoryview(out) as view:
+        write_parts(parts, view)
+    return out
+
+
+def write_parts(parts: list[Part], out: memoryview) -> None:
+    """Copy the parts into ``out`` (a writable byte view of exactly their size), each
+    non-contiguous array reordered to C order as it is copied."""
+    position = 0
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            n = part.nbytes
+            np.copyto(np.frombuffer(out[position:position + n], dtype=part.dtype).reshape(part.shape), part)
+        else:
+            n = part.nbytes if isinstance(part, memoryview) else len(part)
+            out[position:position + n] = part
+        position += n
+    if position != len(out):
+        raise ValueError(f"{position} bytes of parts for a buffer of {len(out)}")
 
 
 def _length(n: int, what: str) -> bytes:
@@ -150,7 +178,7 @@ def _length(n: int, what: str) -> bytes:
     return _U32.pack(n)
 
 
-def _encode(obj: Any, out: list[bytes | memoryview], depth: int) -> None:
+def _encode(obj: Any, out: list[Part], depth: int) -> None:
     if depth > MAX_DEPTH:
         raise CodecError(f"the sample nests deeper than {MAX_DEPTH} levels (or contains a cycle)")
     kind = type(obj)
@@ -207,7 +235,7 @@ def _dtype_str(dtype: np.dtype[Any]) -> bytes:
     return name.encode("ascii")
 
 
-def _encode_numpy_scalar(obj: np.generic, out: list[bytes | memoryview]) -> None:
+def _encode_numpy_scalar(obj: np.generic, out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
     out += (b"x", _U8.pack(len(name)), name, obj.tobytes())
 
@@ -218,40 +246,17 @@ def _shape(shape: tuple[int, ...]) -> bytes:
     return _U8.pack(len(shape)) + b"".join(_U64.pack(n) for n in shape)
 
 
-def memory_order(shape: tuple[int, ...], strides: tuple[int, ...], unit: int) -> tuple[int, ...] | None:
-    """The dimensions of a non-contiguous array, outermost first in memory, when its
-    elements are dense in that order (a transposed contiguous array), else None.
-
-    ``strides`` in the unit of ``unit``, an element's step (bytes for numpy, 1 for torch).
-    Dimensions of size 1 move no element: their stride is ignored and they go innermost."""
-    ndim = len(shape)
-    if ndim < 2 or 0 in shape:
-        return None
-    order = tuple(sorted(range(ndim), key=lambda d: (-strides[d] if shape[d] != 1 else 1, d)))
-    step = unit
-    for d in reversed(order):
-        if shape[d] != 1:
-            if strides[d] != step:
-                return None
-            step *= shape[d]
-    return None if order == tuple(range(ndim)) else order
-
-
-def _order(order: tuple[int, ...]) -> bytes:
-    return bytes(order)  # ndim <= MAX_NDIM < 256: one byte each
-
-
-def _encode_array(obj: np.ndarray[Any, Any], out: list[bytes | memoryview]) -> None:
+def _encode_array(obj: np.ndarray[Any, Any], out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
-    order = None if obj.flags.c_contiguous else memory_order(obj.shape, obj.strides, obj.itemsize)
-    if order is not None:  # dense in memory order: stored as it lies
-        data = obj.transpose(order)  # C-contiguous: a view, no copy
-        out += (b"A", _U8.pack(len(name)), name, _shape(obj.shape), _order(order), _U64.pack(data.nbytes),
-                _bytes_view(data.reshape(-1)))
-        return
-    data = np.ascontiguousarray(obj)  # a view when already contiguous: no copy
-    out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(data.nbytes),
-            _bytes_view(data.reshape(-1)))
+    out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(obj.nbytes), _data(obj))
+
+
+def _data(array: np.ndarray[Any, Any]) -> Part:
+    """An array's bytes in C order, uncopied: a byte view when contiguous, else the array
+    itself (reordered as the caller copies it: one copy either way)."""
+    if array.flags.c_contiguous:
+        return _bytes_view(array.reshape(-1))
+    return array
 
 
 def _bytes_view(array: Any) -> memoryview:
@@ -264,7 +269,7 @@ def _is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def _encode_tensor(obj: Any, out: list[bytes | memoryview]) -> None:
+def _encode_tensor(obj: Any, out: list[Part]) -> None:
     import torch
 
     code = _torch_code(obj.dtype)
@@ -274,15 +279,14 @@ def _encode_tensor(obj: Any, out: list[bytes | memoryview]) -> None:
     if obj.layout != torch.strided or obj.is_quantized:
         raise CodecError(f"cannot encode a {obj.layout} tensor (only dense, strided ones)")
     obj = obj.detach()
-    shape = tuple(obj.shape)
-    order = None if obj.is_contiguous() else memory_order(shape, tuple(obj.stride()), 1)
-    if order is not None:  # dense in memory order: stored as it lies
-        raw = obj.permute(order).reshape(-1).view(torch.uint8)  # contiguous after the permute: views only
-        out += (b"P", _U8.pack(code), _shape(shape), _order(order), _U64.pack(raw.numel()), _bytes_view(raw.numpy()))
-        return
-    flat = obj.contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    out += (b"p", _U8.pack(code), _shape(shape), _U64.pack(raw.numel()), _bytes_view(raw.numpy()))
+    nbytes = obj.numel() * obj.element_size()
+    if obj.is_contiguous():
+        flat = obj.reshape(-1)
+        data: Part = _bytes_view(flat.view(torch.uint8).numpy() if nbytes else np.empty(0, dtype=np.uint8))
+    else:  # its memory as a numpy array of the same item size and strides (numpy has no bfloat16)
+        same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(obj.element_size())
+        data = (obj.view(same_size) if same_size is not None else obj).numpy()
+    out += (b"p", _U8.pack(code), _shape(tuple(obj.shape)), _U64.pack(nbytes), data)
 
 
 def _is_image(obj: Any) -> bool:
@@ -290,7 +294,7 @@ def _is_image(obj: Any) -> bool:
     return image is not None and isinstance(obj, image.Image)
 
 
-def _encode_image(obj: Any, out: list[bytes | memoryview]) -> None:
+def _encode_image(obj: Any, out: list[Part]) -> None:
     mode = obj.mode
     if mode not in PIL_MODES:
         raise CodecError(f"cannot encode a PIL image of mode {mode!r} (supported: {', '.join(sorted(PIL_MODES))})")
@@ -395,8 +399,6 @@ def _decode(r: _Reader, depth: int) -> Any:
         return result
     if tag == b"a":
         return _decode_array(r)
-    if tag == b"A":
-        return _decode_array(r, ordered=True)
     if tag == b"x":
         dtype = _read_dtype(r)
         data = r.take(dtype.itemsize)
@@ -405,8 +407,6 @@ def _decode(r: _Reader, depth: int) -> Any:
         return np.frombuffer(data, dtype=dtype)[0]  # a numpy scalar holds its own copy
     if tag == b"p":
         return _decode_tensor(r)
-    if tag == b"P":
-        return _decode_tensor(r, ordered=True)
     if tag == b"m":
         return _decode_image(r)
     raise CodecError(f"unknown tag {tag!r} at offset {r.pos - 1}")
@@ -441,30 +441,13 @@ def _read_data(r: _Reader, shape: tuple[int, ...], itemsize: int) -> memoryview:
     return r.take(n)
 
 
-def _read_order(r: _Reader, ndim: int) -> tuple[int, ...]:
-    """A memory order: a permutation of the ``ndim`` dimensions."""
-    order = tuple(r.take(ndim))
-    if sorted(order) != list(range(ndim)):
-        raise CodecError(f"memory order {order} is not a permutation of {ndim} dimensions")
-    return order
-
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    inverse = [0] * len(order)
-    for position, d in enumerate(order):
-        inverse[d] = position
-    return tuple(inverse)
-
-
-def _decode_array(r: _Reader, *, ordered: bool = False) -> np.ndarray[Any, Any]:
+def _decode_array(r: _Reader) -> np.ndarray[Any, Any]:
     dtype = _read_dtype(r)
     shape = _read_shape(r)
-    order = _read_order(r, len(shape)) if ordered else tuple(range(len(shape)))
     data = _read_data(r, shape, dtype.itemsize)
     if dtype.kind == "b":
         _check_booleans(data)
-    stored = np.frombuffer(data, dtype=dtype).reshape([shape[d] for d in order]).copy()  # the one copy: owns its memory
-    return stored.transpose(_inverse(order)) if ordered else stored
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # the one copy: owns its memory
 
 
 def _check_booleans(data: memoryview) -> None:
@@ -473,7 +456,7 @@ def _check_booleans(data: memoryview) -> None:
         raise CodecError("a boolean array holding bytes other than 0 and 1")
 
 
-def _decode_tensor(r: _Reader, *, ordered: bool = False) -> Any:
+def _decode_tensor(r: _Reader) -> Any:
     import torch
 
     code = int(r.unpack(_U8))
@@ -482,15 +465,13 @@ def _decode_tensor(r: _Reader, *, ordered: bool = False) -> Any:
     if dtype is None:
         raise CodecError(f"torch dtype code {code} is not allowed")
     shape = _read_shape(r)
-    order = _read_order(r, len(shape)) if ordered else tuple(range(len(shape)))
     data = _read_data(r, shape, dtype.itemsize)
     if dtype == torch.bool:
         _check_booleans(data)
     if not len(data):
         return torch.empty(shape, dtype=dtype)
     raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # the one copy; aligned (malloc)
-    stored = raw.view(dtype).reshape([shape[d] for d in order])
-    return stored.permute(_inverse(order)) if ordered else stored
+    return raw.view(dtype).reshape(shape)
 
 
 def _decode_image(r: _Reader) -> Any:

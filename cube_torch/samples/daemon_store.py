@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
+from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
 from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError,
                                           read_volume_config)
@@ -120,7 +121,7 @@ class DaemonStore:
                 out.append(channel.ring[entry[0]:entry[0] + entry[1]])  # a copy: the ring is reused
         return out
 
-    def put_many(self, name: str, items: Sequence[tuple[int, bytes | RingSlot]]) -> None:
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes | bytearray | RingSlot]]) -> None:
         """Store the entries: bytes are copied into the ring first; RingSlots of this
         store's current ring are sent as they lie (those of a replaced ring are dropped)."""
         if name.startswith("~"):
@@ -150,8 +151,9 @@ class DaemonStore:
             self._release(entry for _, entry in items)
             self._release(sent)
 
-    def write_entry(self, parts: Sequence[bytes | memoryview], size: int) -> RingSlot | None:
-        """Copy an entry (``parts``, ``size`` bytes in all) into a free part of the ring, for
+    def write_entry(self, parts: Sequence[Part], size: int) -> RingSlot | None:
+        """Copy an entry (``parts`` as the codec's ``encode_parts`` gives them, ``size``
+        bytes in all: one copy, see ``codec.write_parts``) into a free part of the ring, for
         a later ``put_many``; None (nothing copied) when there is no connection yet, it is
         about to be replaced, or the ring has no room: the caller keeps the bytes instead.
         Never connects or waits for the daemon (the training thread calls it)."""
@@ -165,13 +167,8 @@ class DaemonStore:
             offset = self._allocate(channel.size, size)
             if offset is None:
                 return None
-            position = offset
-            for part in parts:
-                n = memoryview(part).nbytes
-                channel.ring[position:position + n] = part
-                position += n
-            if position != offset + size:
-                raise ValueError(f"an entry of {position - offset} bytes announced as {size}")
+            with memoryview(channel.ring) as ring, ring[offset:offset + size] as view:
+                write_parts(list(parts), view)  # (released before the lock is: close never meets an export)
             slot = RingSlot(channel, offset, size)
             self._slots.append(slot)
             return slot
@@ -191,18 +188,20 @@ class DaemonStore:
                 self._slots.popleft()
 
     def _allocate(self, ring: int, size: int) -> int | None:
-        """Where ``size`` bytes fit after the newest live slot, wrapping to the ring's
-        start before the oldest (slots are freed mostly in allocation order)."""
+        """Where ``size`` bytes fit: at the ring's start when they fit before the oldest live
+        slot, else after the newest (slots are freed mostly in allocation order).  Starting
+        over as early as possible keeps the slots within the pages already touched: a
+        ring's first touch of a page is a page fault, here and in the daemon."""
         while self._slots and not self._slots[0].live:
             self._slots.popleft()
         if not self._slots:
             return 0
         first, last = self._slots[0], self._slots[-1]
         end = last.offset + last.size
-        if last.offset >= first.offset:  # not wrapped: free after the newest and before the oldest
-            if end + size <= ring:
-                return end
-            return 0 if size <= first.offset else None
+        if last.offset >= first.offset:  # not wrapped: free before the oldest and after the newest
+            if size <= first.offset:
+                return 0
+            return end if end + size <= ring else None
         return end if end + size <= first.offset else None
 
     def _drop_slots(self) -> None:

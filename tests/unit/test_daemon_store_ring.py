@@ -82,7 +82,7 @@ def test_a_slot_is_sent_as_it_lies_and_freed_once_answered(store: RingStore) -> 
     assert store.stored[2] == b"head" + entry(2, 96) and store.stored[3] == entry(3, 50)
     assert store.log[-1]["items"] == [[2, 0, 100], [3, 100, 50]]
     assert not slot.live and not second.live and not store._slots
-    with pytest.raises(ValueError, match="announced"):
+    with pytest.raises(ValueError, match="parts for a buffer"):
         store.write_entry([b"abc"], 4)
 
 
@@ -99,6 +99,20 @@ def test_slots_wrap_around_and_a_full_ring_falls_back(store: RingStore) -> None:
     store.put_many("c", [(1, b), (2, c), (3, d)])
     assert {k: store.stored[k] for k in (1, 2, 3)} == {1: entry(1, 300), 2: entry(2, 300), 3: entry(4, 250)}
     assert store.write_entry([entry(6, RING)], RING) is not None and store.write_entry([b"x"], RING + 1) is None
+
+
+def test_slots_start_over_as_soon_as_the_start_is_free(store: RingStore) -> None:
+    """The ring's first pages are reused rather than the whole ring swept (a first touch of
+    a page is a page fault on both sides)."""
+    store.put_many("c", [(0, b"x")])
+    a, b = store.write_entry([entry(1, 300)], 300), store.write_entry([entry(2, 300)], 300)
+    assert a is not None and b is not None and b.offset == 300
+    store.release(a)
+    c = store.write_entry([entry(3, 200)], 200)
+    assert c is not None and c.offset == 0
+    d = store.write_entry([entry(4, 100)], 100)
+    assert d is not None and d.offset == 200  # after the newest, before the oldest
+    assert store.write_entry([entry(5, 1)], 1) is None  # the start is full up to b: no jumping over it
 
 
 def test_bytes_and_slots_mix_and_a_full_ring_sends_what_it_has(store: RingStore) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from cube_torch import client
 from cube_torch.samples import cache as cache_module
+from cube_torch.samples import codec
 from cube_torch.samples.cache import HEADER, SampleCache
 from cube_torch.samples.dataset import CachedDataset
 from cube_torch.samples.store import StoreError
@@ -388,10 +389,10 @@ class SlotStore(MemoryStore):
         self.live: set[int] = set()
         self.slots = self.released = 0
 
-    def write_entry(self, parts: list[bytes | memoryview], size: int) -> Slot | None:
+    def write_entry(self, parts: list[codec.Part], size: int) -> Slot | None:
         if len(self.live) >= self.room:
             return None
-        slot = Slot(b"".join(parts))
+        slot = Slot(bytes(codec.join(parts)))
         assert len(slot) == size
         self.live.add(id(slot))
         self.slots += 1
