@@ -241,9 +241,9 @@ def invert(sample: Any) -> Any:
 
 def test_a_transform_changing_the_sample_in_place_does_not_change_the_stored_entry(
         volume: tuple[Mount, str], tmp_path: Path) -> None:
-    """The cached part ends in PILToTensor (the CHW view of an HWC image: stored in its
-    memory order, written straight into the connection's ring); the transform after the
-    cache inverts that very tensor in place.  The entry is the value as computed: every
+    """The cached part ends in PILToTensor (the CHW view of an HWC image: reordered as it is
+    copied straight into the connection's ring); the transform after the cache inverts
+    that very tensor in place.  The entry is the value as computed: every
     epoch, hits included, equals the pipeline without the cache."""
     mount, _ = volume
     root = mount.mount_point / "train"
