@@ -59,7 +59,7 @@ import xxhash
 from cube_torch.client import once
 from cube_torch.samples import codec
 from cube_torch.samples.store import SampleStore, StoreError
-from cube_torch.samples.stores import check_spec, open_store
+from cube_torch.samples.stores import check_spec, open_store, preload
 
 log = logging.getLogger("cube_torch")
 
@@ -341,6 +341,7 @@ class SampleCache:
                  max_pending_entries: int = MAX_PENDING_ENTRIES, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.name = check_name(name)
         check_spec(store)
+        preload(store)  # (here, before any DataLoader worker forks)
         self.store_spec = store
         self.max_pending_entries = max_pending_entries
         self.max_pending_bytes = max_pending_bytes
