@@ -323,6 +323,23 @@ def test_a_concat_dataset_sends_each_cached_part_its_keys() -> None:
     assert client._plan_samples(ConcatDataset([plain, Subset(b, [1])]), np.array([0, 3])) is None  # b does not say
 
 
+def test_making_a_cache_imports_its_stores_client_for_the_workers_to_inherit() -> None:
+    """The training process imports redis-py when it makes a Redis cache (not before):
+    DataLoader workers forked from it, anew each epoch, do not each import it again."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from cube_torch.samples.cache import SampleCache\n"
+            "SampleCache('daemon', None)\n"
+            "assert 'redis' not in sys.modules, 'redis-py imported without a Redis store'\n"
+            "SampleCache('redis', 'redis://127.0.0.1:1/0')\n"
+            "assert {'redis', 'redis.cluster', 'redis.retry'} <= set(sys.modules)\n"
+            "assert 'cube_torch.samples.daemon_store' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_store_is_opened_per_process(tmp_path: Path) -> None:
     """After a fork the child opens its own store state (never the parent's writer or lock)."""
     store = MemoryStore()
