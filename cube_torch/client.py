@@ -374,23 +374,52 @@ class Submitter:
 
 
 def _plan_samples(dataset: Any, order: np.ndarray) -> np.ndarray | None:
-    """A CachedDataset (``cube_torch_cached``) read in ``order``, directly or through
-    ``Subset``s: send its store the epoch's keys (the indices into the CachedDataset);
-    which of the order's samples the store holds (a bool each), when it says.  Other
-    wrappers (ConcatDataset, ...) are not followed: their stores get no plan and evict
-    least recently used first."""
-    from torch.utils.data import Subset
+    """Each CachedDataset (``cube_torch_cached``) read in ``order``, directly or through
+    ``Subset``s and ``ConcatDataset``s (nested): send its store the epoch's keys (the
+    indices into that CachedDataset, in the order they will be read); which of the order's
+    samples the stores hold (a bool each), when one of them says (the samples of a part
+    that is no CachedDataset, or whose store does not say, count as not held)."""
+    parts: dict[int, tuple[Any, list[np.ndarray], list[np.ndarray]]] = {}
+    _cached_parts(dataset, np.arange(len(order)), np.asarray(order, dtype=np.int64), parts)
+    held: np.ndarray | None = None
+    for cached, positions, keys in parts.values():
+        # A CachedDataset met twice (ConcatDataset([ds, ds])): one plan, its keys in reading order.
+        where = np.concatenate(positions)
+        sorted_by_position = np.argsort(where, kind="stable")
+        where, wanted = where[sorted_by_position], np.concatenate(keys)[sorted_by_position]
+        answer = cached.plan(wanted)
+        if isinstance(answer, np.ndarray) and answer.shape == wanted.shape:
+            if held is None:
+                held = np.zeros(len(order), dtype=bool)
+            held[where] = answer.astype(bool, copy=False)
+    return held
 
-    keys = order
+
+def _cached_parts(dataset: Any, positions: np.ndarray, keys: np.ndarray,
+                  out: dict[int, tuple[Any, list[np.ndarray], list[np.ndarray]]]) -> None:
+    """Walk ``dataset`` read at ``keys`` (its indices; ``positions``: where each is in the
+    epoch's order) down to its CachedDatasets; each one's positions and keys into ``out``
+    (by object).  Other wrappers are not followed: their stores get no plan and evict least
+    recently used first."""
+    from torch.utils.data import ConcatDataset, Subset
+
     while isinstance(dataset, Subset):
         keys = np.asarray(dataset.indices, dtype=np.int64)[keys]
         dataset = dataset.dataset
-    if not getattr(type(dataset), "cube_torch_cached", False) or not callable(getattr(dataset, "plan", None)):
-        return None
-    held = dataset.plan(keys)
-    if not isinstance(held, np.ndarray) or held.shape != order.shape:
-        return None
-    return held.astype(bool, copy=False)
+    if isinstance(dataset, ConcatDataset):
+        keys = np.where(keys < 0, keys + len(dataset), keys)  # ConcatDataset's own reading of a negative index
+        cumulative = np.asarray(dataset.cumulative_sizes, dtype=np.int64)
+        owner = np.searchsorted(cumulative, keys, side="right")
+        for part, inner in enumerate(dataset.datasets):
+            mine = owner == part
+            if mine.any():
+                start = int(cumulative[part - 1]) if part else 0
+                _cached_parts(inner, positions[mine], keys[mine] - start, out)
+        return
+    if getattr(type(dataset), "cube_torch_cached", False) and callable(getattr(dataset, "plan", None)):
+        entry = out.setdefault(id(dataset), (dataset, [], []))
+        entry[1].append(positions)
+        entry[2].append(keys)
 
 
 def _without_held(request: PlanRequest, held: np.ndarray) -> PlanRequest:

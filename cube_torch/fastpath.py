@@ -24,6 +24,7 @@ seconds) goes through the mount.  ``CUBE_TORCH_FAST_PATH=0`` turns it off.
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import io
 import json
@@ -406,22 +407,82 @@ _original_fetch: Any = None
 def _fetch(self: Any, possibly_batched_index: Any) -> Any:
     from torch.utils.data import get_worker_info
 
-    if get_worker_info() is None or not enabled() or _owns_batches(self.dataset):
+    if get_worker_info() is None or not enabled():
+        return _original_fetch(self, possibly_batched_index)
+    owns = _owns_batches(self.dataset)
+    if owns == _CONCAT and self.auto_collation:
+        # ConcatDataset has no __getitems__: torch would load its samples one by one (a store
+        # round trip and a scope each); its parts get their share of the batch at once.
+        return self.collate_fn(_concat_items(self.dataset, list(possibly_batched_index)))
+    if owns:
         return _original_fetch(self, possibly_batched_index)  # (a CachedDataset scopes its own misses)
     indices = list(possibly_batched_index) if self.auto_collation else [possibly_batched_index]
     with batch_scope(self.dataset, indices):
         return _original_fetch(self, possibly_batched_index)
 
 
-def _owns_batches(dataset: Any) -> bool:
-    """A dataset that scopes its own batches (``cube_torch_own_batches``: a CachedDataset),
-    itself or under ``Subset``s (whose ``__getitems__`` hands it the whole batch at once).
-    Other wrappers load sample by sample: the fetcher serves their batches."""
-    from torch.utils.data import Subset
+_CONCAT = 2  # _owns_batches: a ConcatDataset whose parts all load their batches in two steps
+
+
+def _owns_batches(dataset: Any) -> int:
+    """Whether a dataset scopes its own batches (``cube_torch_own_batches``: a CachedDataset),
+    itself or under ``Subset``s (whose ``__getitems__`` hands it the whole batch at once): 1;
+    a ``ConcatDataset`` (nested, under Subsets too) whose parts all are CachedDatasets
+    (``cube_torch_load_many``, under Subsets): ``_CONCAT``; else 0.  Other wrappers load
+    sample by sample: the fetcher serves their batches (the files of every sample, which a
+    CachedDataset's hits would not read)."""
+    from torch.utils.data import ConcatDataset, Subset
 
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
-    return bool(getattr(dataset, "cube_torch_own_batches", False))
+    if isinstance(dataset, ConcatDataset):
+        return _CONCAT if dataset.datasets and all(_two_step(d) for d in dataset.datasets) else 0
+    return int(bool(getattr(dataset, "cube_torch_own_batches", False)))
+
+
+def _two_step(dataset: Any) -> bool:
+    from torch.utils.data import ConcatDataset, Subset
+
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    if isinstance(dataset, ConcatDataset):
+        return bool(dataset.datasets) and all(_two_step(d) for d in dataset.datasets)
+    return callable(getattr(dataset, "cube_torch_load_many", None)) and callable(getattr(dataset, "cube_torch_finish", None))
+
+
+def _concat_items(dataset: Any, indices: list[Any]) -> list[Any]:
+    """``[dataset[i] for i in indices]`` for a ConcatDataset of CachedDatasets (see
+    _owns_batches): each part's samples loaded in one call, then finished (its transform)
+    in the batch's order, as torch's sample-by-sample loading would."""
+    loaded: list[tuple[Any, Any]] = [(None, None)] * len(indices)
+    _load_parts(dataset, list(range(len(indices))), indices, loaded)
+    return [part.cube_torch_finish(sample) for part, sample in loaded]
+
+
+def _load_parts(dataset: Any, positions: list[int], indices: list[Any], out: list[tuple[Any, Any]]) -> None:
+    from torch.utils.data import ConcatDataset, Subset
+
+    while isinstance(dataset, Subset):
+        indices = [dataset.indices[int(i)] for i in indices]
+        dataset = dataset.dataset
+    if not isinstance(dataset, ConcatDataset):
+        for position, sample in zip(positions, dataset.cube_torch_load_many(indices)):
+            out[position] = (dataset, sample)
+        return
+    n = len(dataset)
+    wanted: dict[int, tuple[list[int], list[int]]] = {}  # part -> (positions in the batch, its indices)
+    for position, index in zip(positions, indices):
+        i = int(index)
+        if i < 0:
+            if -i > n:
+                raise ValueError("absolute value of index should not exceed dataset length")  # ConcatDataset's own
+            i += n
+        part = bisect.bisect_right(dataset.cumulative_sizes, i)
+        slot = wanted.setdefault(part, ([], []))
+        slot[0].append(position)
+        slot[1].append(i - (dataset.cumulative_sizes[part - 1] if part else 0))
+    for part, (where, local) in wanted.items():
+        _load_parts(dataset.datasets[part], where, local, out)
 
 
 def own_batch_scope(dataset: Any, indices: list[int]) -> AbstractContextManager[int]:

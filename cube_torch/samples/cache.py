@@ -21,6 +21,10 @@ Never in training's way:
   cache.  A store that refuses writes only (Redis full, ``noeviction``) is still read;
   writes stop for that long.  A corrupt entry (bad magic, a payload the codec refuses) is
   logged once and treated as a miss (computed and overwritten).
+* A computed value is encoded once, copied once: straight into the store's own buffer
+  when the store offers one (the daemon store's ring: ``write_entry``), else into the
+  entry's bytes; either is the snapshot taken at compute time (a transform after the cache
+  that changes the value in place does not change what is stored).
 * Writes go through a bounded in-process buffer (:data:`MAX_PENDING_ENTRIES` entries,
   :data:`MAX_PENDING_BYTES` bytes) drained by one background thread per process; a full
   buffer drops the write (the sample is computed again next time), it never waits.  At
@@ -44,7 +48,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -55,7 +59,7 @@ import xxhash
 from cube_torch.client import once
 from cube_torch.samples import codec
 from cube_torch.samples.store import SampleStore, StoreError
-from cube_torch.samples.stores import check_spec, open_store
+from cube_torch.samples.stores import check_spec, open_store, preload
 
 log = logging.getLogger("cube_torch")
 
@@ -107,11 +111,6 @@ def validity_tag(files: Sequence[str]) -> int:
     return int(h.intdigest()) or 1  # never NO_FILES_TAG
 
 
-def make_entry(tag: int, value: Any) -> bytes:
-    """The entry of ``value``: the header, then its encoding (one copy of its arrays' bytes)."""
-    return codec.encode(value, HEADER.pack(MAGIC, FORMAT_VERSION, tag))
-
-
 @dataclass(frozen=True)
 class CacheStatistics:
     """This process's counters of one SampleCache."""
@@ -153,7 +152,8 @@ class _State:
         self.read_retry_at = 0.0
         self.write_retry_at = 0.0
         self.counts = collections.Counter[str]()
-        self.pending: collections.deque[tuple[int, bytes]] = collections.deque()
+        # Entries: bytes, or a store's slot (written into its buffer by write_entry).
+        self.pending: collections.deque[tuple[int, Sized]] = collections.deque()
         self.pending_bytes = 0
         self.in_flight = 0
         self.cond = threading.Condition()
@@ -205,13 +205,40 @@ class _State:
 
     # -- the writer --------------------------------------------------------------------------
 
-    def offer(self, key: int, entry: bytes) -> None:
+    def write_entry(self, parts: list[codec.Part]) -> Sized | None:
+        """The entry's parts copied into the writer store's own buffer (the daemon store's
+        ring), when it has one and room: a slot to offer; else None.  Only a store this
+        cache opened itself (a caller's object may be read meanwhile: its buffer is not ours)."""
+        store = self.write_store  # made by the writer thread: until then, bytes
+        write_entry = getattr(store, "write_entry", None)
+        if self.shared or not callable(write_entry) or not self.writable():
+            return None
+        slot: Sized | None = write_entry(parts, codec.size_of(parts))
+        return slot
+
+    def discard(self, entries: Iterable[Sized]) -> None:
+        """Entries that will not be put: the slots among them are freed."""
+        release = getattr(self.write_store, "release", None)
+        if callable(release):
+            for entry in entries:
+                if not isinstance(entry, bytes):
+                    release(entry)
+
+    def offer(self, key: int, entry: Sized) -> None:
         with self.cond:
             if len(self.pending) >= self.max_entries or self.pending_bytes + len(entry) > self.max_bytes:
                 self.counts["dropped"] += 1
+                self.discard([entry])
                 return
             self.pending.append((key, entry))
             self.pending_bytes += len(entry)
+
+    def wake(self) -> None:
+        """Have the writer put what is pending (a batch's entries at once: one round trip
+        for the batch, not one per entry, and no thread switch per computed sample)."""
+        with self.cond:
+            if not self.pending:
+                return
             if self.writer is None or not self.writer.is_alive():
                 self.writer = threading.Thread(target=self.write_loop, name="cube_torch-samples", daemon=True)
                 self.writer.start()
@@ -236,17 +263,18 @@ class _State:
                     self.in_flight -= 1
                     self.cond.notify_all()
 
-    def write(self, batch: list[tuple[int, bytes]]) -> None:
+    def write(self, batch: list[tuple[int, Sized]]) -> None:
         if not self.writable():
             self.counts["dropped"] += len(batch)
+            self.discard(entry for _, entry in batch)
             return
         store = self.open_writer()
         if store is None:
             self.counts["dropped"] += len(batch)
             return
         try:
-            with self.write_lock:
-                store.put_many(self.name, batch)
+            with self.write_lock:  # (slots are the store's own: its put_many takes them, and frees them)
+                store.put_many(self.name, cast(list[tuple[int, bytes]], batch))
             self.counts["writes"] += len(batch)
         except StoreError as exc:
             self.counts["dropped"] += len(batch)
@@ -313,6 +341,7 @@ class SampleCache:
                  max_pending_entries: int = MAX_PENDING_ENTRIES, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
         self.name = check_name(name)
         check_spec(store)
+        preload(store)  # (here, before any DataLoader worker forks)
         self.store_spec = store
         self.max_pending_entries = max_pending_entries
         self.max_pending_bytes = max_pending_bytes
@@ -426,14 +455,18 @@ class SampleCache:
         first: dict[int, int] = {}  # key -> its first position among the misses
         for i in missing:
             first.setdefault(keys[i], i)
-        entries: dict[int, bytes] = {}
-        with scope(list(first)) if scope is not None else nullcontext():
-            for key, i in first.items():
-                results[i] = value = compute_one(key)
-                state.counts["misses"] += 1
-                entry = self._store(state, key, tags[i], value)
-                if entry is not None:
-                    entries[key] = entry
+        twice = {keys[i] for i in missing if first[keys[i]] != i}
+        entries: dict[int, bytes | bytearray] = {}
+        try:
+            with scope(list(first)) if scope is not None else nullcontext():
+                for key, i in first.items():
+                    results[i] = value = compute_one(key)
+                    state.counts["misses"] += 1
+                    entry = self._store(state, key, tags[i], value, keep=key in twice)
+                    if entry is not None:
+                        entries[key] = entry
+        finally:
+            state.wake()  # the batch's entries, once computed (or those computed before a failure)
         for i in missing:  # a key asked twice in one batch: a fresh copy, as a hit would give
             key = keys[i]
             if first[key] != i:
@@ -441,21 +474,29 @@ class SampleCache:
                 results[i] = (codec.decode(memoryview(entry)[HEADER.size:]) if entry is not None
                               else compute_one(key))
 
-    def _store(self, state: _State, key: int, tag: int | None, value: Any) -> bytes | None:
-        """Hand ``value``'s entry to the writer; the entry (None: not encodable)."""
+    def _store(self, state: _State, key: int, tag: int | None, value: Any, *, keep: bool = False) -> bytes | bytearray | None:
+        """Hand ``value``'s entry to the writer, copied once (see the module docstring); the
+        entry's bytes when ``keep`` (a key asked twice in the batch decodes its copy from
+        them), else None (also when the codec refuses the value)."""
         try:
-            entry = make_entry(NO_FILES_TAG if tag is None else tag, value)
+            parts = codec.encode_parts(value, HEADER.pack(MAGIC, FORMAT_VERSION, NO_FILES_TAG if tag is None else tag))
         except codec.CodecError as exc:
             state.counts["dropped"] += 1
             if once(f"samples:{self.name}:encode:{type(value).__name__}"):
                 log.warning("cube_torch: sample cache %r: %s: such samples are not cached (logged once)",
                             self.name, exc)
             return None
-        if tag is not None and state.store is not None and state.writable():
-            state.offer(key, entry)
-        elif tag is not None:
-            state.counts["dropped"] += 1
-        return entry
+        if tag is None or state.store is None or not state.writable():
+            if tag is not None:
+                state.counts["dropped"] += 1
+            return codec.join(parts) if keep else None
+        slot = None if keep else state.write_entry(parts)
+        if slot is not None:
+            state.offer(key, slot)
+            return None
+        entry = codec.join(parts)
+        state.offer(key, entry)
+        return entry if keep else None
 
     # -- planning ----------------------------------------------------------------------------
 

@@ -120,12 +120,56 @@ TORCH_DTYPES = "bool, uint8, int8, int16, int32, int64, float16, bfloat16, float
 # -- encode ------------------------------------------------------------------------------------
 
 
+# A part of an encoding: bytes, a byte view (format "B") of a contiguous array, or a
+# non-contiguous numpy array (a view of the value's own memory), written in C order.
+Part = bytes | bytearray | memoryview | np.ndarray  # (see encode_parts)
+
+
 def encode(obj: Any, prefix: bytes = b"") -> bytes:
     """The bytes of ``obj`` (see the module docstring for what is supported), after
-    ``prefix`` (a header of the caller's, joined in the same single copy)."""
-    parts: list[bytes | memoryview] = [prefix]
+    ``prefix`` (a header of the caller's)."""
+    return bytes(join(encode_parts(obj, prefix)))
+
+
+def encode_parts(obj: Any, prefix: bytes = b"") -> list[Part]:
+    """What ``encode`` joins, in order: byte strings, and views *of obj's own arrays and
+    tensors* (no copy), valid while ``obj`` is not changed; the caller copies them out at
+    once (:func:`join`, or :func:`write_parts` into a store's buffer): one copy of each
+    array's bytes, a non-contiguous one (torchvision's ``PILToTensor`` gives the CHW view of
+    an HWC image) reordered in that same copy."""
+    parts: list[Part] = [prefix]
     _encode(obj, parts, 0)
-    return b"".join(parts)
+    return parts
+
+
+def size_of(parts: list[Part]) -> int:
+    return sum(part.nbytes if isinstance(part, (memoryview, np.ndarray)) else len(part) for part in parts)
+
+
+def join(parts: list[Part]) -> bytes | bytearray:
+    """The parts as one buffer: one copy of every byte."""
+    if not any(isinstance(part, np.ndarray) for part in parts):
+        return b"".join(parts)  # type: ignore[arg-type]  # (only bytes and byte views)
+    out = bytearray(size_of(parts))
+    with memoryview(out) as view:
+        write_parts(parts, view)
+    return out
+
+
+def write_parts(parts: list[Part], out: memoryview) -> None:
+    """Copy the parts into ``out`` (a writable byte view of exactly their size), each
+    non-contiguous array reordered to C order as it is copied."""
+    position = 0
+    for part in parts:
+        if isinstance(part, np.ndarray):
+            n = part.nbytes
+            np.copyto(np.frombuffer(out[position:position + n], dtype=part.dtype).reshape(part.shape), part)
+        else:
+            n = part.nbytes if isinstance(part, memoryview) else len(part)
+            out[position:position + n] = part
+        position += n
+    if position != len(out):
+        raise ValueError(f"{position} bytes of parts for a buffer of {len(out)}")
 
 
 def _length(n: int, what: str) -> bytes:
@@ -134,7 +178,7 @@ def _length(n: int, what: str) -> bytes:
     return _U32.pack(n)
 
 
-def _encode(obj: Any, out: list[bytes | memoryview], depth: int) -> None:
+def _encode(obj: Any, out: list[Part], depth: int) -> None:
     if depth > MAX_DEPTH:
         raise CodecError(f"the sample nests deeper than {MAX_DEPTH} levels (or contains a cycle)")
     kind = type(obj)
@@ -191,7 +235,7 @@ def _dtype_str(dtype: np.dtype[Any]) -> bytes:
     return name.encode("ascii")
 
 
-def _encode_numpy_scalar(obj: np.generic, out: list[bytes | memoryview]) -> None:
+def _encode_numpy_scalar(obj: np.generic, out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
     out += (b"x", _U8.pack(len(name)), name, obj.tobytes())
 
@@ -202,11 +246,17 @@ def _shape(shape: tuple[int, ...]) -> bytes:
     return _U8.pack(len(shape)) + b"".join(_U64.pack(n) for n in shape)
 
 
-def _encode_array(obj: np.ndarray[Any, Any], out: list[bytes | memoryview]) -> None:
+def _encode_array(obj: np.ndarray[Any, Any], out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
-    data = np.ascontiguousarray(obj)  # a view when already contiguous: no copy
-    out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(data.nbytes),
-            _bytes_view(data.reshape(-1)))
+    out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(obj.nbytes), _data(obj))
+
+
+def _data(array: np.ndarray[Any, Any]) -> Part:
+    """An array's bytes in C order, uncopied: a byte view when contiguous, else the array
+    itself (reordered as the caller copies it: one copy either way)."""
+    if array.flags.c_contiguous:
+        return _bytes_view(array.reshape(-1))
+    return array
 
 
 def _bytes_view(array: Any) -> memoryview:
@@ -219,7 +269,7 @@ def _is_tensor(obj: Any) -> bool:
     return torch is not None and isinstance(obj, torch.Tensor)
 
 
-def _encode_tensor(obj: Any, out: list[bytes | memoryview]) -> None:
+def _encode_tensor(obj: Any, out: list[Part]) -> None:
     import torch
 
     code = _torch_code(obj.dtype)
@@ -228,10 +278,15 @@ def _encode_tensor(obj: Any, out: list[bytes | memoryview]) -> None:
                          "that runs after the cache)")
     if obj.layout != torch.strided or obj.is_quantized:
         raise CodecError(f"cannot encode a {obj.layout} tensor (only dense, strided ones)")
-    flat = obj.detach().contiguous().reshape(-1)
-    raw = flat.view(torch.uint8) if flat.numel() else torch.empty(0, dtype=torch.uint8)
-    out += (b"p", _U8.pack(code), _shape(tuple(obj.shape)), _U64.pack(raw.numel()),
-            _bytes_view(raw.numpy()))
+    obj = obj.detach()
+    nbytes = obj.numel() * obj.element_size()
+    if obj.is_contiguous():
+        flat = obj.reshape(-1)
+        data: Part = _bytes_view(flat.view(torch.uint8).numpy() if nbytes else np.empty(0, dtype=np.uint8))
+    else:  # its memory as a numpy array of the same item size and strides (numpy has no bfloat16)
+        same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(obj.element_size())
+        data = (obj.view(same_size) if same_size is not None else obj).numpy()
+    out += (b"p", _U8.pack(code), _shape(tuple(obj.shape)), _U64.pack(nbytes), data)
 
 
 def _is_image(obj: Any) -> bool:
@@ -239,7 +294,7 @@ def _is_image(obj: Any) -> bool:
     return image is not None and isinstance(obj, image.Image)
 
 
-def _encode_image(obj: Any, out: list[bytes | memoryview]) -> None:
+def _encode_image(obj: Any, out: list[Part]) -> None:
     mode = obj.mode
     if mode not in PIL_MODES:
         raise CodecError(f"cannot encode a PIL image of mode {mode!r} (supported: {', '.join(sorted(PIL_MODES))})")

@@ -13,6 +13,12 @@ such a store is read-only, its ``put_many`` and ``plan`` do nothing.  ``plan_hel
 ``plan`` plus the daemon's answer of which keys it holds (cube_torch leaves their files out
 of the epoch's prefetch plan).
 
+Entries written in place (:meth:`DaemonStore.write_entry`): the training thread encodes a
+computed sample straight into the writer connection's ring (one copy, the snapshot), and
+the writer thread's ``put_many`` sends its slot, with no second copy; a slot lives until
+its ``sample_put`` is answered.  Plans go through a connection of their own, opened per
+plan (the daemon writes its answer at the start of the ring, where slots may live).
+
 Timeouts: connecting and the hello within :data:`~cube_torch.fastpath.CONNECT_TIMEOUT`
 (2 s), each answer within :data:`~cube_torch.fastpath.REPLY_TIMEOUT` (10 s).  Any failure
 raises :class:`~cube_torch.samples.store.StoreError` at once (the connection is dropped
@@ -21,7 +27,9 @@ and the next call connects again); nothing here waits unboundedly or retries.
 
 from __future__ import annotations
 
+import collections
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -29,6 +37,7 @@ from typing import Any, NoReturn
 import numpy as np
 
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
+from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
 from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError,
                                           read_volume_config)
@@ -37,6 +46,22 @@ from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
 # one idle for half of that is replaced before use (a hello: well under a millisecond), so
 # a validation pass or a checkpoint between two batches never turns into a StoreError.
 REFRESH_AFTER = 30.0
+
+
+class RingSlot:
+    """An entry written into a DaemonStore's ring (:meth:`DaemonStore.write_entry`), to be
+    handed to its ``put_many`` in place of the entry's bytes."""
+
+    __slots__ = ("channel", "offset", "size", "live")
+
+    def __init__(self, channel: Channel, offset: int, size: int) -> None:
+        self.channel = channel
+        self.offset = offset
+        self.size = size
+        self.live = True  # until put (answered), dropped, or its ring is replaced
+
+    def __len__(self) -> int:
+        return self.size
 
 
 class DaemonStore:
@@ -51,6 +76,11 @@ class DaemonStore:
         self._channel: Channel | None = None
         self._pid = os.getpid()
         self._used_at = 0.0
+        # The channel's replacement and the ring's slots: write_entry runs in the training
+        # thread while put_many runs in the cache's writer thread.  Held for a slot's
+        # allocation and copy (tens of microseconds), never across a call to the daemon.
+        self._lock = threading.Lock()
+        self._slots: collections.deque[RingSlot] = collections.deque()  # allocation order
 
     def __repr__(self) -> str:
         return f"DaemonStore(volume={self.volume!r})"
@@ -58,12 +88,21 @@ class DaemonStore:
     def __getstate__(self) -> dict[str, Any]:  # pickled into workers: never with a connection
         state = self.__dict__.copy()
         state["_channel"] = None
+        del state["_lock"], state["_slots"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._slots = collections.deque()
 
     # -- the SampleStore contract -------------------------------------------------------
 
     def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
         wanted = [int(k) for k in keys]
+        if self._slots:  # the answer is laid out from the ring's start: slots there are lost
+            with self._lock:
+                self._drop_slots()
         out: list[bytes | memoryview | None] = []
         while len(out) < len(wanted):
             chunk = wanted[len(out):len(out) + MAX_SAMPLE_KEYS]
@@ -82,26 +121,94 @@ class DaemonStore:
                 out.append(channel.ring[entry[0]:entry[0] + entry[1]])  # a copy: the ring is reused
         return out
 
-    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes | bytearray | RingSlot]]) -> None:
+        """Store the entries: bytes are copied into the ring first; RingSlots of this
+        store's current ring are sent as they lie (those of a replaced ring are dropped)."""
         if name.startswith("~"):
+            self._release(entry for _, entry in items)
             return  # another user's cache: read-only
-        channel: Channel | None = None
         batch: list[list[int]] = []
-        offset = 0
-        for key, entry in items:
-            if channel is None:
-                channel = self._connect()
-            size = len(entry)
-            if size > channel.size:
-                continue  # larger than any entry the daemon keeps: dropped (the store is a cache)
-            if offset + size > channel.size or len(batch) == MAX_SAMPLE_KEYS:
-                self._put(name, batch)
-                batch, offset = [], 0
-            channel.ring[offset:offset + size] = entry
-            batch.append([int(key), offset, size])
-            offset += size
-        if batch:
-            self._put(name, batch)
+        sent: list[RingSlot] = []
+        try:
+            if items:
+                self._connect()
+            for key, entry in items:
+                slot = entry if isinstance(entry, RingSlot) else self.write_entry([entry], len(entry))
+                if slot is None and batch and not isinstance(entry, RingSlot):
+                    self._put(name, batch, sent)  # the ring is full of this batch: send it, then go on
+                    batch, sent = [], []
+                    slot = self.write_entry([entry], len(entry))
+                if slot is None or not (slot.live and slot.channel is self._channel):
+                    continue  # larger than the ring, the ring full of unsent slots, or replaced: dropped
+                batch.append([int(key), slot.offset, slot.size])
+                sent.append(slot)
+                if len(batch) == MAX_SAMPLE_KEYS:
+                    self._put(name, batch, sent)
+                    batch, sent = [], []
+            if batch:
+                self._put(name, batch, sent)
+        finally:
+            self._release(entry for _, entry in items)
+            self._release(sent)
+
+    def write_entry(self, parts: Sequence[Part], size: int) -> RingSlot | None:
+        """Copy an entry (``parts`` as the codec's ``encode_parts`` gives them, ``size``
+        bytes in all: one copy, see ``codec.write_parts``) into a free part of the ring, for
+        a later ``put_many``; None (nothing copied) when there is no connection yet, it is
+        about to be replaced, or the ring has no room: the caller keeps the bytes instead.
+        Never connects or waits for the daemon (the training thread calls it)."""
+        if self._pid != os.getpid():
+            return None  # a parent's store (its lock may be held forever in this child)
+        with self._lock:
+            channel = self._channel
+            if (channel is None or size > channel.size
+                    or time.monotonic() - self._used_at >= REFRESH_AFTER / 2):
+                return None  # (a slot must be sent before _connect would replace the ring)
+            offset = self._allocate(channel.size, size)
+            if offset is None:
+                return None
+            with memoryview(channel.ring) as ring, ring[offset:offset + size] as view:
+                write_parts(list(parts), view)  # (released before the lock is: close never meets an export)
+            slot = RingSlot(channel, offset, size)
+            self._slots.append(slot)
+            return slot
+
+    def release(self, slot: RingSlot) -> None:
+        """A slot that will not be put (dropped by the caller): its bytes are free again."""
+        self._release([slot])
+
+    def _release(self, entries: Any) -> None:
+        slots = [e for e in entries if isinstance(e, RingSlot) and e.live]
+        if not slots:
+            return
+        with self._lock:
+            for slot in slots:
+                slot.live = False
+            while self._slots and not self._slots[0].live:
+                self._slots.popleft()
+
+    def _allocate(self, ring: int, size: int) -> int | None:
+        """Where ``size`` bytes fit: at the ring's start when they fit before the oldest live
+        slot, else after the newest (slots are freed mostly in allocation order).  Starting
+        over as early as possible keeps the slots within the pages already touched: a
+        ring's first touch of a page is a page fault, here and in the daemon."""
+        while self._slots and not self._slots[0].live:
+            self._slots.popleft()
+        if not self._slots:
+            return 0
+        first, last = self._slots[0], self._slots[-1]
+        end = last.offset + last.size
+        if last.offset >= first.offset:  # not wrapped: free before the oldest and after the newest
+            if size <= first.offset:
+                return 0
+            return end if end + size <= ring else None
+        return end if end + size <= first.offset else None
+
+    def _drop_slots(self) -> None:
+        """Every slot is lost (its ring replaced or overwritten); under the lock."""
+        for slot in self._slots:
+            slot.live = False
+        self._slots.clear()
 
     def plan(self, name: str, keys: Sequence[int]) -> None:
         self._plan(name, keys, held=False)
@@ -117,28 +224,38 @@ class DaemonStore:
             return None
         wanted = np.asarray(keys, dtype="<i8")
         order = wanted[:MAX_SAMPLE_PLAN_KEYS]
-        channel = self._connect()
-        order = order[:channel.size // 8]
-        channel.ring[:order.nbytes] = order.tobytes()
-        request: dict[str, Any] = {"op": "sample_plan", "name": name, "count": int(len(order))}
-        if held:
-            request["held"] = True
-        reply = self._call(request)
-        if not held or type(reply.get("held")) is not int:
-            return None
-        out = np.zeros(len(wanted), dtype=bool)
-        out[:len(order)] = np.frombuffer(channel.ring[:len(order)], dtype=np.uint8) != 0
-        return out
+        # A connection of its own (once per epoch: a hello, well under a millisecond): the
+        # keys and the answer take the ring's start, where this store's slots may live.
+        channel = self._open_channel()
+        try:
+            order = order[:channel.size // 8]
+            channel.ring[:order.nbytes] = order.tobytes()
+            request: dict[str, Any] = {"op": "sample_plan", "name": name, "count": int(len(order))}
+            if held:
+                request["held"] = True
+            reply = self._call(request, channel)
+            if not held or type(reply.get("held")) is not int:
+                return None
+            out = np.zeros(len(wanted), dtype=bool)
+            out[:len(order)] = np.frombuffer(channel.ring[:len(order)], dtype=np.uint8) != 0
+            return out
+        finally:
+            channel.close()
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._lock:
+            channel, self._channel = self._channel, None
+            self._drop_slots()
+        if channel is not None and self._pid == os.getpid():
+            channel.close()
 
     # -- the connection ---------------------------------------------------------------
 
-    def _put(self, name: str, batch: list[list[int]]) -> None:
-        reply = self._call({"op": "sample_put", "name": name, "items": batch})
+    def _put(self, name: str, batch: list[list[int]], slots: list[RingSlot]) -> None:
+        try:
+            reply = self._call({"op": "sample_put", "name": name, "items": batch})
+        finally:
+            self._release(slots)  # answered (or failed): the ring's bytes are ours again
         if type(reply.get("stored")) is not int:
             self._fail(f"bad sample_put answer ({str(reply)[:200]})")
 
@@ -148,10 +265,19 @@ class DaemonStore:
             if now - self._used_at < REFRESH_AFTER:
                 self._used_at = now
                 return self._channel
-            self._channel.close()  # the daemon may have closed it already: replaced before use
-        self._channel = None  # a parent's connection (after a fork) is never used
-        self._used_at = now
-        self._pid = os.getpid()
+            self.close()  # the daemon may have closed it already: replaced before use
+        elif self._pid != os.getpid():  # a parent's connection (after a fork) is never used, nor closed here
+            self._lock = threading.Lock()  # (the parent's may have been held at the fork)
+            self._channel = None
+            self._drop_slots()
+            self._pid = os.getpid()
+        channel = self._open_channel()  # outside the lock: write_entry never waits for a connect
+        with self._lock:
+            self._channel = channel
+            self._used_at = time.monotonic()
+        return channel
+
+    def _open_channel(self) -> Channel:
         if not self.volume:
             raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)")
         try:
@@ -161,23 +287,25 @@ class DaemonStore:
         if not config.data_socket:
             raise StoreError(f"daemon store: the daemon of volume {self.volume!r} has no data socket (an older version)")
         try:
-            self._channel = Channel(config.data_socket, connect_timeout=self.connect_timeout,
-                                    reply_timeout=self.reply_timeout, writable=True)
+            return Channel(config.data_socket, connect_timeout=self.connect_timeout,
+                           reply_timeout=self.reply_timeout, writable=True)
         except (OSError, ValueError, ProtocolError) as exc:
             raise StoreError(f"daemon store: cannot connect to {config.data_socket}: {exc}") from None
-        return self._channel
 
-    def _call(self, request: dict[str, Any]) -> dict[str, Any]:
-        channel = self._connect()
+    def _call(self, request: dict[str, Any], channel: Channel | None = None) -> dict[str, Any]:
+        own = channel is None
+        channel = self._connect() if channel is None else channel
         try:
             return channel.call(request)
         except ProtocolError as exc:
             if exc.status:  # the daemon refused this request; the connection is fine
                 raise StoreError(f"daemon store: {request['op']} {request.get('name')!r}: {exc.message}") from None
-            self.close()
+            if own:
+                self.close()
             raise StoreError(f"daemon store: {exc.message}") from None
         except (OSError, ValueError) as exc:  # a timeout, a dead daemon, a malformed answer
-            self.close()
+            if own:
+                self.close()
             raise StoreError(f"daemon store: {request['op']} failed: {exc!r}") from None
 
     def _fail(self, message: str) -> NoReturn:

@@ -14,7 +14,8 @@ ConcatDataset of those); a changed file makes its samples computed again.
 cube_torch plans a CachedDataset's epochs as its base's (same files), and in DataLoader
 workers the fast path serves the files of the batch's *misses* only (hits read no file).
 At each epoch's start cube_torch also sends the epoch's key order to the store
-(:meth:`CachedDataset.plan`; through a ``Subset`` the keys are the subset's indices), so
+(:meth:`CachedDataset.plan`; through ``Subset``s and ``ConcatDataset``s each
+CachedDataset gets its own indices, in reading order), so
 that a store that evicts (the daemon) keeps the entries needed soonest.
 """
 
@@ -104,11 +105,19 @@ class CachedDataset(Dataset[Any]):
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
+        return [self.cube_torch_finish(sample) for sample in self.cube_torch_load_many(indices)]
+
+    def cube_torch_load_many(self, indices: Sequence[Any]) -> list[Any]:
+        """``base[i]`` of each index (the store's or computed), before ``transform``: one
+        store round trip.  cube_torch's fetcher loads a ConcatDataset's parts with it, then
+        finishes the samples in the batch's order (so a random transform draws its random
+        numbers sample by sample, as torch's own sample-by-sample loading would)."""
         keys = [self._index(i) for i in indices]
-        samples = self.cache.get_many(keys, self._compute, self._files_of(), self._scope)
-        if self.transform is None:
-            return samples
-        return [self.transform(sample) for sample in samples]
+        return self.cache.get_many(keys, self._compute, self._files_of(), self._scope)
+
+    def cube_torch_finish(self, sample: Any) -> Any:
+        """``transform(sample)`` (or the sample itself)."""
+        return sample if self.transform is None else self.transform(sample)
 
     def plan(self, keys: Sequence[int] | np.ndarray) -> np.ndarray | None:
         """Send the store the next epoch's key order (cube_torch does, at each epoch start,

@@ -127,6 +127,19 @@ def _redis_py() -> Any:
     return redis
 
 
+def preload_client() -> None:
+    """Import redis-py and the parts of it the stores use (see stores.preload); nothing if
+    it is not installed (open_store says so when the store is used)."""
+    try:
+        _redis_py()
+    except StoreError:
+        return
+    import redis.backoff  # noqa: F401
+    import redis.cluster  # noqa: F401
+    import redis.exceptions  # noqa: F401
+    import redis.retry  # noqa: F401
+
+
 class RedisStore(_RedisBase):
     """One Redis server: ``redis://``, ``rediss://`` (TLS) or ``unix://`` URL (redis-py's forms)."""
 

@@ -8,7 +8,8 @@
 * an object with the :class:`~cube_torch.samples.store.SampleStore` methods: itself.
 
 Store modules are imported here, lazily: a training process that never asks for Redis
-never imports redis-py.
+never imports redis-py.  One that makes a cache on a store imports its module at once
+(:func:`preload`): DataLoader workers, forked anew each epoch, then find it imported.
 """
 
 from __future__ import annotations
@@ -56,3 +57,19 @@ def open_store(spec: Any) -> SampleStore:
         return RedisStore(spec)
     store = spec
     return store
+
+
+def preload(spec: Any) -> None:
+    """Import what :func:`open_store` will need for ``spec``, now: the process that makes a
+    cache (the training script's) forks the DataLoader workers, which would otherwise each
+    import it afresh every epoch (redis-py: ~0.1 s of CPU per worker and epoch, ~0.5 ms per
+    sample of a 200-sample share).  Failures are left for open_store to report."""
+    try:
+        if spec is None:
+            import cube_torch.samples.daemon_store  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
+        elif isinstance(spec, str):
+            from cube_torch.samples.redis_store import preload_client
+
+            preload_client()
+    except ImportError:
+        pass

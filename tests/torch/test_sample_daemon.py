@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DistributedSampler, Subset
+from torch.utils.data import ConcatDataset, DistributedSampler, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
 from torchvision import datasets, transforms  # noqa: E402
@@ -231,6 +231,77 @@ def test_the_daemon_is_not_asked_to_prefetch_the_files_of_cached_samples(volume:
     got.append([(x.clone(), y.clone()) for x, y in dl])
     assert_same(got[2:], want[2:])
     assert sorted(computed(counts)) == sorted([*range(FILES), 5])
+
+
+def invert(sample: Any) -> Any:
+    """A transform after the cache that changes the cached tensor in place."""
+    image, label = sample
+    return image.bitwise_not_(), label
+
+
+def test_a_transform_changing_the_sample_in_place_does_not_change_the_stored_entry(
+        volume: tuple[Mount, str], tmp_path: Path) -> None:
+    """The cached part ends in PILToTensor (the CHW view of an HWC image: reordered as it is
+    copied straight into the connection's ring); the transform after the cache inverts
+    that very tensor in place.  The entry is the value as computed: every
+    epoch, hits included, equals the pipeline without the cache."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts = tmp_path / "computed"
+    to_tensor = transforms.Compose([DECODE_RESIZE, transforms.PILToTensor()])
+    ds = cube_torch.CachedDataset(CountingFolder(root, counts, to_tensor), name=f"inplace-{time.monotonic_ns()}",
+                                  transform=invert)
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([to_tensor, torch.bitwise_not]))
+    want = epochs(loader(plain, persistent=True), 2)
+    dl = loader(ds, persistent=True)
+    got = epochs(dl, 1)
+    settled(mount, ds.name, FILES)
+    torch.manual_seed(SEED + 1)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got, want)
+    assert sorted(computed(counts)) == list(range(FILES)) and cache_counts(mount, ds.name)["hits"] == FILES
+
+
+def planned_keys(mount: Mount, name: str) -> int:
+    """The keys of the daemon's current plan of one of this uid's caches."""
+    for cache in status(mount)["caches"]:
+        if cache["name"] == name and cache["owner"] == os.geteuid():
+            return int(cache["planned"])
+    return 0
+
+
+def test_a_concat_dataset_of_cached_datasets_plans_each_and_reads_no_file_of_its_hits(
+        volume: tuple[Mount, str], tmp_path: Path) -> None:
+    """A ConcatDataset of two CachedDatasets (one through a Subset): each cache gets the
+    epoch's order of its own keys; once they are held, the file plan leaves their files
+    out, every batch is served by the store (the fetcher hands each part its share of the
+    batch: hits ask the fast path for no file) and the tensors are those of the same
+    pipeline without the cache."""
+    mount, _ = volume
+    root = mount.mount_point / "train"
+    counts_a, counts_b = tmp_path / "computed-a", tmp_path / "computed-b"
+    stamp = time.monotonic_ns()
+    picked = list(range(0, FILES, 3))
+    a = cached(root, counts_a, f"concat-a-{stamp}")
+    b = cached(root, counts_b, f"concat-b-{stamp}")
+    concat = ConcatDataset([a, Subset(b, picked)])
+    plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
+    want = epochs(loader(ConcatDataset([plain, Subset(plain, picked)]), persistent=True), 2)
+    dl = loader(concat, persistent=True)
+    got = epochs(dl, 1)
+    assert planned_keys(mount, a.name) == FILES and planned_keys(mount, b.name) == len(picked)
+    assert plan_lengths(mount).get(0) == FILES + len(picked)  # nothing held yet: every sample's files
+    assert sorted(computed(counts_a)) == list(range(FILES)) and sorted(computed(counts_b)) == picked
+    settled(mount, a.name, FILES)
+    settled(mount, b.name, len(picked))
+    before = fast_path_requests(mount)
+    torch.manual_seed(SEED + 1)
+    got.append([(x.clone(), y.clone()) for x, y in dl])
+    assert_same(got, want)
+    assert plan_lengths(mount).get(1) == 1  # every sample held: one stays (no empty plan)
+    assert sorted(computed(counts_a)) == list(range(FILES)) and sorted(computed(counts_b)) == picked
+    assert fast_path_requests(mount) == before, "hits must not make the daemon resolve their files"
+    assert cache_counts(mount, a.name)["hits"] == FILES and cache_counts(mount, b.name)["hits"] == len(picked)
 
 
 def test_daemon_killed_mid_training_warns_once_and_training_continues(tmp_path: Path, worker_log: Path) -> None:

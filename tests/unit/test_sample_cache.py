@@ -17,6 +17,7 @@ import torch
 
 from cube_torch import client
 from cube_torch.samples import cache as cache_module
+from cube_torch.samples import codec
 from cube_torch.samples.cache import HEADER, SampleCache
 from cube_torch.samples.dataset import CachedDataset
 from cube_torch.samples.store import StoreError
@@ -287,6 +288,58 @@ def test_each_epoch_sends_its_key_order_to_the_store(monkeypatch: pytest.MonkeyP
     assert sum("store failed (plan)" in r.getMessage() for r in caplog.records) == 1
 
 
+class HoldingStore(MemoryStore):
+    """A MemoryStore that answers plans with which keys it holds (as the daemon does)."""
+
+    def plan_held(self, name: str, keys: Sequence[int]) -> Any:
+        import numpy as np
+
+        self.plan(name, keys)
+        return np.array([(name, int(k)) in self.entries for k in keys], dtype=bool)
+
+
+def test_a_concat_dataset_sends_each_cached_part_its_keys() -> None:
+    """Through ConcatDataset (and Subsets under and over it) each CachedDataset gets its own
+    keys, in the order they are read; a part met twice sends one plan; the held answers
+    come back at the epoch's positions (a plain part's samples are never held)."""
+    import numpy as np
+    from torch.utils.data import ConcatDataset, Subset
+
+    store_a, store_b = HoldingStore(), MemoryStore()
+    a = CachedDataset([torch.tensor(i) for i in range(6)], name="a", store=store_a)
+    b = CachedDataset([torch.tensor(100 + i) for i in range(5)], name="b", store=store_b)
+    plain = [torch.tensor(-1)] * 3
+    concat = ConcatDataset([a, Subset(b, [4, 2, 0]), plain, ConcatDataset([Subset(a, [5, 4])])])
+    # concat's index -> (cache, key): what each of its samples reads
+    where = [("a", k) for k in range(6)] + [("b", 4), ("b", 2), ("b", 0)] + [None] * 3 + [("a", 5), ("a", 4)]
+    outer = Subset(concat, list(range(len(concat)))[::-1])  # 14 samples, read back to front
+    order = np.array([3, 0, 13, 12, 1, 9, 11, 5, 2, 10, 4, 8, 7, 6])  # an epoch's order of `outer`
+    read = [where[len(concat) - 1 - int(i)] for i in order]
+    store_a.entries[("a", 4)] = b"held"
+    held = client._plan_samples(outer, order)
+    assert store_a.plans == [("a", [k for c, k in filter(None, read) if c == "a"])]
+    assert store_b.plans == [("b", [k for c, k in filter(None, read) if c == "b"])]
+    assert held is not None and held.tolist() == [w == ("a", 4) for w in read]
+    assert client._plan_samples(ConcatDataset([plain, Subset(b, [1])]), np.array([0, 3])) is None  # b does not say
+
+
+def test_making_a_cache_imports_its_stores_client_for_the_workers_to_inherit() -> None:
+    """The training process imports redis-py when it makes a Redis cache (not before):
+    DataLoader workers forked from it, anew each epoch, do not each import it again."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from cube_torch.samples.cache import SampleCache\n"
+            "SampleCache('daemon', None)\n"
+            "assert 'redis' not in sys.modules, 'redis-py imported without a Redis store'\n"
+            "SampleCache('redis', 'redis://127.0.0.1:1/0')\n"
+            "assert {'redis', 'redis.cluster', 'redis.retry'} <= set(sys.modules)\n"
+            "assert 'cube_torch.samples.daemon_store' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_store_is_opened_per_process(tmp_path: Path) -> None:
     """After a fork the child opens its own store state (never the parent's writer or lock)."""
     store = MemoryStore()
@@ -331,6 +384,100 @@ def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch
     for store in opened:
         store.stall.set()
     assert c.flush(15)
+
+
+class Slot:
+    """An entry in a store's own buffer (what the daemon store's write_entry gives)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+class SlotStore(MemoryStore):
+    """A MemoryStore with a buffer of its own: write_entry copies an entry into it (with
+    room for ``room`` entries at a time), put_many takes its slots, release frees them."""
+
+    def __init__(self, room: int) -> None:
+        super().__init__()
+        self.room = room
+        self.live: set[int] = set()
+        self.slots = self.released = 0
+
+    def write_entry(self, parts: list[codec.Part], size: int) -> Slot | None:
+        if len(self.live) >= self.room:
+            return None
+        slot = Slot(bytes(codec.join(parts)))
+        assert len(slot) == size
+        self.live.add(id(slot))
+        self.slots += 1
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        if id(slot) in self.live:
+            self.live.discard(id(slot))
+            self.released += 1
+
+    def put_many(self, name: str, items: Sequence[tuple[int, Any]]) -> None:
+        try:
+            super().put_many(name, [(k, e.data if isinstance(e, Slot) else e) for k, e in items])
+        finally:
+            for _, e in items:
+                if isinstance(e, Slot):
+                    self.release(e)
+
+
+def test_entries_go_into_the_stores_buffer_as_snapshots_taken_at_compute_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store opened by the cache with a buffer of its own gets each entry written into it
+    at compute time (one copy): a transform that changes the value in place afterwards does
+    not change what is stored.  Without room, bytes; a key twice in a batch, bytes too."""
+    entries: dict[tuple[str, int], bytes] = {}
+    opened: list[SlotStore] = []
+
+    def fake_open(spec: Any) -> SlotStore:
+        store = SlotStore(room=3)
+        store.entries = entries
+        store.stall.clear()  # the writer holds its first batch until released below
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c = SampleCache("slots", "redis://127.0.0.1:1/0")
+    c.get(0, lambda: torch.zeros(4))  # the writer thread opens its store (stalled on its first put)
+    deadline = time.monotonic() + 10
+    while len(opened) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    writer = opened[1]
+    hwc = torch.arange(24, dtype=torch.uint8).reshape(2, 4, 3)
+    values = {k: hwc.permute(2, 0, 1) + k for k in range(1, 6)}  # CHW views of HWC tensors
+    got = c.get_many([1, 2, 3, 4, 4, 5], lambda k: values[k].clone())  # (clone keeps the strides)
+    for value in got:
+        value.mul_(0)  # a transform after the cache, in place
+    assert writer.slots == 3  # keys 1-3 in the buffer; 4 (asked twice) and 5 (no room) as bytes
+    assert torch.equal(got[4], values[4] * 0) and got[3] is not got[4]
+    writer.stall.set()
+    assert c.flush(10)
+    assert writer.released == 3 and not writer.live
+    for k in range(1, 6):
+        assert torch.equal(c.get(k, lambda: pytest.fail("computed")), values[k])
+    assert c.statistics().writes == 6
+
+
+def test_a_full_buffer_frees_the_slots_it_drops() -> None:
+    store = SlotStore(room=10)
+    c = SampleCache("dropped", store, max_pending_entries=1)
+    state = c._here()
+    state.write_store = store  # as if opened by the writer thread (a caller's object is never given slots)
+    assert state.write_entry([b"x"]) is None  # a caller's object: shared with reads
+    state.shared = False
+    slot = state.write_entry([b"ab", b"c"])
+    assert isinstance(slot, Slot) and slot.data == b"abc"
+    with state.cond:
+        state.pending.append((9, b"busy"))  # the buffer is full
+    state.offer(1, slot)
+    assert store.released == 1 and c.statistics().dropped == 1
 
 
 class FileStore:

@@ -117,6 +117,29 @@ def test_tensor_views_and_grad() -> None:
     assert type(out) is torch.Tensor and not out.requires_grad and same(out, p.detach().clone())
 
 
+def test_a_non_contiguous_value_is_reordered_in_its_one_copy() -> None:
+    """encode_parts hands a non-contiguous array or tensor over uncopied (torchvision's
+    PILToTensor: the CHW view of an HWC image); join and write_parts reorder it as they
+    copy it: the bytes are those of its contiguous copy's encoding."""
+    values: list[Any] = [
+        torch.randint(0, 256, (5, 6, 3), dtype=torch.uint8).permute(2, 0, 1),
+        torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16).permute(2, 0, 1),
+        torch.arange(12.0).reshape(3, 4)[:, ::2], torch.tensor([1 + 2j, 3j], dtype=torch.complex128).expand(3, 2),
+        torch.tensor([True, False]).expand(2, 2).t(), np.arange(30, dtype=">i4").reshape(5, 6)[::-1, ::2],
+    ]
+    for value in values:
+        contiguous = value.contiguous() if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
+        parts = codec.encode_parts([value, 7], b"head")
+        assert any(isinstance(part, np.ndarray) for part in parts), value  # nothing copied yet
+        want = encode([contiguous, 7], b"head")
+        assert bytes(codec.join(parts)) == want
+        out = bytearray(codec.size_of(parts))
+        codec.write_parts(parts, memoryview(out))
+        assert out == want and same(decode(memoryview(out)[4:]), [contiguous, 7])
+    with pytest.raises(ValueError, match="parts for a buffer"):
+        codec.write_parts(codec.encode_parts(values[0]), memoryview(bytearray(1000)))
+
+
 @pytest.mark.parametrize("mode", sorted(codec.PIL_MODES))
 def test_pil_images_round_trip(mode: str) -> None:
     rng = np.random.default_rng(3)
