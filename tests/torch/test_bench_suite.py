@@ -94,6 +94,8 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
         samples = results[key]
         assert samples["error"] is None and samples["files"] == 20 and [e["epoch"] for e in samples["epochs"]] == [1, 2]
         assert all(e["baseline_samples_per_s"] > 0 and e["cached_samples_per_s"] > 0 for e in samples["epochs"])
+        # Epoch 1 is the median of the fills, each a fresh cache's first epoch.
+        assert len(samples["fills"]) == 3 and samples["epochs"][0]["ratio"] == sorted(samples["fills"])[1]
     assert sum(text.startswith("processed-sample cache") for text in bars) == 4
     assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("processed-sample cache"))
     assert "## (e) processed-sample cache" in markdown and "store: daemon" in markdown

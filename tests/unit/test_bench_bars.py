@@ -243,3 +243,12 @@ def test_sample_cache_bars(ratios: list[float], first: bool, later: bool) -> Non
         missing = report.evaluate_bars([], None, None, figures)
         assert _bar(missing, "processed-sample cache (local Redis): epoch 1")["passed"] is None
     assert "redis-server is not installed" in _bar(missing, "processed-sample cache (local Redis): later")["measured"]
+
+
+def test_sample_cache_epoch_1_names_its_fills() -> None:
+    """Epoch 1 is the median of several fresh caches' first epochs: the bar says which."""
+    figures = {**_samples([0.91, 3.0]), "fills": [0.84, 0.91, 0.95]}
+    bar = _bar(report.evaluate_bars([], None, None, figures), "processed-sample cache (local Redis): epoch 1")
+    assert bar["passed"] is True
+    assert "median of 3 fills" in bar["measured"] and "0.84, 0.91, 0.95" in bar["measured"]
+    assert "(ratios 0.84, 0.91, 0.95)" in report.samples_table(figures)
