@@ -73,7 +73,10 @@ READ_SHARE = 16
 
 _NAME = re.compile(SAMPLE_NAME_PATTERN)
 _FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
-_PK = struct.Struct("<Iq")  # (cache id, key): one policy key over every cache of the node
+# (key, cache id): one policy key over every cache of the node.  The key comes first and
+# little-endian, so the policies' ShardedDicts (split by a key's first byte) spread one
+# cache's keys over all their shards; cache id first put a whole cache in one shard.
+_PK = struct.Struct("<qI")
 # A put's payload: bytes, or a view of the connection's ring (valid until the put returns).
 Payload = bytes | memoryview
 
@@ -323,7 +326,7 @@ class SampleStore:
                 continue
             if entry.ram is not None:
                 out[i] = entry.ram
-                self.ram_policy.touch(_PK.pack(cache.id, key))
+                self.ram_policy.touch(_PK.pack(key, cache.id))
             elif entry.disk:
                 from_disk.append(i)
                 located.append((key, entry.segment, entry.offset, entry.size))
@@ -342,7 +345,7 @@ class SampleStore:
                     if entry is not None and entry.ram is None and entry.size == len(data):
                         self._admit_ram(cache, key, entry, data)
                     if entry is not None:
-                        self.disk_policy.touch(_PK.pack(cache.id, key))
+                        self.disk_policy.touch(_PK.pack(key, cache.id))
                     continue
                 if entry is None or not entry.disk or (entry.segment, entry.offset) != (segment, offset):
                     continue  # evicted or rewritten meanwhile (its range freed under the read): a miss
@@ -359,7 +362,7 @@ class SampleStore:
         if plan is not None:
             for key in keys:
                 if plan.consume(key):
-                    pk = _PK.pack(cache.id, key)
+                    pk = _PK.pack(key, cache.id)
                     self.ram_policy.unplan(pk)
                     self.disk_policy.unplan(pk)
         return out
@@ -482,7 +485,7 @@ class SampleStore:
             chunk = keys[start:start + CHUNK]
             uses = plan.next_uses(chunk) if plan is not None else [-1] * len(chunk)
             for key, use in zip(chunk, uses):
-                pk = _PK.pack(cache.id, key)
+                pk = _PK.pack(key, cache.id)
                 if use < 0:
                     self.ram_policy.unplan(pk)
                     self.disk_policy.unplan(pk)
@@ -521,7 +524,7 @@ class SampleStore:
                     if entry.ram is not None:
                         self._forget_ram(cache, key, entry)
                     if entry.disk:
-                        self.disk_policy.remove(_PK.pack(cache.id, key))
+                        self.disk_policy.remove(_PK.pack(key, cache.id))
                         self.disk_entries -= 1
                 await trio.lowlevel.checkpoint()
             del self._by_id[cache.id]
@@ -566,7 +569,7 @@ class SampleStore:
         if victims is None:
             return False
         for pk in victims:
-            cache_id, victim_key = _PK.unpack(pk)
+            victim_key, cache_id = _PK.unpack(pk)
             owner = self._by_id[cache_id]
             victim = owner.entries[victim_key]
             self._forget_ram(owner, victim_key, victim)
@@ -574,7 +577,7 @@ class SampleStore:
                 owner.evictions += 1
                 self._remove_entry(owner, victim_key, victim)
         entry.ram = data
-        self.ram_policy.add(_PK.pack(cache.id, key), need, self._next_use(cache, key))
+        self.ram_policy.add(_PK.pack(key, cache.id), need, self._next_use(cache, key))
         self.ram_used += need
         self.ram_entries += 1
         cache.ram_bytes += len(data)
@@ -583,7 +586,7 @@ class SampleStore:
     def _forget_ram(self, cache: _Cache, key: int, entry: _Entry) -> None:
         if entry.ram is None:
             return
-        self.ram_used -= self.ram_policy.remove(_PK.pack(cache.id, key))
+        self.ram_used -= self.ram_policy.remove(_PK.pack(key, cache.id))
         self.ram_entries -= 1
         cache.ram_bytes -= len(entry.ram)
         entry.ram = None
@@ -598,7 +601,7 @@ class SampleStore:
     def _leave_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
         """Take the entry off NVMe in the index (the caller settles ``disk_used``): its range
         is punched, or its segment unlinked if no other entry of it is left."""
-        self.disk_policy.remove(_PK.pack(cache.id, key))
+        self.disk_policy.remove(_PK.pack(key, cache.id))
         cache.disk_bytes -= entry.disk
         self.disk_entries -= 1
         path = files.segment_path(self.root, cache.owner, cache.name, entry.segment)
@@ -641,7 +644,7 @@ class SampleStore:
                     continue
                 freed = 0
                 for pk in victims:
-                    cache_id, victim_key = _PK.unpack(pk)
+                    victim_key, cache_id = _PK.unpack(pk)
                     owner = self._by_id[cache_id]
                     victim = owner.entries[victim_key]
                     freed += victim.disk
@@ -693,7 +696,7 @@ class SampleStore:
                         entry.segment, entry.offset = segment, offset
                         cache.disk_bytes += need
                         self.disk_entries += 1
-                        self.disk_policy.add(_PK.pack(cache.id, key), need, use)
+                        self.disk_policy.add(_PK.pack(key, cache.id), need, use)
                         written.add(key)
                     if ok:
                         cache.segments[segment] = len(group)
@@ -723,13 +726,13 @@ class SampleStore:
                 cache.disk_bytes += need
                 self.disk_used += need
                 self.disk_entries += 1
-                self.disk_policy.add(_PK.pack(cache.id, f.key), need)
+                self.disk_policy.add(_PK.pack(f.key, cache.id), need)
             await trio.lowlevel.checkpoint()
         release = _Release()
         evicted = 0
         if self.disk_used > self.disk_limit:  # the budget shrank since the entries were written
             for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
-                cache_id, key = _PK.unpack(pk)
+                key, cache_id = _PK.unpack(pk)
                 cache = self._by_id[cache_id]
                 self._forget_disk(cache, key, cache.entries[key], release)
                 evicted += 1

@@ -428,13 +428,13 @@ async def test_plans_are_bounded_node_wide_the_least_recently_planned_go(tmp_pat
     await store.put_many(ME, "first", [(k, entry(k)) for k in range(6)])
     await store.plan(ME, "first", np.arange(6, dtype="<i8").tobytes())
     first = store._caches[(ME, "first")]
-    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) == 3
+    assert store.ram_policy.next_use(store_module._PK.pack(3, first.id)) == 3
     await store.plan(OTHER, "second", np.arange(4, dtype="<i8").tobytes())  # 6 + 4 fit
     assert store.planned_keys == 10
     await store.plan(ME, "third", np.arange(5, dtype="<i8").tobytes())  # the oldest plan goes
     planned = {c.name: c.planned for c in store.statistics().caches}
     assert planned == {"first": 0, "second": 4, "third": 5} and store.planned_keys == 9
-    assert store.ram_policy.next_use(store_module._PK.pack(first.id, 3)) is None  # its entries are unplanned
+    assert store.ram_policy.next_use(store_module._PK.pack(3, first.id)) is None  # its entries are unplanned
     await store.drop(ME, "third")
     assert store.planned_keys == 4
 
@@ -450,3 +450,12 @@ async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it
     assert keys_of(await store.get_many(ME, "c", [1])) == [None]  # never the old value
     assert len(list((tmp_path / str(ME) / "c").iterdir())) == 1  # the one of 2 and 3: 1's went with its value
     assert store.disk_used == 2 * one and store.statistics().disk_entries == 2
+
+
+async def test_one_caches_policy_keys_spread_over_every_shard(tmp_path: Path) -> None:
+    """The policies' per-entry dicts are split by a key's first byte so that none is ever
+    rebuilt whole: one cache's consecutive keys must land in every shard, not one."""
+    store = await open_store(tmp_path, 1 << 20, 4 << 20)
+    assert await store.put_many(ME, "sweep", [(k, entry(k, 100)) for k in range(512)]) == 512
+    used = [shard for shard in store.disk_policy._size if shard]
+    assert len(used) == 256 and max(len(shard) for shard in used) == 2
