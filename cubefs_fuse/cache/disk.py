@@ -40,8 +40,6 @@ disk never exceed the limit.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import fcntl
 import logging
@@ -57,6 +55,8 @@ import numpy as np
 import trio
 import xxhash
 
+from cubefs_fuse.cache import holes
+from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.cache.keys import KEY_BYTES
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.shards import SHARDS, ShardedDict
@@ -74,8 +74,6 @@ HEADER_BYTES = _HEADER.size
 _INDEX_HEADER = struct.Struct("<8sQQ")  # magic, entry count, xxh3-64 of the body
 # Body: the keys (16 bytes each), then the locations and the path tags (<u8 each), eviction order.
 _INDEX_MAGIC = b"CFIDX003"
-# Filesystem allocation unit used for accounting; 4 KiB is the block size of ext4/xfs on NVMe.
-ALLOCATION_UNIT = 4096
 # Concurrent segment reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
 # without starving the backend's threads of the GIL on a 2-core machine.
 DISK_THREADS = 8
@@ -106,12 +104,6 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 # location within the index's u64 for 2^32 segments, 64 PiB written through one cache.
 _UNIT_BITS = 16
 _UNIT_MASK = (1 << _UNIT_BITS) - 1
-
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_libc.fallocate.restype = ctypes.c_int
 
 
 def allocated_bytes(payload: int) -> int:
@@ -773,29 +765,13 @@ def _read_entry(path: str, location: int, key: bytes) -> bytes:
     return payload
 
 
-def _punch(fd: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
 def _check_hole_punching(segments_dir: str) -> None:
     """Refuse a filesystem that cannot punch holes (``EOPNOTSUPP``): evicted blocks would
     stay allocated while counted free, and the limit would not hold.  ext4, xfs, btrfs
     and tmpfs can."""
-    probe = os.path.join(segments_dir, ".punch-probe")
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.pwrite(fd, bytes(ALLOCATION_UNIT), 0)
-        _punch(fd, 0, ALLOCATION_UNIT)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS):
-            raise ConfigError(f"key 'diskCacheDir': the filesystem of {segments_dir!r} cannot punch holes "
-                              "(fallocate PUNCH_HOLE), which the NVMe tier needs to free evicted blocks") from None
-        raise
-    finally:
-        os.close(fd)
-        _unlink_quietly(probe)
+    if not holes.can_punch(segments_dir):
+        raise ConfigError(f"key 'diskCacheDir': the filesystem of {segments_dir!r} cannot punch holes "
+                          "(fallocate PUNCH_HOLE), which the NVMe tier needs to free evicted blocks")
 
 
 def _free_space(ops: _Ops, segments_dir: str) -> None:
@@ -820,7 +796,7 @@ def _free_space(ops: _Ops, segments_dir: str) -> None:
             continue
         try:
             for offset, size in ranges:
-                _punch(fd, offset, size)
+                holes.punch(fd, offset, size)
         except OSError as exc:
             log.warning("disk cache: could not free a range of segment %x: %s", segment, exc)
         finally:
@@ -878,57 +854,54 @@ def _write_entry(fds: dict[int, int], segments_dir: str, write: _Write) -> OSErr
     except OSError as exc:
         if fd is not None:
             with contextlib.suppress(OSError):
-                _punch(fd, write.offset, allocated_bytes(len(write.data)))
+                holes.punch(fd, write.offset, allocated_bytes(len(write.data)))
         return exc
 
 
 def _scan_segment(path: str, segment: int, entries: OrderedDict[bytes, tuple[int, int]]) -> int:
     """Add the sound entries of one segment to ``entries`` (in write order, a later copy
     of a key replacing an earlier one); punch what is neither entry nor hole (a damaged
-    header: a write cut short).  Returns the number of damaged ranges punched."""
+    header: a write cut short).  Returns the number of damaged ranges punched.  Only the
+    data ranges are walked: a hole (a punched entry, up to the end of the file when the
+    last one went) is neither entry nor junk."""
     discarded = 0
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
         end = os.fstat(fd).st_size
         pos = 0
         junk_start = -1
-        while pos < end:
-            try:
-                data_at = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno != errno.ENXIO:
-                    raise
-                data_at = end  # only a hole up to the end
-            if data_at != pos:
+        for data_at, hole_at in holes.data_ranges(fd):
+            if hole_at <= pos:
+                continue  # inside the entry just taken
+            if data_at > pos:  # a hole up to data_at: a junk run ends at it
                 if junk_start >= 0:
-                    _punch(fd, junk_start, pos - junk_start)
+                    holes.punch(fd, junk_start, pos - junk_start)
                     junk_start = -1
                 pos = data_at // ALLOCATION_UNIT * ALLOCATION_UNIT
-                if pos >= end:
-                    break
-            parsed = _parse_header(os.pread(fd, HEADER_BYTES, pos))
-            if parsed is not None and pos + HEADER_BYTES + parsed[0] <= end:
-                if junk_start >= 0:
-                    _punch(fd, junk_start, pos - junk_start)
-                    junk_start = -1
-                size = allocated_bytes(parsed[0])
-                key = parsed[1]
-                previous = entries.pop(key, None)
-                if previous is not None:  # an evicted copy, left by a crash before its punch
-                    old_segment, offset, old_size = _unpack(previous[0])
-                    if old_segment == segment:
-                        _punch(fd, offset, old_size)
-                    else:
-                        _free_space(_Ops([(old_segment, offset, old_size)]), os.path.dirname(path))
-                entries[key] = (_pack(segment, pos, size), 0)  # tags come back as blocks are read
-                pos += size
-            else:
-                if junk_start < 0:
-                    junk_start = pos
-                    discarded += 1
-                pos += ALLOCATION_UNIT
+            while pos < min(hole_at, end):
+                parsed = _parse_header(os.pread(fd, HEADER_BYTES, pos))
+                if parsed is not None and pos + HEADER_BYTES + parsed[0] <= end:
+                    if junk_start >= 0:
+                        holes.punch(fd, junk_start, pos - junk_start)
+                        junk_start = -1
+                    size = allocated_bytes(parsed[0])
+                    key = parsed[1]
+                    previous = entries.pop(key, None)
+                    if previous is not None:  # an evicted copy, left by a crash before its punch
+                        old_segment, offset, old_size = _unpack(previous[0])
+                        if old_segment == segment:
+                            holes.punch(fd, offset, old_size)
+                        else:
+                            _free_space(_Ops([(old_segment, offset, old_size)]), os.path.dirname(path))
+                    entries[key] = (_pack(segment, pos, size), 0)  # tags come back as blocks are read
+                    pos += size
+                else:
+                    if junk_start < 0:
+                        junk_start = pos
+                        discarded += 1
+                    pos += ALLOCATION_UNIT
         if junk_start >= 0:
-            _punch(fd, junk_start, -(-end // ALLOCATION_UNIT) * ALLOCATION_UNIT - junk_start)
+            holes.punch(fd, junk_start, -(-end // ALLOCATION_UNIT) * ALLOCATION_UNIT - junk_start)
     finally:
         os.close(fd)
     return discarded

@@ -38,7 +38,6 @@ Every function here blocks (file I/O): the store calls them through ``trio.to_th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import secrets
@@ -49,7 +48,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from cubefs_fuse.cache.disk import ALLOCATION_UNIT
+from cubefs_fuse.cache import holes
+from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES
 
 # magic, format, name length, owner uid, key, payload length, xxh3-64 of header fields + name + payload
@@ -67,13 +67,6 @@ ALIGN = ALLOCATION_UNIT
 # directory blocks half full after splits).  Charged as entries arrive, never measured.
 ENTRY_CHARGE = 1024
 _ZEROS = bytes(ALIGN)
-
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(None, use_errno=True)
-_fallocate = _libc.fallocate64  # off_t is 64-bit in fallocate64 on every glibc platform
-_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-_fallocate.restype = ctypes.c_int
 
 
 def span(name: str, payload: int) -> int:
@@ -118,13 +111,6 @@ def segment_path(root: str, uid: int, name: str, segment: int) -> str:
     return os.path.join(root, str(uid), name, str(segment))
 
 
-def punch(fd: int, offset: int, length: int) -> None:
-    """Free ``length`` bytes at ``offset`` (ALIGN-aligned) of an open file; its size stays."""
-    if _fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        code = ctypes.get_errno()
-        raise OSError(code, os.strerror(code))
-
-
 @dataclass(frozen=True, slots=True)
 class Found:
     """One entry found at start-up."""
@@ -161,7 +147,7 @@ def release(punches: Sequence[tuple[str, int, int]], unlink: Sequence[str]) -> N
         try:
             for offset, length in ranges:
                 with contextlib.suppress(OSError):
-                    punch(fd, offset, length)
+                    holes.punch(fd, offset, length)
         finally:
             os.close(fd)
     for path in unlink:
@@ -323,17 +309,10 @@ def prepare(root: str) -> bool:
     tmp_dir = os.path.join(root, "tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     os.makedirs(tmp_dir, mode=0o700, exist_ok=True)
-    probe = os.path.join(tmp_dir, "punch-probe")
-    fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.write(fd, bytes(2 * ALIGN))
-        punch(fd, 0, ALIGN)
-        return True
-    except OSError:
+        return holes.can_punch(tmp_dir)
+    except OSError:  # any other failure of the probe: the layout that needs no punching, safe anywhere
         return False
-    finally:
-        os.close(fd)
-        os.unlink(probe)
 
 
 def scan(root: str) -> tuple[list[Found], int]:
@@ -407,32 +386,29 @@ def _scan_segment(path: str, uid: int, name: bytes) -> tuple[list[tuple[int, int
         if junk_from is not None and end > junk_from:
             junk += 1
             with contextlib.suppress(OSError):
-                punch(fd, junk_from, end - junk_from)
+                holes.punch(fd, junk_from, end - junk_from)
         junk_from = None
 
     try:
         size = os.fstat(fd).st_size
         offset = 0
-        while offset < size:
-            try:
-                data = os.lseek(fd, offset, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno != errno.ENXIO:
-                    raise
-                break  # only holes from here on
+        for data, hole in holes.data_ranges(fd):
+            if hole <= offset:
+                continue  # inside the entry just taken
             if data > offset:  # a punched range: a junk run ends at it
                 end_junk(offset)
                 offset = data - data % ALIGN
-            head = os.pread(fd, head_bytes, offset)
-            length = _length(head, uid, name)
-            if length is not None and offset + head_bytes + length <= size:
-                end_junk(offset)
-                entries.append((_HEADER.unpack_from(head)[4], offset, length))
-                offset += -(-(head_bytes + length) // ALIGN) * ALIGN
-            else:
-                if junk_from is None:
-                    junk_from = offset
-                offset += ALIGN
+            while offset < min(hole, size):
+                head = os.pread(fd, head_bytes, offset)
+                length = _length(head, uid, name)
+                if length is not None and offset + head_bytes + length <= size:
+                    end_junk(offset)
+                    entries.append((_HEADER.unpack_from(head)[4], offset, length))
+                    offset += -(-(head_bytes + length) // ALIGN) * ALIGN
+                else:
+                    if junk_from is None:
+                        junk_from = offset
+                    offset += ALIGN
         end_junk(-(-size // ALIGN) * ALIGN)
     except OSError:
         junk += 1

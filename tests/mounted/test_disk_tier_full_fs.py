@@ -1,5 +1,6 @@
-"""DiskTier's free-space floor against a really full filesystem (an 8 MiB tmpfs): the
-rest of DiskTier is in tests/unit/test_disk_tier.py."""
+"""DiskTier's free-space floor against a really full filesystem (an 8 MiB tmpfs), and the
+NVMe stores on a filesystem that cannot punch holes (a ramfs): the rest of DiskTier is in
+tests/unit/test_disk_tier.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.disk import DiskTier
+from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.samples import files
 from tests.helpers import allocated_on_disk, block_key, block_payload
 
 
@@ -27,6 +31,28 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def ramfs(tmp_path: Path) -> Iterator[Path]:
+    """A real ramfs: it stores files but has no fallocate (EOPNOTSUPP), so no holes."""
+    mnt = tmp_path / "ramfs"
+    mnt.mkdir()
+    result = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(mnt)], capture_output=True, text=True)
+    assert result.returncode == 0, f"cannot mount a ramfs: {result.stderr.strip()}"
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+async def test_without_hole_punching_the_block_tier_refuses_and_the_sample_store_falls_back(ramfs: Path) -> None:
+    assert not holes.can_punch(str(ramfs))
+    with pytest.raises(ConfigError, match="diskCacheDir.*cannot punch holes"):
+        await DiskTier.open(str(ramfs / "cache"), 1 << 20, 0.0)
+    assert os.listdir(ramfs / "cache" / "segments") == []  # the probe is gone
+    assert files.prepare(str(ramfs / "cache" / "samples")) is False  # one entry per segment
+    assert os.listdir(ramfs / "cache" / "samples" / "tmp") == []
 
 
 async def test_free_space_floor(small_fs: Path) -> None:

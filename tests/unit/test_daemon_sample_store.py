@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import trio
 
+from cubefs_fuse.cache import holes
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
 from cubefs_fuse.samples import files
 from cubefs_fuse.samples.store import RAM_ENTRY_OVERHEAD, SampleStore
@@ -223,7 +224,7 @@ async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(
 
 async def test_without_hole_punching_each_entry_is_a_segment_of_its_own(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(files, "punch", lambda fd, offset, length: (_ for _ in ()).throw(OSError(95, "no")))
+    monkeypatch.setattr(holes, "punch", lambda fd, offset, length: (_ for _ in ()).throw(OSError(95, "no")))
     one = files.allocated_bytes("c", 20_000)
     store = await open_store(tmp_path, 0, 4 * one)
     assert store.segment_entries == 1  # the start-up probe found no hole punching

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from cubefs_fuse.cache import disk as disk_module
+from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.disk import DIR_SLACK, HEADER_BYTES, SEGMENT_BYTES, DiskTier, _unpack, allocated_bytes
 from cubefs_fuse.errors import ConfigError
 from tests.helpers import allocated_on_disk, block_key as key, block_payload as payload
@@ -240,6 +240,28 @@ async def test_restart_from_index_then_from_scan(tmp_path: Path) -> None:
     await tier.close()
 
 
+async def test_a_scan_takes_a_punched_last_entry_for_a_hole_not_junk(tmp_path: Path) -> None:
+    # A segment's last entry freed (here: damaged, so its read punched it) leaves a hole up
+    # to the end of the file, the size kept: after a crash the scan finds the entry before
+    # it and no junk (the unit holding the end of the file is a hole like the rest).
+    tier = await DiskTier.open(str(tmp_path), 1 << 24, 0.0)
+    await tier.put(key(1), payload(1, 5000))
+    await tier.put(key(2), payload(2, 3 * PAGE))  # spans 4 units, the file ends inside the 4th
+    path, offset, size = entry_at(tier, tmp_path, key(2))
+    with open(path, "r+b") as f:
+        f.seek(offset + HEADER_BYTES + 10)
+        f.write(b"\xff")
+    assert await tier.get(key(2)) is None
+    assert os.stat(path).st_size == offset + HEADER_BYTES + 3 * PAGE > offset + size - PAGE
+    tier.release()  # a crash: no index
+    tier = await DiskTier.open(str(tmp_path), 1 << 24, 0.0)
+    stats = tier.statistics()
+    assert (stats.startup_source, stats.blocks, stats.startup_discarded) == ("scan", 1, 0)
+    assert await tier.get(key(1)) == payload(1, 5000)
+    check_accounting(tier, tmp_path)
+    await tier.close()
+
+
 async def test_crash_between_writes_and_index(tmp_path: Path) -> None:
     # Blocks written, some evicted, then a crash (no index): a scan finds what is stored
     # and nothing that was evicted (its range was punched before the crash).
@@ -334,7 +356,7 @@ async def test_a_filesystem_that_cannot_punch_holes_is_refused(tmp_path: Path, m
     def unsupported(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
 
-    monkeypatch.setattr(disk_module, "_punch", unsupported)
+    monkeypatch.setattr(holes, "punch", unsupported)
     with pytest.raises(ConfigError, match="diskCacheDir.*cannot punch holes"):
         await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
     monkeypatch.undo()
