@@ -230,7 +230,7 @@ class Filesystem:
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
-        attr = None if node.retired else await self.meta.stat(node.path)
+        attr = None if node.retired else self.meta.hit(node.path) or await self.meta.stat(node.path)
         if attr is None or not self.inodes.serves(inode, attr):
             self._c.stale_opens += 1
             raise FsError(errno.ESTALE, f"{node.path} changed at the source")
