@@ -130,6 +130,9 @@ class Filesystem:
         same backend call (``Backend.stat_read``): the open and read that usually follow
         are then served from RAM.  The process that waited counts the file as a miss
         (``BlockCache.admit``), exactly as if its read had fetched it."""
+        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
+        if attr is not None:
+            return attr
         if not self.lookup_fetch or self.meta.peek(path) is not None:
             return await self.meta.stat(path)
         cache = self.cache
