@@ -130,6 +130,9 @@ class Filesystem:
         same backend call (``Backend.stat_read``): the open and read that usually follow
         are then served from RAM.  The process that waited counts the file as a miss
         (``BlockCache.admit``), exactly as if its read had fetched it."""
+        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
+        if attr is not None:
+            return attr
         if not self.lookup_fetch or self.meta.peek(path) is not None:
             return await self.meta.stat(path)
         cache = self.cache
@@ -230,7 +233,7 @@ class Filesystem:
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
-        attr = None if node.retired else await self.meta.stat(node.path)
+        attr = None if node.retired else self.meta.hit(node.path) or await self.meta.stat(node.path)
         if attr is None or not self.inodes.serves(inode, attr):
             self._c.stale_opens += 1
             raise FsError(errno.ESTALE, f"{node.path} changed at the source")

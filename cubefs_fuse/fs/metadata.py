@@ -102,6 +102,16 @@ class MetadataCache:
                 nursery.start_soon(worker)
         return counted[0]
 
+    def hit(self, path: str) -> Attr | None:
+        """As :meth:`stat` when it would answer from the cache (counted as a hit), else None
+        (a miss, an expired entry or a cached absence: :meth:`stat` then does the rest).
+        Synchronous: the warm path (every open of a cached file) creates no coroutine."""
+        cached = self._attrs.get(path)
+        if cached is None or cached[1] is None or cached[0] <= trio.current_time():
+            return None
+        self._attr_hits += 1
+        return cached[1]
+
     def peek(self, path: str) -> Attr | None:
         """Cached, unexpired attributes of ``path`` without asking the backend."""
         cached = self._attrs.get(path)

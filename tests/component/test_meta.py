@@ -41,6 +41,23 @@ async def test_attr_ttl(autojump_clock: trio.testing.MockClock) -> None:
     assert (stats.attr_hits, stats.attr_misses) == (1, 2)
 
 
+async def test_hit_answers_only_what_stat_would_answer_from_the_cache(autojump_clock: trio.testing.MockClock) -> None:
+    backend = FakeBackend()
+    backend.write("a", b"one")
+    meta = make(backend)
+    assert meta.hit("a") is None  # never stated: a miss is stat's to count and fetch
+    attr = await meta.stat("a")
+    assert meta.hit("a") is attr  # the cached object itself (fs/inodes.py compares by identity first)
+    with pytest.raises(FsError):
+        await meta.stat("gone")
+    assert meta.hit("gone") is None  # a cached absence: stat raises ENOENT and counts it
+    await trio.sleep(ATTR_TTL + 0.1)
+    assert meta.hit("a") is None  # expired
+    stats = meta.statistics()
+    assert (stats.attr_hits, stats.attr_misses, stats.negative_hits) == (1, 2, 0)
+    assert backend.operations["stat"] == 2
+
+
 async def test_negative_lookup_ttl(autojump_clock: trio.testing.MockClock) -> None:
     backend = FakeBackend()
     backend.write("present", b"x")
