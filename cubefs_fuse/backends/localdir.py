@@ -4,8 +4,8 @@ Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Ev
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
 hung remote ties up worker threads, never the trio thread.  Every call can be cancelled
 (``abandon_on_cancel``): the caller gets ``trio.Cancelled`` at once and the thread is
-left to finish on its own.  Trio releases a thread's limiter token only when the thread
-really returns, so abandoned threads keep their tokens: at most ``threads`` operation
+left to finish on its own (``backends/workers.py``).  A thread's limiter token is released
+only when the thread really returns, so abandoned threads keep their tokens: at most ``threads`` operation
 threads plus one probe thread (its own limiter) exist, however long the remote hangs.
 
 The source root is one ``SourceRoot``: its descriptor can be replaced (``probe`` reopens
@@ -40,6 +40,7 @@ import trio
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.backends.beneath import open_beneath, split_beneath
+from cubefs_fuse.backends.workers import run_abandonable
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram
 
@@ -365,7 +366,7 @@ class LocalDirBackend:
                         self._abandoned -= 1
 
         try:
-            return await trio.to_thread.run_sync(run, limiter=limiter, abandon_on_cancel=True)
+            return await run_abandonable(run, limiter)
         except trio.Cancelled:
             with lock:
                 call.abandoned = True
