@@ -287,3 +287,27 @@ async def test_backend_serves_symlinks_as_symlinks_and_never_follows(tree: tuple
         assert errors[("stat", errno.ELOOP)] == 2 and errors[("read", errno.ELOOP)] == 2
     finally:
         backend.close()
+
+
+def test_fd_path_reads_the_callers_own_descriptors_after_a_fork(tmp_path: Path) -> None:
+    """fd_path keeps /proc/self/fd open: a forked child must read its own table, not the
+    parent's (where the same number names another file, or nothing)."""
+    from cubefs_fuse.backends.localdir import fd_path
+
+    (tmp_path / "parent").write_bytes(b"")
+    (tmp_path / "child").write_bytes(b"")
+    fd = os.open(tmp_path / "parent", os.O_RDONLY)
+    try:
+        assert fd_path(fd) == str(tmp_path / "parent")  # the parent's /proc/self/fd is open now
+        pid = os.fork()
+        if pid == 0:  # the child: the same number, now its own file
+            try:
+                os.dup2(os.open(tmp_path / "child", os.O_RDONLY), fd)
+                os._exit(0 if fd_path(fd) == str(tmp_path / "child") else 1)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert fd_path(fd) == str(tmp_path / "parent")
+    finally:
+        os.close(fd)
