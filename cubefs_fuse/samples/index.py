@@ -12,8 +12,11 @@ entry is atoms only, in :data:`SHARDS` dicts chosen by the key's low byte:
 
 Dicts of ints and bytes are never tracked by the collector (``gc.is_tracked`` is False),
 and a 10^6-entry cache has ~4,000 keys per shard (a resize takes ~0.2 ms).  Keys are the
-training side's int64 sample keys: ``key & 0xFF`` spreads consecutive keys evenly (and
-negative ones too: Python's ``&`` is two's complement).
+training side's int64 sample keys, often 0..N-1: ``key & 0xFF`` spreads consecutive keys
+evenly (negative ones too: Python's ``&`` and ``>>`` are two's complement).  A shard holds
+a key as ``key >> 8`` (its low byte is the shard's): an int hashes to itself and a dict
+indexes by the hash's low bits, so keys that all share their low byte would pile into
+1/256 of a shard's slots (a lookup measured 8x slower at 10^6).
 
 Location word (a Python int, so the top field has no width limit)::
 
@@ -39,8 +42,9 @@ from typing import Generic, TypeVar, overload
 
 # 256 shards, one per value of the key's low byte: ~5,000 keys each for ImageNet's 1.28M
 # (a resize or a copy of one shard ~0.2 ms); a chunked walk visits them one at a time.
-SHARDS = 256
-SHARD = SHARDS - 1  # a key's shard: key & SHARD
+SHARD_BITS = 8
+SHARDS = 1 << SHARD_BITS
+SHARD = SHARDS - 1  # a key's shard: key & SHARD, where it is held as key >> SHARD_BITS
 
 # Field widths of the location word (module docstring): 40 bits hold 1 TiB, ~2^14 times
 # the largest entry, charge or segment file this store writes.
@@ -95,9 +99,10 @@ def off_disk(word: int) -> int:
 
 
 class IntShards(Generic[V]):
-    """int -> V, as ``SHARDS`` plain dicts: a key's is ``shards[key & SHARD]`` (hot paths
-    index it themselves: a method call per access cost the store ~1 us per entry put).
-    Insertion order is kept per shard only."""
+    """int -> V, as ``SHARDS`` plain dicts: a key's value is
+    ``shards[key & SHARD][key >> SHARD_BITS]`` (hot paths index it themselves: a method
+    call per access cost the store ~1 us per entry put).  Insertion order is kept per
+    shard only."""
 
     __slots__ = ("shards",)
 
@@ -108,20 +113,21 @@ class IntShards(Generic[V]):
         return sum(map(len, self.shards))
 
     def __contains__(self, key: int) -> bool:
-        return key in self.shards[key & SHARD]
+        return key >> SHARD_BITS in self.shards[key & SHARD]
 
     def __getitem__(self, key: int) -> V:
-        return self.shards[key & SHARD][key]
+        return self.shards[key & SHARD][key >> SHARD_BITS]
 
     def __setitem__(self, key: int, value: V) -> None:
-        self.shards[key & SHARD][key] = value
+        self.shards[key & SHARD][key >> SHARD_BITS] = value
 
     def __iter__(self) -> Iterator[int]:
-        for shard in self.shards:
-            yield from shard
+        for low, shard in enumerate(self.shards):
+            for inner in shard:
+                yield inner << SHARD_BITS | low
 
     def get(self, key: int) -> V | None:
-        return self.shards[key & SHARD].get(key)
+        return self.shards[key & SHARD].get(key >> SHARD_BITS)
 
     @overload
     def pop(self, key: int) -> V: ...
@@ -130,9 +136,10 @@ class IntShards(Generic[V]):
 
     def pop(self, key: int, default: object = _ABSENT) -> object:
         """Remove ``key`` and return its value; with ``default``, that when absent."""
-        shard = self.shards[key & SHARD]
-        return shard.pop(key) if default is _ABSENT else shard.pop(key, default)
+        shard, inner = self.shards[key & SHARD], key >> SHARD_BITS
+        return shard.pop(inner) if default is _ABSENT else shard.pop(inner, default)
 
     def items(self) -> Iterator[tuple[int, V]]:
-        for shard in self.shards:
-            yield from shard.items()
+        for low, shard in enumerate(self.shards):
+            for inner, value in shard.items():
+                yield inner << SHARD_BITS | low, value

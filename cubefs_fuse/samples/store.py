@@ -56,7 +56,7 @@ from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
                                 MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
 from cubefs_fuse.samples import files, index
-from cubefs_fuse.samples.index import FIELD, SHARD, IntShards, charge_of, offset_of, segment_of, size_of
+from cubefs_fuse.samples.index import FIELD, SHARD, SHARD_BITS, IntShards, charge_of, offset_of, segment_of, size_of
 
 log = logging.getLogger(__name__)
 
@@ -312,8 +312,8 @@ class SampleStore:
         room = limit_bytes
         entries, ram = cache.entries.shards, cache.ram.shards
         for i, key in enumerate(keys):
-            word = entries[key & SHARD].get(key)
-            copy = None if word is None else ram[key & SHARD].get(key)
+            word = entries[key & SHARD].get(key >> SHARD_BITS)
+            copy = None if word is None else ram[key & SHARD].get(key >> SHARD_BITS)
             on_disk = word is not None and charge_of(word) != 0
             if (copy is not None or on_disk) and room is not None:
                 assert word is not None
@@ -387,15 +387,15 @@ class SampleStore:
         for key, data in items:
             latest[key] = data
             size = len(data)  # <= MAX_SAMPLE_ENTRY_BYTES (the ring): fits its field
-            shard = entries.shards[key & SHARD]
-            word = shard.get(key)
+            shard, inner = entries.shards[key & SHARD], key >> SHARD_BITS
+            word = shard.get(inner)
             if word is None:
-                shard[key] = size
+                shard[inner] = size
                 cache.bytes += size
             else:  # a new value: the old one leaves RAM (and NVMe, below)
                 self._forget_ram(cache, key)
                 cache.bytes += size - size_of(word)
-                shard[key] = index.resized(word, size)
+                shard[inner] = index.resized(word, size)
             cache.stored += 1
         if self.disk_limit:
             kept, copies = await self._write(cache, latest)
@@ -403,13 +403,13 @@ class SampleStore:
             kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
         ram = cache.ram.shards
         for key, data in copies:
-            word = entries.shards[key & SHARD].get(key)
-            if (not cache.dropped and word is not None and key not in ram[key & SHARD]
+            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
+            if (not cache.dropped and word is not None and key >> SHARD_BITS not in ram[key & SHARD]
                     and word & FIELD == len(data) and self._admit_ram(cache, key, data)):  # its size
                 kept.add(key)
         for key in latest:
-            word = entries.shards[key & SHARD].get(key)
-            if (word is not None and key not in ram[key & SHARD] and not charge_of(word)
+            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
+            if (word is not None and key >> SHARD_BITS not in ram[key & SHARD] and not charge_of(word)
                     and key not in cache.writing):
                 self._remove_entry(cache, key)
         self.dropped += len(latest.keys() - kept)
@@ -581,7 +581,7 @@ class SampleStore:
             if not charge_of(owner.entries[victim_key]) and victim_key not in owner.writing:
                 owner.evictions += 1
                 self._remove_entry(owner, victim_key)
-        cache.ram.shards[key & SHARD][key] = data
+        cache.ram.shards[key & SHARD][key >> SHARD_BITS] = data
         self.ram_policy.add(_PK.pack(key, cache.id), need, self._next_use(cache, key))
         self.ram_used += need
         self.ram_entries += 1
@@ -589,7 +589,7 @@ class SampleStore:
         return True
 
     def _forget_ram(self, cache: _Cache, key: int) -> None:
-        data = cache.ram.shards[key & SHARD].pop(key, None)
+        data = cache.ram.shards[key & SHARD].pop(key >> SHARD_BITS, None)
         if data is None:
             return
         self.ram_used -= self.ram_policy.remove(_PK.pack(key, cache.id))
@@ -623,7 +623,7 @@ class SampleStore:
 
     def _remove_entry(self, cache: _Cache, key: int) -> None:
         """Forget an entry held in neither tier (nor being written)."""
-        word = cache.entries.shards[key & SHARD].pop(key, None)
+        word = cache.entries.shards[key & SHARD].pop(key >> SHARD_BITS, None)
         if word is not None:
             cache.bytes -= size_of(word)
 
@@ -781,8 +781,8 @@ def _chunks(entries: IntShards[int]) -> Iterator[list[int]]:
     """The keys, shard by shard, in lists of CHUNK at most (a walk with a checkpoint after
     each: a shard's keys are listed when the walk reaches it, ~4,000 at 10^6 entries)."""
     chunk: list[int] = []
-    for shard in entries.shards:
-        keys = list(shard)
+    for low, shard in enumerate(entries.shards):
+        keys = [inner << SHARD_BITS | low for inner in shard]
         start = 0
         while start < len(keys):
             taken = keys[start:start + CHUNK - len(chunk)]

@@ -488,6 +488,7 @@ async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path
     # Keys are int64: negative ones shard as well, and read back.
     assert await store.put_many(ME, "big", [(-1, entry(1)), (-(2**63), entry(2))]) == 2
     assert keys_of(await store.get_many(ME, "big", [-1, -(2**63), 7])) == [1, 2, 7]
+    assert set(cache.entries) == set(cache.ram) == {*range(count), -1, -(2**63)}  # keys come back whole
     # A drop walks the shards in steps and leaves them empty.
     assert await store.drop(ME, "big") == (count + 2, 16 * count + 2 * 1008)
     assert not any(cache.entries.shards) and not any(cache.ram.shards) and store.ram_used == store.ram_entries == 0
