@@ -31,8 +31,9 @@ Location word (a Python int, so the top field has no width limit)::
     bits 120..     segment  its segment id (unbounded: one per put batch since the
                             store was made, and those found at start-up)
 
-So ``word >> 40`` is non-zero exactly when the entry is on NVMe.  A word costs ~48
-bytes (a 5-digit int) against ~90 for the object it replaces plus its GC header.
+So ``word >> 40`` is non-zero exactly when the entry is on NVMe.  A word is a 28-byte
+int off NVMe, 44 bytes on it (5 digits of 30 bits), against a 72-byte object (with its
+GC header) plus its fields' ints before.
 """
 
 from __future__ import annotations

@@ -331,6 +331,25 @@ async def test_a_restart_walks_segments_past_holes_junk_and_older_copies(tmp_pat
     assert located(third, ME, "c", 4)[0] == newer and third.disk_used == again.disk_used
 
 
+async def test_a_restart_frees_an_entry_beyond_the_index_fields(tmp_path: Path) -> None:
+    """The index packs an entry's offset in 40 bits: a segment this store never wrote with
+    a valid entry past 1 TiB (sparse) is not indexed but freed, never served."""
+    store = await open_store(tmp_path, 0, 1 << 22)
+    await store.put_many(ME, "c", [(5, entry(5))])
+    segment, offset = located(store, ME, "c", 5)
+    data = segment.read_bytes()[offset:offset + files.span("c", len(entry(5)))]
+    far = segment.with_name(str(int(segment.name) + 10))
+    with open(far, "wb") as f:
+        f.seek(1 << 40)
+        f.write(data)
+    segment.unlink()
+    assert far.stat().st_blocks
+    again = await open_store(tmp_path, 0, 1 << 22)
+    assert await again.get_many(ME, "c", [5]) == [None]
+    assert again.statistics().startup_discarded == 1 and again.statistics().disk_entries == again.disk_used == 0
+    assert far.stat().st_blocks == 0  # its range punched
+
+
 async def test_owners_namespaces_sharing_and_drop(tmp_path: Path) -> None:
     store = await open_store(tmp_path, 1 << 20, 1 << 22, shared=frozenset({(ME, "public")}))
     await store.put_many(ME, "private", [(1, b"mine")])
