@@ -44,7 +44,7 @@ import re
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,12 +55,14 @@ from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
                                 MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
-from cubefs_fuse.samples import files
+from cubefs_fuse.samples import files, index
+from cubefs_fuse.samples.index import FIELD, SHARD, SHARD_BITS, IntShards, charge_of, offset_of, segment_of, size_of
 
 log = logging.getLogger(__name__)
 
-# What one RAM entry costs beyond its bytes: the bytes object's header (33), the entry
-# record and its dict slots (~120) and the eviction policy's ordered-dict node (~100).
+# What one RAM entry costs beyond its bytes: the bytes object's header (33), its slots in
+# the index's two dicts and its location word (~120, index.py) and the eviction policy's
+# entries (~100).
 RAM_ENTRY_OVERHEAD = 256
 # Entries handled between two checkpoints of the trio thread (a plan's re-ranking, a
 # drop, the start-up merge): ~4 ms of Python each, so FUSE requests never wait longer.
@@ -112,16 +114,6 @@ class SampleStoreStatistics:
     startup_seconds: float
     startup_discarded: int
     caches: tuple[SampleCacheStatistics, ...]
-
-
-class _Entry:
-    __slots__ = ("size", "ram", "disk", "segment", "offset")
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.ram: bytes | None = None
-        self.disk = 0  # bytes charged for it on NVMe (0: not on NVMe)
-        self.segment = self.offset = 0  # where it is on NVMe (while disk)
 
 
 class _Release:
@@ -191,7 +183,7 @@ class _Plan:
 
 
 class _Cache:
-    __slots__ = ("id", "owner", "name", "entries", "plan", "plan_parts", "plan_generation", "hits", "misses",
+    __slots__ = ("id", "owner", "name", "entries", "ram", "plan", "plan_parts", "plan_generation", "hits", "misses",
                  "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared",
                  "segments")
 
@@ -199,7 +191,10 @@ class _Cache:
         self.id = cache_id
         self.owner = owner
         self.name = name
-        self.entries: dict[int, _Entry] = {}
+        # Every entry: key -> its location word (index.py: size and NVMe place), and the
+        # RAM copies of those in RAM; atoms in shards, never walked by the collector.
+        self.entries: IntShards[int] = IntShards()
+        self.ram: IntShards[bytes] = IntShards()
         self.plan: _Plan | None = None
         # Its plan's sources (the peer pid of each process that plans it: a node's ranks each
         # send their share of the epoch), least recently planned first: source -> its keys.
@@ -315,21 +310,23 @@ class SampleStore:
         # key, segment, offset and size of each entry read from NVMe, as they were when asked
         located: list[tuple[int, int, int, int]] = []
         room = limit_bytes
+        entries, ram = cache.entries.shards, cache.ram.shards
         for i, key in enumerate(keys):
-            entry = cache.entries.get(key)
-            if entry is not None and (entry.ram is not None or entry.disk) and room is not None:
-                if entry.size > room and i:
+            word = entries[key & SHARD].get(key >> SHARD_BITS)
+            copy = None if word is None else ram[key & SHARD].get(key >> SHARD_BITS)
+            on_disk = word is not None and charge_of(word) != 0
+            if (copy is not None or on_disk) and room is not None:
+                assert word is not None
+                if size_of(word) > room and i:
                     break
-                room -= entry.size
-            out.append(None)
-            if entry is None:
-                continue
-            if entry.ram is not None:
-                out[i] = entry.ram
+                room -= size_of(word)
+            out.append(copy)
+            if copy is not None:
                 self.ram_policy.touch(_PK.pack(key, cache.id))
-            elif entry.disk:
+            elif on_disk:
+                assert word is not None
                 from_disk.append(i)
-                located.append((key, entry.segment, entry.offset, entry.size))
+                located.append((key, segment_of(word), offset_of(word), size_of(word)))
         keys = keys[:len(out)]
         if from_disk:
             read = await self._read(owner, name, [(key, segment, offset) for key, segment, offset, _ in located])
@@ -337,22 +334,22 @@ class SampleStore:
                 return [None] * len(keys)
             damaged = _Release()
             for i, (key, segment, offset, size), data in zip(from_disk, located, read):
-                entry = cache.entries.get(key)
+                word = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
                     continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
                 if isinstance(data, bytes):
                     out[i] = data
-                    if entry is not None and entry.ram is None and entry.size == len(data):
-                        self._admit_ram(cache, key, entry, data)
-                    if entry is not None:
+                    if word is not None and key not in cache.ram and size_of(word) == len(data):
+                        self._admit_ram(cache, key, data)
+                    if word is not None:
                         self.disk_policy.touch(_PK.pack(key, cache.id))
                     continue
-                if entry is None or not entry.disk or (entry.segment, entry.offset) != (segment, offset):
+                if word is None or not charge_of(word) or (segment_of(word), offset_of(word)) != (segment, offset):
                     continue  # evicted or rewritten meanwhile (its range freed under the read): a miss
                 if data is False:
                     self.corrupt += 1
                     log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; freed", name, owner, key)
-                self._forget_disk(cache, key, entry, damaged)  # damaged, or its segment is gone
+                self._forget_disk(cache, key, damaged)  # damaged, or its segment is gone
             if damaged:
                 await trio.to_thread.run_sync(files.release, damaged.punches, damaged.unlink, limiter=self._limiter)
         hits = sum(1 for data in out if data is not None)
@@ -386,30 +383,35 @@ class SampleStore:
             self.dropped += len(items)
             return 0
         latest: dict[int, Payload] = {}  # the last put of a key in a batch wins
+        entries = cache.entries
         for key, data in items:
             latest[key] = data
-            entry = cache.entries.get(key)
-            if entry is None:
-                entry = cache.entries[key] = _Entry(len(data))
-                cache.bytes += len(data)
+            size = len(data)  # <= MAX_SAMPLE_ENTRY_BYTES (the ring): fits its field
+            shard, inner = entries.shards[key & SHARD], key >> SHARD_BITS
+            word = shard.get(inner)
+            if word is None:
+                shard[inner] = size
+                cache.bytes += size
             else:  # a new value: the old one leaves RAM (and NVMe, below)
-                self._forget_ram(cache, key, entry)
-                cache.bytes += len(data) - entry.size
-                entry.size = len(data)
+                self._forget_ram(cache, key)
+                cache.bytes += size - size_of(word)
+                shard[inner] = index.resized(word, size)
             cache.stored += 1
         if self.disk_limit:
             kept, copies = await self._write(cache, latest)
         else:  # up to a ring of bytes: copied in a worker thread
             kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
+        ram = cache.ram.shards
         for key, data in copies:
-            entry = cache.entries.get(key)
-            if (not cache.dropped and entry is not None and entry.ram is None and entry.size == len(data)
-                    and self._admit_ram(cache, key, entry, data)):
+            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
+            if (not cache.dropped and word is not None and key >> SHARD_BITS not in ram[key & SHARD]
+                    and word & FIELD == len(data) and self._admit_ram(cache, key, data)):  # its size
                 kept.add(key)
         for key in latest:
-            entry = cache.entries.get(key)
-            if entry is not None and entry.ram is None and entry.disk == 0 and key not in cache.writing:
-                self._remove_entry(cache, key, entry)
+            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
+            if (word is not None and key >> SHARD_BITS not in ram[key & SHARD] and not charge_of(word)
+                    and key not in cache.writing):
+                self._remove_entry(cache, key)
         self.dropped += len(latest.keys() - kept)
         return len(kept)
 
@@ -477,14 +479,14 @@ class SampleStore:
             self._plans.pop(cache.id, None)
 
     async def _rerank(self, cache: _Cache, plan: _Plan | None) -> None:
-        """Rank the cache's entries by ``plan`` (None: unplanned), CHUNK entries at a time."""
-        keys = list(cache.entries)
-        for start in range(0, len(keys), CHUNK):
+        """Rank the cache's entries by ``plan`` (None: unplanned), shard by shard, CHUNK
+        entries at most between checkpoints (a shard's keys are listed when it is reached:
+        an entry put meanwhile was ranked by its put)."""
+        for keys in _chunks(cache.entries):
             if cache.plan is not plan or cache.dropped:
                 return  # a newer plan took over
-            chunk = keys[start:start + CHUNK]
-            uses = plan.next_uses(chunk) if plan is not None else [-1] * len(chunk)
-            for key, use in zip(chunk, uses):
+            uses = plan.next_uses(keys) if plan is not None else [-1] * len(keys)
+            for key, use in zip(keys, uses):
                 pk = _PK.pack(key, cache.id)
                 if use < 0:
                     self.ram_policy.unplan(pk)
@@ -515,20 +517,24 @@ class SampleStore:
             self._per_uid[owner] -= 1
             if not self._per_uid[owner]:
                 del self._per_uid[owner]
-            # Out of the policies in chunks; meanwhile another cache's put may still evict one
-            # of its entries (which then releases its own bytes), so the NVMe bytes left to
-            # release are read after the loop, and the cache stays known by id until then.
-            items = list(cache.entries.items())
-            for start in range(0, len(items), CHUNK):
-                for key, entry in items[start:start + CHUNK]:
-                    if entry.ram is not None:
-                        self._forget_ram(cache, key, entry)
-                    if entry.disk:
+            # Out of the policies shard by shard, CHUNK entries at most between checkpoints;
+            # meanwhile another cache's put may still evict one of its entries (which then
+            # releases its own bytes), so each entry's state is read when it is reached, the
+            # NVMe bytes left to release after the loop, and the cache stays known by id
+            # until then.  An entry leaves its shard once it is out of both policies (so the
+            # shards end empty: nothing is freed in bulk).
+            words = cache.entries
+            for keys in _chunks(words):
+                for key in keys:
+                    word = words.pop(key, None)
+                    if word is None:
+                        continue  # evicted meanwhile
+                    self._forget_ram(cache, key)
+                    if charge_of(word):
                         self.disk_policy.remove(_PK.pack(key, cache.id))
                         self.disk_entries -= 1
                 await trio.lowlevel.checkpoint()
             del self._by_id[cache.id]
-            cache.entries = {}
             self.disk_used -= cache.disk_bytes  # its files are gone
             cache.disk_bytes = 0
         log.info("sample cache %r of uid %d dropped (%d entries, %d bytes) by uid %d", name, owner, entries, total, caller)
@@ -561,7 +567,7 @@ class SampleStore:
             return [None] * len(keys)
         return [None if use < 0 else use for use in cache.plan.next_uses(keys)]
 
-    def _admit_ram(self, cache: _Cache, key: int, entry: _Entry, data: bytes) -> bool:
+    def _admit_ram(self, cache: _Cache, key: int, data: bytes) -> bool:
         if not self.mem_limit:
             return False
         need = len(data) + RAM_ENTRY_OVERHEAD
@@ -571,52 +577,55 @@ class SampleStore:
         for pk in victims:
             victim_key, cache_id = _PK.unpack(pk)
             owner = self._by_id[cache_id]
-            victim = owner.entries[victim_key]
-            self._forget_ram(owner, victim_key, victim)
-            if victim.disk == 0 and victim_key not in owner.writing:
+            self._forget_ram(owner, victim_key)
+            if not charge_of(owner.entries[victim_key]) and victim_key not in owner.writing:
                 owner.evictions += 1
-                self._remove_entry(owner, victim_key, victim)
-        entry.ram = data
+                self._remove_entry(owner, victim_key)
+        cache.ram.shards[key & SHARD][key >> SHARD_BITS] = data
         self.ram_policy.add(_PK.pack(key, cache.id), need, self._next_use(cache, key))
         self.ram_used += need
         self.ram_entries += 1
         cache.ram_bytes += len(data)
         return True
 
-    def _forget_ram(self, cache: _Cache, key: int, entry: _Entry) -> None:
-        if entry.ram is None:
+    def _forget_ram(self, cache: _Cache, key: int) -> None:
+        data = cache.ram.shards[key & SHARD].pop(key >> SHARD_BITS, None)
+        if data is None:
             return
         self.ram_used -= self.ram_policy.remove(_PK.pack(key, cache.id))
         self.ram_entries -= 1
-        cache.ram_bytes -= len(entry.ram)
-        entry.ram = None
+        cache.ram_bytes -= len(data)
 
-    def _forget_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
-        """The entry leaves NVMe now (``release`` frees its range): release its bytes."""
-        self.disk_used -= entry.disk
-        self._leave_disk(cache, key, entry, release)
-        if entry.ram is None and key not in cache.writing:
-            self._remove_entry(cache, key, entry)
+    def _forget_disk(self, cache: _Cache, key: int, release: _Release) -> None:
+        """The entry (on NVMe) leaves NVMe now (``release`` frees its range): release its bytes."""
+        self.disk_used -= self._leave_disk(cache, key, release)
+        if key not in cache.ram and key not in cache.writing:
+            self._remove_entry(cache, key)
 
-    def _leave_disk(self, cache: _Cache, key: int, entry: _Entry, release: _Release) -> None:
-        """Take the entry off NVMe in the index (the caller settles ``disk_used``): its range
-        is punched, or its segment unlinked if no other entry of it is left."""
+    def _leave_disk(self, cache: _Cache, key: int, release: _Release) -> int:
+        """Take the entry (on NVMe) off NVMe in the index (the caller settles ``disk_used``):
+        its range is punched, or its segment unlinked if no other entry of it is left.  The
+        bytes it was charged."""
+        word = cache.entries[key]
+        charge, segment = charge_of(word), segment_of(word)
         self.disk_policy.remove(_PK.pack(key, cache.id))
-        cache.disk_bytes -= entry.disk
+        cache.disk_bytes -= charge
         self.disk_entries -= 1
-        path = files.segment_path(self.root, cache.owner, cache.name, entry.segment)
-        left = cache.segments.pop(entry.segment) - 1
+        path = files.segment_path(self.root, cache.owner, cache.name, segment)
+        left = cache.segments.pop(segment) - 1
         if left:
-            cache.segments[entry.segment] = left
-            release.punches.append((path, entry.offset, files.span_of(entry.disk)))
+            cache.segments[segment] = left
+            release.punches.append((path, offset_of(word), files.span_of(charge)))
         else:
             release.unlink.append(path)
-        entry.disk = 0
+        cache.entries[key] = index.off_disk(word)
+        return charge
 
-    def _remove_entry(self, cache: _Cache, key: int, entry: _Entry) -> None:
-        if cache.entries.get(key) is entry:
-            del cache.entries[key]
-            cache.bytes -= entry.size
+    def _remove_entry(self, cache: _Cache, key: int) -> None:
+        """Forget an entry held in neither tier (nor being written)."""
+        word = cache.entries.shards[key & SHARD].pop(key >> SHARD_BITS, None)
+        if word is not None:
+            cache.bytes -= size_of(word)
 
     async def _write(self, cache: _Cache, items: dict[int, Payload]) -> tuple[set[int], list[tuple[int, bytes]]]:
         """Write the items as one new segment, evicting what must go, in one worker-thread
@@ -636,26 +645,22 @@ class SampleStore:
                 need = files.allocated_bytes(cache.name, len(data))
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, use)
                 if victims is None:
-                    entry = cache.entries.get(key)
-                    if entry is not None and entry.disk:  # NVMe holds the older value: it goes too
-                        stale += entry.disk  # counted until freed
-                        self._leave_disk(cache, key, entry, release)
+                    word = cache.entries.get(key)
+                    if word is not None and charge_of(word):  # NVMe holds the older value: it goes too
+                        stale += self._leave_disk(cache, key, release)  # counted until freed
                     others.append((key, data))
                     continue
                 freed = 0
                 for pk in victims:
                     victim_key, cache_id = _PK.unpack(pk)
                     owner = self._by_id[cache_id]
-                    victim = owner.entries[victim_key]
-                    freed += victim.disk
-                    self._leave_disk(owner, victim_key, victim, release)
-                    if victim.ram is None:
+                    freed += self._leave_disk(owner, victim_key, release)
+                    if victim_key not in owner.ram:
                         owner.evictions += 1
-                        self._remove_entry(owner, victim_key, victim)
-                entry = cache.entries.get(key)
-                if entry is not None and entry.disk:  # the older value's range is freed too
-                    freed += entry.disk
-                    self._leave_disk(cache, key, entry, release)
+                        self._remove_entry(owner, victim_key)
+                word = cache.entries.get(key)
+                if word is not None and charge_of(word):  # the older value's range is freed too
+                    freed += self._leave_disk(cache, key, release)
                 # The freed bytes become part of this write's reservation: the worker frees
                 # them before it writes, so the disk never holds more than what is counted.
                 reserved = max(need, freed)
@@ -688,12 +693,11 @@ class SampleStore:
                         if not ok:
                             continue
                         self.disk_used += need
-                        entry = cache.entries.get(key)
-                        if entry is None:
-                            entry = cache.entries[key] = _Entry(len(data))
-                            cache.bytes += len(data)
-                        entry.disk = need
-                        entry.segment, entry.offset = segment, offset
+                        word = cache.entries.get(key)
+                        if word is None:
+                            word = len(data)
+                            cache.bytes += word
+                        cache.entries[key] = index.located(size_of(word), need, segment, offset)
                         cache.disk_bytes += need
                         self.disk_entries += 1
                         self.disk_policy.add(_PK.pack(key, cache.id), need, use)
@@ -708,6 +712,7 @@ class SampleStore:
         started = time.monotonic()
         found, junk = await trio.to_thread.run_sync(files.scan, self.root, limiter=self._limiter)
         over: set[tuple[int, str]] = set()
+        release = _Release()
         for start in range(0, len(found), CHUNK):
             for f in found[start:start + CHUNK]:
                 try:
@@ -716,10 +721,13 @@ class SampleStore:
                     over.add((f.uid, f.name))
                     continue
                 assert cache is not None
+                if not index.fits(f.payload, f.offset):  # not a range this store wrote: freed
+                    release.punches.append((files.segment_path(self.root, f.uid, f.name, f.segment), f.offset,
+                                            files.span(f.name, f.payload)))
+                    junk += 1
+                    continue
                 need = files.allocated_bytes(f.name, f.payload)
-                entry = cache.entries[f.key] = _Entry(f.payload)
-                entry.disk = need
-                entry.segment, entry.offset = f.segment, f.offset
+                cache.entries[f.key] = index.located(f.payload, need, f.segment, f.offset)
                 cache.segments[f.segment] = cache.segments.get(f.segment, 0) + 1
                 self._next_segment = max(self._next_segment, f.segment + 1)
                 cache.bytes += f.payload
@@ -728,13 +736,12 @@ class SampleStore:
                 self.disk_entries += 1
                 self.disk_policy.add(_PK.pack(f.key, cache.id), need)
             await trio.lowlevel.checkpoint()
-        release = _Release()
         evicted = 0
         if self.disk_used > self.disk_limit:  # the budget shrank since the entries were written
             for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
                 key, cache_id = _PK.unpack(pk)
                 cache = self._by_id[cache_id]
-                self._forget_disk(cache, key, cache.entries[key], release)
+                self._forget_disk(cache, key, release)
                 evicted += 1
         for owner, name in over:
             await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
@@ -768,6 +775,24 @@ class SampleStore:
                             "ram_bytes": c.ram_bytes, "disk_bytes": c.disk_bytes, "hits": c.hits, "misses": c.misses,
                             "stored": c.stored, "evictions": c.evictions, "planned": c.planned, "shared": c.shared}
                            for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
+
+
+def _chunks(entries: IntShards[int]) -> Iterator[list[int]]:
+    """The keys, shard by shard, in lists of CHUNK at most (a walk with a checkpoint after
+    each: a shard's keys are listed when the walk reaches it, ~4,000 at 10^6 entries)."""
+    chunk: list[int] = []
+    for low, shard in enumerate(entries.shards):
+        keys = [inner << SHARD_BITS | low for inner in shard]
+        start = 0
+        while start < len(keys):
+            taken = keys[start:start + CHUNK - len(chunk)]
+            chunk += taken
+            start += len(taken)
+            if len(chunk) == CHUNK:
+                yield chunk
+                chunk = []
+    if chunk:
+        yield chunk
 
 
 def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:

@@ -3,6 +3,7 @@ eviction order with and without a plan, damaged files never served, restart, own
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 from pathlib import Path
@@ -13,7 +14,7 @@ import trio
 
 from cubefs_fuse.cache import holes
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
-from cubefs_fuse.samples import files
+from cubefs_fuse.samples import files, index
 from cubefs_fuse.samples.store import RAM_ENTRY_OVERHEAD, SampleStore
 
 ME, OTHER = 1000, 1001
@@ -37,9 +38,9 @@ def keys_of(data: list[bytes | None]) -> list[int | None]:
 
 def located(store: SampleStore, owner: int, name: str, key: int) -> tuple[Path, int]:
     """The segment file holding an entry, and the entry's offset in it."""
-    found = store._caches[(owner, name)].entries[key]
-    assert found.disk
-    return Path(files.segment_path(store.root, owner, name, found.segment)), found.offset
+    word = store._caches[(owner, name)].entries[key]
+    assert index.charge_of(word)
+    return Path(files.segment_path(store.root, owner, name, index.segment_of(word))), index.offset_of(word)
 
 
 def on_disk(root: Path) -> int:
@@ -330,6 +331,25 @@ async def test_a_restart_walks_segments_past_holes_junk_and_older_copies(tmp_pat
     assert located(third, ME, "c", 4)[0] == newer and third.disk_used == again.disk_used
 
 
+async def test_a_restart_frees_an_entry_beyond_the_index_fields(tmp_path: Path) -> None:
+    """The index packs an entry's offset in 40 bits: a segment this store never wrote with
+    a valid entry past 1 TiB (sparse) is not indexed but freed, never served."""
+    store = await open_store(tmp_path, 0, 1 << 22)
+    await store.put_many(ME, "c", [(5, entry(5))])
+    segment, offset = located(store, ME, "c", 5)
+    data = segment.read_bytes()[offset:offset + files.span("c", len(entry(5)))]
+    far = segment.with_name(str(int(segment.name) + 10))
+    with open(far, "wb") as f:
+        f.seek(1 << 40)
+        f.write(data)
+    segment.unlink()
+    assert far.stat().st_blocks
+    again = await open_store(tmp_path, 0, 1 << 22)
+    assert await again.get_many(ME, "c", [5]) == [None]
+    assert again.statistics().startup_discarded == 1 and again.statistics().disk_entries == again.disk_used == 0
+    assert far.stat().st_blocks == 0  # its range punched
+
+
 async def test_owners_namespaces_sharing_and_drop(tmp_path: Path) -> None:
     store = await open_store(tmp_path, 1 << 20, 1 << 22, shared=frozenset({(ME, "public")}))
     await store.put_many(ME, "private", [(1, b"mine")])
@@ -406,14 +426,16 @@ async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_
     stats = store.statistics()
     caches = {c.name: c for c in stats.caches}
     assert set(caches) == {"a", "b", "c"}
-    entries = [(c, k, e) for c in store._caches.values() for k, e in c.entries.items()]
-    assert store.ram_used == sum(len(e.ram) + RAM_ENTRY_OVERHEAD for _, _, e in entries if e.ram is not None)
-    assert store.disk_used == sum(e.disk for _, _, e in entries)
-    assert stats.disk_entries == sum(1 for _, _, e in entries if e.disk)
+    entries = [(c, k, w) for c in store._caches.values() for k, w in c.entries.items()]
+    assert all(k in c.entries for c in store._caches.values() for k in c.ram)  # a RAM copy is of an entry
+    assert store.ram_used == sum(len(data) + RAM_ENTRY_OVERHEAD for c in store._caches.values() for _, data in c.ram.items())
+    assert store.disk_used == sum(index.charge_of(w) for _, _, w in entries)
+    assert stats.disk_entries == sum(1 for _, _, w in entries if index.charge_of(w))
     segments = {Path(files.segment_path(store.root, c.owner, c.name, s)): n
                 for c in store._caches.values() for s, n in c.segments.items()}
     assert sum(segments.values()) == stats.disk_entries
-    assert all(n == sum(1 for _, _, e in entries if e.disk and e.segment == int(p.name)) for p, n in segments.items())
+    assert all(n == sum(1 for _, _, w in entries if index.charge_of(w) and index.segment_of(w) == int(p.name))
+               for p, n in segments.items())
     # Every counted segment exists, no segment is uncounted, and they take no more than charged.
     assert {p for p in tmp_path.rglob("*") if p.is_file()} == set(segments)
     assert on_disk(tmp_path) <= store.disk_used
@@ -460,3 +482,32 @@ async def test_one_caches_policy_keys_spread_over_every_shard(tmp_path: Path) ->
     assert await store.put_many(ME, "sweep", [(k, entry(k, 100)) for k in range(512)]) == 512
     used = [shard for shard in store.disk_policy._size if shard]
     assert len(used) == 256 and max(len(shard) for shard in used) == 2
+
+
+async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path: Path) -> None:
+    """A node-wide cache holds ~10^6 entries: none may be an object the garbage collector
+    walks (a full collection would visit each on the trio thread), and no dict may hold a
+    large share of them (a dict is rebuilt whole when it grows)."""
+    count = 50_000
+    store = await open_store(tmp_path, 1 << 30, 0)
+    gc.collect()
+    before = len(gc.get_objects())
+    for start in range(0, count, 2048):
+        batch = [(k, entry(k, 8)) for k in range(start, min(start + 2048, count))]
+        assert await store.put_many(ME, "big", batch) == len(batch)
+    del batch
+    gc.collect()
+    assert len(gc.get_objects()) - before < count // 100  # a few containers, nothing per entry
+    cache = store._caches[(ME, "big")]
+    assert len(cache.entries) == len(cache.ram) == store.ram_entries == count
+    shards = [*cache.entries.shards, *cache.ram.shards, *store.ram_policy._size,
+              *store.ram_policy._next, *store.ram_policy._prev]
+    assert not any(gc.is_tracked(shard) for shard in shards)
+    assert max(len(shard) for shard in shards) <= count // 100
+    # Keys are int64: negative ones shard as well, and read back.
+    assert await store.put_many(ME, "big", [(-1, entry(1)), (-(2**63), entry(2))]) == 2
+    assert keys_of(await store.get_many(ME, "big", [-1, -(2**63), 7])) == [1, 2, 7]
+    assert set(cache.entries) == set(cache.ram) == {*range(count), -1, -(2**63)}  # keys come back whole
+    # A drop walks the shards in steps and leaves them empty.
+    assert await store.drop(ME, "big") == (count + 2, 16 * count + 2 * 1008)
+    assert not any(cache.entries.shards) and not any(cache.ram.shards) and store.ram_used == store.ram_entries == 0
