@@ -304,22 +304,30 @@ def test_a_concat_dataset_of_cached_datasets_plans_each_and_reads_no_file_of_its
     assert cache_counts(mount, a.name)["hits"] == FILES and cache_counts(mount, b.name)["hits"] == len(picked)
 
 
+def photo_mount(tmp_path: Path, vol: str, config: dict[str, str], sizes: list[tuple[int, int]], *, seed: int,
+                pattern: str) -> Mount:
+    """An ``ai_prefetch`` mount (not mounted yet) of its own, volume ``vol`` with ``config``,
+    whose source holds ``train/class<k>/<pattern>`` random RGB JPEGs of ``sizes`` (h, w)."""
+    m = Mount(tmp_path, tmp_path / "source", tmp_path / "mnt", tmp_path / "cache", tmp_path / "client.json",
+              free_port(), {"profile": "ai_prefetch", "volName": vol, **config})
+    m.source.mkdir()
+    m.mount_point.mkdir()
+    rng = np.random.default_rng(seed)
+    for i, (height, width) in enumerate(sizes):
+        folder = m.source / "train" / f"class{i % CLASSES}"
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)).save(
+            folder / pattern.format(i))
+    return m
+
+
 def test_daemon_killed_mid_training_warns_once_and_training_continues(tmp_path: Path, worker_log: Path) -> None:
     """The store's daemon is SIGKILLed in the middle of an epoch.  The images are read from
     the source folder itself here (a killed daemon takes its mount down, and reads of a dead
     mount fail: that is the mount's failure, not the sample cache's)."""
-    port = free_port()
-    name = f"killed{port}"
-    m = Mount(tmp_path, tmp_path / "source", tmp_path / "mnt", tmp_path / "cache", tmp_path / "client.json", port,
-              {"profile": "ai_prefetch", "volName": name, "sampleCacheMemSize": "16MiB",
-               "sampleCacheDiskSize": "64MiB"})
-    m.source.mkdir()
-    m.mount_point.mkdir()
-    rng = np.random.default_rng(11)
-    for i in range(FILES):
-        folder = m.source / "train" / f"class{i % CLASSES}"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, size=(48, 50 + i, 3), dtype=np.uint8)).save(folder / f"i{i}.jpg")
+    name = f"killed{free_port()}"
+    m = photo_mount(tmp_path, name, {"sampleCacheMemSize": "16MiB", "sampleCacheDiskSize": "64MiB"},
+                    [(48, 50 + i) for i in range(FILES)], seed=11, pattern="i{}.jpg")
     root = m.source / "train"
     previous = os.environ.get("VOL_NAME")
     os.environ["VOL_NAME"] = name
@@ -370,19 +378,10 @@ def test_the_epoch_plan_keeps_the_entries_needed_soonest(tmp_path: Path, monkeyp
     hits about every entry resident after epoch 0.  The same run without the plan (LRU)
     loses resident entries to the new puts before they are read."""
     samples = 96
-    port = free_port()
-    vol = f"evict{port}"
+    vol = f"evict{free_port()}"
     # RAM for about a third of the samples (an entry: ~4.9 KB encoded, charged 256 bytes more).
-    m = Mount(tmp_path, tmp_path / "source", tmp_path / "mnt", tmp_path / "cache", tmp_path / "client.json", port,
-              {"profile": "ai_prefetch", "volName": vol, "sampleCacheMemSize": str(32 * 5300),
-               "sampleCacheDiskSize": "0"})
-    m.source.mkdir()
-    m.mount_point.mkdir()
-    rng = np.random.default_rng(3)
-    for i in range(samples):
-        folder = m.source / "train" / f"class{i % CLASSES}"
-        folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, size=(48, 48, 3), dtype=np.uint8)).save(folder / f"i{i:03d}.jpg")
+    m = photo_mount(tmp_path, vol, {"sampleCacheMemSize": str(32 * 5300), "sampleCacheDiskSize": "0"},
+                    [(48, 48)] * samples, seed=3, pattern="i{:03d}.jpg")
     monkeypatch.setenv("VOL_NAME", vol)
     try:
         m.mount()
