@@ -140,12 +140,18 @@ def test_reads_by_other_processes_do_not_count_for_the_job(make_slow_mount: Call
             assert client.stats()["global"]["since_last"]["requests"] == 0
             # Re-reading: the kernel page cache has the data, only open/release reach the
             # daemon, and each open counts as a hit (it did not wait on the remote).
-            reads = client.status()["counters"]["reads"]
+            before = client.status()["counters"]
             for rel in paths:
                 m.path(rel).read_bytes()
             again = client.stats()["global"]["since_last"]
             assert (again["requests"], again["hits"], again["misses"]) == (len(paths), len(paths), 0)
-            assert client.status()["counters"]["reads"] == reads  # the page cache answered them
+            # The page cache answered them: nothing from the remote.  (On a loaded machine the
+            # kernel now and then asks again for a page or a file it had cached: 1-4 of these
+            # 80 pages in 2 of 20 runs with 4 CPU burners, before and after session 4; the
+            # daemon serves those from RAM, so they stay hits.)
+            after = client.status()["counters"]
+            assert after["bytes_by_source"]["backend"] == before["bytes_by_source"]["backend"]
+            assert after["reads"] - before["reads"] <= len(paths) // 4, after
         finally:
             other.kill()
             other.join()
