@@ -12,7 +12,8 @@ from __future__ import annotations
 import builtins
 import logging
 import os
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
 from torchvision import datasets, transforms  # noqa: E402
@@ -127,6 +128,53 @@ def assert_same(got: list[list[tuple[torch.Tensor, torch.Tensor]]],
         assert len(g) == len(w), epoch
         for (gx, gy), (wx, wy) in zip(g, w):
             assert torch.equal(gx, wx) and torch.equal(gy, wy), f"epoch {epoch} differs"
+
+
+def two_ranks_share(root: Path, tmp_path: Path, cached: Callable[[Path, str], Any],
+                    after_epoch_0: Callable[[str], None] = lambda name: None) -> str:
+    """Two DistributedSampler ranks, each its own CachedDataset (``cached(counts, name)``)
+    on one store under one name, two epochs: each rank's samples are the unwrapped
+    pipeline's; in epoch 1 every sample is a hit, half of them the other rank's; every
+    sample was computed once.  ``after_epoch_0(name)`` runs between the epochs (a store
+    whose writes must be in first).  Returns the cache's name."""
+    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
+    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
+            for r in (0, 1)]
+    counts = [tmp_path / "rank0", tmp_path / "rank1"]
+    name = f"ranks-{time.monotonic_ns()}"
+    loaders = [loader(cached(counts[r], name), sampler=samplers[r]) for r in (0, 1)]
+    got: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [[], []]
+    seen: list[list[set[int]]] = [[], []]
+    for epoch in range(2):
+        for r in (0, 1):
+            samplers[r].set_epoch(epoch)
+            seen[r].append(set(samplers[r]))
+            before = len(computed(counts[r]))
+            torch.manual_seed(SEED + epoch)
+            got[r].append([(x.clone(), y.clone()) for x, y in loaders[r]])
+            if epoch == 1:
+                assert len(computed(counts[r])) == before  # every sample a hit, half of them the other rank's
+        if epoch == 0:
+            after_epoch_0(name)
+    for r in (0, 1):
+        assert_same(got[r], want[r])
+        assert seen[r][1] & seen[1 - r][0], "the ranks' second epochs should reuse the other rank's samples"
+    assert sorted(computed(counts[0]) + computed(counts[1])) == list(range(FILES))
+    return name
+
+
+def assert_a_changed_file_is_recomputed(mount: Mount, root: Path, ds: Any, counts: Path) -> None:
+    """``ds`` (a CachedDataset over ``root`` in ``mount``, its computations counted in
+    ``counts``) has stored every sample: sample 5's source file is replaced; the next
+    epoch computes that sample alone, and gives the new image, not the cached old one."""
+    target = ds.base.samples[5][0]
+    source = mount.source / os.path.relpath(target, mount.mount_point)
+    Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
+    wait_until_seen(target, source)
+    counts.unlink()
+    got = epochs(loader(ds), 1)
+    assert computed(counts) == [5]
+    assert_same(got, reference(root, 1))
 
 
 @pytest.fixture

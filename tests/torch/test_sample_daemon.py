@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import ConcatDataset, DistributedSampler, Subset
+from torch.utils.data import ConcatDataset, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
 from torchvision import datasets, transforms  # noqa: E402
@@ -33,7 +33,7 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch.samples.cache import RETRY_AFTER
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
-    wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+    assert_a_changed_file_is_recomputed, two_ranks_share, wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
 )
 from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 from tools.harness import drop_page_cache
@@ -119,30 +119,14 @@ def test_two_ranks_share_entries(volume: tuple[Mount, str], tmp_path: Path) -> N
     mount, _ = volume
     wait_until(lambda: status(mount)["loaded"], what="the sample store's start-up scan")
     root = mount.mount_point / "train"
-    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
-    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
-            for r in (0, 1)]
-    counts = [tmp_path / "rank0", tmp_path / "rank1"]
-    name = f"ranks-{time.monotonic_ns()}"
-    loaders = [loader(cached(root, counts[r], name), sampler=samplers[r]) for r in (0, 1)]
-    got: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [[], []]
-    seen: list[list[set[int]]] = [[], []]
-    for epoch in range(2):
-        for r in (0, 1):
-            samplers[r].set_epoch(epoch)
-            seen[r].append(set(samplers[r]))
-            before = len(computed(counts[r]))
-            torch.manual_seed(SEED + epoch)
-            got[r].append([(x.clone(), y.clone()) for x, y in loaders[r]])
-            if epoch == 1:
-                assert len(computed(counts[r])) == before  # every sample a hit, half of them the other rank's
-        if epoch == 0:
-            settled(mount, name, FILES)  # both ranks' writes are in before epoch 1 reads them
-            hits_after_0 = cache_counts(mount, name)["hits"]
-    for r in (0, 1):
-        assert_same(got[r], want[r])
-        assert seen[r][1] & seen[1 - r][0], "the ranks' second epochs should reuse the other rank's samples"
-    assert sorted(computed(counts[0]) + computed(counts[1])) == list(range(FILES))
+    hits_after_0 = 0
+
+    def after_epoch_0(name: str) -> None:
+        nonlocal hits_after_0
+        settled(mount, name, FILES)  # both ranks' writes are in before epoch 1 reads them
+        hits_after_0 = cache_counts(mount, name)["hits"]
+
+    name = two_ranks_share(root, tmp_path, lambda counts, name: cached(root, counts, name), after_epoch_0)
     # The daemon served every sample of epoch 1, to both ranks.
     assert cache_counts(mount, name)["hits"] - hits_after_0 == FILES
 
@@ -155,14 +139,7 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], tmp_path
     epochs(loader(ds), 1)
     assert len(computed(counts)) == FILES
     settled(mount, "changes", FILES)
-    target = ds.base.samples[5][0]
-    source = mount.source / os.path.relpath(target, mount.mount_point)
-    Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
-    wait_until_seen(target, source)
-    counts.unlink()
-    got = epochs(loader(ds), 1)
-    assert computed(counts) == [5]
-    assert_same(got, reference(root, 1))  # the new image, not the cached old one
+    assert_a_changed_file_is_recomputed(mount, root, ds, counts)
 
 
 def fast_path_requests(mount: Mount) -> tuple[float, float]:

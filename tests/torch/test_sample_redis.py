@@ -17,11 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import torch
-from PIL import Image
-from torch.utils.data import DistributedSampler
 
 
 import cube_torch
@@ -30,7 +26,7 @@ from cube_torch.samples.cache import RETRY_AFTER
 from cube_torch.samples.redis_store import KEY_PREFIX, RedisClusterStore, RedisStore
 from cube_torch.samples.store import StoreError
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
-    wait_until_seen, SEED, FILES, WORKERS, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+    assert_a_changed_file_is_recomputed, two_ranks_share, FILES, WORKERS, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
 )
 from tests.helpers import Mount, free_port
 from tools.harness import drop_page_cache
@@ -81,27 +77,7 @@ def test_two_ranks_share_entries_on_a_cluster(volume: tuple[Mount, str], redis_c
                                               tmp_path: Path) -> None:
     mount, _ = volume
     root = mount.mount_point / "train"
-    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
-    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
-            for r in (0, 1)]
-    counts = [tmp_path / "rank0", tmp_path / "rank1"]
-    name = f"ranks-{time.monotonic_ns()}"
-    loaders = [loader(cached(root, counts[r], redis_cluster.url, name), sampler=samplers[r]) for r in (0, 1)]
-    got: list[list[list[tuple[torch.Tensor, torch.Tensor]]]] = [[], []]
-    seen: list[list[set[int]]] = [[], []]
-    for epoch in range(2):
-        for r in (0, 1):
-            samplers[r].set_epoch(epoch)
-            seen[r].append(set(samplers[r]))
-            before = len(computed(counts[r]))
-            torch.manual_seed(SEED + epoch)
-            got[r].append([(x.clone(), y.clone()) for x, y in loaders[r]])
-            if epoch == 1:
-                assert len(computed(counts[r])) == before  # every sample a hit, half of them the other rank's
-    for r in (0, 1):
-        assert_same(got[r], want[r])
-        assert seen[r][1] & seen[1 - r][0], "the ranks' second epochs should reuse the other rank's samples"
-    assert sorted(computed(counts[0]) + computed(counts[1])) == list(range(FILES))
+    two_ranks_share(root, tmp_path, lambda counts, name: cached(root, counts, redis_cluster.url, name))
     per_node = [node.keys() for node in redis_cluster.nodes]
     assert sum(per_node) >= FILES and all(per_node), f"keys should spread over every master: {per_node}"
 
@@ -114,14 +90,7 @@ def test_a_changed_source_file_is_recomputed(volume: tuple[Mount, str], redis_se
     ds = cached(root, counts, redis_server.url, "changes")
     epochs(loader(ds), 1)
     assert len(computed(counts)) == FILES
-    target = ds.base.samples[5][0]
-    source = mount.source / os.path.relpath(target, mount.mount_point)
-    Image.fromarray(np.full((30, 30, 3), 200, dtype=np.uint8)).save(source, format="JPEG")
-    wait_until_seen(target, source)
-    counts.unlink()
-    got = epochs(loader(ds), 1)
-    assert computed(counts) == [5]
-    assert_same(got, reference(root, 1))  # the new image, not the cached old one
+    assert_a_changed_file_is_recomputed(mount, root, ds, counts)
 
 
 def test_redis_down_warns_once_and_training_continues(volume: tuple[Mount, str], make_redis: Any,
