@@ -63,6 +63,10 @@ class Mount:
             "exporterPort": self.port,
             "logDir": str(self.base / "log"),
             "logLevel": "debug",
+            # No free-space floor unless a test sets one: the NVMe tier's tests must not depend
+            # on how full the host's disk is (the default 10 % floor empties the tier on a disk
+            # with less than 10 % free; tests/mounted/test_disk_tier_full_fs.py tests the floor).
+            "diskFreeRatio": 0,
             **self.overrides,
         }
 

@@ -414,6 +414,10 @@ class DaemonMount:
             "memCacheSize": mem_cache_size,
             "diskCacheDir": str(cache_dir),
             "diskCacheSize": disk_cache_size,
+            # No free-space floor: every caller sizes diskCacheSize to its dataset, and what
+            # it measures must not change with how full the host's disk is (the default 10 %
+            # floor leaves the NVMe tier nothing on a disk with less than 10 % free).
+            "diskFreeRatio": 0,
             "exporterPort": self.port,
             "logDir": str(self.log_dir),
         }

@@ -280,6 +280,12 @@ class DiskTier:
             log.warning("disk cache %s: deleted %d damaged entries or junk files at start-up", directory,
                         loaded.discarded)
         await tier._refresh_headroom()
+        if tier.effective_limit_bytes < limit_bytes:
+            # The floor, not diskCacheSize, is the limit now: say so once, with the numbers an
+            # operator needs (a full shared disk otherwise looks like an NVMe tier that never hits).
+            log.warning("disk cache %s: the filesystem keeps diskFreeRatio %.2f free, which leaves the "
+                        "NVMe tier %d of its %d bytes (diskCacheSize); free space or lower diskFreeRatio",
+                        directory, free_ratio, tier.effective_limit_bytes, limit_bytes)
         await tier._shrink_to_fit()
         tier.startup_seconds = time.perf_counter() - start
         log.info("disk cache %s: %d blocks in %d segments, %d bytes, loaded from %s in %.3f s", directory,

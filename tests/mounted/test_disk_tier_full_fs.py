@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.samples import files
-from tests.helpers import allocated_on_disk, block_key, block_payload
+from tests.helpers import Mount, allocated_on_disk, block_key, block_payload, metric, write_tree
 
 
 @pytest.fixture
@@ -97,3 +97,19 @@ async def test_free_space_floor(small_fs: Path) -> None:
     assert lowest >= floor, f"free space fell to {lowest} below the floor {floor}"
     assert 0 <= tier.used_bytes - allocated_on_disk(directory) <= tier.statistics().directory_bytes
     await tier.close()
+
+
+def test_a_mount_whose_cache_disk_is_nearly_full_says_so(small_fs: Path, make_mount: Callable[..., Mount]) -> None:
+    """The floor, not diskCacheSize, limits the NVMe tier of a mount on a nearly full disk: the
+    daemon logs it once at start with the numbers, and the lowered limit is what it reports,
+    while files are still served (from the remote and RAM)."""
+    (small_fs / "filler").write_bytes(b"\0" * (5 * 1024 * 1024))  # 5 of 8 MiB used: ~37 % free
+    m = make_mount(diskCacheDir=str(small_fs / "cache"), diskCacheSize="64MiB", diskFreeRatio=0.5)
+    files = write_tree(m.source, {"d/f.bin": os.urandom(50_000)})
+    m.mount()
+    try:
+        assert m.path("d/f.bin").read_bytes() == files["d/f.bin"]
+        assert "keeps diskFreeRatio 0.50 free, which leaves the NVMe tier 0 of its 67108864 bytes" in m.log()
+        assert metric(m.scrape(), "cubefs_fuse_cache_limit_bytes", tier="disk") == 0
+    finally:
+        m.umount()
