@@ -6,8 +6,9 @@ Registries may be unreachable (no ``debian:12`` to pull): the base image is then
 Debian 12 made with mmdebstrap from the Debian mirror and ``podman import``-ed as
 BASE_TAG (kept, so the next run reuses it and the build's layer cache).  Without podman,
 or without any way to a base image, the test skips and says why.  podman's build cache
-(layers, and pip's cache mount) makes a rebuild take seconds; `podman image prune`
-reclaims it.
+(layers, and pip's cache mount) makes a rebuild take seconds.  Every build leaves its compile
+stage's images untagged (~100 MB of layers each); the test prunes those of earlier builds
+(the stage is labelled BUILD_STAGE_LABEL), so repeated runs do not fill the disk.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ BASE_TAG = "localhost/cubefs-fuse-base:debian12"
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 # apt and pip downloads plus a compile of pyfuse3: minutes on a loaded 2-core machine.
 BUILD_TIMEOUT = 900
+# The Containerfile's compile stage carries this label (its images are untagged by design).
+BUILD_STAGE_LABEL = "io.cubefs-fuse.stage=build"
 
 
 def test_the_daemonset_runs_the_image_the_containerfile_builds() -> None:
@@ -61,6 +64,25 @@ def _podman() -> str:
 
 def _exists(podman: str, image: str) -> bool:
     return subprocess.run([podman, "image", "exists", image], capture_output=True).returncode == 0
+
+
+def _stage_images(podman: str) -> set[str]:
+    """The IDs of every image of the Containerfile's compile stage (by its label)."""
+    result = subprocess.run([podman, "images", "-a", "-q", "--no-trunc", "--filter", f"label={BUILD_STAGE_LABEL}"],
+                            capture_output=True, text=True, check=True)
+    return {line.strip() for line in result.stdout.splitlines() if line.strip()}
+
+
+def _chain(podman: str, image: str) -> set[str]:
+    """``image`` and the images below it (its layer cache), as ``sha256:`` IDs, by the
+    images' Parent links (``podman history`` shows some intermediate images as missing)."""
+    chain: set[str] = set()
+    while image and image not in chain:
+        chain.add(image)
+        result = subprocess.run([podman, "image", "inspect", "--format", "{{.Parent}}", image], capture_output=True,
+                                text=True)
+        image = result.stdout.strip() if result.returncode == 0 else ""
+    return {i if i.startswith("sha256:") else f"sha256:{i}" for i in chain}
 
 
 def _image_id(podman: str, image: str) -> str:
@@ -101,9 +123,19 @@ def test_containerfile_builds_an_image_that_mounts(tmp_path: Path) -> None:
     ca = ["-v", f"{HOST_CA}:/run/host-ca.crt:ro", "--build-arg", "PIP_CERT=/run/host-ca.crt"] \
         if HOST_CA.is_file() else []
     previous = _image_id(podman, TEST_TAG)
-    _build(podman, "-f", str(CONTAINERFILE), "--build-arg", f"BASE={base}", *ca, "-t", TEST_TAG, ".", cwd=REPO)
+    started = _stage_images(podman)
+    build_args = ["-f", str(CONTAINERFILE), "--build-arg", f"BASE={base}", *ca]
+    _build(podman, *build_args, "-t", TEST_TAG, ".", cwd=REPO)
     if previous and previous != _image_id(podman, TEST_TAG):  # the last run's image, now untagged
         subprocess.run([podman, "rmi", previous], capture_output=True)
+    # The compile stage's images of earlier builds, except those this build used (the next
+    # build's layer cache): the stage rebuilt alone is all cache hits (seconds) and names its
+    # image, whose history is the chain this build used.
+    stage = _build(podman, *build_args, "--target", "build", "-q", ".", cwd=REPO).split()[-1]
+    stale = started - _chain(podman, stage)
+    for image in sorted(stale, key=lambda i: -len(_chain(podman, i))):  # children first
+        subprocess.run([podman, "rmi", image], capture_output=True)
+    assert not stale & _stage_images(podman), "compile-stage images of earlier builds were not removed"
     print(f"container image: built {TEST_TAG} from {base}")
     [info] = json.loads(subprocess.run([podman, "image", "inspect", TEST_TAG], capture_output=True, text=True,
                                        check=True).stdout)
