@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
         "cubefs-fuse with and without cube_torch, rclone and JuiceFS on the same data in one run, and "
         "the daemon's CPU per file. "
         "Writes results.json, results.md and PNG plots into --out.")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="quick", help="default: quick (~5 min on 2 cores)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="quick",
+                   help="default: quick (~4 min on 2 cores, ~11 with rclone and JuiceFS installed)")
     p.add_argument("--out", type=Path, default=Path("bench-results"), help="output directory (default: bench-results)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="parent of the scratch directory (default: $TMPDIR); needs room for ~3x the dataset")
