@@ -289,20 +289,9 @@ class BlockCache:
     async def read(self, key: bytes, fetch: Fetcher, *, tag: int = 0) -> tuple[bytes, Source, float]:
         """As :meth:`get`, plus the seconds an earlier wait of this reader cost when the
         block was brought by ``admit`` (its first read counts as the miss it was)."""
-        data = self.memory.get(key)
-        if data is not None:
-            if self._admitted_unread:
-                stall = self._admitted_unread.pop(key, None)
-                if stall == _FROM_DISK:
-                    self._hits_disk += 1
-                    return data, Source.DISK, 0.0
-                if stall is not None:
-                    self._misses += 1
-                    return data, Source.BACKEND, stall
-            self._hits_ram += 1
-            if self._unused_prefetched.pop(key, None) is not None:
-                self._prefetch_used += 1
-            return data, Source.RAM, 0.0
+        found = self.read_now(key)
+        if found is not None:
+            return found
         flight = self._flights.get(key)
         if flight is None:
             flight = self._start(key, fetch, foreground=True, prefetch=False, tag=tag)
@@ -321,6 +310,29 @@ class BlockCache:
         else:
             self._misses += 1
         return flight.data, flight.source, 0.0
+
+    def read_now(self, key: bytes) -> tuple[bytes, Source, float] | None:
+        """:meth:`read` of a block in RAM, counted as that read counts it; None (nothing
+        counted) when it is not in RAM.  Synchronous: no task or checkpoint per block."""
+        data = self.memory.get(key)
+        if data is None:
+            return None
+        if self._admitted_unread:
+            stall = self._admitted_unread.pop(key, None)
+            if stall == _FROM_DISK:
+                self._hits_disk += 1
+                return data, Source.DISK, 0.0
+            if stall is not None:
+                self._misses += 1
+                return data, Source.BACKEND, stall
+        self._hits_ram += 1
+        if self._unused_prefetched.pop(key, None) is not None:
+            self._prefetch_used += 1
+        return data, Source.RAM, 0.0
+
+    def in_memory(self, key: bytes) -> bool:
+        """Whether the block is in the RAM tier (nothing counted, nothing touched)."""
+        return key in self.memory
 
     def wanted(self, key: bytes) -> bool:
         """Whether ``key`` is in no tier and no flight.  Only reads dicts (one membership

@@ -251,6 +251,52 @@ async def test_a_changed_file_is_served_only_in_its_new_version(autojump_clock: 
         assert served(await resolver.resolve(ME, ["a.bin"], 1 << 20)) == [b"4" * 12_000]
 
 
+async def test_a_batch_already_in_ram_is_resolved_without_a_task_per_file(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later epoch's batch (attributes cached, every block in RAM) is answered in one
+    step, with the accounting of the task-per-file path: each file a hit, the plan's cursor
+    moved, the room respected in order.  A file that is not all in RAM, or whose
+    attributes expired, still goes through that path (and is re-checked at the source)."""
+    backend = FakeBackend(latency=LATENCY)
+    files = {f"d/{i}.jpg": bytes([i]) * (1000 + 3000 * i) for i in range(5)}  # 1 to 4 blocks
+    for path, data in files.items():
+        backend.write(path, data)
+    async with open_resolver(backend) as resolver:
+        names = list(files)
+        resolver.commit(await resolver.resolve(ME, names, 1 << 20))  # cold: 5 misses
+        slow: list[str] = []
+        one = resolver._one
+
+        async def counted_one(caller: Caller, key: object, entry: object, budget: list[int]) -> None:
+            slow.append(entry.path)  # type: ignore[attr-defined]
+            await one(caller, key, entry, budget)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(resolver, "_one", counted_one)
+        hits_before = resolver.fs.cache.statistics().hits_ram
+        warm = await resolver.resolve(ME, names, 1 << 20)
+        assert served(warm) == list(files.values()) and slow == []
+        resolver.commit(warm)
+        assert counters(resolver) == (10, 5, 5)
+        assert resolver.fs.cache.statistics().hits_ram - hits_before == sum(-(-len(d) // BLOCK) for d in files.values())
+        # The room, in the batch's order: the first two fit, the rest go to the mount.
+        room = len(files["d/0.jpg"]) + len(files["d/1.jpg"])
+        tight = await resolver.resolve(ME, names, room)
+        assert served(tight) == [files["d/0.jpg"], files["d/1.jpg"], None, None, None] and slow == []
+        assert resolver.stats.by_reason.get("ring full") == 3
+        # One file's block evicted, and a file changed at the source once its attributes
+        # expire: those two take the other path; the changed one is served in its new bytes.
+        attr = resolver.fs.meta.peek("d/2.jpg")
+        assert attr is not None
+        resolver.fs.cache.memory.discard(block_key("d/2.jpg", attr.version, 0))
+        mixed = await resolver.resolve(ME, names, 1 << 20)
+        assert served(mixed) == list(files.values()) and slow == ["d/2.jpg"]
+        backend.write("d/4.jpg", b"new" * 5000)
+        await trio.sleep(ATTR_TTL + 0.01)
+        slow.clear()
+        changed = await resolver.resolve(ME, names, 1 << 20)
+        assert served(changed)[4] == b"new" * 5000 and sorted(slow) == names
+
+
 async def test_permissions_follow_the_mounts_rules(autojump_clock: trio.testing.MockClock) -> None:
     backend = FakeBackend()
     backend.write("open.bin", b"o")
