@@ -86,7 +86,11 @@ class MetadataCache:
         listing pays one per entry in series).  A failure is left for the file's own
         lookup to report (a missing name is remembered as absent).  The stats made."""
         now = trio.current_time()
-        wanted = iter([p for p in dict.fromkeys(paths) if (c := self._attrs.get(p)) is None or c[0] <= now])
+        missing = [p for p in dict.fromkeys(paths) if (c := self._attrs.get(p)) is None or c[0] <= now]
+        if not missing:  # a later epoch's window: all cached, no tasks to start
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return 0
+        wanted = iter(missing)
 
         async def worker() -> None:
             for path in wanted:  # the workers share one iterator: each path is taken once
@@ -98,7 +102,7 @@ class MetadataCache:
 
         counted = [0]
         async with trio.open_nursery() as nursery:
-            for _ in range(max(1, concurrency)):
+            for _ in range(max(1, min(concurrency, len(missing)))):
                 nursery.start_soon(worker)
         return counted[0]
 
