@@ -75,11 +75,17 @@ def counters(resolver: BatchResolver) -> tuple[int, int, int]:
     return c.requests, c.hits, c.misses
 
 
-async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.testing.MockClock) -> None:
+def five_files() -> tuple[FakeBackend, dict[str, bytes]]:
+    """A 2 ms backend with five files of 1 to 4 blocks."""
     backend = FakeBackend(latency=LATENCY)
-    files = {f"d/{i}.jpg": bytes([i]) * (1000 + 3000 * i) for i in range(5)}  # 1 to 4 blocks
+    files = {f"d/{i}.jpg": bytes([i]) * (1000 + 3000 * i) for i in range(5)}
     for path, data in files.items():
         backend.write(path, data)
+    return backend, files
+
+
+async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.testing.MockClock) -> None:
+    backend, files = five_files()
     async with open_resolver(backend) as resolver:
         names = list(files)
         first = await resolver.resolve(ME, names, 1 << 20)
@@ -257,10 +263,7 @@ async def test_a_batch_already_in_ram_is_resolved_without_a_task_per_file(
     step, with the accounting of the task-per-file path: each file a hit, the plan's cursor
     moved, the room respected in order.  A file that is not all in RAM, or whose
     attributes expired, still goes through that path (and is re-checked at the source)."""
-    backend = FakeBackend(latency=LATENCY)
-    files = {f"d/{i}.jpg": bytes([i]) * (1000 + 3000 * i) for i in range(5)}  # 1 to 4 blocks
-    for path, data in files.items():
-        backend.write(path, data)
+    backend, files = five_files()
     async with open_resolver(backend) as resolver:
         names = list(files)
         resolver.commit(await resolver.resolve(ME, names, 1 << 20))  # cold: 5 misses
