@@ -179,8 +179,9 @@ class BatchResolver:
         """:meth:`_one` for a file it would answer without waiting: attributes cached and
         unexpired, readable by the caller from them, and either too large for the room left
         (sent back) or every block of that version in RAM (served).  False, with nothing
-        done or counted, for any other file (:meth:`_one` then decides).  The same accounting as :meth:`_one`: an attribute hit, each block's read,
-        the open that moves the plan's cursor (here after the blocks: nothing is fetched)."""
+        done or counted, for any other file (:meth:`_one` then decides).  The accounting is
+        :meth:`_one`'s: an attribute hit, each block's read, the open that moves the plan's
+        cursor (here after the blocks, as nothing is fetched)."""
         path = entry.path
         meta, cache = self.fs.meta, self.fs.cache
         attr = meta.peek(path)
