@@ -7,7 +7,7 @@ Debian 12 made with mmdebstrap from the Debian mirror and ``podman import``-ed a
 BASE_TAG (kept, so the next run reuses it and the build's layer cache).  Without podman,
 or without any way to a base image, the test skips and says why.  podman's build cache
 (layers, and pip's cache mount) makes a rebuild take seconds.  Every build leaves its compile
-stage's images untagged (~100 MB of layers each); the test prunes those of earlier builds
+stage's images untagged (650-760 MB each as podman lists them); the test removes those of earlier builds
 (the stage is labelled BUILD_STAGE_LABEL), so repeated runs do not fill the disk.
 """
 
@@ -130,7 +130,7 @@ def test_containerfile_builds_an_image_that_mounts(tmp_path: Path) -> None:
         subprocess.run([podman, "rmi", previous], capture_output=True)
     # The compile stage's images of earlier builds, except those this build used (the next
     # build's layer cache): the stage rebuilt alone is all cache hits (seconds) and names its
-    # image, whose history is the chain this build used.
+    # image, whose Parent links are the chain this build used.
     stage = _build(podman, *build_args, "--target", "build", "-q", ".", cwd=REPO).split()[-1]
     stale = started - _chain(podman, stage)
     for image in sorted(stale, key=lambda i: -len(_chain(podman, i))):  # children first
