@@ -7,7 +7,7 @@ nothing is imported, evaluated or looked up by a name taken from the payload.
 
 ``encode(obj) -> bytes``; ``decode(buffer) -> obj``.  The buffer may be ``bytes``,
 ``bytearray`` or a ``memoryview`` into a store's ring that is reused on its next call:
-every array and tensor that ``decode`` returns owns its memory (exactly one copy of its
+every array and tensor that ``decode`` returns has memory of its own (exactly one copy of its
 bytes, out of the buffer); nothing returned aliases the buffer.
 
 Supported, round-tripping bit-exactly (NaN payloads, -0.0 included):
@@ -20,11 +20,19 @@ Supported, round-tripping bit-exactly (NaN payloads, -0.0 included):
 * numpy arrays and numpy scalars of the dtypes in :data:`NUMPY_DTYPES` (bool, signed and
   unsigned integers, float16/32/64, complex64/128, either byte order);
 * CPU torch tensors of the dtypes in :data:`TORCH_DTYPES` (bfloat16 included), any shape
-  (0-d and empty too), any strides: encoded contiguous, decoded contiguous and writable;
-  ``requires_grad`` and the autograd graph are not kept (a sample is data);
+  (0-d and empty too), any strides; ``requires_grad`` and the autograd graph are not kept
+  (a sample is data);
 * PIL images of the modes in :data:`PIL_MODES`: mode, size, pixels and, for ``P``/``PA``,
   the palette.  Not kept: ``info`` (EXIF, ICC profile, transparency key, DPI) and the file
   format; a decoded image is a plain ``PIL.Image.Image``.
+
+Layout: an array or tensor whose memory is one dense block in some order of its
+dimensions (C order, or a permutation of it: torchvision's ``PILToTensor`` gives the CHW
+view of an HWC image, ``np.transpose`` views) is stored as its memory lies, with that
+order, and decoded with the same strides: one plain copy each way, and the value as the
+dataset returned it.  Any other layout (slices with gaps, broadcast or reversed strides)
+is stored in C order, reordered in its one copy, and decoded C-contiguous.  Decoded
+arrays and tensors are writable.
 
 Anything else raises :class:`CodecError` at encode time (the cache then leaves that sample
 uncached); any malformed, truncated or oversized payload raises :class:`CodecError` at
@@ -41,8 +49,15 @@ Format (little-endian): one tag byte per value, then its fields::
     t u32 n, n values | l ...           tuple, list
     d u32 n, n (key, value) pairs       dict
     a u8 len, dtype, u8 ndim, ndim x u64 shape, u64 n, n bytes     numpy array (C order)
+    A u8 len, dtype, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
+                                        numpy array in memory order (see Layout)
     x u8 len, dtype, itemsize bytes     numpy scalar
     p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor
+    q u8 code, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
+                                        torch tensor in memory order (see Layout)
+
+``order`` lists the dimensions from the outermost in memory to the innermost; the bytes
+are those of the C-order block of shape ``[shape[d] for d in order]``.
     m u8 len, mode, u32 w, u32 h, u64 n, pixels, u8 len, palette mode, u32 n, palette  PIL image
 """
 
@@ -248,7 +263,22 @@ def _shape(shape: tuple[int, ...]) -> bytes:
 
 def _encode_array(obj: np.ndarray[Any, Any], out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
+    if not obj.flags.c_contiguous:
+        order = _memory_order(obj.strides)
+        dense = obj.transpose(order) if order is not None else None
+        if order is not None and dense is not None and dense.flags.c_contiguous:
+            out += (b"A", _U8.pack(len(name)), name, _shape(obj.shape), bytes(order), _U64.pack(obj.nbytes),
+                    _bytes_view(dense.reshape(-1)))
+            return
     out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(obj.nbytes), _data(obj))
+
+
+def _memory_order(strides: tuple[int, ...]) -> list[int] | None:
+    """The dimensions by decreasing stride (ties in their own order): the order in which a
+    value whose memory is one dense block lays them out (the caller checks that it is);
+    None for C order itself (no reordering to record)."""
+    order = sorted(range(len(strides)), key=lambda d: -strides[d])
+    return None if order == list(range(len(strides))) else order
 
 
 def _data(array: np.ndarray[Any, Any]) -> Part:
@@ -270,23 +300,44 @@ def _is_tensor(obj: Any) -> bool:
 
 
 def _encode_tensor(obj: Any, out: list[Part]) -> None:
-    import torch
-
     code = _torch_code(obj.dtype)
     if obj.device.type != "cpu":
         raise CodecError(f"cannot encode a tensor on {obj.device} (cache CPU tensors: move them in the transform "
                          "that runs after the cache)")
-    if obj.layout != torch.strided or obj.is_quantized:
+    if obj.layout is not _torch_strided() or obj.is_quantized:
         raise CodecError(f"cannot encode a {obj.layout} tensor (only dense, strided ones)")
     obj = obj.detach()
     nbytes = obj.numel() * obj.element_size()
+    shape = _shape(tuple(obj.shape))
     if obj.is_contiguous():
-        flat = obj.reshape(-1)
-        data: Part = _bytes_view(flat.view(torch.uint8).numpy() if nbytes else np.empty(0, dtype=np.uint8))
-    else:  # its memory as a numpy array of the same item size and strides (numpy has no bfloat16)
-        same_size = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(obj.element_size())
-        data = (obj.view(same_size) if same_size is not None else obj).numpy()
-    out += (b"p", _U8.pack(code), _shape(tuple(obj.shape)), _U64.pack(nbytes), data)
+        out += (b"p", _U8.pack(code), shape, _U64.pack(nbytes), _tensor_bytes(obj, nbytes))
+        return
+    order = _memory_order(obj.stride())
+    dense = obj.permute(order) if order is not None else None
+    if order is not None and dense is not None and dense.is_contiguous():  # a permuted dense block: stored as it lies
+        out += (b"q", _U8.pack(code), shape, bytes(order), _U64.pack(nbytes), _tensor_bytes(dense, nbytes))
+        return
+    # Its memory as a numpy array of the same item size and strides (numpy has no bfloat16),
+    # reordered to C order in the caller's one copy.
+    same_size = {1: _torch().uint8, 2: _torch().int16, 4: _torch().int32, 8: _torch().int64}.get(obj.element_size())
+    data = (obj.view(same_size) if same_size is not None else obj).numpy()
+    out += (b"p", _U8.pack(code), shape, _U64.pack(nbytes), data)
+
+
+def _tensor_bytes(contiguous: Any, nbytes: int) -> memoryview:
+    """A byte view of a contiguous tensor's memory (no copy)."""
+    if not nbytes:
+        return memoryview(b"")
+    return _bytes_view(contiguous.reshape(-1).view(_torch().uint8).numpy())
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]  # (only called for a value that is a tensor: torch is imported)
+
+
+@functools.cache
+def _torch_strided() -> Any:
+    return _torch().strided
 
 
 def _is_image(obj: Any) -> bool:
@@ -398,7 +449,9 @@ def _decode(r: _Reader, depth: int) -> Any:
             result[key] = _decode(r, depth + 1)
         return result
     if tag == b"a":
-        return _decode_array(r)
+        return _decode_array(r, ordered=False)
+    if tag == b"A":
+        return _decode_array(r, ordered=True)
     if tag == b"x":
         dtype = _read_dtype(r)
         data = r.take(dtype.itemsize)
@@ -406,7 +459,9 @@ def _decode(r: _Reader, depth: int) -> Any:
             _check_booleans(data)
         return np.frombuffer(data, dtype=dtype)[0]  # a numpy scalar holds its own copy
     if tag == b"p":
-        return _decode_tensor(r)
+        return _decode_tensor(r, ordered=False)
+    if tag == b"q":
+        return _decode_tensor(r, ordered=True)
     if tag == b"m":
         return _decode_image(r)
     raise CodecError(f"unknown tag {tag!r} at offset {r.pos - 1}")
@@ -441,13 +496,35 @@ def _read_data(r: _Reader, shape: tuple[int, ...], itemsize: int) -> memoryview:
     return r.take(n)
 
 
-def _decode_array(r: _Reader) -> np.ndarray[Any, Any]:
-    dtype = _read_dtype(r)
+def _read_order(r: _Reader, ndim: int) -> tuple[int, ...]:
+    """A layout's order of dimensions (see Layout): a permutation of range(ndim)."""
+    order = tuple(r.take(ndim))
+    if sorted(order) != list(range(ndim)):
+        raise CodecError(f"a dimension order {order} that is no permutation of {ndim} dimensions")
+    return order
+
+
+def _layout(r: _Reader, ordered: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(the shape of the stored C-order block, the permutation that gives the value's
+    dimensions from it, or None for C order)."""
     shape = _read_shape(r)
-    data = _read_data(r, shape, dtype.itemsize)
+    if not ordered:
+        return shape, None
+    order = _read_order(r, len(shape))
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tuple(shape[d] for d in order), tuple(inverse)
+
+
+def _decode_array(r: _Reader, *, ordered: bool) -> np.ndarray[Any, Any]:
+    dtype = _read_dtype(r)
+    block, inverse = _layout(r, ordered)
+    data = _read_data(r, block, dtype.itemsize)
     if dtype.kind == "b":
         _check_booleans(data)
-    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()  # the one copy: owns its memory
+    array = np.frombuffer(data, dtype=dtype).reshape(block).copy()  # the one copy: its own memory
+    return array if inverse is None else array.transpose(inverse)
 
 
 def _check_booleans(data: memoryview) -> None:
@@ -456,7 +533,7 @@ def _check_booleans(data: memoryview) -> None:
         raise CodecError("a boolean array holding bytes other than 0 and 1")
 
 
-def _decode_tensor(r: _Reader) -> Any:
+def _decode_tensor(r: _Reader, *, ordered: bool) -> Any:
     import torch
 
     code = int(r.unpack(_U8))
@@ -464,14 +541,16 @@ def _decode_tensor(r: _Reader) -> Any:
     dtype = dtypes[code] if code < len(dtypes) else None
     if dtype is None:
         raise CodecError(f"torch dtype code {code} is not allowed")
-    shape = _read_shape(r)
-    data = _read_data(r, shape, dtype.itemsize)
+    block, inverse = _layout(r, ordered)
+    data = _read_data(r, block, dtype.itemsize)
     if dtype == torch.bool:
         _check_booleans(data)
     if not len(data):
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # the one copy; aligned (malloc)
-    return raw.view(dtype).reshape(shape)
+        tensor = torch.empty(block, dtype=dtype)
+    else:
+        raw = torch.from_numpy(np.frombuffer(data, dtype=np.uint8).copy())  # the one copy; aligned (malloc)
+        tensor = raw.view(dtype).reshape(block)
+    return tensor if inverse is None else tensor.permute(inverse)
 
 
 def _decode_image(r: _Reader) -> Any:

@@ -190,6 +190,22 @@ def test_a_corrupt_entry_is_recomputed_and_overwritten(caplog: pytest.LogCapture
     assert len(warnings_of(caplog)) == 1 and "corrupt" in warnings_of(caplog)[0]
 
 
+def test_entries_of_the_first_format_version_are_still_read() -> None:
+    """Version 1 stored every tensor in C order (tag p); version 2 keeps a permuted dense one
+    as its memory lies (tag q).  Both are read as hits; new entries are version 2."""
+    store, compute = MemoryStore(), Counting()
+    c = SampleCache("versions", store)
+    chw = torch.arange(24, dtype=torch.uint8).reshape(2, 3, 4).permute(2, 0, 1)
+    store.entries[("versions", 1)] = bytes(HEADER.pack(b"CTSC", 1, 0) + codec.encode(chw.contiguous()))
+    assert torch.equal(c.get(1, lambda: compute(1)), chw) and not compute.computed
+    c.get(2, lambda: chw)
+    assert c.flush(5)
+    magic, version, _ = HEADER.unpack(store.entries[("versions", 2)][:HEADER.size])
+    assert (magic, version) == (b"CTSC", cache_module.FORMAT_VERSION) and cache_module.FORMAT_VERSION == 2
+    again = c.get(2, lambda: compute(2))
+    assert torch.equal(again, chw) and again.stride() == chw.stride() and not compute.computed
+
+
 def test_values_the_codec_refuses_are_returned_uncached(caplog: pytest.LogCaptureFixture) -> None:
     store = MemoryStore()
     c = SampleCache("odd", store)

@@ -82,8 +82,12 @@ def test_numpy_arrays_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
 
 def test_numpy_non_contiguous_and_scalars() -> None:
     a = np.arange(60, dtype=np.float32).reshape(3, 4, 5)
-    for view in (a[:, ::2, 1:], a.transpose(2, 0, 1), a[::-1]):
-        assert same(decode(encode(view)), np.ascontiguousarray(view))
+    for view in (a[:, ::2, 1:], a[::-1], a[:, :, :1].transpose(1, 0, 2)):  # not one dense block
+        out = decode(encode(view))
+        assert same(out, np.ascontiguousarray(view)) and out.flags.c_contiguous and out.flags.writeable
+    for view in (a.transpose(2, 0, 1), a.transpose(1, 2, 0), a.T, a[:1].transpose(2, 1, 0)):  # one, permuted
+        out = decode(encode(view))
+        assert same(out, np.ascontiguousarray(view)) and out.strides == view.strides and out.flags.writeable
     for scalar in (np.float32(-0.0), np.float64(NAN_PAYLOAD), np.int8(-5), np.uint64(2**64 - 1), np.bool_(True),
                    np.complex64(1 - 1j), np.float16(65504)):
         assert same(decode(encode(scalar)), scalar)
@@ -110,22 +114,25 @@ def test_tensors_round_trip(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
 
 def test_tensor_views_and_grad() -> None:
     base = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)
-    for view in (base.transpose(0, 2), base[:, ::2, 1:], base.expand(2, 2, 3, 4)[1], base[0, 0, 0]):
-        assert same(decode(encode(view)), view.contiguous())
+    for view in (base.transpose(0, 2), base.permute(1, 2, 0), base[:1].transpose(0, 2)):  # permuted dense
+        out = decode(encode(view))
+        assert same(out, view.contiguous()) and out.stride() == view.stride() and not out.is_contiguous()
+    for view in (base[:, ::2, 1:], base.expand(2, 2, 3, 4)[1], base[0, 0, 0], base[:, :, 1:].transpose(0, 2)):
+        out = decode(encode(view))
+        assert same(out, view.contiguous()) and out.is_contiguous()
     p = torch.nn.Parameter(torch.tensor([-0.0, 1.0]))
     out = decode(encode(p))
     assert type(out) is torch.Tensor and not out.requires_grad and same(out, p.detach().clone())
 
 
 def test_a_non_contiguous_value_is_reordered_in_its_one_copy() -> None:
-    """encode_parts hands a non-contiguous array or tensor over uncopied (torchvision's
-    PILToTensor: the CHW view of an HWC image); join and write_parts reorder it as they
-    copy it: the bytes are those of its contiguous copy's encoding."""
+    """encode_parts hands a non-contiguous array or tensor that is not one dense block over
+    uncopied; join and write_parts reorder it as they copy it: the bytes are those of its
+    contiguous copy's encoding."""
     values: list[Any] = [
-        torch.randint(0, 256, (5, 6, 3), dtype=torch.uint8).permute(2, 0, 1),
-        torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16).permute(2, 0, 1),
         torch.arange(12.0).reshape(3, 4)[:, ::2], torch.tensor([1 + 2j, 3j], dtype=torch.complex128).expand(3, 2),
         torch.tensor([True, False]).expand(2, 2).t(), np.arange(30, dtype=">i4").reshape(5, 6)[::-1, ::2],
+        torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16)[:, 1:].permute(2, 0, 1),
     ]
     for value in values:
         contiguous = value.contiguous() if isinstance(value, torch.Tensor) else np.ascontiguousarray(value)
@@ -138,6 +145,38 @@ def test_a_non_contiguous_value_is_reordered_in_its_one_copy() -> None:
         assert out == want and same(decode(memoryview(out)[4:]), [contiguous, 7])
     with pytest.raises(ValueError, match="parts for a buffer"):
         codec.write_parts(codec.encode_parts(values[0]), memoryview(bytearray(1000)))
+
+
+def test_a_permuted_dense_value_is_stored_as_its_memory_lies() -> None:
+    """torchvision's PILToTensor gives the CHW view of an HWC image: its bytes are stored in
+    memory order (a plain copy, no reordering) with the order of its dimensions, and it
+    decodes to a tensor of the same strides and values; the same for a transposed numpy
+    array and other dtypes."""
+    hwc = torch.randint(0, 256, (5, 6, 3), dtype=torch.uint8)
+    values: list[Any] = [
+        hwc.permute(2, 0, 1),
+        torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).to(torch.bfloat16).permute(2, 0, 1),
+        torch.tensor([[True, False, True], [False, False, True]]).t(),
+        np.arange(30, dtype=">i4").reshape(5, 6).T,
+    ]
+    for value in values:
+        parts = codec.encode_parts(value, b"head")
+        assert not any(isinstance(part, np.ndarray) for part in parts), value  # nothing to reorder
+        memory = (value.permute(*sorted(range(value.dim()), key=lambda d: -value.stride(d))).contiguous()
+                  if isinstance(value, torch.Tensor) else value.T.copy())
+        raw = (memory.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(value, torch.Tensor)
+               else memory.tobytes())
+        encoded = bytes(codec.join(parts))
+        assert encoded.endswith(raw) and encoded[4:5] in (b"q", b"A")  # the block as it lies
+        out = decode(encoded[4:])
+        if isinstance(value, torch.Tensor):
+            assert same(out, value.contiguous()) and out.stride() == value.stride()
+        else:
+            assert same(out, np.ascontiguousarray(value)) and out.strides == value.strides
+        ring = bytearray(codec.size_of(parts))
+        codec.write_parts(parts, memoryview(ring))
+        assert ring == encoded
+    assert decode(encode(hwc.permute(2, 0, 1)))[0, 1, 2] == hwc[1, 2, 0]
 
 
 @pytest.mark.parametrize("mode", sorted(codec.PIL_MODES))
@@ -228,6 +267,8 @@ def test_huge_lengths_allocate_nothing() -> None:
     refused(b"a\x03<f4\x01" + struct.pack("<QQ", 2**62, 2**64 - 1))  # shape x itemsize != stated bytes
     refused(b"a\x03<f4\x02" + struct.pack("<QQQ", 2**40, 2**40, 0))  # claims 4 PiB, has none
     refused(b"p\x08\x01" + struct.pack("<QQ", 2**61, 2**63))
+    refused(b"q\x08\x02" + struct.pack("<QQ", 2**40, 2**40) + b"\x01\x00" + struct.pack("<Q", 0))
+    refused(b"A\x03<f4\x02" + struct.pack("<QQ", 2**40, 2**40) + b"\x01\x00" + struct.pack("<Q", 2**64 - 1))
     refused(b"m\x03RGB" + struct.pack("<II", 2**31, 2**31) + struct.pack("<Q", 0) + b"\0" + struct.pack("<I", 0))
     refused(b"m\x03RGB" + struct.pack("<II", 2, 2) + struct.pack("<Q", 3) + b"abc\0" + struct.pack("<I", 0))
 
@@ -245,6 +286,9 @@ def test_deep_nesting_is_refused() -> None:
     b"a\x03|b1\x01" + struct.pack("<QQ", 1, 1) + b"\x02",  # a bool that is neither 0 nor 1
     b"p\xfe\x00" + struct.pack("<Q", 1) + b"\0",  # unknown torch dtype code
     b"a\x03<f4" + bytes([codec.MAX_NDIM + 1]),
+    b"q\x01\x02" + struct.pack("<QQ", 1, 2) + b"\x00\x00" + struct.pack("<Q", 2) + b"ab",  # no permutation
+    b"q\x01\x02" + struct.pack("<QQ", 1, 2) + b"\x02\x00" + struct.pack("<Q", 2) + b"ab",  # a dimension too far
+    b"A\x03|b1\x02" + struct.pack("<QQ", 1, 2) + b"\x01\x00" + struct.pack("<Q", 2) + b"\x01\x07",  # bad bool
     b"m\x04RGBZ" + struct.pack("<IIQ", 1, 1, 3) + b"abc\0" + struct.pack("<I", 0),  # mode not allowed
     b"m\x01P" + struct.pack("<IIQ", 1, 1, 1) + b"a\x03BGR" + struct.pack("<I", 3) + b"abc",  # palette mode
     b"s\x01\x00\x00\x00\xff",  # not UTF-8
