@@ -11,6 +11,7 @@ across the DataLoader worker processes (one line per ``base[i]`` in a file).
 from __future__ import annotations
 
 import os
+import pickle
 import re
 import time
 from collections.abc import Iterator
@@ -149,3 +150,78 @@ def test_redis_store_contract(redis_server: RedisServer, redis_cluster: RedisClu
     assert time.monotonic() - started < 10
     with pytest.raises(StoreError):
         RedisClusterStore(f"redis+cluster://127.0.0.1:{free_port()}").get_many("c", [1])
+
+
+def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(make_redis: Any) -> None:
+    """send_sets: a batch larger than IOV_MAX buffers (and than the socket's buffer) is
+    written whole; a connection the server closed while idle is replaced and the batch sent
+    again; an error answer (full) raises and leaves no half-read answers behind."""
+    from tests.redis_servers import cli
+
+    server = make_redis("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")
+    store = RedisStore(server.url)
+    many = [(k, os.urandom(64 + k % 300)) for k in range(700)]  # 1,401 buffers: two sendmsg calls at least
+    big = [(10_000 + k, os.urandom(3 << 20)) for k in range(4)]  # 12 MB: many partial sends
+    store.put_many("lean", many)
+    store.put_many("lean", big)
+    assert store.get_many("lean", [k for k, _ in many + big]) == [v for _, v in many + big]
+    cli(server.port, "CLIENT", "KILL", "TYPE", "normal")  # what a server's idle timeout does
+    store.put_many("lean", [(1, b"after a kill")])
+    assert store.get_many("lean", [1]) == [b"after a kill"]
+    with pytest.raises(StoreError, match="maxmemory-policy allkeys-lru"):
+        for round_ in range(100):
+            store.put_many("full", [(round_ * 8 + k, os.urandom(1 << 20)) for k in range(8)])
+    cli(server.port, "CONFIG", "SET", "maxmemory", "0")
+    store.put_many("lean", [(2, b"the connection is clean")])
+    assert store.get_many("lean", [2, 1]) == [b"the connection is clean", b"after a kill"]
+    store.close()
+
+
+def test_a_connection_that_is_no_plain_socket_sends_buffer_by_buffer() -> None:
+    """TLS (an SSLSocket cannot sendmsg): redis-py's send_packed_command, the same bytes."""
+    from cube_torch.samples.redis_store import send_sets
+
+    class TlsLike:
+        _sock = object()
+
+        def __init__(self) -> None:
+            self.sent: list[bytes] = []
+            self.answers = 0
+
+        def connect(self) -> None:
+            pass
+
+        def send_packed_command(self, buffers: list[bytes | memoryview]) -> None:
+            self.sent += [bytes(b) for b in buffers]
+
+        def read_response(self) -> bytes:
+            self.answers += 1
+            return b"OK"
+
+    connection = TlsLike()
+    send_sets(connection, "n", [(1, b"ab"), (2, bytearray(b"\r\n"))])
+    assert b"".join(connection.sent) == (b"*3\r\n$3\r\nSET\r\n$21\r\ncube_torch:sample:n:1\r\n$2\r\nab\r\n"
+                                         b"*3\r\n$3\r\nSET\r\n$21\r\ncube_torch:sample:n:2\r\n$2\r\n\r\n\r\n")
+    assert connection.answers == 2
+
+
+def test_entry_buffers_are_reused_after_a_put(redis_server: RedisServer) -> None:
+    """write_entry copies an entry into a buffer of the store's; put_many (or release)
+    frees it for the next entry of the same size, up to POOL_BYTES kept."""
+    from cube_torch.samples import redis_store
+
+    store = RedisStore(redis_server.url)
+    first = [store.write_entry([b"x" * 100, memoryview(b"y" * 50)], 150) for _ in range(3)]
+    assert all(bytes(b) == b"x" * 100 + b"y" * 50 for b in first)
+    store.put_many("pool", list(enumerate(first)))
+    again = [store.write_entry([b"z" * 150], 150) for _ in range(3)]
+    assert {id(b) for b in again} == {id(b) for b in first}  # the same memory, rewritten
+    assert store.get_many("pool", [0, 1, 2]) == [b"x" * 100 + b"y" * 50] * 3  # (stored as they were sent)
+    store.put_many("pool", [(9, b"plain bytes are sent, never kept")])
+    assert all(len(free) <= 3 for free in store._free.values())
+    huge = [store.write_entry([b"h" * (1 << 20)], 1 << 20) for _ in range(redis_store.POOL_BYTES // (1 << 20) + 4)]
+    for buffer in huge:
+        store.release(buffer)
+    assert store._free_bytes <= redis_store.POOL_BYTES
+    assert pickle.loads(pickle.dumps(store))._free == {}  # a worker's copy starts with none
+    store.close()
