@@ -173,6 +173,11 @@ class DaemonStore:
             self._slots.append(slot)
             return slot
 
+    def prepare(self) -> None:
+        """Connect now (the cache's writer thread does, ahead of its first put), so that
+        write_entry has a ring to write into."""
+        self._connect()
+
     def release(self, slot: RingSlot) -> None:
         """A slot that will not be put (dropped by the caller): its bytes are free again."""
         self._release([slot])

@@ -141,6 +141,13 @@ class _RedisBase(ABC):
             for _, entry in items:
                 self.release(entry)
 
+    def prepare(self) -> None:
+        """Connect now (the cache's writer thread does, ahead of its first put)."""
+        try:
+            self._connected().ping()
+        except _errors() as exc:
+            raise _store_error(self.url, exc) from None
+
     def write_entry(self, parts: Sequence[Part], size: int) -> bytearray:
         """The entry's parts copied into a buffer of this store's (the one copy,
         ``codec.write_parts``), to hand to ``put_many``, which frees it for a later entry of

@@ -481,6 +481,40 @@ def test_entries_go_into_the_stores_buffer_as_snapshots_taken_at_compute_time(mo
     assert c.statistics().writes == 6
 
 
+def test_the_writer_connects_while_the_first_misses_are_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first batch with misses starts the writer thread before computing them: it opens
+    its store and calls its ``prepare`` (connect), so the batch's entries already go into
+    the store's buffer.  A batch of hits starts nothing."""
+    entries: dict[tuple[str, int], bytes] = {}
+    opened: list[SlotStore] = []
+    prepared = threading.Event()
+
+    class Preparing(SlotStore):
+        def prepare(self) -> None:
+            prepared.set()
+
+    def fake_open(spec: Any) -> SlotStore:
+        store = Preparing(room=100)
+        store.entries = entries
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c = SampleCache("prepared", "redis://127.0.0.1:1/0")
+
+    def compute(key: int) -> Any:  # a decode takes a while: long enough for a connect
+        assert prepared.wait(10)
+        return torch.full((8,), key)
+
+    c.get_many(list(range(6)), compute)
+    assert len(opened) == 2 and opened[1].slots == 6  # the writer's store: every entry in its buffer
+    assert c.flush(10) and len(entries) == 6
+    reader = SampleCache("prepared", "redis://127.0.0.1:1/0")
+    assert [int(v[0]) for v in reader.get_many(list(range(6)), lambda k: pytest.fail("computed"))] == list(range(6))
+    time.sleep(0.2)
+    assert len(opened) == 3 and not reader._here().prepared  # hits only: no writer, no connection
+
+
 def test_a_full_buffer_frees_the_slots_it_drops() -> None:
     store = SlotStore(room=10)
     c = SampleCache("dropped", store, max_pending_entries=1)
