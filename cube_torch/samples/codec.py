@@ -263,14 +263,26 @@ def _shape(shape: tuple[int, ...]) -> bytes:
 
 def _encode_array(obj: np.ndarray[Any, Any], out: list[Part]) -> None:
     name = _dtype_str(obj.dtype)
-    if not obj.flags.c_contiguous:
-        order = _memory_order(obj.strides)
-        dense = obj.transpose(order) if order is not None else None
-        if order is not None and dense is not None and dense.flags.c_contiguous:
-            out += (b"A", _U8.pack(len(name)), name, _shape(obj.shape), bytes(order), _U64.pack(obj.nbytes),
-                    _bytes_view(dense.reshape(-1)))
-            return
-    out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(obj.nbytes), _data(obj))
+    data, order = _layout(obj)
+    if order is None:
+        out += (b"a", _U8.pack(len(name)), name, _shape(obj.shape), _U64.pack(obj.nbytes), data)
+    else:
+        out += (b"A", _U8.pack(len(name)), name, _shape(obj.shape), bytes(order), _U64.pack(obj.nbytes), data)
+
+
+def _layout(array: np.ndarray[Any, Any]) -> tuple[Part, list[int] | None]:
+    """An array's bytes, uncopied, and their order of dimensions (see Layout): a byte view
+    of its memory when that is one dense block, in C order (None) or in another (the
+    order); else the array itself, reordered to C order as the caller copies it (one copy
+    either way)."""
+    if array.flags.c_contiguous:
+        return _bytes_view(array.reshape(-1)), None
+    order = _memory_order(array.strides)
+    if order is not None:
+        dense = array.transpose(order)
+        if dense.flags.c_contiguous:
+            return _bytes_view(dense.reshape(-1)), order
+    return array, None
 
 
 def _memory_order(strides: tuple[int, ...]) -> list[int] | None:
@@ -279,14 +291,6 @@ def _memory_order(strides: tuple[int, ...]) -> list[int] | None:
     None for C order itself (no reordering to record)."""
     order = sorted(range(len(strides)), key=lambda d: -strides[d])
     return None if order == list(range(len(strides))) else order
-
-
-def _data(array: np.ndarray[Any, Any]) -> Part:
-    """An array's bytes in C order, uncopied: a byte view when contiguous, else the array
-    itself (reordered as the caller copies it: one copy either way)."""
-    if array.flags.c_contiguous:
-        return _bytes_view(array.reshape(-1))
-    return array
 
 
 def _bytes_view(array: Any) -> memoryview:
@@ -304,31 +308,30 @@ def _encode_tensor(obj: Any, out: list[Part]) -> None:
     if obj.device.type != "cpu":
         raise CodecError(f"cannot encode a tensor on {obj.device} (cache CPU tensors: move them in the transform "
                          "that runs after the cache)")
-    if obj.layout is not _torch_strided() or obj.is_quantized:
+    if obj.layout is not _torch_strided():
         raise CodecError(f"cannot encode a {obj.layout} tensor (only dense, strided ones)")
-    obj = obj.detach()
-    nbytes = obj.numel() * obj.element_size()
-    shape = _shape(tuple(obj.shape))
-    if obj.is_contiguous():
-        out += (b"p", _U8.pack(code), shape, _U64.pack(nbytes), _tensor_bytes(obj, nbytes))
-        return
-    order = _memory_order(obj.stride())
-    dense = obj.permute(order) if order is not None else None
-    if order is not None and dense is not None and dense.is_contiguous():  # a permuted dense block: stored as it lies
-        out += (b"q", _U8.pack(code), shape, bytes(order), _U64.pack(nbytes), _tensor_bytes(dense, nbytes))
-        return
-    # Its memory as a numpy array of the same item size and strides (numpy has no bfloat16),
-    # reordered to C order in the caller's one copy.
-    same_size = {1: _torch().uint8, 2: _torch().int16, 4: _torch().int32, 8: _torch().int64}.get(obj.element_size())
-    data = (obj.view(same_size) if same_size is not None else obj).numpy()
-    out += (b"p", _U8.pack(code), shape, _U64.pack(nbytes), data)
+    if obj.requires_grad:
+        obj = obj.detach()
+    if obj.is_conj() or obj.is_neg():  # a lazy conjugate or negative view: its values made real
+        obj = obj.resolve_conj().resolve_neg()
+    # Its memory as a numpy array of the same strides (no copy; numpy calls are a fraction of
+    # torch's view ops, which cost 1-5 us each in a decoding worker): the tensor's own dtype,
+    # or integers of its item size for one numpy lacks (bfloat16).
+    try:
+        array = obj.numpy()
+    except (TypeError, RuntimeError):
+        array = obj.view(_same_size_int(obj.element_size())).numpy()
+    data, order = _layout(array)
+    shape, nbytes = _shape(tuple(obj.shape)), _U64.pack(array.nbytes)
+    if order is None:
+        out += (b"p", _U8.pack(code), shape, nbytes, data)
+    else:
+        out += (b"q", _U8.pack(code), shape, bytes(order), nbytes, data)
 
 
-def _tensor_bytes(contiguous: Any, nbytes: int) -> memoryview:
-    """A byte view of a contiguous tensor's memory (no copy)."""
-    if not nbytes:
-        return memoryview(b"")
-    return _bytes_view(contiguous.reshape(-1).view(_torch().uint8).numpy())
+def _same_size_int(itemsize: int) -> Any:
+    torch = _torch()
+    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
 
 
 def _torch() -> Any:
@@ -504,7 +507,7 @@ def _read_order(r: _Reader, ndim: int) -> tuple[int, ...]:
     return order
 
 
-def _layout(r: _Reader, ordered: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+def _read_layout(r: _Reader, ordered: bool) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(the shape of the stored C-order block, the permutation that gives the value's
     dimensions from it, or None for C order)."""
     shape = _read_shape(r)
@@ -519,7 +522,7 @@ def _layout(r: _Reader, ordered: bool) -> tuple[tuple[int, ...], tuple[int, ...]
 
 def _decode_array(r: _Reader, *, ordered: bool) -> np.ndarray[Any, Any]:
     dtype = _read_dtype(r)
-    block, inverse = _layout(r, ordered)
+    block, inverse = _read_layout(r, ordered)
     data = _read_data(r, block, dtype.itemsize)
     if dtype.kind == "b":
         _check_booleans(data)
@@ -541,7 +544,7 @@ def _decode_tensor(r: _Reader, *, ordered: bool) -> Any:
     dtype = dtypes[code] if code < len(dtypes) else None
     if dtype is None:
         raise CodecError(f"torch dtype code {code} is not allowed")
-    block, inverse = _layout(r, ordered)
+    block, inverse = _read_layout(r, ordered)
     data = _read_data(r, block, dtype.itemsize)
     if dtype == torch.bool:
         _check_booleans(data)

@@ -120,6 +120,8 @@ def test_tensor_views_and_grad() -> None:
     for view in (base[:, ::2, 1:], base.expand(2, 2, 3, 4)[1], base[0, 0, 0], base[:, :, 1:].transpose(0, 2)):
         out = decode(encode(view))
         assert same(out, view.contiguous()) and out.is_contiguous()
+    lazy = torch.tensor([1 + 2j, -3j], dtype=torch.complex64).conj()  # a conjugate bit, no copy yet
+    assert lazy.is_conj() and same(decode(encode(lazy)), lazy.resolve_conj())
     p = torch.nn.Parameter(torch.tensor([-0.0, 1.0]))
     out = decode(encode(p))
     assert type(out) is torch.Tensor and not out.requires_grad and same(out, p.detach().clone())
