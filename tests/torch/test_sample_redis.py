@@ -153,9 +153,10 @@ def test_redis_store_contract(redis_server: RedisServer, redis_cluster: RedisClu
 
 
 def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(make_redis: Any) -> None:
-    """send_sets: a batch larger than IOV_MAX buffers (and than the socket's buffer) is
-    written whole; a connection the server closed while idle is replaced and the batch sent
-    again; an error answer (full) raises and leaves no half-read answers behind."""
+    """SetWriter: a batch larger than IOV_MAX buffers (and than the socket's buffer) is
+    written whole, its answers read later (by the next put, a settle, or a get); a
+    connection the server closed while idle is replaced and the batch sent again; an error
+    answer (full) raises and leaves no half-read answers behind."""
     from tests.redis_servers import cli
 
     server = make_redis("--maxmemory", "64mb", "--maxmemory-policy", "noeviction")
@@ -163,7 +164,11 @@ def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(mak
     many = [(k, os.urandom(64 + k % 300)) for k in range(700)]  # 1,401 buffers: two sendmsg calls at least
     big = [(10_000 + k, os.urandom(3 << 20)) for k in range(4)]  # 12 MB: many partial sends
     store.put_many("lean", many)
-    store.put_many("lean", big)
+    assert store._sets is not None and store._sets.unread == len(many)  # sent, answers not read yet
+    store.put_many("lean", big)  # (reads the first batch's answers first)
+    assert store._sets.unread == len(big)
+    store.settle()
+    assert store._sets.unread == 0
     assert store.get_many("lean", [k for k, _ in many + big]) == [v for _, v in many + big]
     cli(server.port, "CLIENT", "KILL", "TYPE", "normal")  # what a server's idle timeout does
     store.put_many("lean", [(1, b"after a kill")])
@@ -178,8 +183,9 @@ def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(mak
 
 
 def test_a_connection_that_is_no_plain_socket_sends_buffer_by_buffer() -> None:
-    """TLS (an SSLSocket cannot sendmsg): redis-py's send_packed_command, the same bytes."""
-    from cube_torch.samples.redis_store import send_sets
+    """TLS (an SSLSocket cannot sendmsg): redis-py's send_packed_command, the same bytes;
+    the answers are read by the next send or a settle."""
+    from cube_torch.samples.redis_store import SetWriter
 
     class TlsLike:
         _sock = object()
@@ -191,6 +197,9 @@ def test_a_connection_that_is_no_plain_socket_sends_buffer_by_buffer() -> None:
         def connect(self) -> None:
             pass
 
+        def can_read(self) -> bool:
+            return False
+
         def send_packed_command(self, buffers: list[bytes | memoryview]) -> None:
             self.sent += [bytes(b) for b in buffers]
 
@@ -198,11 +207,27 @@ def test_a_connection_that_is_no_plain_socket_sends_buffer_by_buffer() -> None:
             self.answers += 1
             return b"OK"
 
-    connection = TlsLike()
-    send_sets(connection, "n", [(1, b"ab"), (2, bytearray(b"\r\n"))])
+    class Pool:
+        def __init__(self) -> None:
+            self.connection = TlsLike()
+
+        def get_connection(self) -> TlsLike:
+            return self.connection
+
+        def release(self, connection: TlsLike) -> None:
+            pass
+
+    pool = Pool()
+    writer = SetWriter(pool)
+    writer.send("n", [(1, b"ab"), (2, bytearray(b"\r\n"))])
+    connection = pool.connection
     assert b"".join(connection.sent) == (b"*3\r\n$3\r\nSET\r\n$21\r\ncube_torch:sample:n:1\r\n$2\r\nab\r\n"
                                          b"*3\r\n$3\r\nSET\r\n$21\r\ncube_torch:sample:n:2\r\n$2\r\n\r\n\r\n")
-    assert connection.answers == 2
+    assert connection.answers == 0 and writer.unread == 2
+    writer.send("n", [(3, b"c")])
+    assert connection.answers == 2 and writer.unread == 1
+    writer.close()
+    assert connection.answers == 3 and writer.unread == 0
 
 
 def test_entry_buffers_are_reused_after_a_put(redis_server: RedisServer) -> None:

@@ -515,6 +515,39 @@ def test_the_writer_connects_while_the_first_misses_are_computed(monkeypatch: py
     assert len(opened) == 3 and not reader._here().prepared  # hits only: no writer, no connection
 
 
+def test_a_store_that_answers_later_is_settled_before_a_flush_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer store with ``settle`` (Redis: answers read later) is settled once the writer
+    has had nothing to put for SETTLE_AFTER, and flush waits for it; an error it reports
+    then is the store's failure (writes bypassed)."""
+    settled = threading.Event()
+    opened: list[MemoryStore] = []
+
+    class Answering(MemoryStore):
+        fail_settle = False
+
+        def settle(self) -> None:
+            time.sleep(0.05)
+            settled.set()
+            if self.fail_settle:
+                raise StoreError("OOM full")
+
+    def fake_open(spec: Any) -> MemoryStore:
+        store = Answering()
+        opened.append(store)
+        return store
+
+    monkeypatch.setattr(cache_module, "open_store", fake_open)
+    c = SampleCache("settled", "redis://127.0.0.1:1/0")
+    c.get(1, lambda: torch.zeros(2))
+    assert c.flush(5) and settled.is_set()
+    assert c.statistics().failures == 0
+    settled.clear()
+    opened[-1].fail_settle = True
+    c.get(2, lambda: torch.zeros(2))
+    assert c.flush(5) and settled.is_set()
+    assert c.statistics().failures == 1 and not c._here().writable()
+
+
 def test_a_full_buffer_frees_the_slots_it_drops() -> None:
     store = SlotStore(room=10)
     c = SampleCache("dropped", store, max_pending_entries=1)
