@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from benchmarks.sample_cache import FILLS
 from benchmarks.suite import report
 from benchmarks.suite.cleanup import Registry, mounts_below, processes_naming
 from cubefs_fuse import mounts
@@ -95,7 +96,7 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
         assert samples["error"] is None and samples["files"] == 20 and [e["epoch"] for e in samples["epochs"]] == [1, 2]
         assert all(e["baseline_samples_per_s"] > 0 and e["cached_samples_per_s"] > 0 for e in samples["epochs"])
         # Epoch 1 is the median of the fills, each a fresh cache's first epoch.
-        assert len(samples["fills"]) == 3 and samples["epochs"][0]["ratio"] == sorted(samples["fills"])[1]
+        assert len(samples["fills"]) == FILLS and samples["epochs"][0]["ratio"] == sorted(samples["fills"])[FILLS // 2]
     assert sum(text.startswith("processed-sample cache") for text in bars) == 4
     assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("processed-sample cache"))
     assert "## (e) processed-sample cache" in markdown and "store: daemon" in markdown
