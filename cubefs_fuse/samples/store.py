@@ -226,6 +226,7 @@ class SampleStore:
         self.mem_limit = mem_limit
         self.disk_limit = disk_limit
         self.free_ratio = free_ratio
+        self._floor_warned = False  # the free-space floor was reached once (logged)
         self.shared = shared
         self.admins = admins if admins is not None else frozenset({0, os.geteuid()})
         self.ram_policy = PlannedLru(mem_limit // SCRATCH_FRACTION)
@@ -708,6 +709,13 @@ class SampleStore:
                     if ok:
                         cache.segments[segment] = len(group)
                 self.write_errors += result.errors
+                if result.skipped_full and not self._floor_warned:
+                    # Said once: otherwise a full shared disk looks like an NVMe tier that keeps
+                    # nothing (entries then live in RAM only and do not survive a restart).
+                    self._floor_warned = True
+                    log.warning("sample store %s: the filesystem is at its free-space floor (diskFreeRatio %.2f): "
+                                "new entries are kept in RAM only, not on NVMe; free space or lower diskFreeRatio "
+                                "(said once)", self.root, self.free_ratio)
             return written, copies
 
     async def _load(self) -> None:

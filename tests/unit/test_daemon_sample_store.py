@@ -80,12 +80,15 @@ async def test_a_put_of_views_is_written_before_it_returns(tmp_path: Path) -> No
     assert await store.get_many(ME, "c", [1, 2]) == [entry(1), entry(2, 3000)]
 
 
-async def test_ram_takes_what_nvme_does_not(tmp_path: Path) -> None:
+async def test_ram_takes_what_nvme_does_not(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     async with trio.open_nursery() as nursery:  # a free-space floor no filesystem is above
         store = await SampleStore.open(nursery, str(tmp_path), 1 << 20, 1 << 20, 1.0, admins=ADMINS)
     assert await store.put_many(ME, "c", [(k, entry(k)) for k in range(3)]) == 3
+    assert await store.put_many(ME, "c", [(k, entry(k)) for k in range(3, 5)]) == 2
+    floor = [r.getMessage() for r in caplog.records if "free-space floor" in r.getMessage()]
+    assert len(floor) == 1 and "RAM only" in floor[0]  # an operator is told, once
     stats = store.statistics()
-    assert (stats.ram_entries, stats.disk_entries, stats.dropped) == (3, 0, 0)
+    assert (stats.ram_entries, stats.disk_entries, stats.dropped) == (5, 0, 0)
     assert keys_of(await store.get_many(ME, "c", [0, 1, 2])) == [0, 1, 2]
     # The payloads may be views of a buffer reused once the put returns: RAM keeps copies.
     buffer = bytearray(entry(7))
