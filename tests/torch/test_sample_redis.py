@@ -152,6 +152,12 @@ def test_redis_store_contract(redis_server: RedisServer, redis_cluster: RedisClu
         RedisClusterStore(f"redis+cluster://127.0.0.1:{free_port()}").get_many("c", [1])
 
 
+def redis_py_version() -> str:
+    from importlib.metadata import version
+
+    return version("redis")
+
+
 def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(make_redis: Any) -> None:
     """SetWriter: a batch larger than IOV_MAX buffers (and than the socket's buffer) is
     written whole, its answers read later (by the next put, a settle, or a get); a
@@ -170,6 +176,14 @@ def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(mak
     store.settle()
     assert store._sets.unread == 0
     assert store.get_many("lean", [k for k, _ in many + big]) == [v for _, v in many + big]
+    # redis-py still names itself (CLIENT SETINFO; Redis 7.0 lists no lib-name), with the
+    # version resolved once per process tree, not per connection.
+    from cube_torch.samples.redis_store import _identity
+
+    options = store._connected().connection_pool.connection_kwargs
+    identity = _identity()
+    assert all(options[k] is v for k, v in identity.items())
+    assert redis_py_version() in repr(identity)
     cli(server.port, "CLIENT", "KILL", "TYPE", "normal")  # what a server's idle timeout does
     store.put_many("lean", [(1, b"after a kill")])
     assert store.get_many("lean", [1]) == [b"after a kill"]
