@@ -323,9 +323,7 @@ class _State:
             if callable(settle):
                 with self.write_lock:
                     settle()
-        except StoreError as exc:
-            self.fail("write", exc, reads=False)
-        except Exception as exc:  # never let the thread die on a surprise
+        except Exception as exc:  # a StoreError, or a surprise: never let the thread die on it
             self.fail("write", exc, reads=False)
         finally:
             with self.cond:

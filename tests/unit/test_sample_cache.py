@@ -511,8 +511,8 @@ def test_the_writer_connects_while_the_first_misses_are_computed(monkeypatch: py
     assert c.flush(10) and len(entries) == 6
     reader = SampleCache("prepared", "redis://127.0.0.1:1/0")
     assert [int(v[0]) for v in reader.get_many(list(range(6)), lambda k: pytest.fail("computed"))] == list(range(6))
-    time.sleep(0.2)
-    assert len(opened) == 3 and not reader._here().prepared  # hits only: no writer, no connection
+    state = reader._here()  # hits only: no writer started, no store opened for it
+    assert len(opened) == 3 and not state.prepared and state.writer is None and state.write_store is None
 
 
 def test_a_store_that_answers_later_is_settled_before_a_flush_returns(monkeypatch: pytest.MonkeyPatch) -> None:
