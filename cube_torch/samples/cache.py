@@ -220,9 +220,10 @@ class _State:
 
     def write_entry(self, parts: list[codec.Part]) -> Sized | None:
         """The entry's parts copied into the writer store's own buffer (the daemon store's
-        ring), when it has one and room: a slot to offer; else None.  Only a store this
-        cache opened itself (a caller's object may be read meanwhile: its buffer is not ours)."""
-        store = self.write_store  # made by the writer thread: until then, bytes
+        ring, the Redis stores' reused buffers), when it has one and room: a slot to offer;
+        else None.  Only a store this cache opened itself (a caller's object may be read
+        meanwhile: its buffer is not ours)."""
+        store = self.write_store  # made by the writer thread (see prepare): until then, bytes
         write_entry = getattr(store, "write_entry", None)
         if self.shared or not callable(write_entry) or not self.writable():
             return None

@@ -8,7 +8,7 @@ server a batch's ``SET``s go in one ``sendmsg`` and their answers are read later
 (:class:`SetWriter`): redis-py's pipeline made two system calls per entry, each a
 loopback packet of its own, read each answer as it came, and ran its command machinery
 (measured in a decoding process: the writer thread's CPU per 150 KB entry 67 -> 57 us
-with one sendmsg, then ~28 us less a sample with the answers read later).  Entries are
+with one sendmsg, then ~37 us less a sample with the answers read later).  Entries are
 copied into buffers of the store's (:meth:`write_entry`), reused once sent.
 
 No TTL is set: capacity is Redis's own ``maxmemory`` and ``maxmemory-policy``
@@ -154,7 +154,8 @@ class _RedisBase(ABC):
                 self.release(entry)
 
     def prepare(self) -> None:
-        """Connect now (the cache's writer thread does, ahead of its first put)."""
+        """Connect now (the cache's writer thread does, ahead of its first put): the pool's
+        connection, which a server store's SetWriter then takes for its SETs."""
         try:
             self._connected().ping()
         except _errors() as exc:
@@ -293,8 +294,8 @@ class SetWriter:
     ``settle`` reads the answers, and ``send`` settles the previous batch first.  Read right
     after the send, the answers came one per ``recv`` as the server got to each ``SET``
     (~35 system calls and GIL hand-overs a batch of 32); read later, in one or two (measured
-    in a fresh process: 4.6 -> 3.7 ms of CPU a batch of 32 150 KB entries, the first batch
-    13.5 -> 10.5 ms).
+    in a fresh process: 4.6 -> 3.4 ms of CPU a batch of 32 150 KB entries, the first batch
+    13.5 -> 11 ms).
 
     A connection the server closed (while idle) is replaced before a send; one found broken
     when sending is replaced and the batch sent once more (a ``SET`` is safe to repeat); a

@@ -714,8 +714,8 @@ class SampleStore:
                     # nothing (entries then live in RAM only and do not survive a restart).
                     self._floor_warned = True
                     log.warning("sample store %s: the filesystem is at its free-space floor (diskFreeRatio %.2f): "
-                                "new entries are kept in RAM only, not on NVMe; free space or lower diskFreeRatio "
-                                "(said once)", self.root, self.free_ratio)
+                                "new entries are kept in RAM only (or dropped without a RAM tier), not on NVMe; "
+                                "free space or lower diskFreeRatio (said once)", self.root, self.free_ratio)
             return written, copies
 
     async def _load(self) -> None:
