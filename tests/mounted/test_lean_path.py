@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from tests.helpers import Mount, metric
+from tests.helpers import Mount, metric, wait_released
 
 FILES = 40
 SIZE = 110_000  # the ImageNet-like size, one block
@@ -32,13 +32,18 @@ def _read_all(m: Mount, files: dict[str, bytes]) -> None:
         assert m.path(name).read_bytes() == data
 
 
+def _settled_scrape(m: Mount) -> dict[str, float]:
+    wait_released(m)  # file requests are counted at RELEASE, which comes after close()
+    return m.scrape()
+
+
 def test_a_cold_small_file_is_one_backend_call_and_a_miss_then_an_nvme_hit_after_restart(make_mount: Callable[..., Mount]) -> None:
     m = make_mount()
     files = _fill(m)
     m.mount()
     try:
         _read_all(m, files)
-        s = m.scrape()
+        s = _settled_scrape(m)
         # Every file: one stat (its lookup, which read it whole: that read is counted and
         # timed as a read of its own) and no other read; the 4 directories and the root (the
         # kernel's getattr at mount): at most one stat each.
@@ -51,13 +56,13 @@ def test_a_cold_small_file_is_one_backend_call_and_a_miss_then_an_nvme_hit_after
         assert metric(s, "cubefs_fuse_file_misses_total") == FILES  # every one waited on the remote
         assert metric(s, "cubefs_fuse_file_hits_total") == 0
         _read_all(m, files)  # the kernel's page cache or RAM: hits, no backend call
-        s2 = m.scrape()
+        s2 = _settled_scrape(m)
         assert metric(s2, "cubefs_fuse_file_hits_total") == FILES
         assert metric(s2, "cubefs_fuse_backend_operations_total", op="read") == FILES
         m.umount()
         m.mount()  # RAM tier and metadata empty, NVMe kept
         _read_all(m, files)
-        s3 = m.scrape()
+        s3 = _settled_scrape(m)
         assert metric(s3, "cubefs_fuse_backend_operations_total", op="read") == 0  # the source is not read
         assert metric(s3, "cubefs_fuse_cache_hits_total", tier="disk") == FILES
         assert metric(s3, "cubefs_fuse_file_hits_total") == FILES

@@ -16,7 +16,7 @@ import numpy as np
 
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.helpers import SlowMount, metric, wait_until, write_tree
+from tests.helpers import SlowMount, metric, wait_released, wait_until, write_tree
 
 FILES = 400
 SIZE = 16 * 1024  # small files, one cache block each
@@ -130,6 +130,7 @@ def test_reads_by_other_processes_do_not_count_for_the_job(make_slow_mount: Call
             random.Random(0).shuffle(paths)
             for rel in paths:
                 m.path(rel).read_bytes()
+            wait_released(m)
             stats = client.stats()
             assert stats["jobs"][0]["cumulative"]["requests"] == 0
             assert stats["global"]["cumulative"]["requests"] == len(paths)
@@ -143,6 +144,7 @@ def test_reads_by_other_processes_do_not_count_for_the_job(make_slow_mount: Call
             before = client.status()["counters"]
             for rel in paths:
                 m.path(rel).read_bytes()
+            wait_released(m)
             again = client.stats()["global"]["since_last"]
             assert (again["requests"], again["hits"], again["misses"]) == (len(paths), len(paths), 0)
             # The page cache answered them: nothing from the remote.  (On a loaded machine the
