@@ -3,7 +3,9 @@ real daemons on real mounts (:class:`Mount`) and their metrics."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import random
 import subprocess
@@ -176,6 +178,21 @@ def allocated_on_disk(cache_dir: Path) -> int:
         except FileNotFoundError:
             pass  # deleted while we looked
     return total
+
+
+def resident_pages(path: Path) -> int:
+    """How many of a file's pages are in the page cache (mincore on a private read mapping)."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-size // mmap.PAGESIZE)
+    vector = (ctypes.c_ubyte * pages)()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as mapped:
+        address = ctypes.addressof(ctypes.c_char.from_buffer(mapped))  # (the export ends with the statement)
+        if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vector) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+    return sum(byte & 1 for byte in vector)
 
 
 def damage_block(cache_dir: Path, key: bytes, at: int) -> None:

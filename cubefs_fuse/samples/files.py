@@ -9,13 +9,28 @@ A segment is named by a decimal id, unique in the store (never reused while the 
 runs, and above every id found at start-up).  One put batch is one segment: one file
 created per batch instead of one per entry (on ext4 an inode allocation cost 20-150 us
 of the daemon's CPU, more as deleted inodes pile up in the directory's group: a quarter
-of its put cost), written with one ``writev`` per entry.  Each entry
-starts at an :data:`ALIGN` boundary: a header (magic, format, name length, owner, key,
-payload length, the xxh3-64 of those fields, the name and the payload), the name, the
-payload, zeros up to the next boundary.  The header repeats the owner, the name and the
-key, so bytes found elsewhere are never taken for another entry, and the checksum is
+of its put cost), written with one ``writev`` per entry.  Each entry (format 3) is a head
+block and its payload, both starting at an :data:`ALIGN` boundary: the head block holds
+a header (magic, format, name length, owner, key, payload length, the xxh3-64 of those
+fields, the name and the payload) and the name, zeros to the block's end; the payload
+follows, then zeros up to the next boundary.  The header repeats the owner, the name and
+the key, so bytes found elsewhere are never taken for another entry, and the checksum is
 checked on every read: a damaged entry is answered as a miss, never served (the store
-then frees it).
+then frees it).  Entries of format 2 (the payload right after the name, in the same
+block: written before format 3) are still read, scanned and freed.
+
+**Writing without the page cache** (``O_DIRECT``): a payload whose memory is page-aligned
+(the data connection's ring, where cube_torch places entries at page boundaries) goes from
+that memory to the disk; only the head block and the payload's last partial block are
+copied (into this thread's scratch blocks, reused).  Through the page cache the same
+write copied the payload into fresh page-cache memory: measured on the 2-core VM, ~55-65
+us per 150 KB entry from a ring, 52% of the daemon's CPU while a store filled (and up to
+~300 us where the VM's host had to back the new pages), against ~6 us from already-mapped
+memory with ``O_DIRECT``; it also left the page cache full of entries the store had just
+written, at the expense of the dataset's own pages.  The format puts the payload at a
+block boundary so that it can be written so.  A segment with a payload that is not
+page-aligned (bytes, or an older client's ring slot), or on a filesystem without
+``O_DIRECT`` (tmpfs), is written through the page cache as before; nothing else changes.
 
 **Freeing an entry** (evicted, rewritten, damaged): its 4 KiB-aligned range is punched
 (``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go back to the filesystem, the other
@@ -39,40 +54,66 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import mmap
 import os
 import secrets
 import shutil
 import struct
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
-from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES
+from cubefs_fuse.limits import MAX_NAME, MAX_SAMPLE_ENTRY_BYTES
 
 # magic, format, name length, owner uid, key, payload length, xxh3-64 of header fields + name + payload
 _HEADER = struct.Struct("<4sHHIqQQ")
 _MAGIC = b"CFSM"
-_FORMAT = 2  # 1: one file per entry (removed at scan)
+# The format written: 3, the payload in blocks of its own (see the module docstring).  2:
+# the payload right after the header and name (read, not written).  1: one file per entry
+# (removed at scan).
+_FORMAT = 3
+_PACKED = 2
 HEADER_BYTES = _HEADER.size
 # Entries start at multiples of the filesystem's allocation unit, so that punching an
-# entry's range frees exactly its blocks and never touches a neighbour's.
+# entry's range frees exactly its blocks and never touches a neighbour's; in format 3 the
+# head block is one unit, so the payload starts at a boundary too.  4 KiB is also the
+# largest direct-I/O alignment a block device asks for (512 or 4096 bytes), and the page
+# size: an aligned payload in memory is a page-aligned one.
 ALIGN = ALLOCATION_UNIT
+# Sample cache names (SAMPLE_NAME_PATTERN) fit a head block with the header many times over.
+assert HEADER_BYTES + MAX_NAME < ALIGN
 # Bytes one entry costs beyond its blocks: its segment's metadata.  Once neighbours are
 # punched, each live entry is an extent of its own; ext4 keeps 4 extents in the inode and
 # needs a 4 KiB leaf block (340 extents) from the 5th on, so 1 KiB per entry pays for the
 # leaves of any segment that needs one, plus the segment's directory entry (28 bytes,
 # directory blocks half full after splits).  Charged as entries arrive, never measured.
 ENTRY_CHARGE = 1024
-_ZEROS = bytes(ALIGN)
+_ZEROS = memoryview(bytes(ALIGN))
+
+
+def _up(size: int) -> int:
+    return -(-size // ALIGN) * ALIGN
 
 
 def span(name: str, payload: int) -> int:
-    """The bytes one entry's range takes in its segment (ALIGN-rounded)."""
-    size = HEADER_BYTES + len(name.encode()) + payload
-    return -(-size // ALIGN) * ALIGN
+    """The bytes one entry's range takes in its segment (ALIGN-rounded): its head block (the
+    name is in it, up to MAX_NAME bytes) and its payload's blocks."""
+    return ALIGN + _up(payload)
+
+
+def _span_of_format(fmt: int, name: bytes, payload: int) -> int:
+    return span("", payload) if fmt == _FORMAT else _up(HEADER_BYTES + len(name) + payload)
+
+
+def payload_offset(offset: int) -> int:
+    """Where the payload of the (format 3) entry at ``offset`` starts in its segment."""
+    return offset + ALIGN
 
 
 def allocated_bytes(name: str, payload: int) -> int:
@@ -121,6 +162,12 @@ class Found:
     payload: int  # bytes
     segment: int
     offset: int
+    span: int  # its range's bytes (its format's layout)
+
+    @property
+    def allocated(self) -> int:
+        """What the entry costs on disk (as :func:`allocated_bytes` for an entry written now)."""
+        return self.span + ENTRY_CHARGE
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +220,7 @@ def write_segments(root: str, uid: int, name: str,
             continue
         path = segment_path(root, uid, name, segment)
         try:
-            _write_segment(path, _iovecs(uid, encoded, items))
+            _write_segment(path, uid, encoded, items)
             written.append(True)
         except OSError:
             with contextlib.suppress(OSError):
@@ -183,37 +230,120 @@ def write_segments(root: str, uid: int, name: str,
     return WriteResult(written, errors, skipped)
 
 
-def _iovecs(uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> list[list[bytes | memoryview]]:
-    """Per entry: its header, name, payload and padding to the next ALIGN boundary (none after the last)."""
-    out: list[list[bytes | memoryview]] = []
-    zeros = memoryview(_ZEROS)
-    for i, (key, payload) in enumerate(items):
-        one: list[bytes | memoryview] = [
-            _HEADER.pack(_MAGIC, _FORMAT, len(name), uid, key, len(payload), _digest(uid, name, key, payload)),
-            name, payload]
-        pad = -(HEADER_BYTES + len(name) + len(payload)) % ALIGN
-        if pad and i + 1 < len(items):
-            one.append(zeros[:pad])
-        out.append(one)
-    return out
+def _head(uid: int, name: bytes, key: int, payload: bytes | memoryview) -> bytes:
+    """An entry's header and name (its head block without the zeros)."""
+    return _HEADER.pack(_MAGIC, _FORMAT, len(name), uid, key, len(payload), _digest(uid, name, key, payload)) + name
 
 
-def _write_segment(path: str, entries: list[list[bytes | memoryview]]) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+def _write_segment(path: str, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> None:
+    """Create the segment and write its entries: without the page cache when every payload
+    is page-aligned in memory and the filesystem allows it (see the module docstring),
+    else through it."""
+    global _direct_refused
+    direct = not _direct_refused and all(_aligned(payload) for _, payload in items)
+    fd = _create(path, direct)
+    if fd is None:  # the filesystem has no O_DIRECT (tmpfs): never asked again
+        _direct_refused, direct = True, False
+        fd = _create(path, False)
+        assert fd is not None
     try:
-        fd = os.open(path, flags, 0o600)
-    except FileNotFoundError:  # the cache's first segment: its directory is made once
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        fd = os.open(path, flags, 0o600)
-    try:
-        # One writev per entry, not one for the batch: measured on the daemon's 6.18 kernel
-        # (ext4, a VM), a multi-megabyte writev cost 2-3x the system time of the same bytes
-        # in per-entry calls (its page-cache copy), and a call costs ~2 us.
-        for entry in entries:
-            if os.writev(fd, entry) != sum(len(b) for b in entry):
-                raise OSError(errno.ENOSPC, "short write")
+        if direct:
+            try:
+                _write_direct(fd, uid, name, items)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+            # The filesystem refused a direct write of aligned blocks: the segment again,
+            # through the page cache, and so from now on.
+            _direct_refused = True
+            os.ftruncate(fd, 0)
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            os.lseek(fd, 0, os.SEEK_SET)
+        for key, payload in items:
+            _write_buffered(fd, uid, name, key, payload)
     finally:
         os.close(fd)
+
+
+def _create(path: str, direct: bool) -> int | None:
+    """The new segment's descriptor (O_DIRECT if ``direct``); None where the filesystem
+    refuses O_DIRECT."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+    try:
+        return os.open(path, flags, 0o600)
+    except FileNotFoundError:  # the cache's first segment: its directory is made once
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        return _create(path, direct)
+    except OSError as exc:
+        if direct and exc.errno == errno.EINVAL:
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # (created before the flag was refused, on some filesystems)
+            return None
+        raise
+
+
+def _write_buffered(fd: int, uid: int, name: bytes, key: int, payload: bytes | memoryview) -> None:
+    """One entry at the descriptor's position: its head block, its payload, zeros up to the
+    next ALIGN boundary.  One ``writev`` per entry, not one for the segment: measured on
+    the daemon's 6.18 kernel (ext4, a VM), a multi-megabyte buffered writev cost 2-3x the
+    system time of the same bytes in per-entry calls, and a call costs ~2 us."""
+    head = _head(uid, name, key, payload)
+    pad = -len(payload) % ALIGN
+    if os.writev(fd, [head, _ZEROS[:ALIGN - len(head)], payload, _ZEROS[:pad]]) != ALIGN + len(payload) + pad:
+        raise OSError(errno.ENOSPC, "short write")
+
+
+def _write_direct(fd: int, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> None:
+    """The entries (page-aligned payloads) with O_DIRECT, DIRECT_CHUNK per ``writev``: every
+    piece a whole number of aligned blocks, the head blocks and the payloads' last partial
+    blocks copied into this thread's scratch blocks.  One call for a batch, not one per
+    entry: each direct write is a request to the device, and in a VM every request costs
+    an exit to the host (measured: ~27-38 us of CPU per 150 KB entry written one by one,
+    ~5-8 us in one call for 32)."""
+    for start in range(0, len(items), DIRECT_CHUNK):
+        chunk = items[start:start + DIRECT_CHUNK]
+        blocks = _scratch_blocks(len(chunk))
+        iov: list[bytes | memoryview] = []
+        total = 0
+        for j, (key, payload) in enumerate(chunk):
+            head = _head(uid, name, key, payload)
+            block, tail = blocks[2 * j * ALIGN:(2 * j + 1) * ALIGN], blocks[(2 * j + 1) * ALIGN:(2 * j + 2) * ALIGN]
+            block[:len(head)] = head
+            block[len(head):] = _ZEROS[len(head):]
+            iov.append(block)
+            size = len(payload)
+            whole = size - size % ALIGN
+            if whole:
+                iov.append(memoryview(payload)[:whole])
+            if whole < size:
+                tail[:size - whole] = memoryview(payload)[whole:]
+                tail[size - whole:] = _ZEROS[size - whole:]
+                iov.append(tail)
+            total += span("", size)
+        if os.writev(fd, iov) != total:
+            raise OSError(errno.ENOSPC, "short write")
+
+
+# Entries per direct writev: three pieces each, within Linux's IOV_MAX (1024), and a
+# thread's scratch blocks (two per entry) stay at 1 MiB.
+DIRECT_CHUNK = 64
+_direct_refused = False  # the filesystem refused O_DIRECT once: page cache from then on
+_scratch = threading.local()
+
+
+def _scratch_blocks(entries: int) -> memoryview:
+    """Two ALIGN-byte blocks per entry, of this thread's and page-aligned (an anonymous
+    mapping), kept for its later writes: a fresh page costs a fault, and more in a VM."""
+    blocks: memoryview | None = getattr(_scratch, "blocks", None)
+    if blocks is None or len(blocks) < 2 * ALIGN * entries:
+        blocks = _scratch.blocks = memoryview(mmap.mmap(-1, 2 * ALIGN * DIRECT_CHUNK))
+    return blocks
+
+
+def _aligned(payload: bytes | memoryview) -> bool:
+    """Whether the payload's memory starts at a page (ALIGN) boundary."""
+    return int(np.frombuffer(payload, dtype=np.uint8).ctypes.data) % ALIGN == 0
 
 
 def _above_floor(directory: str, incoming: int, free_ratio: float) -> bool:
@@ -226,21 +356,26 @@ def _above_floor(directory: str, incoming: int, free_ratio: float) -> bool:
 
 
 def read_entries(root: str, uid: int, name: str,
-                 wanted: Sequence[tuple[int, int, int]]) -> list[bytes | None | bool]:
-    """Each (key, segment, offset)'s payload; None if its segment is gone; False if the
-    bytes there are not that entry, whole and intact (damaged, or freed meanwhile).
+                 wanted: Sequence[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
+    """Each (key, segment, offset, expected size)'s payload; None if its segment is gone;
+    False if the bytes there are not that entry, whole and intact (damaged, or freed
+    meanwhile).
 
-    The header is read first and checked against the segment's size, then exactly the
-    payload (one allocation of its size), then the checksum over both.  One segment is
-    open at a time (consecutive entries of one segment share it), as one file was before
-    segments: a thread never holds more than one descriptor.  Nothing is changed here:
-    the store frees what is damaged.
+    A format-3 entry of the expected size (up to :data:`DIRECT_READ_MAX`) is one read of
+    its range without the page cache (``O_DIRECT``, into this thread's scratch memory: no
+    page-cache memory, one request to the device), then its payload is copied out.  Else
+    the header is read first and checked against the segment's size, then exactly the
+    payload (one allocation of its size).  The checksum is checked either way.  One
+    segment is open at a time (consecutive entries of one segment share it), as one file
+    was before segments: a thread never holds more than one descriptor.  Nothing is
+    changed here: the store frees what is damaged.
     """
     encoded = name.encode()
     out: list[bytes | None | bool] = []
     current: tuple[int, int, int] | None = None  # segment, fd, size
+    direct = False  # whether the current descriptor reads with O_DIRECT
     try:
-        for key, segment, offset in wanted:
+        for key, segment, offset, expected in wanted:
             if current is None or current[0] != segment:
                 if current is not None:
                     os.close(current[1])
@@ -250,26 +385,95 @@ def read_entries(root: str, uid: int, name: str,
                 except OSError:
                     out.append(None)
                     continue
+                direct = False
                 try:
                     current = (segment, fd, os.fstat(fd).st_size)
                 except OSError:
                     os.close(fd)
                     out.append(False)
                     continue
-            out.append(_read_one(current[1], current[2], uid, encoded, key, offset))
+            fd, size = current[1], current[2]
+            if not _direct_refused and span("", expected) <= DIRECT_READ_MAX:
+                if not direct:
+                    direct = _set_direct(fd, True)
+                if direct:
+                    data = _read_direct(fd, uid, encoded, key, offset, expected)
+                    if data is not None:
+                        out.append(data)
+                        continue
+            if direct:
+                direct = not _set_direct(fd, False)
+                if direct:  # (cannot happen: clearing the flag does not fail on an open file)
+                    out.append(False)
+                    continue
+            out.append(_read_one(fd, size, uid, encoded, key, offset))
     finally:
         if current is not None:
             os.close(current[1])
     return out
 
 
+# Entries up to this span are read with O_DIRECT into a thread's scratch memory (which
+# grows to it: at most DISK_THREADS x 4 MiB in the daemon); larger ones through the page cache.
+DIRECT_READ_MAX = 4 << 20
+
+
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for an open descriptor; whether it is now as asked."""
+    global _direct_refused
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | os.O_DIRECT if on else flags & ~os.O_DIRECT)
+        return True
+    except OSError as exc:
+        if on and exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
+            _direct_refused = True
+        return False
+
+
+def _read_direct(fd: int, uid: int, name: bytes, key: int, offset: int, expected: int) -> bytes | bool | None:
+    """The format-3 entry of ``expected`` payload bytes at ``offset``, read whole with
+    O_DIRECT: its payload, False if damaged, None to read it the other way (another
+    format or size, or the read was refused)."""
+    global _direct_refused
+    extent = span("", expected)
+    scratch = _read_scratch(extent)
+    try:
+        got = os.preadv(fd, [scratch[:extent]], offset)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            _direct_refused = True
+            return None
+        return False
+    parsed = _parse(bytes(scratch[:HEADER_BYTES + len(name)]), uid, name) if got >= ALIGN else None
+    if parsed is None or parsed != (_FORMAT, expected):
+        return None  # (a torn or damaged one too: the careful read decides)
+    _, _, _, _, f_key, length, digest = _HEADER.unpack_from(scratch)
+    if f_key != key or got < ALIGN + length:
+        return None
+    data = bytes(scratch[ALIGN:ALIGN + length])
+    return data if _digest(uid, name, key, data) == digest else False
+
+
+def _read_scratch(size: int) -> memoryview:
+    """This thread's page-aligned read buffer of at least ``size`` bytes (kept for its
+    later reads, grown in steps of 1 MiB)."""
+    buffer: memoryview | None = getattr(_scratch, "read", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _scratch.read = memoryview(mmap.mmap(-1, -(-size // (1 << 20)) * (1 << 20)))
+    return buffer
+
+
 def _read_one(fd: int, size: int, uid: int, name: bytes, key: int, offset: int) -> bytes | bool:
     try:
         head = os.pread(fd, HEADER_BYTES + len(name), offset)
-        length = _length(head, uid, name)
-        if length is None or _HEADER.unpack_from(head)[4] != key or offset + len(head) + length > size:
+        parsed = _parse(head, uid, name)
+        if parsed is None or _HEADER.unpack_from(head)[4] != key:
             return False
-        data = os.pread(fd, length, offset + len(head))
+        start, length = _payload(offset, parsed[0], name), parsed[1]
+        if start + length > size:
+            return False
+        data = os.pread(fd, length, start)
     except OSError:
         return False
     if len(data) != length or _digest(uid, name, key, data) != _HEADER.unpack_from(head)[6]:
@@ -277,15 +481,20 @@ def _read_one(fd: int, size: int, uid: int, name: bytes, key: int, offset: int) 
     return data
 
 
-def _length(head: bytes, uid: int, name: bytes) -> int | None:
-    """The payload length if ``head`` is an entry header of this owner and name."""
+def _parse(head: bytes, uid: int, name: bytes) -> tuple[int, int] | None:
+    """(format, payload length) if ``head`` is an entry header of this owner and name."""
     if len(head) != HEADER_BYTES + len(name):
         return None
     magic, fmt, name_len, f_uid, _, length, _ = _HEADER.unpack_from(head)
-    if (magic != _MAGIC or fmt != _FORMAT or f_uid != uid or name_len != len(name)
+    if (magic != _MAGIC or fmt not in (_FORMAT, _PACKED) or f_uid != uid or name_len != len(name)
             or head[HEADER_BYTES:] != name or length > MAX_SAMPLE_ENTRY_BYTES):
         return None
-    return int(length)
+    return int(fmt), int(length)
+
+
+def _payload(offset: int, fmt: int, name: bytes) -> int:
+    """Where the payload of an entry of format ``fmt`` at ``offset`` starts."""
+    return payload_offset(offset) if fmt == _FORMAT else offset + HEADER_BYTES + len(name)
 
 
 def remove_cache(root: str, uid: int, name: str) -> None:
@@ -355,13 +564,13 @@ def _scan_cache(directory: str, uid: int, name: str) -> tuple[list[Found], int]:
         entries, discarded = _scan_segment(path, uid, encoded)
         junk += discarded
         live[segment] = len(entries)
-        for key, offset, length in entries:
+        for key, offset, length, extent in entries:
             older = latest.get(key)
             if older is not None:  # the older value's range outlived a crash: it goes
                 junk += 1
                 live[older.segment] -= 1
-                release([(os.path.join(directory, str(older.segment)), older.offset, span(name, older.payload))], [])
-            latest[key] = Found(uid, name, key, length, segment, offset)
+                release([(os.path.join(directory, str(older.segment)), older.offset, older.span)], [])
+            latest[key] = Found(uid, name, key, length, segment, offset, extent)
     for segment, count in live.items():
         if not count:
             with contextlib.suppress(OSError):
@@ -369,14 +578,14 @@ def _scan_cache(directory: str, uid: int, name: str) -> tuple[list[Found], int]:
     return list(latest.values()), junk
 
 
-def _scan_segment(path: str, uid: int, name: bytes) -> tuple[list[tuple[int, int, int]], int]:
-    """(key, offset, payload length) of each entry whose header is valid and whose payload
-    lies inside the segment, and how many junk ranges were punched."""
+def _scan_segment(path: str, uid: int, name: bytes) -> tuple[list[tuple[int, int, int, int]], int]:
+    """(key, offset, payload length, span) of each entry whose header is valid and whose
+    payload lies inside the segment, and how many junk ranges were punched."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
         return [], 1
-    entries: list[tuple[int, int, int]] = []
+    entries: list[tuple[int, int, int, int]] = []
     junk = 0
     junk_from: int | None = None  # start of the junk run being skipped
     head_bytes = HEADER_BYTES + len(name)
@@ -400,11 +609,12 @@ def _scan_segment(path: str, uid: int, name: bytes) -> tuple[list[tuple[int, int
                 offset = data - data % ALIGN
             while offset < min(hole, size):
                 head = os.pread(fd, head_bytes, offset)
-                length = _length(head, uid, name)
-                if length is not None and offset + head_bytes + length <= size:
+                parsed = _parse(head, uid, name)
+                if parsed is not None and _payload(offset, parsed[0], name) + parsed[1] <= size:
                     end_junk(offset)
-                    entries.append((_HEADER.unpack_from(head)[4], offset, length))
-                    offset += -(-(head_bytes + length) // ALIGN) * ALIGN
+                    extent = _span_of_format(parsed[0], name, parsed[1])
+                    entries.append((_HEADER.unpack_from(head)[4], offset, parsed[1], extent))
+                    offset += extent
                 else:
                     if junk_from is None:
                         junk_from = offset

@@ -24,7 +24,7 @@ Location word (a Python int, so the top field has no width limit)::
                             (< MAX_SAMPLE_ENTRY_BYTES = 32 MiB, far below 2^40)
     bits  40..79   charge   bytes charged for it on NVMe, files.allocated_bytes
                             (0: not on NVMe; then offset and segment are 0 too)
-                            (< 2^26 + one ALIGN + ENTRY_CHARGE, far below 2^40)
+                            (< 2^26 + two ALIGN + ENTRY_CHARGE, far below 2^40)
     bits  80..119  offset   where its range starts in its segment file
                             (a segment holds one put batch, < 2^26 bytes; a scanned
                             file's offsets are checked against 2^40 by fits())

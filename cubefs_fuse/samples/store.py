@@ -333,7 +333,7 @@ class SampleStore:
                 located.append((key, segment_of(word), offset_of(word), size_of(word)))
         keys = keys[:len(out)]
         if from_disk:
-            read = await self._read(owner, name, [(key, segment, offset) for key, segment, offset, _ in located])
+            read = await self._read(owner, name, located)
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
                 return [None] * len(keys)
             damaged = _Release()
@@ -546,8 +546,8 @@ class SampleStore:
 
     # -- tiers ------------------------------------------------------------------------
 
-    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int]]) -> list[bytes | None | bool]:
-        """The (key, segment, offset) entries, read by up to DISK_THREADS worker threads at
+    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
+        """The (key, segment, offset, size) entries, read by up to DISK_THREADS worker threads at
         once (reading them in parallel keeps the NVMe queue busy)."""
         share = max(READ_SHARE, -(-len(wanted) // DISK_THREADS))
         parts = [wanted[i:i + share] for i in range(0, len(wanted), share)]
@@ -734,10 +734,10 @@ class SampleStore:
                 assert cache is not None
                 if not index.fits(f.payload, f.offset):  # not a range this store wrote: freed
                     release.punches.append((files.segment_path(self.root, f.uid, f.name, f.segment), f.offset,
-                                            files.span(f.name, f.payload)))
+                                            f.span))
                     junk += 1
                     continue
-                need = files.allocated_bytes(f.name, f.payload)
+                need = f.allocated
                 cache.entries[f.key] = index.located(f.payload, need, f.segment, f.offset)
                 cache.segments[f.segment] = cache.segments.get(f.segment, 0) + 1
                 self._next_segment = max(self._next_segment, f.segment + 1)

@@ -23,7 +23,7 @@ import pytest
 
 from cube_torch.samples.daemon_store import DaemonStore
 from cubefs_fuse.samples import files
-from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
+from tests.helpers import REPO, Mount, cli, metric, resident_pages, wait_until, write_tree
 
 ALICE, BOB = 4001, 4002  # uids without a passwd entry: only the numbers matter
 
@@ -115,6 +115,11 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         store.plan("sweep", list(range(39, -1, -1)))
         assert store.get_many("sweep", [5, 1000, 39]) == [entries[5], None, entries[39]]
         store.close()
+        # The put came from the ring's page-aligned slots: written, and read, without the
+        # page cache (O_DIRECT), so none of the segment's pages are cached.
+        (written,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").iterdir()
+        assert written.stat().st_size == sum(files.span("sweep", len(e)) for e in entries.values())
+        assert resident_pages(written) == 0
         # The operator sees the cache: name, owner, entries, bytes, hits, misses.
         (cache,) = _status(m)["caches"]
         assert (cache["name"], cache["owner"], cache["entries"], cache["hits"], cache["misses"]) == \
@@ -138,7 +143,7 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         (segment,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").iterdir()
         offset = files.layout("sweep", [len(e) for e in entries.values()])[7]
         with open(segment, "r+b") as f:
-            f.seek(offset + files.HEADER_BYTES + len("sweep") + len(entries[7]) - 1)
+            f.seek(files.payload_offset(offset) + len(entries[7]) - 1)
             last = f.read(1)[0]
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([last ^ 0x55]))

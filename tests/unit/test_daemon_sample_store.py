@@ -259,12 +259,12 @@ async def test_a_damaged_or_torn_entry_is_never_served_and_counted(tmp_path: Pat
     await store.put_many(ME, "c", [(k, entry(k, 3000)) for k in range(10, 14)])  # one segment
     path, offset = located(store, ME, "c", 1)
     with open(path, "r+b") as f:  # one flipped payload bit
-        f.seek(offset + files.HEADER_BYTES + 1 + 2000)
+        f.seek(files.payload_offset(offset) + 2000)
         bit = f.read(1)[0]
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([bit ^ 0x01]))
-    torn = located(store, ME, "c", 2)[0]
-    torn.write_bytes(torn.read_bytes()[:-100])  # a write cut short
+    torn, at = located(store, ME, "c", 2)
+    torn.write_bytes(torn.read_bytes()[:files.payload_offset(at) + 3000 - 100])  # a write cut short in the payload
     shared, offset = located(store, ME, "c", 12)
     with open(shared, "r+b") as f:  # a damaged header inside a segment of four
         f.seek(offset)

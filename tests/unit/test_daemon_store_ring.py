@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cube_torch.samples.daemon_store import REFRESH_AFTER, DaemonStore, RingSlot
+from cube_torch.samples.daemon_store import REFRESH_AFTER, SLOT_ALIGN, DaemonStore, RingSlot
 
 RING = 1000
 
@@ -47,7 +47,10 @@ class FakeChannel:
 
 
 class RingStore(DaemonStore):
-    """A DaemonStore whose connections are FakeChannels."""
+    """A DaemonStore whose connections are FakeChannels (of RING bytes, so slots start at
+    multiples of 100 instead of a page: the same rule at the ring's scale)."""
+
+    slot_align = 100
 
     def __init__(self) -> None:
         super().__init__("vol")
@@ -84,6 +87,26 @@ def test_a_slot_is_sent_as_it_lies_and_freed_once_answered(store: RingStore) -> 
     assert not slot.live and not second.live and not store._slots
     with pytest.raises(ValueError, match="parts for a buffer"):
         store.write_entry([b"abc"], 4)
+
+
+def test_slots_start_at_page_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real rings: each slot at a multiple of 4096 bytes, where the daemon can write it to
+    disk without the page cache (O_DIRECT)."""
+    assert SLOT_ALIGN == 4096
+    monkeypatch.setattr(RingStore, "slot_align", SLOT_ALIGN)
+    monkeypatch.setattr(FakeChannel, "__init__", _big_ring)
+    store = RingStore()
+    store.put_many("c", [(0, b"x")])
+    slots = [store.write_entry([entry(k, size)], size) for k, size in enumerate((100, 5000, 4096, 1))]
+    assert [s.offset for s in slots if s is not None] == [0, 4096, 12288, 16384]
+    store.put_many("c", [(k, s) for k, s in enumerate(slots) if s is not None])
+    assert [len(store.stored[k]) for k in range(4)] == [100, 5000, 4096, 1]
+
+
+def _big_ring(self: FakeChannel, stored: dict[int, bytes], log: list[dict[str, Any]]) -> None:
+    self.size = 64 * 1024
+    self.ring = bytearray(self.size)
+    self.stored, self.log, self.closed = stored, log, False
 
 
 def test_slots_wrap_around_and_a_full_ring_falls_back(store: RingStore) -> None:
