@@ -196,6 +196,46 @@ def test_a_batch_of_sets_goes_in_one_sendmsg_and_survives_what_a_server_does(mak
     store.close()
 
 
+# A fresh interpreter makes a cache (which preloads the store's client, as before a
+# DataLoader forks its workers), then a forked child connects, writes and reads, and prints
+# the modules that imported.
+_FORKED_IMPORTS = """
+import json, os, sys
+from cube_torch.samples.cache import SampleCache
+from cube_torch.samples.redis_store import RedisStore
+SampleCache("imports", sys.argv[1])
+store = RedisStore(sys.argv[1])
+read, write = os.pipe()
+pid = os.fork()
+if pid == 0:
+    before = set(sys.modules)
+    store.prepare()
+    store.put_many("imports", [(1, b"x" * 150_000)])
+    assert store.get_many("imports", [1, 2]) == [b"x" * 150_000, None]
+    store.close()
+    os.write(write, json.dumps(sorted(set(sys.modules) - before)).encode())
+    os._exit(0)
+os.close(write)
+print(os.read(read, 1 << 20).decode())
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_worker_imports_nothing_to_connect_read_and_write(make_redis: Any) -> None:
+    """Making a cache imports what a connection needs, before DataLoader workers fork: a
+    fresh worker's first client, PING, SETs and MGET import no module (each lazy import
+    cost a fresh worker ~1-2 ms of CPU, every epoch: idna, secrets, hmac)."""
+    import json
+    import subprocess
+    import sys
+
+    server = make_redis()
+    result = subprocess.run([sys.executable, "-c", _FORKED_IMPORTS, server.url], capture_output=True, text=True,
+                            timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == []
+
+
 def test_a_connection_that_is_no_plain_socket_sends_buffer_by_buffer() -> None:
     """TLS (an SSLSocket cannot sendmsg): redis-py's send_packed_command, the same bytes;
     the answers are read by the next send or a settle."""
