@@ -25,7 +25,7 @@ that memory to the disk; only the head block and the payload's last partial bloc
 copied (into this thread's scratch blocks, reused).  Through the page cache the same
 write copied the payload into fresh page-cache memory: measured on the 2-core VM, ~55-65
 us per 150 KB entry from a ring, 52% of the daemon's CPU while a store filled (and up to
-~300 us where the VM's host had to back the new pages), against ~6 us from already-mapped
+~300 us in some rounds, for a reason not established), against ~6 us from already-mapped
 memory with ``O_DIRECT``; it also left the page cache full of entries the store had just
 written, at the expense of the dataset's own pages.  The format puts the payload at a
 block boundary so that it can be written so.  A segment with a payload that is not
