@@ -401,11 +401,8 @@ def read_entries(root: str, uid: int, name: str,
                     if data is not None:
                         out.append(data)
                         continue
-            if direct:
+            if direct:  # the careful read, through the page cache
                 direct = not _set_direct(fd, False)
-                if direct:  # (cannot happen: clearing the flag does not fail on an open file)
-                    out.append(False)
-                    continue
             out.append(_read_one(fd, size, uid, encoded, key, offset))
     finally:
         if current is not None:
@@ -445,14 +442,11 @@ def _read_direct(fd: int, uid: int, name: bytes, key: int, offset: int, expected
             _direct_refused = True
             return None
         return False
-    parsed = _parse(bytes(scratch[:HEADER_BYTES + len(name)]), uid, name) if got >= ALIGN else None
-    if parsed is None or parsed != (_FORMAT, expected):
-        return None  # (a torn or damaged one too: the careful read decides)
-    _, _, _, _, f_key, length, digest = _HEADER.unpack_from(scratch)
-    if f_key != key or got < ALIGN + length:
-        return None
-    data = bytes(scratch[ALIGN:ALIGN + length])
-    return data if _digest(uid, name, key, data) == digest else False
+    head = bytes(scratch[:HEADER_BYTES + len(name)]) if got >= ALIGN + expected else b""
+    if _parse(head, uid, name) != (_FORMAT, expected) or _HEADER.unpack_from(head)[4] != key:
+        return None  # another format or size, or torn or damaged: the careful read decides
+    data = bytes(scratch[ALIGN:ALIGN + expected])
+    return data if _digest(uid, name, key, data) == _HEADER.unpack_from(head)[6] else False
 
 
 def _read_scratch(size: int) -> memoryview:
