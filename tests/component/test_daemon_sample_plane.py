@@ -232,3 +232,25 @@ def test_the_refresh_comes_before_the_daemons_idle_deadline() -> None:
     from cubefs_fuse.control import dataplane
 
     assert daemon_store.REFRESH_AFTER < dataplane.IDLE_DEADLINE
+
+
+async def test_a_closed_connection_frees_its_ring_off_the_trio_thread(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    closed_on: list[threading.Thread] = []
+    close = Ring.close
+
+    def recording_close(ring: Ring) -> None:
+        closed_on.append(threading.current_thread())
+        close(ring)
+
+    monkeypatch.setattr(Ring, "close", recording_close)
+    async with serving(tmp_path) as (_, plane, vol):
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+        await trio.to_thread.run_sync(client.put_many, "c", [(1, b"a" * 100_000)])  # the ring's pages in use
+        assert plane.rings == 1
+        client.close()
+        with trio.fail_after(10):
+            while plane.rings or not closed_on:
+                await trio.sleep(0.01)
+    assert len(closed_on) == 1
+    assert closed_on[0] is not threading.main_thread()  # (the trio thread here)
