@@ -16,6 +16,19 @@ shared machine cancels out).  Epoch 1 (which fills the store) is measured ``--fi
 times (default 5), each time on a fresh cache, and read as the median of those ratios;
 the later epochs read the last one.  Bars: epoch 1 >= 0.9x, later epochs >= 2x.  Exit
 status 1 when a bar is missed.
+
+A fresh cache is a new cache name in the daemon store (which writes entries to NVMe
+without the page cache: its memory does not grow with them), and a new, empty
+redis-server for ``--store redis`` (which keeps entries in its own memory): five fills
+into one server would hold five copies of the dataset, which no training job does, and
+on machines where new memory is expensive (below) the later fills would measure that.
+A server given by URL keeps every fill (fresh names).
+
+New memory is what a store that keeps entries in RAM (Redis) pays for each 4 KiB it keeps,
+37 pages for a 150 KB sample.  On the 2-core VMs this project runs on the first touch of a
+page costs ~2.2 us for memory the guest freed moments ago and ~12 us beyond the ~0.7 GB of
+such memory it keeps (the rest it hands back to the host: free page reporting), against
+well under 1 us on bare metal (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -28,7 +41,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,18 +188,34 @@ def _subset(dataset: Any, limit: int | None) -> Any:
 
 
 def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, limit: int | None = None,
-        on_epoch: Callable[[Result], None] | None = None, fills: int = FILLS) -> tuple[list[Result], list[Result]]:
+        on_epoch: Callable[[Result], None] | None = None, fills: int = FILLS,
+        fresh_store: Callable[[], AbstractContextManager[str]] | None = None) -> tuple[list[Result], list[Result]]:
     """The baseline and the cached loader, interleaved (``store`` as for CachedDataset):
     ``fills`` first epochs, each filling a fresh cache, then ``epochs - 1`` later epochs of
-    the last one.  Returns (epochs, fills): epoch 1 is the fill of median ratio."""
+    the last one.  With ``fresh_store``, each fill gets a new store from it (its URL; the
+    previous one is closed first) instead of ``store``.  Returns (epochs, fills): epoch 1
+    is the fill of median ratio."""
+    with ExitStack() as stores:
+        return _run(root, store, epochs, workers, seed, limit, on_epoch, fills, fresh_store, stores)
+
+
+def _run(root: Path, store: str | None, epochs: int, workers: int, seed: int, limit: int | None,
+         on_epoch: Callable[[Result], None] | None, fills: int,
+         fresh_store: Callable[[], AbstractContextManager[str]] | None,
+         stores: ExitStack) -> tuple[list[Result], list[Result]]:
     base = loader(_subset(Plain(root), limit), workers, seed)
     prefix = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # fresh caches: each fill starts empty
 
     def cached_loader(fill: int) -> DataLoader[Any]:
+        nonlocal store
+        if fresh_store is not None:
+            stores.close()  # the previous fill's store (its loader is done)
+            store = stores.enter_context(fresh_store())
         return loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=f"{prefix}-{fill}",
                                                transform=augment, store=store), workers, seed)
 
-    # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and cached epochs alternate, starting and ending with a baseline one:
+    # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and
+    # cached epochs alternate, starting and ending with a baseline one:
     # each cached epoch is compared with the mean of the baseline epochs just before and
     # after it, so a drift of the machine's load during the run cancels out.
     timed_epoch(base)
@@ -229,8 +258,8 @@ def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, 
             daemon = _daemon(workdir, workdir / "photos")
             results, fills = run(daemon.mount_point, None, epochs, workers, seed, on_epoch=on_epoch)
         else:
-            with local_redis(workdir) as url:
-                results, fills = run(workdir / "photos", url, epochs, workers, seed, on_epoch=on_epoch)
+            results, fills = run(workdir / "photos", None, epochs, workers, seed, on_epoch=on_epoch,
+                                 fresh_store=lambda: local_redis(workdir))
         figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
                               "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
         figures["fills"] = [r.ratio for r in fills]
@@ -310,10 +339,10 @@ def main(argv: list[str] | None = None) -> int:
             results, fills = run(root, None, args.epochs, args.workers, args.seed, on_epoch=print_epoch,
                                  fills=args.fills)
         elif args.store == "redis":
-            with local_redis(workdir) as url:
-                print(f"store: a local redis-server ({url}, maxmemory {REDIS_MAXMEMORY}, allkeys-lru)", flush=True)
-                results, fills = run(root, url, args.epochs, args.workers, args.seed, on_epoch=print_epoch,
-                                     fills=args.fills)
+            print(f"store: a new local redis-server for each fill (maxmemory {REDIS_MAXMEMORY}, allkeys-lru)",
+                  flush=True)
+            results, fills = run(root, None, args.epochs, args.workers, args.seed, on_epoch=print_epoch,
+                                 fills=args.fills, fresh_store=lambda: local_redis(workdir))
         else:
             results, fills = run(root, args.store, args.epochs, args.workers, args.seed, on_epoch=print_epoch,
                                  fills=args.fills)
