@@ -246,7 +246,7 @@ def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, 
     """The suite's figures (results.json's ``sample_cache`` for ``store="redis"``, a local
     redis-server, and ``sample_cache_daemon`` for ``store="daemon"``, a cubefs-fuse daemon
     mounted over the photos): ``files`` photo-like JPEGs made in ``workdir``."""
-    title = {"redis": "redis (local redis-server, allkeys-lru)",
+    title = {"redis": "redis (a new local redis-server for each fill, allkeys-lru)",
              "daemon": "daemon (cubefs-fuse ai_prefetch mount, RAM + NVMe)"}[store]
     figures: dict[str, Any] = {"store": title, "workers": workers, "files": files, "epochs": [], "fills": [],
                                "error": None}
