@@ -101,14 +101,14 @@ def _up(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
 
-def span(name: str, payload: int) -> int:
+def span(payload: int) -> int:
     """The bytes one entry's range takes in its segment (ALIGN-rounded): its head block (the
     name is in it, up to MAX_NAME bytes) and its payload's blocks."""
     return ALIGN + _up(payload)
 
 
 def _span_of_format(fmt: int, name: bytes, payload: int) -> int:
-    return span("", payload) if fmt == _FORMAT else _up(HEADER_BYTES + len(name) + payload)
+    return span(payload) if fmt == _FORMAT else _up(HEADER_BYTES + len(name) + payload)
 
 
 def payload_offset(offset: int) -> int:
@@ -116,9 +116,9 @@ def payload_offset(offset: int) -> int:
     return offset + ALIGN
 
 
-def allocated_bytes(name: str, payload: int) -> int:
+def allocated_bytes(payload: int) -> int:
     """What one entry costs on disk: its range plus its metadata charge."""
-    return span(name, payload) + ENTRY_CHARGE
+    return span(payload) + ENTRY_CHARGE
 
 
 def span_of(allocated: int) -> int:
@@ -126,13 +126,13 @@ def span_of(allocated: int) -> int:
     return allocated - ENTRY_CHARGE
 
 
-def layout(name: str, sizes: Sequence[int]) -> list[int]:
+def layout(sizes: Sequence[int]) -> list[int]:
     """Each entry's offset in a segment of entries of ``sizes`` payload bytes, in order."""
     offsets: list[int] = []
     offset = 0
     for size in sizes:
         offsets.append(offset)
-        offset += span(name, size)
+        offset += span(size)
     return offsets
 
 
@@ -320,7 +320,7 @@ def _write_direct(fd: int, uid: int, name: bytes, items: Sequence[tuple[int, byt
                 tail[:size - whole] = memoryview(payload)[whole:]
                 tail[size - whole:] = _ZEROS[size - whole:]
                 iov.append(tail)
-            total += span("", size)
+            total += span(size)
         if os.writev(fd, iov) != total:
             raise OSError(errno.ENOSPC, "short write")
 
@@ -393,7 +393,7 @@ def read_entries(root: str, uid: int, name: str,
                     out.append(False)
                     continue
             fd, size = current[1], current[2]
-            if not _direct_refused and span("", expected) <= DIRECT_READ_MAX:
+            if not _direct_refused and span(expected) <= DIRECT_READ_MAX:
                 if not direct:
                     direct = _set_direct(fd, True)
                 if direct:
@@ -433,7 +433,7 @@ def _read_direct(fd: int, uid: int, name: bytes, key: int, offset: int, expected
     O_DIRECT: its payload, False if damaged, None to read it the other way (another
     format or size, or the read was refused)."""
     global _direct_refused
-    extent = span("", expected)
+    extent = span(expected)
     scratch = _read_scratch(extent)
     try:
         got = os.preadv(fd, [scratch[:extent]], offset)

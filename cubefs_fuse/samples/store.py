@@ -646,7 +646,7 @@ class SampleStore:
                 if key in cache.writing:  # another put of it is being written: this value is for RAM
                     others.append((key, data))
                     continue
-                need = files.allocated_bytes(cache.name, len(data))
+                need = files.allocated_bytes(len(data))
                 victims = self.disk_policy.victims(need, self.disk_limit - self.disk_used, use)
                 if victims is None:
                     word = cache.entries.get(key)
@@ -689,7 +689,7 @@ class SampleStore:
                 self.disk_used -= stale
                 written: set[int] = set()
                 for segment, group, ok in zip(segments, groups, result.written):
-                    offsets = files.layout(cache.name, [len(b[1]) for b in group])
+                    offsets = files.layout([len(b[1]) for b in group])
                     uses = self._next_uses(cache, [b[0] for b in group])  # the plan may have changed meanwhile
                     for (key, data, need, reserved), offset, use in zip(group, offsets, uses):
                         cache.writing.discard(key)

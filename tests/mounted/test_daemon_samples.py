@@ -118,7 +118,7 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         # The put came from the ring's page-aligned slots: written, and read, without the
         # page cache (O_DIRECT), so none of the segment's pages are cached.
         (written,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").iterdir()
-        assert written.stat().st_size == sum(files.span("sweep", len(e)) for e in entries.values())
+        assert written.stat().st_size == sum(files.span(len(e)) for e in entries.values())
         assert resident_pages(written) == 0
         # The operator sees the cache: name, owner, entries, bytes, hits, misses.
         (cache,) = _status(m)["caches"]
@@ -141,7 +141,7 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         # Meanwhile one entry is damaged (a flipped payload byte): never served.  The put was
         # one batch, so one segment file, its entries in the put's order.
         (segment,) = (m.cache_dir / "samples" / str(os.geteuid()) / "sweep").iterdir()
-        offset = files.layout("sweep", [len(e) for e in entries.values()])[7]
+        offset = files.layout([len(e) for e in entries.values()])[7]
         with open(segment, "r+b") as f:
             f.seek(files.payload_offset(offset) + len(entries[7]) - 1)
             last = f.read(1)[0]
@@ -157,7 +157,7 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         assert _status(m)["caches"][0]["hits"] == 39
         assert metric(m.scrape(), "cubefs_fuse_sample_store_corrupt_total") == 1
         # Its blocks were freed (punched out of the segment); the others stay.
-        assert segment.stat().st_blocks * 512 == blocks - files.span("sweep", len(entries[7]))
+        assert segment.stat().st_blocks * 512 == blocks - files.span(len(entries[7]))
 
         # drop-cache --samples destroys it (the mount found through VOL_NAME).
         dropped = subprocess.run([sys.executable, "-m", "cubefs_fuse", "drop-cache", "--samples", "sweep"],
@@ -196,7 +196,7 @@ def test_eviction_frees_disk_space_as_it_goes(make_mount: Callable[..., Mount], 
         store.close()
         kept = [k for k, data in zip(entries, got) if data is not None]
         assert kept and all(got[k] == entries[k] for k in kept)
-        assert len(kept) == _status(m)["disk"]["entries"] == 4 * 2**20 // files.allocated_bytes("epoch", 150_000)
+        assert len(kept) == _status(m)["disk"]["entries"] == 4 * 2**20 // files.allocated_bytes(150_000)
         assert set(kept) == set(range(80 - len(kept), 80))  # least recently used first
     finally:
         m.umount()

@@ -188,7 +188,7 @@ async def test_a_consumed_planned_entry_becomes_unplanned(tmp_path: Path) -> Non
 
 async def test_disk_budget_holds_in_accounting_and_on_disk(tmp_path: Path) -> None:
     sizes = [100, 5000, 20_000, 70_000]
-    one = files.allocated_bytes("c", 70_000)
+    one = files.allocated_bytes(70_000)
     limit = 12 * one
     store = await open_store(tmp_path, 0, limit)
     rng = np.random.default_rng(3)
@@ -204,7 +204,7 @@ async def test_disk_budget_holds_in_accounting_and_on_disk(tmp_path: Path) -> No
 
 
 async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(tmp_path: Path) -> None:
-    one = files.allocated_bytes("c", 20_000)
+    one = files.allocated_bytes(20_000)
     store = await open_store(tmp_path, 0, 10 * one)
     await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(8)])
     segment = located(store, ME, "c", 0)[0]
@@ -212,12 +212,12 @@ async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(
     assert {located(store, ME, "c", k)[0] for k in range(8)} == {segment}
     assert [located(store, ME, "c", k)[1] % files.ALIGN for k in range(8)] == [0] * 8
     full = segment.stat().st_blocks * 512
-    assert full == 8 * files.span("c", len(entry(0, 20_000)))
+    assert full == 8 * files.span(len(entry(0, 20_000)))
     # Five more entries need the room of three: the three least recently used go, punched.
     await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(8, 13)])
     assert store.disk_used <= store.disk_limit
     assert keys_of(await store.get_many(ME, "c", list(range(13)))) == [None] * 3 + list(range(3, 13))
-    assert segment.stat().st_blocks * 512 == full - 3 * files.span("c", len(entry(0, 20_000)))
+    assert segment.stat().st_blocks * 512 == full - 3 * files.span(len(entry(0, 20_000)))
     assert segment.stat().st_size >= full - files.ALIGN  # holes: the survivors stay where they were
     # Its last entries go: the segment goes with them.
     await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(13, 18)])
@@ -229,7 +229,7 @@ async def test_a_batch_is_one_segment_and_evicted_entries_are_punched_out_of_it(
 async def test_without_hole_punching_each_entry_is_a_segment_of_its_own(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(holes, "punch", lambda fd, offset, length: (_ for _ in ()).throw(OSError(95, "no")))
-    one = files.allocated_bytes("c", 20_000)
+    one = files.allocated_bytes(20_000)
     store = await open_store(tmp_path, 0, 4 * one)
     assert store.segment_entries == 1  # the start-up probe found no hole punching
     await store.put_many(ME, "c", [(k, entry(k, 20_000)) for k in range(4)])
@@ -248,8 +248,8 @@ async def test_a_rewritten_key_frees_its_older_range(tmp_path: Path) -> None:
     await store.put_many(ME, "c", [(1, entry(1, 500))])
     assert await store.get_many(ME, "c", [1]) == [entry(1, 500)]
     assert located(store, ME, "c", 1)[0] != first
-    assert first.stat().st_blocks * 512 == before * 512 - files.span("c", len(entry(1, 9000)))
-    assert store.disk_used == sum(files.allocated_bytes("c", len(entry(k, 9000 if k != 1 else 500))) for k in range(4))
+    assert first.stat().st_blocks * 512 == before * 512 - files.span(len(entry(1, 9000)))
+    assert store.disk_used == sum(files.allocated_bytes(len(entry(k, 9000 if k != 1 else 500))) for k in range(4))
 
 
 async def test_a_damaged_or_torn_entry_is_never_served_and_counted(tmp_path: Path) -> None:
@@ -273,7 +273,7 @@ async def test_a_damaged_or_torn_entry_is_never_served_and_counted(tmp_path: Pat
     assert keys_of(await store.get_many(ME, "c", [0, 1, 2, 10, 11, 12, 13])) == [0, None, None, 10, 11, None, 13]
     assert store.statistics().corrupt == 3
     assert not path.exists() and not torn.exists()  # their only entries went: so did they
-    assert shared.stat().st_blocks * 512 == blocks * 512 - files.span("c", len(entry(12, 3000)))  # punched
+    assert shared.stat().st_blocks * 512 == blocks * 512 - files.span(len(entry(12, 3000)))  # punched
     assert keys_of(await store.get_many(ME, "c", [1, 12])) == [None, None]  # forgotten: no second read
     assert store.statistics().corrupt == 3 and store.statistics().disk_entries == 4
     assert keys_of(await store.get_many(ME, "c", [10, 11, 13])) == [10, 11, 13]
@@ -296,14 +296,14 @@ async def test_a_restart_reuses_the_entries_and_discards_torn_files(tmp_path: Pa
     assert await again.get_many(OTHER, "sweep", [7]) == [b"other"]
     stats = again.statistics()
     assert stats.startup_discarded == 2 and stats.disk_entries == 20
-    assert again.disk_used == used - files.allocated_bytes("sweep", len(entry(19)))
+    assert again.disk_used == used - files.allocated_bytes(len(entry(19)))
     assert not (tmp_path / "tmp" / "partial").exists() and not old.exists()
     # New segments never reuse an id found at start-up.
     await again.put_many(ME, "sweep", [(19, entry(19))])
     assert located(again, ME, "sweep", 19)[0] != torn and torn.exists()
     assert keys_of(await again.get_many(ME, "sweep", [0, 19])) == [0, 19]
     # A smaller budget at the next start: the excess is evicted at load.
-    small = await open_store(tmp_path, 0, 5 * files.allocated_bytes("sweep", len(entry(0))))
+    small = await open_store(tmp_path, 0, 5 * files.allocated_bytes(len(entry(0))))
     assert small.disk_used <= small.disk_limit and small.statistics().disk_entries == 5
 
 
@@ -322,7 +322,7 @@ async def test_a_restart_walks_segments_past_holes_junk_and_older_copies(tmp_pat
     assert await again.get_many(ME, "c", list(range(6))) == expected
     assert again.statistics().startup_discarded == 1  # the damaged entry's range, punched
     sizes = {0: 9000, 1: 5000, 3: 9000, 4: 5000, 5: 9000}
-    assert again.disk_used == sum(files.allocated_bytes("c", len(entry(k, n))) for k, n in sizes.items())
+    assert again.disk_used == sum(files.allocated_bytes(len(entry(k, n))) for k, n in sizes.items())
     assert on_disk(tmp_path) <= again.disk_used - 5 * files.ENTRY_CHARGE
     # A newer segment holding the same keys (a crash between a rewrite and the older
     # value's punch): the newer copies win, the older segment, left empty, goes.
@@ -340,7 +340,7 @@ async def test_a_restart_frees_an_entry_beyond_the_index_fields(tmp_path: Path) 
     store = await open_store(tmp_path, 0, 1 << 22)
     await store.put_many(ME, "c", [(5, entry(5))])
     segment, offset = located(store, ME, "c", 5)
-    data = segment.read_bytes()[offset:offset + files.span("c", len(entry(5)))]
+    data = segment.read_bytes()[offset:offset + files.span(len(entry(5)))]
     far = segment.with_name(str(int(segment.name) + 10))
     with open(far, "wb") as f:
         f.seek(1 << 40)
@@ -398,7 +398,7 @@ async def test_puts_while_loading_are_dropped_and_gets_miss(tmp_path: Path) -> N
 
 
 async def test_accounting_stays_exact_under_concurrent_puts_gets_and_a_drop(tmp_path: Path) -> None:
-    one = files.allocated_bytes("a", 20_000)
+    one = files.allocated_bytes(20_000)
     store = await open_store(tmp_path, 30 * (20_000 + RAM_ENTRY_OVERHEAD), 40 * one)
     rng = np.random.default_rng(11)
     halfway = trio.Event()
@@ -466,7 +466,7 @@ async def test_plans_are_bounded_node_wide_the_least_recently_planned_go(tmp_pat
 
 
 async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it(tmp_path: Path) -> None:
-    one = files.allocated_bytes("c", 4000)
+    one = files.allocated_bytes(4000)
     store = await open_store(tmp_path, 0, 3 * one)
     await store.put_many(ME, "c", [(1, entry(1, 4000))])
     await store.plan(ME, "c", np.array([2, 3, 1], dtype="<i8").tobytes())

@@ -44,7 +44,7 @@ def ring_views(sizes: tuple[int, ...]) -> list[tuple[int, memoryview]]:
 
 
 def wanted(views: list[tuple[int, memoryview]], segment: int = 0) -> list[tuple[int, int, int, int]]:
-    offsets = files.layout("c", [len(v) for _, v in views])
+    offsets = files.layout([len(v) for _, v in views])
     return [(key, segment, offset, len(v)) for (key, v), offset in zip(views, offsets)]
 
 
@@ -53,7 +53,7 @@ def test_aligned_payloads_bypass_the_page_cache_both_ways(tmp_path: Path) -> Non
     result = files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
     assert result.written == [True] and not files._direct_refused
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
-    assert segment.stat().st_size == sum(files.span("c", size) for size in SIZES)
+    assert segment.stat().st_size == sum(files.span(size) for size in SIZES)
     assert resident_pages(segment) == 0  # written straight from the ring to the disk
     got = files.read_entries(str(tmp_path), UID, "c", wanted(views))
     assert got == [bytes(v) for _, v in views]
@@ -62,7 +62,7 @@ def test_aligned_payloads_bypass_the_page_cache_both_ways(tmp_path: Path) -> Non
     found, junk = files.scan(str(tmp_path))
     assert junk == 0
     assert sorted((f.key, f.payload, f.offset, f.span) for f in found) == sorted(
-        (key, size, offset, files.span("c", size)) for (key, _, offset, size) in wanted(views))
+        (key, size, offset, files.span(size)) for (key, _, offset, size) in wanted(views))
 
 
 def test_unaligned_payloads_are_written_through_the_page_cache_alike(tmp_path: Path) -> None:
