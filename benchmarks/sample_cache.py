@@ -195,50 +195,44 @@ def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, lim
     the last one.  With ``fresh_store``, each fill gets a new store from it (its URL; the
     previous one is closed first) instead of ``store``.  Returns (epochs, fills): epoch 1
     is the fill of median ratio."""
-    with ExitStack() as stores:
-        return _run(root, store, epochs, workers, seed, limit, on_epoch, fills, fresh_store, stores)
+    stores = ExitStack()  # the current fill's store, from fresh_store
+    with stores:
+        base = loader(_subset(Plain(root), limit), workers, seed)
+        prefix = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # fresh caches: each fill starts empty
 
+        def cached_loader(fill: int) -> DataLoader[Any]:
+            nonlocal store
+            if fresh_store is not None:
+                stores.close()  # the previous fill's store (its loader is done)
+                store = stores.enter_context(fresh_store())
+            return loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=f"{prefix}-{fill}",
+                                                   transform=augment, store=store), workers, seed)
 
-def _run(root: Path, store: str | None, epochs: int, workers: int, seed: int, limit: int | None,
-         on_epoch: Callable[[Result], None] | None, fills: int,
-         fresh_store: Callable[[], AbstractContextManager[str]] | None,
-         stores: ExitStack) -> tuple[list[Result], list[Result]]:
-    base = loader(_subset(Plain(root), limit), workers, seed)
-    prefix = f"bench-{os.getpid()}-{time.monotonic_ns()}"  # fresh caches: each fill starts empty
-
-    def cached_loader(fill: int) -> DataLoader[Any]:
-        nonlocal store
-        if fresh_store is not None:
-            stores.close()  # the previous fill's store (its loader is done)
-            store = stores.enter_context(fresh_store())
-        return loader(cube_torch.CachedDataset(_subset(Decoded(root), limit), name=f"{prefix}-{fill}",
-                                               transform=augment, store=store), workers, seed)
-
-    # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and
-    # cached epochs alternate, starting and ending with a baseline one:
-    # each cached epoch is compared with the mean of the baseline epochs just before and
-    # after it, so a drift of the machine's load during the run cancels out.
-    timed_epoch(base)
-    before = timed_epoch(base)
-    filled: list[Result] = []
-    cached = base
-    for fill in range(fills):
-        cached = cached_loader(fill)
-        with_cache = timed_epoch(cached)
-        after = timed_epoch(base)
-        filled.append(Result(1, (before + after) / 2, with_cache))
-        before = after
-        if on_epoch is not None:
-            on_epoch(filled[-1])
-    results = [sorted(filled, key=lambda r: r.ratio)[len(filled) // 2]]
-    for epoch in range(2, epochs + 1):
-        with_cache = timed_epoch(cached)
-        after = timed_epoch(base)
-        results.append(Result(epoch, (before + after) / 2, with_cache))
-        before = after
-        if on_epoch is not None:
-            on_epoch(results[-1])
-    return results, filled
+        # An untimed epoch of the baseline first: the files in the page cache.  Then baseline and
+        # cached epochs alternate, starting and ending with a baseline one:
+        # each cached epoch is compared with the mean of the baseline epochs just before and
+        # after it, so a drift of the machine's load during the run cancels out.
+        timed_epoch(base)
+        before = timed_epoch(base)
+        filled: list[Result] = []
+        cached = base
+        for fill in range(fills):
+            cached = cached_loader(fill)
+            with_cache = timed_epoch(cached)
+            after = timed_epoch(base)
+            filled.append(Result(1, (before + after) / 2, with_cache))
+            before = after
+            if on_epoch is not None:
+                on_epoch(filled[-1])
+        results = [sorted(filled, key=lambda r: r.ratio)[len(filled) // 2]]
+        for epoch in range(2, epochs + 1):
+            with_cache = timed_epoch(cached)
+            after = timed_epoch(base)
+            results.append(Result(epoch, (before + after) / 2, with_cache))
+            before = after
+            if on_epoch is not None:
+                on_epoch(results[-1])
+        return results, filled
 
 
 def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, store: str = "redis",

@@ -546,7 +546,8 @@ class SampleStore:
 
     # -- tiers ------------------------------------------------------------------------
 
-    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
+    async def _read(self, owner: int, name: str,
+                    wanted: list[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
         """The (key, segment, offset, size) entries, read by up to DISK_THREADS worker threads at
         once (reading them in parallel keeps the NVMe queue busy)."""
         share = max(READ_SHARE, -(-len(wanted) // DISK_THREADS))
