@@ -271,10 +271,11 @@ def _create(path: str, direct: bool) -> int | None:
     refuses O_DIRECT."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
     try:
-        return os.open(path, flags, 0o600)
-    except FileNotFoundError:  # the cache's first segment: its directory is made once
-        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        return _create(path, direct)
+        try:
+            return os.open(path, flags, 0o600)
+        except FileNotFoundError:  # the cache's first segment: its directory is made, once
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            return os.open(path, flags, 0o600)  # (gone again: a drop meanwhile; the batch's error)
     except OSError as exc:
         if direct and exc.errno == errno.EINVAL:
             with contextlib.suppress(OSError):
