@@ -6,7 +6,8 @@ client: cube_torch/samples/daemon_store.py.  The caller is the connection's peer
 caller's own, ``~UID/NAME`` another user's (samples/store.py says who may do what).
 
 * ``{"op": "sample_get", "name": N, "keys": [k, ...]}`` → ``{"entries": [[offset, length] |
-  null, ...]}``: the entries are laid out in the ring from offset 0; ``null`` is a miss.
+  null, ...]}``: the entries are laid out in the ring from offset 0 (those read from NVMe
+  each at a 4 KiB boundary, read there directly); ``null`` is a miss.
   The answer may cover only a prefix of the keys (what fits the ring); the client asks
   again for the rest.  The bytes belong to the client until its next message.
 * ``{"op": "sample_put", "name": N, "items": [[key, offset, length], ...]}`` → ``{"stored":
@@ -80,23 +81,19 @@ class SamplePlane:
 
     async def _get(self, data: dict[str, Any], ring: Ring, peer: Peer) -> dict[str, Any]:
         keys = _keys(data.get("keys"))
-        entries = await self.store.get_many(peer.uid, data.get("name"), keys, limit_bytes=ring.size)
-        layout: list[list[int] | None] = []
-        offset = copied = 0
-        for entry in entries:
-            if entry is None:
-                layout.append(None)
-                continue
-            if offset + len(entry) > ring.size:
-                break  # cannot happen (the store answered what fits); never write past the ring
+        # The store reads NVMe entries straight into the ring (worker threads) and hands back
+        # the RAM entries to copy there; the view dies with this call (the ring is the
+        # client's again once answered).
+        with memoryview(ring.map) as whole:
+            layout, copies = await self.store.get_into(peer.uid, data.get("name"), keys, whole)
+        copied = 0
+        for offset, entry in copies:
             ring.map[offset:offset + len(entry)] = entry
-            layout.append([offset, len(entry)])
-            offset += len(entry)
             copied += len(entry)
             if copied >= COPY_STEP:
                 copied = 0
                 await trio.lowlevel.checkpoint()
-        return {"entries": layout}
+        return {"entries": [None if place is None else list(place) for place in layout]}
 
     async def _put(self, data: dict[str, Any], ring: Ring, peer: Peer) -> dict[str, Any]:
         raw = data.get("items")

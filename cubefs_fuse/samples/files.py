@@ -97,18 +97,19 @@ ENTRY_CHARGE = 1024
 _ZEROS = memoryview(bytes(ALIGN))
 
 
-def _up(size: int) -> int:
+def up(size: int) -> int:
+    """``size`` rounded up to a whole number of ALIGN blocks."""
     return -(-size // ALIGN) * ALIGN
 
 
 def span(payload: int) -> int:
     """The bytes one entry's range takes in its segment (ALIGN-rounded): its head block (the
     name is in it, up to MAX_NAME bytes) and its payload's blocks."""
-    return ALIGN + _up(payload)
+    return ALIGN + up(payload)
 
 
 def _span_of_format(fmt: int, name: bytes, payload: int) -> int:
-    return span(payload) if fmt == _FORMAT else _up(HEADER_BYTES + len(name) + payload)
+    return span(payload) if fmt == _FORMAT else up(HEADER_BYTES + len(name) + payload)
 
 
 def payload_offset(offset: int) -> int:
@@ -356,11 +357,15 @@ def _above_floor(directory: str, incoming: int, free_ratio: float) -> bool:
     return st.f_bavail * st.f_frsize - incoming >= free_ratio * st.f_blocks * st.f_frsize
 
 
-def read_entries(root: str, uid: int, name: str,
-                 wanted: Sequence[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
+def read_entries(root: str, uid: int, name: str, wanted: Sequence[tuple[int, int, int, int]],
+                 into: Sequence[Target | None] | None = None) -> list[bytes | None | bool]:
     """Each (key, segment, offset, expected size)'s payload; None if its segment is gone;
     False if the bytes there are not that entry, whole and intact (damaged, or freed
     meanwhile).
+
+    With ``into``, an entry given a :class:`Target` is read into its memory instead (see
+    :func:`_read_into`): True once its payload is there and checked, or its private copy
+    (bytes, checked, also in the target's memory) where the target asks to keep one.
 
     A format-3 entry of the expected size (up to :data:`DIRECT_READ_MAX`) is one read of
     its range without the page cache (``O_DIRECT``, into this thread's scratch memory: no
@@ -394,17 +399,26 @@ def read_entries(root: str, uid: int, name: str,
                     out.append(False)
                     continue
             fd, size = current[1], current[2]
+            target = into[len(out)] if into is not None else None
             if not _direct_refused and span(expected) <= DIRECT_READ_MAX:
                 if not direct:
                     direct = _set_direct(fd, True)
                 if direct:
-                    data = _read_direct(fd, uid, encoded, key, offset, expected)
+                    data = (_read_direct(fd, uid, encoded, key, offset, expected) if target is None
+                            else _read_into(fd, uid, encoded, key, offset, expected, target))
                     if data is not None:
                         out.append(data)
                         continue
             if direct:  # the careful read, through the page cache
                 direct = not _set_direct(fd, False)
-            out.append(_read_one(fd, size, uid, encoded, key, offset))
+            data = _read_one(fd, size, uid, encoded, key, offset)
+            if target is not None and isinstance(data, bytes):
+                if len(data) > len(target.memory):
+                    data = False  # (cannot be: the target was sized for the expected payload)
+                else:
+                    target.memory[:len(data)] = data
+                    data = data if target.keep else True
+            out.append(data)
     finally:
         if current is not None:
             os.close(current[1])
@@ -448,6 +462,61 @@ def _read_direct(fd: int, uid: int, name: bytes, key: int, offset: int, expected
         return None  # another format or size, or torn or damaged: the careful read decides
     data = bytes(scratch[ALIGN:ALIGN + expected])
     return data if _digest(uid, name, key, data) == _HEADER.unpack_from(head)[6] else False
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where :func:`read_entries` puts one entry's payload: ``memory`` of at least the
+    expected payload rounded up to :data:`ALIGN` (page-aligned, for a direct read; any
+    memory will do for the careful read), which the reader may change meanwhile (a
+    client's ring); ``keep``: also return a private copy (for the store's RAM tier)."""
+
+    memory: memoryview
+    keep: bool
+
+
+def _read_into(fd: int, uid: int, name: bytes, key: int, offset: int, expected: int,
+               target: Target) -> bytes | bool | None:
+    """The format-3 entry of ``expected`` payload bytes at ``offset``, read with O_DIRECT in
+    one request: its head block into this thread's scratch block, its payload's blocks
+    straight into ``target.memory`` (no copy, no fresh memory).  True (or the private copy,
+    if kept) once the checksum holds; None to read it the careful way: another format or
+    size, a refused read, or a checksum that fails.
+
+    The target's memory is the client's to change at any time, so a checksum is only ever
+    believed from private memory: the header (with the checksum) comes into this thread's
+    scratch, not the ring, and a kept copy is checked after it was copied.  A failure seen
+    in the ring is never a verdict (a client could make the store free another user's
+    shared entries): the careful read, from the file into private memory, decides."""
+    global _direct_refused
+    payload = target.memory[:up(expected)]
+    if len(payload) != up(expected) or not _aligned(payload):
+        return None
+    block = _head_scratch()
+    try:
+        got = os.preadv(fd, [block, payload] if expected else [block], offset)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            _direct_refused = True
+        return None
+    if got < ALIGN + expected:
+        return None
+    head = bytes(block[:HEADER_BYTES + len(name)])
+    if _parse(head, uid, name) != (_FORMAT, expected) or _HEADER.unpack_from(head)[4] != key:
+        return None
+    digest = _HEADER.unpack_from(head)[6]
+    if target.keep:
+        data = bytes(payload[:expected])
+        return data if _digest(uid, name, key, data) == digest else None
+    return True if _digest(uid, name, key, payload[:expected]) == digest else None
+
+
+def _head_scratch() -> memoryview:
+    """This thread's page-aligned block for head blocks read with O_DIRECT (kept)."""
+    block: memoryview | None = getattr(_scratch, "head", None)
+    if block is None:
+        block = _scratch.head = memoryview(mmap.mmap(-1, ALIGN))
+    return block
 
 
 def _read_scratch(size: int) -> memoryview:

@@ -11,7 +11,8 @@ and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCache
 * **NVMe**: checksummed entries under ``<diskCacheDir>/samples/`` (files.py), each put
   batch one segment file written in one worker-thread hop straight from the connection's
   ring (no copy: a copy's fresh memory cost more than the write), so entries survive a
-  restart;
+  restart (a get reads them straight into the connection's ring: files.read_entries'
+  targets; only an entry that may enter RAM is also copied, into private memory);
   an entry that leaves is punched out of its segment, and a segment is unlinked when its
   last entry goes (``_Cache.segments`` counts them).  At start-up the segments' headers
   are scanned in a worker thread and merged into the index in chunks (until that is
@@ -185,6 +186,30 @@ class _Plan:
         return True
 
 
+class _Got:
+    """A get's answer, key by key (the prefix of the keys answered): ``data``: the entry's
+    bytes, True (in the destination, not kept), or None (a miss); ``places``: its offset
+    in the destination; ``sizes``: its length; ``filled``: whether it is in the
+    destination already (read there from NVMe) rather than to be copied there."""
+
+    __slots__ = ("data", "places", "sizes", "filled")
+
+    def __init__(self) -> None:
+        self.data: list[bytes | bool | None] = []
+        self.places: list[int] = []
+        self.sizes: list[int] = []
+        self.filled: list[bool] = []
+
+    @classmethod
+    def misses(cls, count: int) -> _Got:
+        got = cls()
+        got.data = [None] * count
+        got.places = [0] * count
+        got.sizes = [0] * count
+        got.filled = [False] * count
+        return got
+
+
 class _Cache:
     __slots__ = ("id", "owner", "name", "entries", "ram", "plan", "plan_parts", "plan_generation", "hits", "misses",
                  "stored", "evictions", "ram_bytes", "disk_bytes", "bytes", "io_lock", "writing", "dropped", "shared",
@@ -305,45 +330,98 @@ class SampleStore:
         """Each key's entry or None, in order; with ``limit_bytes``, only the prefix of the
         keys whose entries fit that many bytes (at least one key): the caller asks again
         for the rest, and only what was answered is counted."""
+        got = await self._get(caller, reference, keys, limit_bytes, None)
+        return [data if isinstance(data, bytes) else None for data in got.data]
+
+    async def get_into(self, caller: int, reference: Any, keys: list[int],
+                       dest: memoryview) -> tuple[list[tuple[int, int] | None], list[tuple[int, bytes]]]:
+        """Each key's entry laid out in ``dest`` (a data connection's ring: page-aligned), for
+        the prefix of the keys that fits it (at least one key): its (offset, length) in
+        ``dest``, or None (a miss).  Entries read from NVMe are read straight into ``dest``
+        (files.py's direct read: no copy, no fresh memory), each at an ALIGN boundary;
+        entries found in RAM are returned as (offset, bytes) for the caller to copy there
+        (in steps, on the trio thread)."""
+        got = await self._get(caller, reference, keys, None, dest)
+        layout: list[tuple[int, int] | None] = []
+        copies: list[tuple[int, bytes]] = []
+        for data, place, size, filled in zip(got.data, got.places, got.sizes, got.filled):
+            if data is None or data is False:
+                layout.append(None)
+                continue
+            layout.append((place, size))
+            if not filled:
+                assert isinstance(data, bytes)
+                copies.append((place, data))
+        return layout, copies
+
+    async def _get(self, caller: int, reference: Any, keys: list[int], limit_bytes: int | None,
+                   dest: memoryview | None) -> _Got:
         owner, name = self.resolve(caller, reference)
         cache = self._cache(owner, name, create=owner == caller and self.loaded)
         if cache is None or cache.dropped:
-            return [None] * len(keys)
-        out: list[bytes | None] = []
+            return _Got.misses(len(keys))
+        got = _Got()
+        out = got.data
         from_disk: list[int] = []
         # key, segment, offset and size of each entry read from NVMe, as they were when asked
         located: list[tuple[int, int, int, int]] = []
+        targets: list[files.Target] = []
         room = limit_bytes
+        at = 0  # the next free byte of dest
         entries, ram = cache.entries.shards, cache.ram.shards
         for i, key in enumerate(keys):
             word = entries[key & SHARD].get(key >> SHARD_BITS)
             copy = None if word is None else ram[key & SHARD].get(key >> SHARD_BITS)
             on_disk = word is not None and charge_of(word) != 0
+            place = at
             if (copy is not None or on_disk) and room is not None:
                 assert word is not None
                 if size_of(word) > room and i:
                     break
                 room -= size_of(word)
+            if (copy is not None or on_disk) and dest is not None:
+                assert word is not None
+                # An entry from NVMe takes whole blocks at a block boundary (its direct read).
+                place, need = (at, size_of(word)) if copy is not None else (files.up(at), files.up(size_of(word)))
+                if place + need > len(dest):
+                    if i:
+                        break
+                    copy, on_disk = None, False  # larger than dest (a ring smaller than an entry): a miss
+                else:
+                    at = place + need
             out.append(copy)
+            got.places.append(place)
+            got.sizes.append(0 if word is None else size_of(word))
+            got.filled.append(False)
             if copy is not None:
                 self.ram_policy.touch(_PK.pack(key, cache.id))
             elif on_disk:
                 assert word is not None
                 from_disk.append(i)
                 located.append((key, segment_of(word), offset_of(word), size_of(word)))
+                if dest is not None:
+                    # A private copy too where the entry could enter the RAM tier (see below).
+                    keep = bool(self.mem_limit) and key not in cache.ram
+                    targets.append(files.Target(dest[place:place + files.up(size_of(word))], keep))
         keys = keys[:len(out)]
         if from_disk:
-            read = await self._read(owner, name, located)
+            try:
+                read = await self._read(owner, name, located, targets if dest is not None else None)
+            finally:
+                for target in targets:  # (views of the caller's memory: none may outlive the call)
+                    target.memory.release()
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
-                return [None] * len(keys)
+                return _Got.misses(len(keys))
             damaged = _Release()
             for i, (key, segment, offset, size), data in zip(from_disk, located, read):
                 word = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
                     continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
-                if isinstance(data, bytes):
+                if isinstance(data, bytes) or data is True:
                     out[i] = data
-                    if word is not None and key not in cache.ram and size_of(word) == len(data):
+                    got.filled[i] = dest is not None
+                    if (isinstance(data, bytes) and word is not None and key not in cache.ram
+                            and size_of(word) == len(data)):
                         self._admit_ram(cache, key, data)
                     if word is not None:
                         self.disk_policy.touch(_PK.pack(key, cache.id))
@@ -366,7 +444,7 @@ class SampleStore:
                     pk = _PK.pack(key, cache.id)
                     self.ram_policy.unplan(pk)
                     self.disk_policy.unplan(pk)
-        return out
+        return got
 
     async def put_many(self, caller: int, reference: Any, items: Sequence[tuple[int, Payload]]) -> int:
         """Store what fits; how many entries were kept.
@@ -546,17 +624,19 @@ class SampleStore:
 
     # -- tiers ------------------------------------------------------------------------
 
-    async def _read(self, owner: int, name: str,
-                    wanted: list[tuple[int, int, int, int]]) -> list[bytes | None | bool]:
-        """The (key, segment, offset, size) entries, read by up to DISK_THREADS worker threads at
-        once (reading them in parallel keeps the NVMe queue busy)."""
+    async def _read(self, owner: int, name: str, wanted: list[tuple[int, int, int, int]],
+                    into: Sequence[files.Target | None] | None = None) -> list[bytes | None | bool]:
+        """The (key, segment, offset, size) entries (into their targets, if given: see
+        files.read_entries), read by up to DISK_THREADS worker threads at once (reading
+        them in parallel keeps the NVMe queue busy)."""
         share = max(READ_SHARE, -(-len(wanted) // DISK_THREADS))
         parts = [wanted[i:i + share] for i in range(0, len(wanted), share)]
+        targets = [None if into is None else into[i:i + share] for i in range(0, len(wanted), share)]
         results: list[list[bytes | None | bool]] = [[] for _ in parts]
 
         async def read(i: int) -> None:
             results[i] = await trio.to_thread.run_sync(files.read_entries, self.root, owner, name, parts[i],
-                                                       limiter=self._limiter)
+                                                       targets[i], limiter=self._limiter)
 
         async with trio.open_nursery() as nursery:
             for i in range(len(parts)):

@@ -514,3 +514,57 @@ async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path
     # A drop walks the shards in steps and leaves them empty.
     assert await store.drop(ME, "big") == (count + 2, 16 * count + 2 * 1008)
     assert not any(cache.entries.shards) and not any(cache.ram.shards) and store.ram_used == store.ram_entries == 0
+
+
+def ring(size: int) -> tuple[object, memoryview]:
+    import mmap
+    memory = mmap.mmap(-1, size)
+    return memory, memoryview(memory)
+
+
+async def test_get_into_reads_nvme_entries_into_the_destination_at_block_boundaries(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 1 << 20, 1 << 20)
+    assert await store.put_many(ME, "c", [(k, entry(k, 5000 + k)) for k in range(4)]) == 4
+    assert keys_of(await store.get_many(ME, "c", [1])) == [1]  # 1 is in RAM now, the rest on NVMe only
+    _, dest = ring(1 << 20)
+    layout, copies = await store.get_into(ME, "c", [0, 1, 9, 2], dest)
+    assert layout[2] is None and all(place is not None for i, place in enumerate(layout) if i != 2)
+    # NVMe entries were read there, each at a 4 KiB boundary; the RAM one is handed back to copy.
+    assert [offset for offset, _ in copies] == [layout[1][0]] and copies[0][1] == entry(1, 5001)  # type: ignore[index]
+    for key in (0, 2):
+        offset, length = layout[[0, 1, 9, 2].index(key)]  # type: ignore[misc]
+        assert offset % files.ALIGN == 0 and bytes(dest[offset:offset + length]) == entry(key, 5000 + key)
+    spans = sorted((o, o + (files.up(n) if i != 1 else n)) for i, (o, n) in enumerate(p for p in layout if p))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two overlap
+    # What was read from NVMe entered RAM (a private copy, not the destination's bytes).
+    dest[:] = bytes(len(dest))
+    assert store.statistics().ram_entries == 3
+    assert await store.get_many(ME, "c", [0, 2]) == [entry(0, 5000), entry(2, 5002)]
+    (stats,) = store.statistics().caches
+    assert (stats.hits, stats.misses) == (1 + 3 + 2, 1)
+
+
+async def test_get_into_answers_the_prefix_that_fits(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 20)  # NVMe only: every entry is read into the destination
+    assert await store.put_many(ME, "c", [(k, entry(k, 6000)) for k in range(5)]) == 5
+    _, dest = ring(5 * files.ALIGN)  # 6008 bytes take 2 blocks: two entries fit, not three
+    layout, copies = await store.get_into(ME, "c", [3, 1, 4], dest)
+    assert copies == [] and [p[0] for p in layout if p] == [0, 2 * files.ALIGN] and len(layout) == 2
+    assert bytes(dest[:6008]) == entry(3, 6000)
+    (stats,) = store.statistics().caches
+    assert (stats.hits, stats.misses) == (2, 0)  # only what was answered is counted
+    # An entry larger than the whole destination is a miss, never written past its end.
+    _, small = ring(files.ALIGN)
+    assert await store.get_into(ME, "c", [0], small) == ([None], [])
+
+
+async def test_get_into_frees_an_entry_damaged_on_nvme(tmp_path: Path) -> None:
+    store = await open_store(tmp_path, 0, 1 << 20)
+    assert await store.put_many(ME, "c", [(1, entry(1, 9000))]) == 1
+    segment, offset = located(store, ME, "c", 1)
+    with open(segment, "r+b") as f:
+        f.seek(files.payload_offset(offset) + 50)
+        f.write(b"\xff")
+    _, dest = ring(1 << 20)
+    assert await store.get_into(ME, "c", [1], dest) == ([None], [])
+    assert store.corrupt == 1 and store.statistics().disk_entries == 0

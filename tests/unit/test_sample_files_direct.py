@@ -171,3 +171,94 @@ def test_a_damaged_direct_entry_is_never_served(tmp_path: Path) -> None:
     views2 = ring_views((3000,))
     files.write_segments(str(tmp_path), UID, "c", [(1, views2)], [], [], 0.0)
     assert files.read_entries(str(tmp_path), UID, "c", [(0, 1, 0, 9000)]) == [bytes(views2[0][1])]
+
+
+def targets_in(sizes: tuple[int, ...], keep: bool) -> tuple[mmap.mmap, list[files.Target]]:
+    """A ring-like shared mapping (page-aligned) with one block-rounded target per entry."""
+    ring = mmap.mmap(-1, sum(files.up(max(size, 1)) for size in sizes))
+    targets, offset = [], 0
+    with memoryview(ring) as whole:
+        for size in sizes:
+            targets.append(files.Target(whole[offset:offset + files.up(size)], keep))
+            offset += files.up(max(size, 1))
+    return ring, targets
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_entries_are_read_straight_into_their_targets(tmp_path: Path, keep: bool) -> None:
+    views = ring_views(SIZES)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
+    ring, targets = targets_in(SIZES, keep)
+    got = files.read_entries(str(tmp_path), UID, "c", wanted(views), targets)
+    # Kept: a private copy of each; else True: the payload is in the target only.
+    assert got == ([bytes(v) for _, v in views] if keep else [True] * len(SIZES))
+    for (_, view), target in zip(views, targets):
+        assert target.memory[:len(view)] == view
+    assert resident_pages(segment) == 0  # O_DIRECT: no page-cache memory either
+    for target in targets:
+        target.memory.release()
+    ring.close()
+
+
+def test_a_damaged_entry_read_into_a_target_is_never_served(tmp_path: Path) -> None:
+    views = ring_views((150_528, 20_000))
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
+    want = wanted(views)
+    with open(segment, "r+b") as f:
+        f.seek(files.payload_offset(want[0][2]) + 100_000)
+        bit = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([bit ^ 0x10]))
+    os.truncate(segment, files.payload_offset(want[1][2]) + 10_000)
+    for keep in (False, True):
+        _, targets = targets_in((150_528, 20_000), keep)
+        assert files.read_entries(str(tmp_path), UID, "c", want, targets) == [False, False]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_bytes_changed_in_the_target_during_a_read_are_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  keep: bool) -> None:
+    """The target is a client's ring, which the client can write while the daemon reads into
+    it: a checksum that fails there must not free the entry (a reader could make the daemon
+    drop another user's shared entries) nor be kept.  The careful read from the file into
+    private memory decides, and the intact entry is answered."""
+    views = ring_views((150_528,))
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    real_preadv = os.preadv
+    scribbled: list[int] = []
+
+    def scribbling_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        got = real_preadv(fd, buffers, offset)
+        if len(buffers) == 2:  # the direct read: head block (private), then the target's blocks
+            buffers[1][:64] = b"\xee" * 64  # the client writes into its ring meanwhile
+            scribbled.append(offset)
+        return got
+
+    monkeypatch.setattr(os, "preadv", scribbling_preadv)
+    _, targets = targets_in((150_528,), keep)
+    got = files.read_entries(str(tmp_path), UID, "c", wanted(views), targets)
+    assert scribbled == [0]
+    assert got == [bytes(views[0][1]) if keep else True]
+    assert targets[0].memory[:150_528] == views[0][1]  # the careful read put the intact entry back
+
+
+def test_a_head_block_changed_in_the_target_cannot_forge_an_entry(tmp_path: Path) -> None:
+    """The checksum is only believed from private memory: the head block is read into the
+    thread's scratch, never into the target, so a target cannot supply one."""
+    views = ring_views((9000,))
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    _, targets = targets_in((9000,), True)
+    real_preadv = os.preadv
+    seen: list[list[int]] = []
+
+    def recording_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        seen.append([len(b) for b in buffers])
+        return real_preadv(fd, buffers, offset)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(os, "preadv", recording_preadv)
+        assert files.read_entries(str(tmp_path), UID, "c", wanted(views), targets) == [bytes(views[0][1])]
+    assert seen == [[files.ALIGN, files.up(9000)]]
+    assert len(targets[0].memory) == files.up(9000)  # the target holds the payload's blocks, no head block
