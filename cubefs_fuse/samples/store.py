@@ -348,7 +348,7 @@ class SampleStore:
             if data is None or data is False:
                 layout.append(None)
                 continue
-            layout.append((place, size))
+            layout.append((place, len(data) if isinstance(data, bytes) else size))
             if not filled:
                 assert isinstance(data, bytes)
                 copies.append((place, data))
@@ -382,7 +382,7 @@ class SampleStore:
             if (copy is not None or on_disk) and dest is not None:
                 assert word is not None
                 # An entry from NVMe takes whole blocks at a block boundary (its direct read).
-                place, need = (at, size_of(word)) if copy is not None else (files.up(at), files.up(size_of(word)))
+                place, need = (at, len(copy)) if copy is not None else (files.up(at), files.up(size_of(word)))
                 if place + need > len(dest):
                     if i:
                         break
