@@ -368,10 +368,11 @@ def read_entries(root: str, uid: int, name: str, wanted: Sequence[tuple[int, int
     (bytes, checked, also in the target's memory) where the target asks to keep one.
 
     A format-3 entry of the expected size (up to :data:`DIRECT_READ_MAX`) is one read of
-    its range without the page cache (``O_DIRECT``, into this thread's scratch memory: no
-    page-cache memory, one request to the device), then its payload is copied out.  Else
-    the header is read first and checked against the segment's size, then exactly the
-    payload (one allocation of its size).  The checksum is checked either way.  One
+    its range without the page cache (``O_DIRECT``, one request to the device: see
+    :func:`_read_into`), into its target or, without one, into this thread's scratch
+    memory and copied out.  Else, or where that read finds anything amiss, the careful
+    read: the header first, checked against the segment's size, then exactly the payload
+    (one allocation of its size).  The checksum is checked either way.  One
     segment is open at a time (consecutive entries of one segment share it), as one file
     was before segments: a thread never holds more than one descriptor.  Nothing is
     changed here: the store frees what is damaged.
@@ -404,8 +405,9 @@ def read_entries(root: str, uid: int, name: str, wanted: Sequence[tuple[int, int
                 if not direct:
                     direct = _set_direct(fd, True)
                 if direct:
-                    data = (_read_direct(fd, uid, encoded, key, offset, expected) if target is None
-                            else _read_into(fd, uid, encoded, key, offset, expected, target))
+                    # Without a target: into this thread's scratch, a copy kept from it.
+                    into_memory = target if target is not None else Target(_read_scratch(up(expected)), True)
+                    data = _read_into(fd, uid, encoded, key, offset, expected, into_memory)
                     if data is not None:
                         out.append(data)
                         continue
@@ -441,27 +443,6 @@ def _set_direct(fd: int, on: bool) -> bool:
         if on and exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
             _direct_refused = True
         return False
-
-
-def _read_direct(fd: int, uid: int, name: bytes, key: int, offset: int, expected: int) -> bytes | bool | None:
-    """The format-3 entry of ``expected`` payload bytes at ``offset``, read whole with
-    O_DIRECT: its payload, False if damaged, None to read it the other way (another
-    format or size, or the read was refused)."""
-    global _direct_refused
-    extent = span(expected)
-    scratch = _read_scratch(extent)
-    try:
-        got = os.preadv(fd, [scratch[:extent]], offset)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            _direct_refused = True
-            return None
-        return False
-    head = bytes(scratch[:HEADER_BYTES + len(name)]) if got >= ALIGN + expected else b""
-    if _parse(head, uid, name) != (_FORMAT, expected) or _HEADER.unpack_from(head)[4] != key:
-        return None  # another format or size, or torn or damaged: the careful read decides
-    data = bytes(scratch[ALIGN:ALIGN + expected])
-    return data if _digest(uid, name, key, data) == _HEADER.unpack_from(head)[6] else False
 
 
 @dataclass(frozen=True, slots=True)
@@ -524,7 +505,7 @@ def _read_scratch(size: int) -> memoryview:
     later reads, grown in steps of 1 MiB)."""
     buffer: memoryview | None = getattr(_scratch, "read", None)
     if buffer is None or len(buffer) < size:
-        buffer = _scratch.read = memoryview(mmap.mmap(-1, -(-size // (1 << 20)) * (1 << 20)))
+        buffer = _scratch.read = memoryview(mmap.mmap(-1, -(-max(size, 1) // (1 << 20)) * (1 << 20)))  # (never 0)
     return buffer
 
 

@@ -325,12 +325,9 @@ class SampleStore:
 
     # -- the three operations ---------------------------------------------------------
 
-    async def get_many(self, caller: int, reference: Any, keys: list[int],
-                       limit_bytes: int | None = None) -> list[bytes | None]:
-        """Each key's entry or None, in order; with ``limit_bytes``, only the prefix of the
-        keys whose entries fit that many bytes (at least one key): the caller asks again
-        for the rest, and only what was answered is counted."""
-        got = await self._get(caller, reference, keys, limit_bytes, None)
+    async def get_many(self, caller: int, reference: Any, keys: list[int]) -> list[bytes | None]:
+        """Each key's entry or None, in order (as bytes: what a caller without a ring gets)."""
+        got = await self._get(caller, reference, keys, None)
         return [data if isinstance(data, bytes) else None for data in got.data]
 
     async def get_into(self, caller: int, reference: Any, keys: list[int],
@@ -341,7 +338,7 @@ class SampleStore:
         (files.py's direct read: no copy, no fresh memory), each at an ALIGN boundary;
         entries found in RAM are returned as (offset, bytes) for the caller to copy there
         (in steps, on the trio thread)."""
-        got = await self._get(caller, reference, keys, None, dest)
+        got = await self._get(caller, reference, keys, dest)
         layout: list[tuple[int, int] | None] = []
         copies: list[tuple[int, bytes]] = []
         for data, place, size, filled in zip(got.data, got.places, got.sizes, got.filled):
@@ -354,8 +351,7 @@ class SampleStore:
                 copies.append((place, data))
         return layout, copies
 
-    async def _get(self, caller: int, reference: Any, keys: list[int], limit_bytes: int | None,
-                   dest: memoryview | None) -> _Got:
+    async def _get(self, caller: int, reference: Any, keys: list[int], dest: memoryview | None) -> _Got:
         owner, name = self.resolve(caller, reference)
         cache = self._cache(owner, name, create=owner == caller and self.loaded)
         if cache is None or cache.dropped:
@@ -366,7 +362,6 @@ class SampleStore:
         # key, segment, offset and size of each entry read from NVMe, as they were when asked
         located: list[tuple[int, int, int, int]] = []
         targets: list[files.Target] = []
-        room = limit_bytes
         at = 0  # the next free byte of dest
         entries, ram = cache.entries.shards, cache.ram.shards
         for i, key in enumerate(keys):
@@ -374,11 +369,6 @@ class SampleStore:
             copy = None if word is None else ram[key & SHARD].get(key >> SHARD_BITS)
             on_disk = word is not None and charge_of(word) != 0
             place = at
-            if (copy is not None or on_disk) and room is not None:
-                assert word is not None
-                if size_of(word) > room and i:
-                    break
-                room -= size_of(word)
             if (copy is not None or on_disk) and dest is not None:
                 assert word is not None
                 # An entry from NVMe takes whole blocks at a block boundary (its direct read).
@@ -416,7 +406,7 @@ class SampleStore:
             for i, (key, segment, offset, size), data in zip(from_disk, located, read):
                 word = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
-                    continue  # rewritten meanwhile: a miss (the answer's room was counted for the old size)
+                    continue  # rewritten meanwhile: a miss (its room in dest was counted for the old size)
                 if isinstance(data, bytes) or data is True:
                     out[i] = data
                     got.filled[i] = dest is not None

@@ -262,3 +262,15 @@ def test_a_head_block_changed_in_the_target_cannot_forge_an_entry(tmp_path: Path
         assert files.read_entries(str(tmp_path), UID, "c", wanted(views), targets) == [bytes(views[0][1])]
     assert seen == [[files.ALIGN, files.up(9000)]]
     assert len(targets[0].memory) == files.up(9000)  # the target holds the payload's blocks, no head block
+
+
+def test_an_empty_entry_is_read_by_a_thread_that_never_read_before(tmp_path: Path) -> None:
+    """The thread's scratch is made by the first read it does, whatever that entry's size."""
+    import threading
+    views = ring_views((0,))
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.append(files.read_entries(str(tmp_path), UID, "c", wanted(views))))
+    reader.start()
+    reader.join()
+    assert got == [[b""]]
