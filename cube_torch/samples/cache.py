@@ -95,7 +95,9 @@ SHARED_STORE_WAIT = 0.05
 # The writer reads the answers to its last put (a store that reads them later, see
 # redis_store.SetWriter) once it has had nothing more to put for this long: a server
 # answers a batch of 32 150 KB SETs in ~3-4 ms (redis-server's CPU on the 2-core VM), so
-# they are all there to read at once.  What a flush may wait for in addition.
+# they are all there to read at once.  A flush (a DataLoader worker's exit) has them read
+# at once: the exit flushes of a fill's workers measured 0.1-8.8 ms waiting this out,
+# 0.1-0.6 ms without.
 SETTLE_AFTER = 0.010
 # The writer thread exits after this many idle seconds and starts again on demand.
 WRITER_IDLE_EXIT = 30.0
@@ -169,6 +171,7 @@ class _State:
         self.in_flight = 0
         self.prepared = False  # the writer started ahead of the first misses (prepare)
         self.unsettled = False  # the writer store's answers to its last put are not read yet
+        self.flushing = 0  # flush calls waiting: the writer reads the answers at once (no SETTLE_AFTER)
         self.cond = threading.Condition()
         self.writer: threading.Thread | None = None
         _live.add(self)
@@ -292,8 +295,8 @@ class _State:
         self._prepare_store()
         while True:
             with self.cond:
-                if not self.pending and self.unsettled:  # the last put's answers: read in a moment
-                    self.cond.wait_for(lambda: bool(self.pending), SETTLE_AFTER)
+                if not self.pending and self.unsettled and not self.flushing:  # the answers: read in a moment
+                    self.cond.wait_for(lambda: bool(self.pending) or self.flushing > 0, SETTLE_AFTER)
                 settle = not self.pending and self.unsettled
                 if not settle:
                     if not self.pending and not self.cond.wait_for(lambda: bool(self.pending), WRITER_IDLE_EXIT):
@@ -352,11 +355,16 @@ class _State:
         """Wait until every pending entry is written (or dropped); False after ``timeout``."""
         deadline = time.monotonic() + timeout
         with self.cond:
-            while self.pending or self.in_flight or self.unsettled:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.writer is None or not self.writer.is_alive():
-                    return not self.pending and not self.in_flight and not self.unsettled
-                self.cond.wait(min(left, 0.1))
+            self.flushing += 1
+            self.cond.notify_all()  # a writer waiting out SETTLE_AFTER settles now
+            try:
+                while self.pending or self.in_flight or self.unsettled:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self.writer is None or not self.writer.is_alive():
+                        return not self.pending and not self.in_flight and not self.unsettled
+                    self.cond.wait(min(left, 0.1))
+            finally:
+                self.flushing -= 1
         return True
 
     def close(self, timeout: float) -> None:

@@ -548,6 +548,29 @@ def test_a_store_that_answers_later_is_settled_before_a_flush_returns(monkeypatc
     assert c.statistics().failures == 1 and not c._here().writable()
 
 
+def test_a_flush_has_the_answers_read_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Left alone, the writer reads a put's answers SETTLE_AFTER later (more puts may come
+    first); a flush (a DataLoader worker's exit) has them read at once instead of waiting
+    that out."""
+    settled = threading.Event()
+
+    class Answering(MemoryStore):
+        def settle(self) -> None:
+            settled.set()
+
+    monkeypatch.setattr(cache_module, "SETTLE_AFTER", 60.0)
+    monkeypatch.setattr(cache_module, "open_store", lambda spec: Answering())
+    c = SampleCache("flushed", "redis://127.0.0.1:1/0")
+    c.get(1, lambda: torch.zeros(2))
+    state = c._here()
+    with state.cond:
+        assert state.cond.wait_for(lambda: state.unsettled and not state.pending and not state.in_flight, 10)
+    assert not settled.wait(0.3)  # the writer waits SETTLE_AFTER for more puts
+    started = time.monotonic()
+    assert c.flush(30) and settled.is_set()
+    assert time.monotonic() - started < 20  # not SETTLE_AFTER (60 s), nor the flush's own limit
+
+
 def test_a_full_buffer_frees_the_slots_it_drops() -> None:
     store = SlotStore(room=10)
     c = SampleCache("dropped", store, max_pending_entries=1)
