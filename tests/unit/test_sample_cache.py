@@ -566,9 +566,7 @@ def test_a_flush_has_the_answers_read_at_once(monkeypatch: pytest.MonkeyPatch) -
     with state.cond:
         assert state.cond.wait_for(lambda: state.unsettled and not state.pending and not state.in_flight, 10)
     assert not settled.wait(0.3)  # the writer waits SETTLE_AFTER for more puts
-    started = time.monotonic()
-    assert c.flush(30) and settled.is_set()
-    assert time.monotonic() - started < 20  # not SETTLE_AFTER (60 s), nor the flush's own limit
+    assert c.flush(30) and settled.is_set()  # (waiting out SETTLE_AFTER, it would answer False at 30 s)
 
 
 def test_a_full_buffer_frees_the_slots_it_drops() -> None:
