@@ -295,7 +295,7 @@ class _State:
         self._prepare_store()
         while True:
             with self.cond:
-                if not self.pending and self.unsettled and not self.flushing:  # the answers: read in a moment
+                if not self.pending and self.unsettled:  # the last put's answers: read in a moment
                     self.cond.wait_for(lambda: bool(self.pending) or self.flushing > 0, SETTLE_AFTER)
                 settle = not self.pending and self.unsettled
                 if not settle:
