@@ -1,7 +1,8 @@
 """benchmarks/sample_cache.py's run with a local Redis: each fill (a fresh cache's first
 epoch) gets a new, empty redis-server, the previous one stopped first, and the later
-epochs read the last fill's server (five fills into one server would hold five copies of
-the dataset; see the module's docstring)."""
+epochs read the last fill's server (all fills in one server would hold that many copies of
+the dataset; see the module's docstring).  The server is reached over a unix socket, with
+no TCP port open."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ def test_each_fill_of_a_local_redis_gets_a_new_empty_server(tmp_path: Path) -> N
     def fresh() -> Iterator[str]:
         assert all("stopped" in s for s in servers)  # the previous fill's server is gone first
         with sample_cache.local_redis(tmp_path) as url:
+            assert url.startswith("unix://")
             client = redis.Redis.from_url(url)
+            assert client.config_get("port") == {"port": "0"}  # no TCP
             servers.append({"pid": int(client.info("server")["process_id"]), "started": int(client.dbsize())})
             yield url
             servers[-1]["stopped"] = int(client.dbsize())
