@@ -72,7 +72,8 @@ LATER_EPOCHS_BAR = 2.0  # later epochs at least this multiple of the baseline
 # spread with a standard deviation of 0.026-0.031 (four sets of 20 fills, session 13), so
 # the median of five moved by ~0.017 from run to run, and the Redis row's median landed at
 # 0.88-0.90 x in three presets whose 15 fills averaged 0.892 x; the median of nine moves by
-# ~0.013.  Each more fill costs ~1.5 s per store (the fill and the baseline epoch after it).
+# ~0.013.  Each more fill costs ~1 s per store (the fill, 0.4-0.5 s, the baseline epoch
+# after it, ~0.4 s, and a new redis-server or cache).
 FILLS = 9
 # A local redis-server needs ~1 KB per key on top of the entries (150 KB each here).
 REDIS_MAXMEMORY = "2gb"
