@@ -191,6 +191,27 @@ def test_latency_overlaps_across_threads(binary: Path, tmp_path: Path, source: P
         check_overlap(slow, "a/b/c/deep.txt", readers=32, reads_each=3)
 
 
+def test_a_signal_inherited_as_ignored_still_ends_it(binary: Path, tmp_path: Path, source: Path) -> None:
+    """A background job of a non-interactive shell (``cmd &`` in a script, as a CI runner may
+    start the tests) has SIGINT ignored, and so has everything it starts.  libfuse's own
+    handlers leave an ignored signal ignored: the daemon outlived its SIGINT with the mount
+    live, every time.  slowfs-c takes the exit signals itself, whatever it inherited."""
+    mnt = mount_dir(tmp_path, "mnt")
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        previous = signal.signal(sig, signal.SIG_IGN)  # inherited by the daemon started now
+        try:
+            fs = _process(binary, source, mnt, latency_us=2000).start()
+        finally:
+            signal.signal(sig, previous)
+        assert fs.proc is not None
+        try:
+            fs.proc.send_signal(sig)
+            assert fs.proc.wait(10) == 0
+        finally:
+            fs.stop()
+        assert not is_mounted(mnt)
+
+
 def test_shutdown_on_signals_and_detached_mode(binary: Path, tmp_path: Path, source: Path) -> None:
     mnt = mount_dir(tmp_path, "mnt")
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -204,6 +225,7 @@ def test_shutdown_on_signals_and_detached_mode(binary: Path, tmp_path: Path, sou
         finally:
             with contextlib.suppress(OSError):  # ENOTCONN: the flush finds the daemon gone; the fd is closed
                 os.close(held)
+            fs.stop()  # (nothing when it exited; one that did not is not left behind with its mount)
         assert not is_mounted(mnt)
     # A crash leaves a dead mount that stop() detaches.
     fs = _process(binary, source, mnt).start()
