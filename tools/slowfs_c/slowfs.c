@@ -1144,9 +1144,10 @@ static void report(const char *fmt, ...)
  * reasons:
  * - They leave a signal that the daemon inherited as ignored ignored.  A background job of
  *   a non-interactive shell starts with SIGINT ignored (POSIX), and so does all it runs: in
- *   a test suite started that way the daemon outlived its SIGINT with the mount live
- *   (measured: every time, in two CI runs and on its own).
- * - libfuse 3.14's multi-threaded loop can miss a signal (libfuse issue 997, fixed in 3.17).
+ *   a test suite started that way the daemon outlived its SIGINT with the mount live (in
+ *   both CI runs started that way, and every time when started alone with SIGINT ignored).
+ * - libfuse 3.14's multi-threaded loop can miss a signal (fixed upstream in 3.18: commit
+ *   c5dbcdce, "Fix multi-threaded fuse session exit").
  *   The handler only sets the session's exit flag.  A worker thread that takes the signal
  *   between its check of that flag and its read of /dev/fuse then waits in the read, and
  *   the main thread in sem_wait, until the next request comes, which may be never.
@@ -1186,8 +1187,8 @@ static void *take_signals(void *unused)
 }
 
 /* Before any thread starts (threads inherit the mask): SIGTERM, SIGINT and SIGHUP blocked,
- * even if inherited as ignored, and left to take_signals, SIGUSR1 able to interrupt the loop, SIGPIPE ignored (as
- * libfuse's own handlers do).  0, or -1 with errno. */
+ * even if inherited as ignored, and left to take_signals; SIGUSR1 able to interrupt the
+ * loop; SIGPIPE ignored (as libfuse's own handlers do).  0, or -1 with errno. */
 static int handle_signals(struct fuse_session *se)
 {
     sigemptyset(&exit_signals);
@@ -1275,16 +1276,16 @@ static int serve(void)
         fuse_loop_cfg_set_idle_threads(config, opt.threads);
         fuse_loop_cfg_set_clone_fd(config, (unsigned)opt.clone_fd);
         int result = fuse_session_loop_mt(se, config);
-        /* No more wake-ups from here on (one still pending stays blocked, so it cannot
-         * interrupt the unmount), then take_signals stops sending them. */
-        sigset_t wake;
-        sigemptyset(&wake);
-        sigaddset(&wake, SIGUSR1);
-        pthread_sigmask(SIG_BLOCK, &wake, NULL);
-        atomic_store(&loop_returned, 1);
         fuse_loop_cfg_destroy(config);
         code = result < 0 ? 1 : 0; /* 0: unmounted, or ended by a signal */
     }
+    /* No more wake-ups from here on (one still pending stays blocked, so it cannot
+     * interrupt the unmount), then take_signals stops sending them. */
+    sigset_t wake;
+    sigemptyset(&wake);
+    sigaddset(&wake, SIGUSR1);
+    pthread_sigmask(SIG_BLOCK, &wake, NULL);
+    atomic_store(&loop_returned, 1);
     fuse_session_unmount(se);
     log_line("unmounted %s", opt.mount_point);
 destroy:
