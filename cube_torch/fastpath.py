@@ -178,6 +178,10 @@ class Channel:
         sock.settimeout(reply_timeout)
         self.sock = sock
         self.size = size
+        # This process's uid as the daemon sees it (an older daemon does not say): the owner
+        # a sample entry's checksum names (cube_torch/samples/daemon_store.py).
+        uid = reply.get("uid")
+        self.uid: int | None = uid if type(uid) is int and 0 <= uid < 1 << 32 else None
 
     def batch(self, paths: list[str]) -> list[bytes | None]:
         """Each path's bytes, or None: read it through the mount.  Raises on any failure."""

@@ -221,16 +221,16 @@ class _State:
 
     # -- the writer --------------------------------------------------------------------------
 
-    def write_entry(self, parts: list[codec.Part]) -> Sized | None:
+    def write_entry(self, key: int, parts: list[codec.Part]) -> Sized | None:
         """The entry's parts copied into the writer store's own buffer (the daemon store's
-        ring, the Redis stores' reused buffers), when it has one and room: a slot to offer;
-        else None.  Only a store this cache opened itself (a caller's object may be read
-        meanwhile: its buffer is not ours)."""
+        ring, the Redis stores' reused buffers), when it has one and room: a slot to offer
+        for ``key``; else None.  Only a store this cache opened itself (a caller's object
+        may be read meanwhile: its buffer is not ours)."""
         store = self.write_store  # made by the writer thread (see prepare): until then, bytes
         write_entry = getattr(store, "write_entry", None)
         if self.shared or not callable(write_entry) or not self.writable():
             return None
-        slot: Sized | None = write_entry(parts, codec.size_of(parts))
+        slot: Sized | None = write_entry(parts, codec.size_of(parts), name=self.name, key=key)
         return slot
 
     def discard(self, entries: Iterable[Sized]) -> None:
@@ -575,7 +575,7 @@ class SampleCache:
             if tag is not None:
                 state.counts["dropped"] += 1
             return codec.join(parts) if keep else None
-        slot = None if keep else state.write_entry(parts)
+        slot = None if keep else state.write_entry(key, parts)
         if slot is not None:
             state.offer(key, slot)
             return None

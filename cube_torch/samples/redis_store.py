@@ -161,10 +161,12 @@ class _RedisBase(ABC):
         except _errors() as exc:
             raise _store_error(self.url, exc) from None
 
-    def write_entry(self, parts: Sequence[Part], size: int) -> bytearray:
+    def write_entry(self, parts: Sequence[Part], size: int, *, name: str | None = None,
+                    key: int | None = None) -> bytearray:
         """The entry's parts copied into a buffer of this store's (the one copy,
         ``codec.write_parts``), to hand to ``put_many``, which frees it for a later entry of
-        the same size: memory already touched (see POOL_BYTES)."""
+        the same size: memory already touched (see POOL_BYTES).  (``name`` and ``key``, for
+        the daemon store's checksum, are not needed here.)"""
         with self._free_lock:
             free = self._free.get(size)
             buffer = free.pop() if free else None

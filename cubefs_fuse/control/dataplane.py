@@ -10,8 +10,10 @@ caps and descriptor reserve (control/server.py).
 
 The conversation, one connection per DataLoader worker (client: cube_torch/fastpath.py):
 
-* ``{"op": "hello"}`` → ``{"ring": <bytes>, "version": 1}`` with the ring's memfd
-  (SCM_RIGHTS).  The ring is created per connection: ``memfd_create`` (no path: it can
+* ``{"op": "hello"}`` → ``{"ring": <bytes>, "version": 1, "uid": <the peer's uid>}`` with
+  the ring's memfd (SCM_RIGHTS).  ``uid`` is the peer as the daemon sees it (SO_PEERCRED,
+  in the daemon's user namespace): the owner a sample entry's checksum names
+  (control/sampleplane.py's ``sample_put``).  The ring is created per connection: ``memfd_create`` (no path: it can
   only be reached through this descriptor, or by the daemon's uid through /proc), sized,
   then sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
   before it is handed over, so the peer cannot truncate it under the daemon's mapping.
@@ -168,7 +170,7 @@ class DataPlane:
                     if ring is None:
                         ring = await trio.to_thread.run_sync(Ring, self.ring_bytes)
                         self.rings += 1
-                    reply = json.dumps({"ring": ring.size, "version": DATA_PROTOCOL_VERSION}).encode()
+                    reply = json.dumps({"ring": ring.size, "version": DATA_PROTOCOL_VERSION, "uid": peer.uid}).encode()
                     await sock.sendmsg([reply], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [ring.fd]))])
                     continue
                 if ring is None:

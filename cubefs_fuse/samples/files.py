@@ -16,7 +16,9 @@ fields, the name and the payload) and the name, zeros to the block's end; the pa
 follows, then zeros up to the next boundary.  The header repeats the owner, the name and
 the key, so bytes found elsewhere are never taken for another entry, and the checksum is
 checked on every read: a damaged entry is answered as a miss, never served (the store
-then frees it).  Entries of format 2 (the payload right after the name, in the same
+then frees it).  The checksum (samples/checksum.py) is the client's when it sent one with
+the put (computed where the entry was just written, still in its CPU's cache), else
+computed here from the payload.  Entries of format 2 (the payload right after the name, in the same
 block: written before format 3) are still read, scanned and freed.
 
 **Writing without the page cache** (``O_DIRECT``): a payload whose memory is page-aligned
@@ -61,15 +63,14 @@ import secrets
 import shutil
 import struct
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import xxhash
-
 from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.limits import MAX_NAME, MAX_SAMPLE_ENTRY_BYTES
+from cubefs_fuse.samples.checksum import entry_digest
 
 # magic, format, name length, owner uid, key, payload length, xxh3-64 of header fields + name + payload
 _HEADER = struct.Struct("<4sHHIqQQ")
@@ -137,14 +138,6 @@ def layout(sizes: Sequence[int]) -> list[int]:
     return offsets
 
 
-def _digest(uid: int, name: bytes, key: int, payload: bytes | memoryview) -> int:
-    h = xxhash.xxh3_64()
-    h.update(struct.pack("<IqQ", uid, key, len(payload)))
-    h.update(name)
-    h.update(payload)
-    return h.intdigest()
-
-
 def cache_dir(root: str, uid: int, name: str) -> str:
     return os.path.join(root, str(uid), name)
 
@@ -205,10 +198,14 @@ def release(punches: Sequence[tuple[str, int, int]], unlink: Sequence[str]) -> N
 
 def write_segments(root: str, uid: int, name: str,
                    segments: Sequence[tuple[int, Sequence[tuple[int, bytes | memoryview]]]],
-                   punches: Sequence[tuple[str, int, int]], unlink: Sequence[str], free_ratio: float) -> WriteResult:
+                   punches: Sequence[tuple[str, int, int]], unlink: Sequence[str], free_ratio: float,
+                   digests: Mapping[int, int] | None = None) -> WriteResult:
     """Free what ``punches`` and ``unlink`` name (evicted entries), then write each
     (segment id, [(key, payload), ...]) as one new segment, its entries laid out as
-    :func:`layout` says.  A segment is written whole or removed."""
+    :func:`layout` says.  A segment is written whole or removed.  ``digests``: checksums
+    the client sent (key -> :func:`~cubefs_fuse.samples.checksum.entry_digest`), stored as
+    given (a wrong one makes its entry fail the read's check: a miss, never served);
+    the others are computed here."""
     release(punches, unlink)
     encoded = name.encode()
     written: list[bool] = []
@@ -221,7 +218,7 @@ def write_segments(root: str, uid: int, name: str,
             continue
         path = segment_path(root, uid, name, segment)
         try:
-            _write_segment(path, uid, encoded, items)
+            _write_segment(path, uid, encoded, items, digests or {})
             written.append(True)
         except OSError:
             with contextlib.suppress(OSError):
@@ -231,12 +228,16 @@ def write_segments(root: str, uid: int, name: str,
     return WriteResult(written, errors, skipped)
 
 
-def _head(uid: int, name: bytes, key: int, payload: bytes | memoryview) -> bytes:
-    """An entry's header and name (its head block without the zeros)."""
-    return _HEADER.pack(_MAGIC, _FORMAT, len(name), uid, key, len(payload), _digest(uid, name, key, payload)) + name
+def _head(uid: int, name: bytes, key: int, payload: bytes | memoryview, digest: int | None) -> bytes:
+    """An entry's header and name (its head block without the zeros); ``digest``: the
+    checksum its client sent with the put (None: computed here, a read of the payload)."""
+    if digest is None:
+        digest = entry_digest(uid, name, key, payload)
+    return _HEADER.pack(_MAGIC, _FORMAT, len(name), uid, key, len(payload), digest) + name
 
 
-def _write_segment(path: str, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> None:
+def _write_segment(path: str, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]],
+                   digests: Mapping[int, int]) -> None:
     """Create the segment and write its entries: without the page cache when every payload
     is page-aligned in memory and the filesystem allows it (see the module docstring),
     else through it."""
@@ -250,7 +251,7 @@ def _write_segment(path: str, uid: int, name: bytes, items: Sequence[tuple[int, 
     try:
         if direct:
             try:
-                _write_direct(fd, uid, name, items)
+                _write_direct(fd, uid, name, items, digests)
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
@@ -262,7 +263,7 @@ def _write_segment(path: str, uid: int, name: bytes, items: Sequence[tuple[int, 
             fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
             os.lseek(fd, 0, os.SEEK_SET)
         for key, payload in items:
-            _write_buffered(fd, uid, name, key, payload)
+            _write_buffered(fd, uid, name, key, payload, digests.get(key))
     finally:
         os.close(fd)
 
@@ -285,18 +286,19 @@ def _create(path: str, direct: bool) -> int | None:
         raise
 
 
-def _write_buffered(fd: int, uid: int, name: bytes, key: int, payload: bytes | memoryview) -> None:
+def _write_buffered(fd: int, uid: int, name: bytes, key: int, payload: bytes | memoryview, digest: int | None) -> None:
     """One entry at the descriptor's position: its head block, its payload, zeros up to the
     next ALIGN boundary.  One ``writev`` per entry, not one for the segment: measured on
     the daemon's 6.18 kernel (ext4, a VM), a multi-megabyte buffered writev cost 2-3x the
     system time of the same bytes in per-entry calls, and a call costs ~2 us."""
-    head = _head(uid, name, key, payload)
+    head = _head(uid, name, key, payload, digest)
     pad = -len(payload) % ALIGN
     if os.writev(fd, [head, _ZEROS[:ALIGN - len(head)], payload, _ZEROS[:pad]]) != ALIGN + len(payload) + pad:
         raise OSError(errno.ENOSPC, "short write")
 
 
-def _write_direct(fd: int, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]]) -> None:
+def _write_direct(fd: int, uid: int, name: bytes, items: Sequence[tuple[int, bytes | memoryview]],
+                  digests: Mapping[int, int]) -> None:
     """The entries (page-aligned payloads) with O_DIRECT, DIRECT_CHUNK per ``writev``: every
     piece a whole number of aligned blocks, the head blocks and the payloads' last partial
     blocks copied into this thread's scratch blocks.  One call for a batch, not one per
@@ -309,7 +311,7 @@ def _write_direct(fd: int, uid: int, name: bytes, items: Sequence[tuple[int, byt
         iov: list[bytes | memoryview] = []
         total = 0
         for j, (key, payload) in enumerate(chunk):
-            head = _head(uid, name, key, payload)
+            head = _head(uid, name, key, payload, digests.get(key))
             block, tail = blocks[2 * j * ALIGN:(2 * j + 1) * ALIGN], blocks[(2 * j + 1) * ALIGN:(2 * j + 2) * ALIGN]
             block[:len(head)] = head
             block[len(head):] = _ZEROS[len(head):]
@@ -488,8 +490,8 @@ def _read_into(fd: int, uid: int, name: bytes, key: int, offset: int, expected: 
     digest = _HEADER.unpack_from(head)[6]
     if target.keep:
         data = bytes(payload[:expected])
-        return data if _digest(uid, name, key, data) == digest else None
-    return True if _digest(uid, name, key, payload[:expected]) == digest else None
+        return data if entry_digest(uid, name, key, data) == digest else None
+    return True if entry_digest(uid, name, key, payload[:expected]) == digest else None
 
 
 def _head_scratch() -> memoryview:
@@ -521,7 +523,7 @@ def _read_one(fd: int, size: int, uid: int, name: bytes, key: int, offset: int) 
         data = os.pread(fd, length, start)
     except OSError:
         return False
-    if len(data) != length or _digest(uid, name, key, data) != _HEADER.unpack_from(head)[6]:
+    if len(data) != length or entry_digest(uid, name, key, data) != _HEADER.unpack_from(head)[6]:
         return False
     return data
 

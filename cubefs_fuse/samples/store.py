@@ -45,7 +45,7 @@ import re
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -436,8 +436,11 @@ class SampleStore:
                     self.disk_policy.unplan(pk)
         return got
 
-    async def put_many(self, caller: int, reference: Any, items: Sequence[tuple[int, Payload]]) -> int:
-        """Store what fits; how many entries were kept.
+    async def put_many(self, caller: int, reference: Any, items: Sequence[tuple[int, Payload]],
+                       digests: Mapping[int, int] | None = None) -> int:
+        """Store what fits; how many entries were kept.  ``digests``: the checksums the
+        client sent for some keys (their entries' last put in ``items``), written to NVMe
+        as given (files.write_segments).
 
         With an NVMe tier an entry is written there only, straight from ``items`` (it
         enters RAM when a get first reads it); RAM takes what NVMe does not (no room, the
@@ -470,7 +473,7 @@ class SampleStore:
                 shard[inner] = index.resized(word, size)
             cache.stored += 1
         if self.disk_limit:
-            kept, copies = await self._write(cache, latest)
+            kept, copies = await self._write(cache, latest, digests)
         else:  # up to a ring of bytes: copied in a worker thread
             kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
         ram = cache.ram.shards
@@ -702,7 +705,8 @@ class SampleStore:
         if word is not None:
             cache.bytes -= size_of(word)
 
-    async def _write(self, cache: _Cache, items: dict[int, Payload]) -> tuple[set[int], list[tuple[int, bytes]]]:
+    async def _write(self, cache: _Cache, items: dict[int, Payload],
+                     digests: Mapping[int, int] | None = None) -> tuple[set[int], list[tuple[int, bytes]]]:
         """Write the items as one new segment, evicting what must go, in one worker-thread
         hop: the keys written, and copies of the items that were not (for RAM)."""
         async with cache.io_lock:
@@ -755,7 +759,7 @@ class SampleStore:
                 result, copies = await trio.to_thread.run_sync(
                     _write_and_copy, self.root, cache.owner, cache.name,
                     [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
-                    release, self.free_ratio, others if self.mem_limit else None, limiter=self._limiter)
+                    release, self.free_ratio, others if self.mem_limit else None, digests, limiter=self._limiter)
             finally:
                 self.disk_used -= stale
                 written: set[int] = set()
@@ -884,11 +888,12 @@ def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:
 
 def _write_and_copy(root: str, owner: int, name: str, segments: list[tuple[int, list[tuple[int, Payload]]]],
                     release: _Release, free_ratio: float,
-                    others: list[tuple[int, Payload]] | None) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
+                    others: list[tuple[int, Payload]] | None,
+                    digests: Mapping[int, int] | None) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
     """A put's worker-thread part: free what it evicts, write its segments, and copy for RAM
     what NVMe did not take (``others``, and the entries of a segment that failed; None:
     there is no RAM tier, nothing to copy)."""
-    result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio)
+    result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio, digests)
     if others is None:
         return result, []
     for (_, entries), ok in zip(segments, result.written):

@@ -32,6 +32,7 @@ from cubefs_fuse.control.dataplane import DataPlane, Ring
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
+from cubefs_fuse.samples import files
 from cubefs_fuse.samples.store import SampleStore
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,6 +80,45 @@ async def test_round_trip_plan_and_misses(tmp_path: Path) -> None:
         assert (stats.name, stats.owner, stats.entries, stats.hits, stats.misses, stats.planned) == \
             ("sweep", os.geteuid(), 50, 2, 2, 50)
         assert plane.connections == 1  # one connection for every call
+        client.close()
+
+
+async def test_entries_written_in_place_carry_the_clients_checksum(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slot written for (name, key) carries the entry's checksum, computed by the client
+    with the uid the hello answered; the put sends it and the daemon stores it without
+    reading the payload.  Every read still checks it: a wrong one is a miss, never served,
+    and the entry is freed.  A put without one (bytes) has the daemon compute it."""
+    computed: list[int] = []
+    real = files.entry_digest
+
+    def counted(uid: int, name: bytes, key: int, payload: Any) -> int:
+        computed.append(key)
+        return real(uid, name, key, payload)
+
+    monkeypatch.setattr(files, "entry_digest", counted)
+    async with serving(tmp_path) as (store, _, vol):
+        client = DaemonStore(vol, config_dir=str(tmp_path))
+
+        def put() -> None:
+            client.prepare()
+            good = client.write_entry([entry(5, 9000)], 9000, name="sums", key=5)
+            bad = client.write_entry([entry(6, 9000)], 9000, name="sums", key=6)
+            other = client.write_entry([entry(7, 9000)], 9000, name="sums", key=7)  # put under another key below
+            assert good is not None and bad is not None and other is not None
+            assert good.digest == real(os.geteuid(), b"sums", 5, entry(5, 9000))
+            assert bad.digest is not None
+            bad.digest ^= 1  # what a buggy client might send
+            client.put_many("sums", [(5, good), (6, bad), (8, other), (9, entry(9, 500))])
+
+        await trio.to_thread.run_sync(put)
+        assert client._channel is not None and client._channel.uid == os.geteuid()  # the hello's answer
+        assert sorted(computed) == [8, 9]  # the daemon read only what came without a checksum of its own
+        got = await trio.to_thread.run_sync(client.get_many, "sums", [5, 6, 8, 9])
+        assert got == [entry(5, 9000), None, entry(7, 9000), entry(9, 500)]
+        assert store.corrupt == 1 and store.statistics().caches[0].entries == 3  # the bad one freed
+        with pytest.raises(StoreError, match="unsigned 64-bit"):
+            await trio.to_thread.run_sync(client._call, {"op": "sample_put", "name": "sums", "items": [[1, 0, 8, -1]]})
         client.close()
 
 

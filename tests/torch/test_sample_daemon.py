@@ -113,6 +113,9 @@ def test_same_tensors_every_epoch_and_a_second_run_reuses(volume: tuple[Mount, s
     assert_same(epochs(loader(cached(root, after_restart, name)), 1), want[:1])
     assert computed(after_restart) == []
     assert cache_counts(mount, name)["hits"] == FILES
+    # Those entries were read from NVMe, each checked against the checksum its DataLoader
+    # worker computed and sent with the put: every one held.
+    assert status(mount)["corrupt"] == 0
 
 
 def test_two_ranks_share_entries(volume: tuple[Mount, str], tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from cube_torch.samples.daemon_store import REFRESH_AFTER, SLOT_ALIGN, DaemonStore, RingSlot
+from cubefs_fuse.samples.checksum import entry_digest
 
 RING = 1000
 
@@ -32,7 +33,7 @@ class FakeChannel:
         assert not self.closed
         self.log.append(request)
         if request["op"] == "sample_put":
-            for key, offset, size in request["items"]:
+            for key, offset, size, *_digest in request["items"]:
                 self.stored[key] = bytes(self.ring[offset:offset + size])
             return {"stored": len(request["items"])}
         if request["op"] == "sample_plan":
@@ -87,6 +88,27 @@ def test_a_slot_is_sent_as_it_lies_and_freed_once_answered(store: RingStore) -> 
     assert not slot.live and not second.live and not store._slots
     with pytest.raises(ValueError, match="parts for a buffer"):
         store.write_entry([b"abc"], 4)
+
+
+def test_a_slot_written_for_its_key_carries_the_entrys_checksum(store: RingStore) -> None:
+    """With the uid the daemon answered the hello with, a slot written for (name, key) has
+    the entry's checksum as the daemon stores it, and a put of that key in that cache
+    sends it; a put under another key or name, another user's cache, or a daemon that
+    did not say the uid: no checksum (the daemon computes it)."""
+    store.put_many("c", [(0, b"x")])  # connects
+    channel = store.channels[-1]
+    assert store.write_entry([b"ab"], 2, name="c", key=1).digest is None  # type: ignore[union-attr]  # no uid said
+    channel.uid = 1234  # type: ignore[attr-defined]
+    slots = [store.write_entry([entry(k, 50)], 50, name=name, key=k)
+             for k, name in ((2, "c"), (3, "c"), (4, "c"), (5, "~7/c"))]
+    assert all(slot is not None for slot in slots)
+    assert slots[0].digest == entry_digest(1234, b"c", 2, entry(2, 50))  # type: ignore[union-attr]
+    assert slots[3].digest is None  # type: ignore[union-attr]  # another user's cache: never put anyway
+    store.put_many("c", [(2, slots[0]), (30, slots[1])])
+    store.put_many("d", [(4, slots[2])])
+    assert [item[3:] for item in store.log[-2]["items"]] == [[slots[0].digest], []]  # type: ignore[union-attr]
+    assert store.log[-1]["items"][0][3:] == []
+    assert store.stored[30] == entry(3, 50)
 
 
 def test_slots_start_at_page_boundaries(monkeypatch: pytest.MonkeyPatch) -> None:

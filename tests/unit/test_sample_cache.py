@@ -421,8 +421,11 @@ class SlotStore(MemoryStore):
         self.room = room
         self.live: set[int] = set()
         self.slots = self.released = 0
+        self.written_for: list[tuple[str | None, int | None]] = []  # (name, key) of each write_entry
 
-    def write_entry(self, parts: list[codec.Part], size: int) -> Slot | None:
+    def write_entry(self, parts: list[codec.Part], size: int, *, name: str | None = None,
+                    key: int | None = None) -> Slot | None:
+        self.written_for.append((name, key))
         if len(self.live) >= self.room:
             return None
         slot = Slot(bytes(codec.join(parts)))
@@ -472,6 +475,7 @@ def test_entries_go_into_the_stores_buffer_as_snapshots_taken_at_compute_time(mo
     for value in got:
         value.mul_(0)  # a transform after the cache, in place
     assert writer.slots == 3  # keys 1-3 in the buffer; 4 (asked twice) and 5 (no room) as bytes
+    assert writer.written_for[-4:] == [("slots", k) for k in (1, 2, 3, 5)]  # each under its key
     assert torch.equal(got[4], values[4] * 0) and got[3] is not got[4]
     writer.stall.set()
     assert c.flush(10)
@@ -574,9 +578,9 @@ def test_a_full_buffer_frees_the_slots_it_drops() -> None:
     c = SampleCache("dropped", store, max_pending_entries=1)
     state = c._here()
     state.write_store = store  # as if opened by the writer thread (a caller's object is never given slots)
-    assert state.write_entry([b"x"]) is None  # a caller's object: shared with reads
+    assert state.write_entry(1, [b"x"]) is None  # a caller's object: shared with reads
     state.shared = False
-    slot = state.write_entry([b"ab", b"c"])
+    slot = state.write_entry(1, [b"ab", b"c"])
     assert isinstance(slot, Slot) and slot.data == b"abc"
     with state.cond:
         state.pending.append((9, b"busy"))  # the buffer is full
