@@ -138,8 +138,9 @@ class DaemonStore:
         return out
 
     def put_many(self, name: str, items: Sequence[tuple[int, bytes | bytearray | RingSlot]]) -> None:
-        """Store the entries: bytes are copied into the ring first; RingSlots of this
-        store's current ring are sent as they lie (those of a replaced ring are dropped)."""
+        """Store the entries: bytes are copied into the ring first (and checksummed there,
+        see write_entry); RingSlots of this store's current ring are sent as they lie (those
+        of a replaced ring are dropped)."""
         if name.startswith("~"):
             self._release(entry for _, entry in items)
             return  # another user's cache: read-only
@@ -149,11 +150,12 @@ class DaemonStore:
             if items:
                 self._connect()
             for key, entry in items:
-                slot = entry if isinstance(entry, RingSlot) else self.write_entry([entry], len(entry))
+                slot = (entry if isinstance(entry, RingSlot)
+                        else self.write_entry([entry], len(entry), name=name, key=key))
                 if slot is None and batch and not isinstance(entry, RingSlot):
                     self._put(name, batch, sent)  # the ring is full of this batch: send it, then go on
                     batch, sent = [], []
-                    slot = self.write_entry([entry], len(entry))
+                    slot = self.write_entry([entry], len(entry), name=name, key=key)
                 if slot is None or not (slot.live and slot.channel is self._channel):
                     continue  # larger than the ring, the ring full of unsent slots, or replaced: dropped
                 item = [int(key), slot.offset, slot.size]
