@@ -19,8 +19,9 @@ the writer thread's ``put_many`` sends its slot, with no second copy; a slot liv
 its ``sample_put`` is answered.  Given the entry's cache name and key, ``write_entry`` also
 computes the entry's checksum right after the copy, while the bytes are in this CPU's
 cache (~4 us for 150 KB), and the put carries it: the daemon then never reads the payload
-(its own checksum of it, from memory another CPU wrote, cost ~17 us of its CPU per entry).  Plans go through a connection of their own, opened per
-plan (the daemon writes its answer at the start of the ring, where slots may live).
+(its own checksum of it, from memory another CPU wrote, cost ~17 us of its CPU per entry).
+Plans go through a connection of their own, opened per plan (the daemon writes its answer
+at the start of the ring, where slots may live).
 
 Timeouts: connecting and the hello within :data:`~cube_torch.fastpath.CONNECT_TIMEOUT`
 (2 s), each answer within :data:`~cube_torch.fastpath.REPLY_TIMEOUT` (10 s).  Any failure
@@ -42,9 +43,9 @@ import numpy as np
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
 from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
-from cubefs_fuse.samples.checksum import entry_digest
 from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError,
                                           read_volume_config)
+from cubefs_fuse.samples.checksum import entry_digest
 
 # The daemon closes a data connection idle for 60 s (control/dataplane.py's IDLE_DEADLINE);
 # one idle for half of that is replaced before use (a hello: well under a millisecond), so

@@ -13,10 +13,11 @@ The conversation, one connection per DataLoader worker (client: cube_torch/fastp
 * ``{"op": "hello"}`` → ``{"ring": <bytes>, "version": 1, "uid": <the peer's uid>}`` with
   the ring's memfd (SCM_RIGHTS).  ``uid`` is the peer as the daemon sees it (SO_PEERCRED,
   in the daemon's user namespace): the owner a sample entry's checksum names
-  (control/sampleplane.py's ``sample_put``).  The ring is created per connection: ``memfd_create`` (no path: it can
-  only be reached through this descriptor, or by the daemon's uid through /proc), sized,
-  then sealed against shrinking and growing (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``)
-  before it is handed over, so the peer cannot truncate it under the daemon's mapping.
+  (control/sampleplane.py's ``sample_put``).  The ring is created per connection:
+  ``memfd_create`` (no path: it can only be reached through this descriptor, or by the
+  daemon's uid through /proc), sized, then sealed against shrinking and growing
+  (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is handed over, so the peer
+  cannot truncate it under the daemon's mapping.
 * ``{"op": "batch", "paths": [<relative path>, ...]}`` → ``{"files": [[offset, length] |
   null, ...]}``: one entry per path, ``null`` meaning "read it through the mount".  The
   served files' bytes are laid out in the ring from offset 0, in order.

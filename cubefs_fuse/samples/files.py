@@ -18,8 +18,8 @@ the key, so bytes found elsewhere are never taken for another entry, and the che
 checked on every read: a damaged entry is answered as a miss, never served (the store
 then frees it).  The checksum (samples/checksum.py) is the client's when it sent one with
 the put (computed where the entry was just written, still in its CPU's cache), else
-computed here from the payload.  Entries of format 2 (the payload right after the name, in the same
-block: written before format 3) are still read, scanned and freed.
+computed here from the payload.  Entries of format 2 (the payload right after the name,
+in the same block: written before format 3) are still read, scanned and freed.
 
 **Writing without the page cache** (``O_DIRECT``): a payload whose memory is page-aligned
 (the data connection's ring, where cube_torch places entries at page boundaries) goes from
@@ -67,6 +67,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.limits import MAX_NAME, MAX_SAMPLE_ENTRY_BYTES
