@@ -43,9 +43,8 @@ import numpy as np
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
 from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
-from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError,
+from cubefs_fuse.control.protocol import (MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS, ProtocolError, entry_digest,
                                           read_volume_config)
-from cubefs_fuse.samples.checksum import entry_digest
 
 # The daemon closes a data connection idle for 60 s (control/dataplane.py's IDLE_DEADLINE);
 # one idle for half of that is replaced before use (a hello: well under a millisecond), so

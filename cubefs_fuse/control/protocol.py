@@ -1,7 +1,8 @@
 """The ai_prefetch wire protocol, shared by the daemon and cube_torch.
 
-Standard library only: ``cube_torch`` imports this module inside training processes
-and must not pull in trio, pyfuse3 or numpy through it.
+Standard library only, and xxhash for the sample entries' checksum (``entry_digest``,
+from samples/checksum.py: a client sends it with a put): ``cube_torch`` imports this
+module inside training processes and must not pull in trio, pyfuse3 or numpy through it.
 
 * The **per-volume config file** ``<configDir>/cube_torch.config.<volName>`` tells a
   client where the daemon is.  The first four fields are the ones CubeFS's client
@@ -38,6 +39,7 @@ from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
 from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES as MAX_SAMPLE_ENTRY_BYTES
 from cubefs_fuse.limits import MAX_SAMPLE_KEYS as MAX_SAMPLE_KEYS
 from cubefs_fuse.limits import MAX_SAMPLE_PLAN_KEYS as MAX_SAMPLE_PLAN_KEYS
+from cubefs_fuse.samples.checksum import entry_digest as entry_digest
 
 PROTOCOL_VERSION = 1
 CONFIG_FILE_PREFIX = "cube_torch.config."

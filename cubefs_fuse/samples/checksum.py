@@ -7,7 +7,8 @@ little-endian, then the cache's name (UTF-8), then the payload.  ``uid`` is the 
 the daemon sees it (its SO_PEERCRED uid, which the data socket's hello answers: in a user
 namespace it differs from the client's own ``os.geteuid()``).
 
-Imported by cube_torch inside training processes: xxhash and the standard library only.
+Imported by cube_torch inside training processes (through control/protocol.py): xxhash and
+the standard library only.
 """
 
 from __future__ import annotations
