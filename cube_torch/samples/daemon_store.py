@@ -191,7 +191,7 @@ class DaemonStore:
             if offset is None:
                 return None
             slot = RingSlot(channel, offset, size)
-            uid = getattr(channel, "uid", None)
+            uid = channel.uid
             with memoryview(channel.ring) as ring, ring[offset:offset + size] as view:
                 write_parts(list(parts), view)  # (released before the lock is: close never meets an export)
                 if uid is not None and name is not None and key is not None and not name.startswith("~"):

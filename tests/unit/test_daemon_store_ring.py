@@ -22,6 +22,8 @@ RING = 1000
 class FakeChannel:
     """A data connection: its ring, and the daemon's answers (puts stored in ``stored``)."""
 
+    uid: int | None = None  # what the hello answered (None: a daemon that does not say)
+
     def __init__(self, stored: dict[int, bytes], log: list[dict[str, Any]]) -> None:
         self.size = RING
         self.ring = bytearray(RING)
@@ -98,7 +100,7 @@ def test_a_slot_written_for_its_key_carries_the_entrys_checksum(store: RingStore
     store.put_many("c", [(0, b"x")])  # connects
     channel = store.channels[-1]
     assert store.write_entry([b"ab"], 2, name="c", key=1).digest is None  # type: ignore[union-attr]  # no uid said
-    channel.uid = 1234  # type: ignore[attr-defined]
+    channel.uid = 1234
     slots = [store.write_entry([entry(k, 50)], 50, name=name, key=k)
              for k, name in ((2, "c"), (3, "c"), (4, "c"), (5, "~7/c"))]
     assert all(slot is not None for slot in slots)
