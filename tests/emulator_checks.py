@@ -19,6 +19,10 @@ from benchmarks.suite.remote import EMULATOR_THREADS, RemoteStats
 # machine can swamp one round of microsecond timings; a systematic error fails every
 # round, noise rarely fails every one.
 ROUNDS = 5
+# How far from the setting the mean slept delay and the mean delay an application sees may
+# be (fractions of the setting); check_latency explains the second's wider band.
+SLEPT_TOLERANCE = 0.10
+SEEN_TOLERANCE = 0.20
 
 
 class Emulator(Protocol):
@@ -49,10 +53,17 @@ def trimmed_mean(values: list[float], fraction: float = 0.1) -> float:
 
 def check_latency(slow: Emulator, fast: Emulator, relative: str, latency_us: int, pairs: int, *,
                   name: str, max_extra_delays: int | None = None) -> None:
-    """The delay ``slow`` sleeps and the delay an application sees (against ``fast``, a
-    zero-latency twin of the same source, reads alternated so machine noise hits both
-    alike) are within 10 % of ``latency_us`` on average.  Each pread must be exactly one
-    remote read; ``max_extra_delays`` bounds other delayed operations per round."""
+    """The delay ``slow`` sleeps is within 10 % of ``latency_us`` on average, and the delay
+    an application sees (against ``fast``, a zero-latency twin of the same source, reads
+    alternated so machine noise hits both alike) within 20 %.  Each pread must be exactly
+    one remote read; ``max_extra_delays`` bounds other delayed operations per round.
+
+    Why the application's figure gets the wider band: the alternation itself biases it low.
+    During the slow read's wait the VM's CPUs go idle, and the twin's read that follows pays
+    for waking them: on the 2-vCPU VMs it took ~193 us after a slow read against ~145 us
+    back to back, so 300 us showed as +265-281 us (-6 to -12 %) while 300.0 us were slept.
+    The slept figure is the emulator's own accuracy; the application's catches a delay off
+    the read's path (about 0) or a doubled one (about 2x), which 20 % still fails."""
     fds = [os.open(fs.mount_point / relative, os.O_RDONLY) for fs in (slow, fast)]
     try:
         for _ in range(50):  # warm up threads and the oversleep estimate
@@ -74,7 +85,8 @@ def check_latency(slow: Emulator, fast: Emulator, relative: str, latency_us: int
                 assert pairs <= delta.delays <= pairs + max_extra_delays
             added_us = trimmed_mean(differences) * 1e6
             seen.append(f"slept {delta.mean_delay_us:.1f} us, application saw +{added_us:.1f} us")
-            if max(abs(delta.mean_delay_us - latency_us), abs(added_us - latency_us)) <= 0.1 * latency_us:
+            if abs(delta.mean_delay_us - latency_us) <= SLEPT_TOLERANCE * latency_us \
+                    and abs(added_us - latency_us) <= SEEN_TOLERANCE * latency_us:
                 break
         else:
             pytest.fail(f"set {latency_us} us; {ROUNDS} rounds: {'; '.join(seen)}")

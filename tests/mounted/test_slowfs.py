@@ -116,7 +116,7 @@ def test_read_counts_and_bytes(slowfs: SlowFSProcess, source: Path) -> None:
 
 @pytest.mark.parametrize(("latency_us", "pairs"), [(300, 400), (2000, 100)])
 def test_latency_matches_setting(tmp_path: Path, source: Path, latency_us: int, pairs: int) -> None:
-    """Slept and application-seen delay within 10 % of the setting (emulator_checks)."""
+    """Slept delay within 10 % of the setting, application-seen within 20 % (emulator_checks)."""
     with SlowFSProcess(source, mount_dir(tmp_path, "slow"), latency_us=latency_us) as slow, \
             SlowFSProcess(source, mount_dir(tmp_path, "fast")) as fast:
         check_latency(slow, fast, "data.bin", latency_us, pairs, name="slowfs")

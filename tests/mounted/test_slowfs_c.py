@@ -178,7 +178,7 @@ def test_statistics_count_operations(slowfs: SlowFSCProcess, source: Path) -> No
 
 @pytest.mark.parametrize(("latency_us", "pairs"), [(300, 400), (2000, 100)])
 def test_latency_matches_setting(binary: Path, tmp_path: Path, source: Path, latency_us: int, pairs: int) -> None:
-    """Slept and application-seen delay within 10 % of the setting (emulator_checks); reading
+    """Slept delay within 10 % of the setting, application-seen within 20 % (emulator_checks); reading
     the stats file adds at most the root's getattr per round."""
     with _process(binary, source, mount_dir(tmp_path, "slow"), latency_us=latency_us) as slow, \
             _process(binary, source, mount_dir(tmp_path, "fast")) as fast:
