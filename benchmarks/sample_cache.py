@@ -17,6 +17,11 @@ times (default 9), each time on a fresh cache, and read as the median of those r
 the later epochs read the last one.  Bars: epoch 1 >= 0.9x, later epochs >= 2x.  Exit
 status 1 when a bar is missed.
 
+Each timed epoch also reads the whole machine's CPU per sample by kind from /proc/stat
+(``CPU_KINDS``): the fills' mean against their baselines' (``fill_cpu``) says what filling
+the store costs the machine, and how much of it went to the host (steal: on a VM, the
+host's work for its virtual disk among it, docs/benchmarks.md).
+
 A fresh cache is a new cache name in the daemon store (which writes entries to NVMe
 without the page cache: its memory does not grow with them), and a new, empty
 redis-server for ``--store redis`` (which keeps entries in its own memory): nine fills
@@ -81,11 +86,22 @@ REDIS_MAXMEMORY = "2gb"
 REDIS_START_TIMEOUT = 15.0
 
 
+# /proc/stat's first line (all CPUs, clock ticks), its fields summed by kind: user and nice;
+# system, irq and softirq; steal (time the host ran something else while this machine had
+# work: on a VM, the host's own work for it, e.g. its virtual disk's writes, shows here);
+# idle and iowait.
+CPU_KINDS = {"user": (0, 1), "system": (2, 5, 6), "steal": (7,), "idle": (3, 4)}
+
+
 @dataclass
 class Result:
     epoch: int
     baseline: float  # samples/s without the cache
     cached: float  # samples/s with it
+    # The whole machine's CPU per sample (us, by CPU_KINDS) in the cached epoch and in the
+    # baseline epochs it is compared with (their mean); None where /proc/stat is unreadable.
+    cached_cpu: dict[str, float] | None = None
+    baseline_cpu: dict[str, float] | None = None
 
     @property
     def ratio(self) -> float:
@@ -149,15 +165,58 @@ def make_photos(root: Path, files: int, *, classes: int = 10, seed: int = 0) -> 
     return total
 
 
+def machine_cpu() -> dict[str, float] | None:
+    """Seconds of all CPUs since boot by kind (CPU_KINDS), from /proc/stat; None where it
+    cannot be read."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return {kind: sum(ticks[i] for i in fields if i < len(ticks)) / hz for kind, fields in CPU_KINDS.items()}
+
+
 def timed_epoch(dl: DataLoader[Any]) -> float:
     """Samples per second of one epoch (the batches consumed as a training step would)."""
+    return measured_epoch(dl)[0]
+
+
+def measured_epoch(dl: DataLoader[Any]) -> tuple[float, dict[str, float] | None]:
+    """Samples per second of one epoch, and the whole machine's CPU per sample over it (us
+    by CPU_KINDS; clock ticks of 10 ms: one epoch of 320 samples reads to ~30 us a sample)."""
+    cpu_before = machine_cpu()
     started = time.perf_counter()
     samples = 0
     checksum = 0.0
     for images, _labels in dl:
         samples += len(images)
         checksum += float(images[:, :, 0, 0].float().mean())  # touch the batch
-    return samples / (time.perf_counter() - started)
+    rate = samples / (time.perf_counter() - started)
+    cpu_after = machine_cpu()
+    if cpu_before is None or cpu_after is None or not samples:
+        return rate, None
+    return rate, {kind: (cpu_after[kind] - cpu_before[kind]) / samples * 1e6 for kind in CPU_KINDS}
+
+
+def _mean_cpu(*figures: dict[str, float] | None) -> dict[str, float] | None:
+    """The mean per kind of CPU figures (None when one is missing)."""
+    known = [f for f in figures if f is not None]
+    if not known or len(known) != len(figures):
+        return None
+    return {kind: sum(f[kind] for f in known) / len(known) for kind in CPU_KINDS}
+
+
+def fill_cpu(fills: list[Result]) -> dict[str, dict[str, float]] | None:
+    """results.json's ``machine_cpu``: the whole machine's CPU per sample (us by CPU_KINDS),
+    the mean over the fills (``fills``) and over the baseline epochs they are compared with
+    (``baselines``); None where not measured.  It shows what a fill costs the machine beyond
+    the baseline, and of what kind (the host's steal, above all, differs between VMs)."""
+    cached = _mean_cpu(*(r.cached_cpu for r in fills))
+    baseline = _mean_cpu(*(r.baseline_cpu for r in fills))
+    if cached is None or baseline is None:
+        return None
+    return {"fills": cached, "baselines": baseline}
 
 
 @contextmanager
@@ -226,23 +285,24 @@ def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, lim
         # each cached epoch is compared with the mean of the baseline epochs just before and
         # after it, so a drift of the machine's load during the run cancels out.
         timed_epoch(base)
-        before = timed_epoch(base)
+        before, before_cpu = measured_epoch(base)
         filled: list[Result] = []
         cached = base
         for fill in range(fills):
             cached = cached_loader(fill)
-            with_cache = timed_epoch(cached)
-            after = timed_epoch(base)
-            filled.append(Result(1, (before + after) / 2, with_cache))
-            before = after
+            with_cache, cached_cpu = measured_epoch(cached)
+            after, after_cpu = measured_epoch(base)
+            filled.append(Result(1, (before + after) / 2, with_cache, cached_cpu, _mean_cpu(before_cpu, after_cpu)))
+            before, before_cpu = after, after_cpu
             if on_epoch is not None:
                 on_epoch(filled[-1])
         results = [sorted(filled, key=lambda r: r.ratio)[len(filled) // 2]]
         for epoch in range(2, epochs + 1):
-            with_cache = timed_epoch(cached)
-            after = timed_epoch(base)
-            results.append(Result(epoch, (before + after) / 2, with_cache))
-            before = after
+            with_cache, cached_cpu = measured_epoch(cached)
+            after, after_cpu = measured_epoch(base)
+            results.append(Result(epoch, (before + after) / 2, with_cache, cached_cpu,
+                                  _mean_cpu(before_cpu, after_cpu)))
+            before, before_cpu = after, after_cpu
             if on_epoch is not None:
                 on_epoch(results[-1])
         return results, filled
@@ -256,7 +316,7 @@ def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, 
     title = {"redis": "redis (a new local redis-server on a unix socket for each fill, allkeys-lru)",
              "daemon": "daemon (cubefs-fuse ai_prefetch mount, RAM + NVMe)"}[store]
     figures: dict[str, Any] = {"store": title, "workers": workers, "files": files, "epochs": [], "fills": [],
-                               "error": None}
+                               "machine_cpu": None, "error": None}
     daemon: DaemonMount | None = None
     vol_name = os.environ.get("VOL_NAME")
     try:
@@ -270,6 +330,7 @@ def measure(workdir: Path, *, files: int, epochs: int, workers: int, seed: int, 
         figures["epochs"] = [{"epoch": r.epoch, "baseline_samples_per_s": r.baseline,
                               "cached_samples_per_s": r.cached, "ratio": r.ratio} for r in results]
         figures["fills"] = [r.ratio for r in fills]
+        figures["machine_cpu"] = fill_cpu(fills)
     except (HarnessError, OSError, RuntimeError, ValueError) as exc:
         figures["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     finally:
@@ -298,6 +359,16 @@ def _daemon(workdir: Path, source: Path) -> DaemonMount:
 def print_epoch(result: Result) -> None:
     print(f"epoch {result.epoch}: baseline {result.baseline:7.1f} samples/s, with the cache {result.cached:7.1f} "
           f"samples/s, ratio {result.ratio:.2f}x", flush=True)
+
+
+def cpu_line(figures: dict[str, dict[str, float]] | None) -> str | None:
+    """One line of ``fill_cpu``'s figures (None: not measured)."""
+    if figures is None:
+        return None
+    fills, baselines = figures["fills"], figures["baselines"]
+    return ("machine CPU per sample, fills (baselines), us: " + ", ".join(
+        f"{kind} {fills[kind]:,.0f} ({baselines[kind]:,.0f})" for kind in CPU_KINDS)
+        + "; all CPUs, /proc/stat")
 
 
 def verdict(results: list[Result]) -> list[str]:
@@ -357,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(fills) > 1:
             print(f"epoch 1 (the median of {len(fills)} fills of a fresh cache): "
                   + ", ".join(f"{r.ratio:.2f}x" for r in fills), flush=True)
+        line = cpu_line(fill_cpu(fills))
+        if line:
+            print(line, flush=True)
         missed = verdict(results)
         for line in missed:
             print(f"bar missed: {line}")

@@ -252,3 +252,14 @@ def test_sample_cache_epoch_1_names_its_fills() -> None:
     assert bar["passed"] is True
     assert "median of 3 fills" in bar["measured"] and "0.84, 0.91, 0.95" in bar["measured"]
     assert "(ratios 0.84, 0.91, 0.95)" in report.samples_table(figures)
+
+
+def test_sample_cache_table_shows_the_machines_cpu_per_sample() -> None:
+    """The fills' and the baselines' CPU per sample by kind, as measured (none: no table)."""
+    cpu = {"fills": {"user": 5828.1, "system": 781.2, "steal": 234.4, "idle": 437.5},
+           "baselines": {"user": 5687.5, "system": 671.9, "steal": 31.2, "idle": 468.8}}
+    table = report.samples_table({**_samples([0.89, 3.0]), "machine_cpu": cpu})
+    assert "| epochs | user | system | steal | idle |" in table
+    assert "| fills | 5,828 | 781 | 234 | 438 |" in table
+    assert "| baselines | 5,688 | 672 | 31 | 469 |" in table
+    assert "steal" not in report.samples_table({**_samples([0.89, 3.0]), "machine_cpu": None})
