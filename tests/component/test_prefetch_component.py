@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -105,12 +106,17 @@ async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
 
 
 async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Wait (in virtual time) until ``predicate`` holds.  Polling, not one long sleep:
-    under autojump_clock a sleep also ends while a worker thread (a plan's re-ranking)
-    is still running, so only the condition itself says the work is done."""
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.05)
+    """Wait until ``predicate`` holds, polling every 0.05 s of virtual time; TooSlowError
+    after ``timeout`` seconds of *real* time.  Polling, not one long sleep: under
+    autojump_clock a sleep also ends while a worker thread (a plan's re-ranking) is still
+    running, so only the condition itself says the work is done.  And the bound is real
+    time for the same reason: while a thread runs, each poll leaps the clock, so a slow
+    thread spent a 60 s virtual bound in milliseconds (CI on a slow VM, 2026-11-28)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise trio.TooSlowError(f"not within {timeout} s")
+        await trio.sleep(0.05)
 
 
 async def taken_in(s: System, rank: int = 0) -> None:
