@@ -177,14 +177,10 @@ def machine_cpu() -> dict[str, float] | None:
     return {kind: sum(ticks[i] for i in fields if i < len(ticks)) / hz for kind, fields in CPU_KINDS.items()}
 
 
-def timed_epoch(dl: DataLoader[Any]) -> float:
-    """Samples per second of one epoch (the batches consumed as a training step would)."""
-    return measured_epoch(dl)[0]
-
-
 def measured_epoch(dl: DataLoader[Any]) -> tuple[float, dict[str, float] | None]:
-    """Samples per second of one epoch, and the whole machine's CPU per sample over it (us
-    by CPU_KINDS; clock ticks of 10 ms: one epoch of 320 samples reads to ~30 us a sample)."""
+    """Samples per second of one epoch (the batches consumed as a training step would), and
+    the whole machine's CPU per sample over it (us by CPU_KINDS; clock ticks of 10 ms: one
+    epoch of 320 samples reads to ~30 us a sample)."""
     cpu_before = machine_cpu()
     started = time.perf_counter()
     samples = 0
@@ -201,10 +197,9 @@ def measured_epoch(dl: DataLoader[Any]) -> tuple[float, dict[str, float] | None]
 
 def _mean_cpu(*figures: dict[str, float] | None) -> dict[str, float] | None:
     """The mean per kind of CPU figures (None when one is missing)."""
-    known = [f for f in figures if f is not None]
-    if not known or len(known) != len(figures):
+    if not figures or any(f is None for f in figures):
         return None
-    return {kind: sum(f[kind] for f in known) / len(known) for kind in CPU_KINDS}
+    return {kind: sum(f[kind] for f in figures if f is not None) / len(figures) for kind in CPU_KINDS}
 
 
 def fill_cpu(fills: list[Result]) -> dict[str, dict[str, float]] | None:
@@ -284,27 +279,27 @@ def run(root: Path, store: str | None, epochs: int, workers: int, seed: int, lim
         # cached epochs alternate, starting and ending with a baseline one:
         # each cached epoch is compared with the mean of the baseline epochs just before and
         # after it, so a drift of the machine's load during the run cancels out.
-        timed_epoch(base)
-        before, before_cpu = measured_epoch(base)
-        filled: list[Result] = []
+        measured_epoch(base)
+        before = measured_epoch(base)
+
+        def compared(epoch: int, cached: DataLoader[Any]) -> Result:
+            """One epoch of ``cached``, then the baseline epoch after it."""
+            nonlocal before
+            with_cache, cached_cpu = measured_epoch(cached)
+            after = measured_epoch(base)
+            result = Result(epoch, (before[0] + after[0]) / 2, with_cache, cached_cpu, _mean_cpu(before[1], after[1]))
+            before = after
+            if on_epoch is not None:
+                on_epoch(result)
+            return result
+
         cached = base
+        filled: list[Result] = []
         for fill in range(fills):
             cached = cached_loader(fill)
-            with_cache, cached_cpu = measured_epoch(cached)
-            after, after_cpu = measured_epoch(base)
-            filled.append(Result(1, (before + after) / 2, with_cache, cached_cpu, _mean_cpu(before_cpu, after_cpu)))
-            before, before_cpu = after, after_cpu
-            if on_epoch is not None:
-                on_epoch(filled[-1])
+            filled.append(compared(1, cached))
         results = [sorted(filled, key=lambda r: r.ratio)[len(filled) // 2]]
-        for epoch in range(2, epochs + 1):
-            with_cache, cached_cpu = measured_epoch(cached)
-            after, after_cpu = measured_epoch(base)
-            results.append(Result(epoch, (before + after) / 2, with_cache, cached_cpu,
-                                  _mean_cpu(before_cpu, after_cpu)))
-            before, before_cpu = after, after_cpu
-            if on_epoch is not None:
-                on_epoch(results[-1])
+        results += [compared(epoch, cached) for epoch in range(2, epochs + 1)]
         return results, filled
 
 

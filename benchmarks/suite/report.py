@@ -533,13 +533,13 @@ def samples_table(figures: dict[str, Any]) -> str:
                   + ", ".join(f"{r:.2f}" for r in fills) + "); the later epochs read the last one."]
     cpu = figures.get("machine_cpu")
     if cpu:
-        kinds = ("user", "system", "steal", "idle")
+        kinds = list(cpu["fills"])  # user, system, steal, idle (sample_cache.CPU_KINDS)
         lines += ["", "The whole machine's CPU per sample (us, all CPUs, /proc/stat; means over the fills and over "
                   "the baseline epochs they are compared with; steal: the host's time, on a VM its work for this "
                   "machine's virtual disk among it):", "",
                   "| epochs | " + " | ".join(kinds) + " |", "|---|" + "---|" * len(kinds)]
-        lines += [f"| {label} | " + " | ".join(f"{cpu[key].get(k, 0.0):,.0f}" for k in kinds) + " |"
-                  for label, key in (("fills", "fills"), ("baselines", "baselines"))]
+        lines += [f"| {key} | " + " | ".join(f"{cpu[key][k]:,.0f}" for k in kinds) + " |"
+                  for key in ("fills", "baselines")]
     if figures["error"]:
         lines += ["", f"failed: {figures['error']}"]
     return "\n".join(lines)
