@@ -17,7 +17,6 @@ import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import pyfuse3
 import trio
 
 from cubefs_fuse import __version__, mounts, sdnotify
@@ -37,16 +36,14 @@ from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
-from cubefs_fuse.fs.adapter import FuseOperations
+from cubefs_fuse.fs import session as kernel
+from cubefs_fuse.fs.session import KernelSession
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
 
 log = logging.getLogger(__name__)
 
-# pyfuse3 request tasks: each in-flight FUSE request is one task.  256 covers the kernel's
-# max_background (64) plus synchronous requests of a few hundred reader threads.
-MAX_FUSE_TASKS = 256
 # How long shutdown waits for queued NVMe writes before giving up on them (the next
 # start then rescans the directory instead of reading the index).
 DRAIN_SECONDS = 10.0
@@ -75,8 +72,8 @@ class Daemon:
 
 
 def mount_options(config: ClientConfig) -> set[str]:
-    options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    options |= {"ro", "noatime", f"fsname=cubefs-fuse:{config.vol_name}", f"subtype={mounts.FUSE_SUBTYPE}"}
+    options = {"default_permissions",  # the kernel checks modes: no ACCESS request reaches us
+               "ro", "noatime", f"fsname=cubefs-fuse:{config.vol_name}", f"subtype={mounts.FUSE_SUBTYPE}"}
     if os.geteuid() == 0 or _user_allow_other():
         options.add("allow_other")  # training jobs run as other users than the daemon
     else:
@@ -155,11 +152,14 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
     config = daemon.config
     # The connection is tuned once the kernel has processed the answer to its INIT
     # request: that answer sets the readahead to min(current, the daemon's max_readahead
-    # = the kernel's own offer, 128 KiB) and would undo a tuning made before it.  The task
-    # runs as soon as the INIT handler (FuseOperations.init) has returned.
-    ops = FuseOperations(daemon.fs, entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
-                         on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point))
-    pyfuse3.init(ops, config.mount_point, mount_options(config))
+    # = the kernel's own offer, 128 KiB) and would undo a tuning made before it.  The
+    # session calls on_init once the INIT answer has been written (fs/_session.c).
+    try:
+        session = kernel.mount(daemon.fs, config.mount_point, mount_options(config),
+                               entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
+                               on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point))
+    except OSError as exc:
+        raise ConfigError(f"cannot mount {config.mount_point}: {exc}") from None
     stop_exporter: Callable[[], None] | None = None
     try:
         if config.exporter_port:
@@ -186,14 +186,14 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         async with trio.open_nursery() as nursery:
             # Handle signals before reporting readiness: a SIGTERM sent as soon as `mount`
             # returns must unmount cleanly, not kill the process and leave a dead mount.
-            await nursery.start(_terminate_on_signal, daemon.backend)
+            await nursery.start(_terminate_on_signal, daemon.backend, session)
             on_ready()
             sdnotify.ready(f"serving {config.source} on {config.mount_point}")
-            await pyfuse3.main(max_tasks=MAX_FUSE_TASKS)
+            await session.serve()
             nursery.cancel_scope.cancel()
     finally:
         sdnotify.stopping(f"unmounting {config.mount_point}")
-        pyfuse3.close(unmount=True)
+        session.close()
         mounts.unregister(config.mount_point)
         if config.profile == "ai_prefetch":
             volfile.remove(config.vol_name, config.config_dir)
@@ -287,7 +287,7 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
     return data_plane
 
 
-async def _terminate_on_signal(backend: DeadlineBackend, *,
+async def _terminate_on_signal(backend: DeadlineBackend, session: KernelSession, *,
                                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
@@ -296,5 +296,5 @@ async def _terminate_on_signal(backend: DeadlineBackend, *,
             # Requests waiting on a hung remote end now with EIO, so the FUSE loop (which
             # finishes the requests in flight) ends at once instead of after the deadline.
             backend.abort()
-            pyfuse3.terminate()
+            session.terminate()
             return

@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-# pyfuse3 is built from source: it needs a compiler, the Python headers and venv.
+# The FUSE session (a C extension) and pyfuse3 (tools/slowfs.py) are built from source:
+# they need a compiler, the Python headers and venv.
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)
 python3 -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \
@@ -70,10 +71,17 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # The constraints file pins torch to the local CPU build: an unpinned torch would pull GBs of CUDA wheels.
 stamp=.venv/.setup-stamp
-want="$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat pyproject.toml setup.py scripts/constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     echo "setup: installing Python packages into .venv" >&2
     .venv/bin/python -m pip install -q --upgrade pip
     .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
     echo "$want" > "$stamp"
+fi
+# The daemon's FUSE session is a C extension (cubefs_fuse/fs/_session.c, built by setup.py
+# against libfuse 3): built in place, and again whenever its source or build script is newer.
+so="$(ls cubefs_fuse/fs/_session.*.so 2>/dev/null | head -n1)"
+if [ -z "$so" ] || [ cubefs_fuse/fs/_session.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
+    echo "setup: building the FUSE session (cubefs_fuse/fs/_session.c)" >&2
+    .venv/bin/python setup.py -q build_ext --inplace >/dev/null
 fi

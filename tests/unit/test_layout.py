@@ -17,7 +17,6 @@ PACKAGES = ("cubefs_fuse", "cube_torch")
 
 # Where each third-party library may be imported (module names, or folders ending in ".").
 OWNERS: dict[str, tuple[str, ...]] = {
-    "pyfuse3": ("cubefs_fuse.fs.adapter", "cubefs_fuse.daemon"),
     "prometheus_client": ("cubefs_fuse.metrics",),
     "h11": ("cubefs_fuse.control.",),
     "torch": ("cube_torch.",),
@@ -37,6 +36,11 @@ FLOORS: dict[str, int] = {
     "cubefs_fuse.control": 5, "cubefs_fuse.metrics": 5,
     "cubefs_fuse.daemon": 6, "cubefs_fuse.opscli": 6,
     "cubefs_fuse.cli": 7, "cubefs_fuse.__main__": 8,
+}
+# The C extension modules (no .py file) and the modules that may import each: the FUSE
+# session is wrapped by fs/session.py alone.
+NATIVE: dict[str, tuple[str, ...]] = {
+    "cubefs_fuse.fs._session": ("cubefs_fuse.fs.session",),
 }
 # What cube_torch (inside training processes) may take from the daemon's package.
 CUBE_TORCH_MAY_IMPORT = ("cubefs_fuse.control.protocol",)
@@ -72,7 +76,7 @@ def imports_of(source: str, module: str, *, package: bool = False, modules: froz
 def graph() -> dict[str, set[str]]:
     """Module -> every name it imports (own modules and third-party ones)."""
     paths = [p for pkg in PACKAGES for p in (REPO / pkg).rglob("*.py")]
-    modules = frozenset(module_name(p) for p in paths)
+    modules = frozenset(module_name(p) for p in paths) | frozenset(NATIVE)
     return {module_name(p): imports_of(p.read_text(), module_name(p), package=p.name == "__init__.py", modules=modules)
             for p in paths}
 
@@ -117,6 +121,8 @@ def violations(edges: dict[str, set[str]]) -> list[str]:
             owners = OWNERS.get(top)
             if owners and not any(module == o or module.startswith(o) for o in owners):
                 problems.append(f"{module} imports {top}, which only {', '.join(owners)} may import")
+            if name in NATIVE and module not in NATIVE[name]:
+                problems.append(f"{module} imports {name}, which only {', '.join(NATIVE[name])} may import")
             if name not in modules:
                 continue
             if module.startswith("cube_torch") and name.startswith("cubefs_fuse") and name not in CUBE_TORCH_MAY_IMPORT:
@@ -143,7 +149,7 @@ def test_the_package_keeps_its_layout_rules() -> None:
 @pytest.mark.parametrize(("edges", "expected"), [
     ({"cubefs_fuse.cache.disk": {"cubefs_fuse.fs.filesystem"}, "cubefs_fuse.fs.filesystem": set()},
      "against the flow"),
-    ({"cubefs_fuse.cache.disk": {"pyfuse3"}}, "only cubefs_fuse.fs.adapter"),
+    ({"cubefs_fuse.daemon": {"cubefs_fuse.fs._session"}}, "only cubefs_fuse.fs.session"),
     ({"cubefs_fuse.fs.filesystem": {"prometheus_client"}}, "only cubefs_fuse.metrics"),
     ({"cubefs_fuse.prefetch.service": {"h11"}}, "only cubefs_fuse.control."),
     ({"cubefs_fuse.config": {"torch"}}, "only cube_torch."),

@@ -1,0 +1,962 @@
+/*
+ * cubefs_fuse.fs._session: the daemon's own FUSE session (libfuse 3 low-level API).
+ *
+ * C owns the kernel connection: it mounts, runs the reader threads (each with its own
+ * request buffer, none holding the GIL), answers what needs no decision (IOCTL ENOTTY,
+ * FLUSH ENOSYS, every write EROFS, FORGET's empty reply) and queues every other request
+ * for Python.  Python (fs/session.py) waits on an eventfd, takes the queue in one call and
+ * answers each request through a reply method, which releases the GIL while it writes to
+ * /dev/fuse.  A request is named to Python by a slot id that carries a generation, so a
+ * reply to a request already answered, or a made-up id, raises instead of touching freed
+ * memory.
+ */
+#define PY_SSIZE_T_CLEAN
+#define FUSE_USE_VERSION 35
+#include <Python.h>
+#include <fuse_lowlevel.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+/* What Python is asked to do; the numbers are the module's OP_* constants. */
+enum {
+    OP_LOOKUP = 1,
+    OP_GETATTR,
+    OP_READLINK,
+    OP_OPENDIR,
+    OP_READDIR,     /* READDIRPLUS (size = the kernel's buffer) */
+    OP_RELEASEDIR,
+    OP_OPEN,
+    OP_READ,
+    OP_RELEASE,
+    OP_STATFS,
+    OP_FORGET,      /* no reply: ino, nlookup in size */
+    OP_INIT,        /* no reply: the kernel has the answer to its INIT */
+    OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
+};
+
+struct pending {
+    struct pending *next;  /* the queue's link */
+    fuse_req_t req;        /* NULL for the messages that take no reply */
+    uint64_t id;           /* slot | generation << 32; 0 for messages */
+    int op;
+    int flags;
+    fuse_ino_t ino;
+    uint64_t fh;
+    uint64_t off;
+    uint64_t size;         /* READ/READDIR: bytes wanted; FORGET: nlookup */
+    pid_t pid;
+    uid_t uid;
+    gid_t gid;
+    char name[];           /* LOOKUP's name, NUL-terminated; empty otherwise */
+};
+
+typedef struct {
+    PyObject_HEAD
+    struct fuse_session *se;
+    int efd;         /* readable while requests wait for Python */
+    int stopfd;      /* readable once the readers must stop */
+    int mounted;
+    pthread_t *threads;
+    int nthreads;
+    int started;
+    double entry_timeout, attr_timeout;
+    atomic_int init_posted;
+    atomic_int exit_posted;
+    pthread_mutex_t lock;  /* the queue and the slots */
+    struct pending *head, *tail;
+    struct pending **slots;  /* requests given to Python and not yet answered */
+    uint32_t *gens;
+    uint32_t *free_slots;
+    size_t nslots, nfree;
+} Session;
+
+/* libfuse reports mount failures through its log; the last message goes into the
+ * exception Python sees (e.g. "fuse: device not found, try 'modprobe fuse' first"). */
+static char last_log[512];
+
+static void session_log(enum fuse_log_level level, const char *fmt, va_list ap)
+{
+    char line[512];
+    vsnprintf(line, sizeof line, fmt, ap);
+    size_t n = strlen(line);
+    while (n && line[n - 1] == '\n')
+        line[--n] = '\0';
+    if (level <= FUSE_LOG_ERR)
+        memcpy(last_log, line, n + 1);
+    fprintf(stderr, "%s\n", line);
+}
+
+/* ---- the queue (reader threads, no GIL) ---- */
+
+static void wake(Session *s)
+{
+    uint64_t one = 1;
+    ssize_t r;
+    do {
+        r = write(s->efd, &one, sizeof one);
+    } while (r < 0 && errno == EINTR);
+    /* EAGAIN: the counter is at its maximum, so the eventfd is readable anyway. */
+}
+
+static void push(Session *s, struct pending *p)
+{
+    int was_empty;
+    pthread_mutex_lock(&s->lock);
+    p->next = NULL;
+    was_empty = s->head == NULL;
+    if (s->tail)
+        s->tail->next = p;
+    else
+        s->head = p;
+    s->tail = p;
+    pthread_mutex_unlock(&s->lock);
+    /* Python reads the eventfd before it takes the queue: a push onto a queue that is not
+     * empty is taken by the take() that is coming, so only the first push needs a wake. */
+    if (was_empty)
+        wake(s);
+}
+
+static struct pending *new_pending(fuse_req_t req, int op, fuse_ino_t ino, const char *name)
+{
+    size_t len = name ? strlen(name) : 0;
+    struct pending *p = calloc(1, sizeof *p + len + 1);
+    if (!p)
+        return NULL;
+    p->req = req;
+    p->op = op;
+    p->ino = ino;
+    if (name)
+        memcpy(p->name, name, len + 1);
+    if (req) {
+        const struct fuse_ctx *ctx = fuse_req_ctx(req);
+        p->pid = ctx->pid;
+        p->uid = ctx->uid;
+        p->gid = ctx->gid;
+    }
+    return p;
+}
+
+static void message(Session *s, int op, fuse_ino_t ino, uint64_t size)
+{
+    struct pending *p = new_pending(NULL, op, ino, NULL);
+    if (!p) {
+        /* Losing a FORGET leaks one inode's lookup count until unmount; losing INIT or
+         * EXIT would be worse, but neither can be allocated-away without a dying process. */
+        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: out of memory queuing a message\n");
+        return;
+    }
+    p->size = size;
+    push(s, p);
+}
+
+/* Forward a request to Python; ENOMEM to the kernel if it cannot even be queued. */
+static void forward(struct pending *p)
+{
+    if (!p)
+        return;
+    push((Session *)fuse_req_userdata(p->req), p);
+}
+
+static Session *of(fuse_req_t req) { return (Session *)fuse_req_userdata(req); }
+
+static struct pending *request(fuse_req_t req, int op, fuse_ino_t ino, const char *name)
+{
+    struct pending *p = new_pending(req, op, ino, name);
+    if (!p)
+        fuse_reply_err(req, ENOMEM);
+    return p;
+}
+
+/* ---- the low-level operations (reader threads) ---- */
+
+static void op_init(void *userdata, struct fuse_conn_info *conn)
+{
+    (void)userdata;
+    /* Every directory listing is READDIRPLUS: one request gives the kernel the names and
+     * their attributes, so `ls -l` or a dataset scan costs no LOOKUP per entry. */
+    if (conn->capable & FUSE_CAP_READDIRPLUS)
+        conn->want |= FUSE_CAP_READDIRPLUS;
+    conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
+}
+
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    forward(request(req, OP_LOOKUP, parent, name));
+}
+
+static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
+{
+    Session *s = of(req);
+    fuse_reply_none(req);
+    message(s, OP_FORGET, ino, nlookup);
+}
+
+static void op_forget_multi(fuse_req_t req, size_t count, struct fuse_forget_data *forgets)
+{
+    Session *s = of(req);
+    fuse_reply_none(req);
+    for (size_t i = 0; i < count; i++)
+        message(s, OP_FORGET, forgets[i].ino, forgets[i].nlookup);
+}
+
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)fi;
+    forward(request(req, OP_GETATTR, ino, NULL));
+}
+
+static void op_readlink(fuse_req_t req, fuse_ino_t ino)
+{
+    forward(request(req, OP_READLINK, ino, NULL));
+}
+
+static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_OPENDIR, ino, NULL);
+    if (p)
+        p->flags = fi->flags;
+    forward(p);
+}
+
+static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_READDIR, ino, NULL);
+    if (p) {
+        p->fh = fi->fh;
+        p->off = (uint64_t)off;
+        p->size = size;
+    }
+    forward(p);
+}
+
+static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_RELEASEDIR, ino, NULL);
+    if (p)
+        p->fh = fi->fh;
+    forward(p);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_OPEN, ino, NULL);
+    if (p)
+        p->flags = fi->flags;
+    forward(p);
+}
+
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_READ, ino, NULL);
+    if (p) {
+        p->fh = fi->fh;
+        p->off = (uint64_t)off;
+        p->size = size;
+    }
+    forward(p);
+}
+
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    struct pending *p = request(req, OP_RELEASE, ino, NULL);
+    if (p)
+        p->fh = fi->fh;
+    forward(p);
+}
+
+static void op_statfs(fuse_req_t req, fuse_ino_t ino)
+{
+    forward(request(req, OP_STATFS, ino, NULL));
+}
+
+static void op_flush(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    (void)ino; (void)fi;
+    /* Nothing is ever written: ENOSYS once makes the kernel stop sending FLUSH on close
+     * for the whole connection (fc->no_flush). */
+    fuse_reply_err(req, ENOSYS);
+}
+
+static void op_ioctl(fuse_req_t req, fuse_ino_t ino, unsigned int cmd, void *arg,
+                     struct fuse_file_info *fi, unsigned flags, const void *in_buf,
+                     size_t in_bufsz, size_t out_bufsz)
+{
+    (void)ino; (void)cmd; (void)arg; (void)fi; (void)flags; (void)in_buf; (void)in_bufsz; (void)out_bufsz;
+    /* Python's open() asks isatty() through TCGETS on every file: not a terminal. */
+    fuse_reply_err(req, ENOTTY);
+}
+
+/* The volume is read-only: each modifying operation is refused, whatever reaches us past
+ * the `ro` mount option. */
+static void op_setattr(fuse_req_t req, fuse_ino_t ino, struct stat *attr, int to_set, struct fuse_file_info *fi)
+{ (void)ino; (void)attr; (void)to_set; (void)fi; fuse_reply_err(req, EROFS); }
+static void op_mknod(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, dev_t rdev)
+{ (void)parent; (void)name; (void)mode; (void)rdev; fuse_reply_err(req, EROFS); }
+static void op_mkdir(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode)
+{ (void)parent; (void)name; (void)mode; fuse_reply_err(req, EROFS); }
+static void op_unlink(fuse_req_t req, fuse_ino_t parent, const char *name)
+{ (void)parent; (void)name; fuse_reply_err(req, EROFS); }
+static void op_symlink(fuse_req_t req, const char *link, fuse_ino_t parent, const char *name)
+{ (void)link; (void)parent; (void)name; fuse_reply_err(req, EROFS); }
+static void op_rename(fuse_req_t req, fuse_ino_t parent, const char *name, fuse_ino_t newparent,
+                      const char *newname, unsigned int flags)
+{ (void)parent; (void)name; (void)newparent; (void)newname; (void)flags; fuse_reply_err(req, EROFS); }
+static void op_link(fuse_req_t req, fuse_ino_t ino, fuse_ino_t newparent, const char *newname)
+{ (void)ino; (void)newparent; (void)newname; fuse_reply_err(req, EROFS); }
+static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t size, off_t off, struct fuse_file_info *fi)
+{ (void)ino; (void)buf; (void)size; (void)off; (void)fi; fuse_reply_err(req, EROFS); }
+static void op_create(fuse_req_t req, fuse_ino_t parent, const char *name, mode_t mode, struct fuse_file_info *fi)
+{ (void)parent; (void)name; (void)mode; (void)fi; fuse_reply_err(req, EROFS); }
+static void op_setxattr(fuse_req_t req, fuse_ino_t ino, const char *name, const char *value, size_t size, int flags)
+{ (void)ino; (void)name; (void)value; (void)size; (void)flags; fuse_reply_err(req, EROFS); }
+static void op_removexattr(fuse_req_t req, fuse_ino_t ino, const char *name)
+{ (void)ino; (void)name; fuse_reply_err(req, EROFS); }
+static void op_fallocate(fuse_req_t req, fuse_ino_t ino, int mode, off_t offset, off_t length, struct fuse_file_info *fi)
+{ (void)ino; (void)mode; (void)offset; (void)length; (void)fi; fuse_reply_err(req, EROFS); }
+
+static const struct fuse_lowlevel_ops operations = {
+    .init = op_init,
+    .lookup = op_lookup,
+    .forget = op_forget,
+    .forget_multi = op_forget_multi,
+    .getattr = op_getattr,
+    .readlink = op_readlink,
+    .opendir = op_opendir,
+    .readdirplus = op_readdirplus,
+    .releasedir = op_releasedir,
+    .open = op_open,
+    .read = op_read,
+    .release = op_release,
+    .statfs = op_statfs,
+    .flush = op_flush,
+    .ioctl = op_ioctl,
+    .setattr = op_setattr,
+    .mknod = op_mknod,
+    .mkdir = op_mkdir,
+    .unlink = op_unlink,
+    .rmdir = op_unlink,
+    .symlink = op_symlink,
+    .rename = op_rename,
+    .link = op_link,
+    .write = op_write,
+    .create = op_create,
+    .setxattr = op_setxattr,
+    .removexattr = op_removexattr,
+    .fallocate = op_fallocate,
+};
+
+/* ---- the reader threads ---- */
+
+static void *reader(void *arg)
+{
+    Session *s = arg;
+    struct fuse_buf buf;
+    memset(&buf, 0, sizeof buf);
+    struct pollfd fds[2] = {
+        {.fd = fuse_session_fd(s->se), .events = POLLIN},
+        {.fd = s->stopfd, .events = POLLIN},
+    };
+    while (!fuse_session_exited(s->se)) {
+        if (poll(fds, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (fds[1].revents)
+            break;
+        /* The fd is non-blocking: the readers all wake for one request and all but one
+         * get EAGAIN.  An unmounted connection reads ENODEV and exits the session. */
+        int r = fuse_session_receive_buf(s->se, &buf);
+        if (r == -EAGAIN || r == -EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        fuse_session_process_buf(s->se, &buf);
+        /* The first request of a connection is INIT, answered inside process_buf: only
+         * now may Python tune the connection (the answer would undo an earlier tuning). */
+        if (!atomic_exchange(&s->init_posted, 1))
+            message(s, OP_INIT, 0, 0);
+    }
+    free(buf.mem);
+    if (!atomic_exchange(&s->exit_posted, 1))
+        message(s, OP_EXIT, 0, 0);
+    return NULL;
+}
+
+/* ---- slots: requests handed to Python ---- */
+
+/* Under s->lock.  Returns 0, or -1 with a Python exception set (GIL held by the caller). */
+static int give_slot(Session *s, struct pending *p)
+{
+    if (s->nfree == 0) {
+        size_t n = s->nslots ? s->nslots * 2 : 64;
+        struct pending **slots = realloc(s->slots, n * sizeof *slots);
+        if (!slots)
+            goto nomem;
+        s->slots = slots;
+        uint32_t *gens = realloc(s->gens, n * sizeof *gens);
+        if (!gens)
+            goto nomem;
+        s->gens = gens;
+        uint32_t *free_slots = realloc(s->free_slots, n * sizeof *free_slots);
+        if (!free_slots)
+            goto nomem;
+        s->free_slots = free_slots;
+        for (size_t i = s->nslots; i < n; i++) {
+            s->slots[i] = NULL;
+            s->gens[i] = 1;
+            s->free_slots[s->nfree++] = (uint32_t)(n - 1 - (i - s->nslots));
+        }
+        s->nslots = n;
+    }
+    uint32_t slot = s->free_slots[--s->nfree];
+    s->slots[slot] = p;
+    p->id = (uint64_t)slot | ((uint64_t)s->gens[slot] << 32);
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+/* Takes the request named by id out of its slot; NULL with KeyError if there is none. */
+static struct pending *claim(Session *s, unsigned long long id)
+{
+    uint32_t slot = (uint32_t)(id & 0xffffffffu);
+    uint32_t gen = (uint32_t)(id >> 32);
+    struct pending *p = NULL;
+    pthread_mutex_lock(&s->lock);
+    if (slot < s->nslots && s->slots[slot] && s->gens[slot] == gen) {
+        p = s->slots[slot];
+        s->slots[slot] = NULL;
+        s->gens[slot] = gen + 1 ? gen + 1 : 1;
+        s->free_slots[s->nfree++] = slot;
+    }
+    pthread_mutex_unlock(&s->lock);
+    if (!p)
+        PyErr_Format(PyExc_KeyError, "no request %llu waits for a reply", id);
+    return p;
+}
+
+/* ---- the Python type ---- */
+
+static PyObject *raise_errno(int err, const char *what)
+{
+    if (last_log[0])
+        PyErr_Format(PyExc_OSError, "%s: %s (%s)", what, strerror(err), last_log);
+    else
+        PyErr_Format(PyExc_OSError, "%s: %s", what, strerror(err));
+    return NULL;
+}
+
+static void stop_readers(Session *s)
+{
+    if (!s->started)
+        return;
+    uint64_t one = 1;
+    if (write(s->stopfd, &one, sizeof one) < 0 && errno != EAGAIN)
+        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: cannot stop the readers: %s\n", strerror(errno));
+    Py_BEGIN_ALLOW_THREADS
+    for (int i = 0; i < s->nthreads; i++)
+        pthread_join(s->threads[i], NULL);
+    Py_END_ALLOW_THREADS
+    s->started = 0;
+}
+
+/* Requests nobody will answer any more (the session is closing): EIO, then freed. */
+static void fail_outstanding(Session *s)
+{
+    pthread_mutex_lock(&s->lock);
+    struct pending *q = s->head;
+    s->head = s->tail = NULL;
+    for (size_t i = 0; i < s->nslots; i++) {
+        struct pending *p = s->slots[i];
+        if (p) {
+            s->slots[i] = NULL;
+            p->next = q;
+            q = p;
+        }
+    }
+    s->nfree = 0;
+    for (size_t i = 0; i < s->nslots; i++)
+        s->free_slots[s->nfree++] = (uint32_t)(s->nslots - 1 - i);
+    pthread_mutex_unlock(&s->lock);
+    while (q) {
+        struct pending *next = q->next;
+        if (q->req)
+            fuse_reply_err(q->req, EIO);
+        free(q);
+        q = next;
+    }
+}
+
+static void session_close(Session *s)
+{
+    stop_readers(s);
+    if (s->se) {
+        fail_outstanding(s);
+        if (s->mounted) {
+            Py_BEGIN_ALLOW_THREADS
+            fuse_session_unmount(s->se);
+            Py_END_ALLOW_THREADS
+            s->mounted = 0;
+        }
+        fuse_session_destroy(s->se);
+        s->se = NULL;
+    }
+}
+
+static void Session_dealloc(Session *s)
+{
+    session_close(s);
+    if (s->efd >= 0)
+        close(s->efd);
+    if (s->stopfd >= 0)
+        close(s->stopfd);
+    free(s->threads);
+    free(s->slots);
+    free(s->gens);
+    free(s->free_slots);
+    pthread_mutex_destroy(&s->lock);
+    Py_TYPE(s)->tp_free((PyObject *)s);
+}
+
+static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"mountpoint", "options", "threads", "entry_timeout", "attr_timeout", NULL};
+    const char *mountpoint, *options;
+    int threads = 4;
+    double entry_timeout = 1.0, attr_timeout = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|idd", kwlist, &mountpoint, &options, &threads,
+                                     &entry_timeout, &attr_timeout))
+        return NULL;
+    /* More readers than this only contend for one descriptor; the kernel queue is the buffer. */
+    if (threads < 1 || threads > 64)
+        return PyErr_Format(PyExc_ValueError, "threads must be 1..64, not %d", threads);
+    Session *s = (Session *)type->tp_alloc(type, 0);
+    if (!s)
+        return NULL;
+    s->efd = s->stopfd = -1;
+    pthread_mutex_init(&s->lock, NULL);
+    s->entry_timeout = entry_timeout;
+    s->attr_timeout = attr_timeout;
+    s->nthreads = threads;
+    s->threads = calloc((size_t)threads, sizeof *s->threads);
+    s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    s->stopfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!s->threads) {
+        Py_DECREF(s);
+        return PyErr_NoMemory();
+    }
+    if (s->efd < 0 || s->stopfd < 0) {
+        int err = errno;
+        Py_DECREF(s);
+        return raise_errno(err, "eventfd");
+    }
+    char *argv[] = {"cubefs-fuse", "-o", (char *)options, NULL};
+    struct fuse_args fargs = FUSE_ARGS_INIT(3, argv);
+    last_log[0] = '\0';
+    fuse_set_log_func(session_log);
+    s->se = fuse_session_new(&fargs, &operations, sizeof operations, s);
+    if (!s->se) {
+        Py_DECREF(s);
+        return raise_errno(EINVAL, "fuse_session_new");
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fuse_session_mount(s->se, mountpoint);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        Py_DECREF(s);
+        return raise_errno(EIO, "cannot mount");
+    }
+    s->mounted = 1;
+    int fd = fuse_session_fd(s->se);
+    if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0) {
+        int err = errno;
+        Py_DECREF(s);
+        return raise_errno(err, "fcntl(/dev/fuse)");
+    }
+    return (PyObject *)s;
+}
+
+static PyObject *Session_start(Session *s, PyObject *unused)
+{
+    (void)unused;
+    if (!s->se || s->started)
+        return PyErr_Format(PyExc_RuntimeError, "the session is %s", s->se ? "running" : "closed");
+    for (int i = 0; i < s->nthreads; i++) {
+        int err = pthread_create(&s->threads[i], NULL, reader, s);
+        if (err) {
+            s->nthreads = i;
+            s->started = i > 0;
+            return raise_errno(err, "pthread_create");
+        }
+    }
+    s->started = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_fileno(Session *s, PyObject *unused)
+{
+    (void)unused;
+    return PyLong_FromLong(s->efd);
+}
+
+static PyObject *Session_take(Session *s, PyObject *unused)
+{
+    (void)unused;
+    uint64_t count;
+    if (read(s->efd, &count, sizeof count) < 0 && errno != EAGAIN)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_mutex_lock(&s->lock);
+    struct pending *q = s->head;
+    s->head = s->tail = NULL;
+    pthread_mutex_unlock(&s->lock);
+    PyObject *out = PyList_New(0);
+    if (!out)
+        goto fail;
+    while (q) {
+        struct pending *p = q;
+        if (p->req) {
+            pthread_mutex_lock(&s->lock);
+            int rc = give_slot(s, p);
+            pthread_mutex_unlock(&s->lock);
+            if (rc < 0)
+                goto fail;
+        }
+        PyObject *t = Py_BuildValue("(KiKKKKiiIIy)", (unsigned long long)p->id, p->op,
+                                    (unsigned long long)p->ino, (unsigned long long)p->fh,
+                                    (unsigned long long)p->off, (unsigned long long)p->size,
+                                    p->flags, (int)p->pid, (unsigned)p->uid, (unsigned)p->gid, p->name);
+        if (!t || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            if (p->req)
+                (void)claim(s, p->id);  /* out of its slot again: the loop below answers it EIO */
+            goto fail;
+        }
+        Py_DECREF(t);
+        q = p->next;
+        if (!p->req)
+            free(p);
+    }
+    return out;
+fail:
+    /* Whatever could not be handed over is answered EIO rather than left hanging. */
+    while (q) {
+        struct pending *next = q->next;
+        if (q->req)
+            fuse_reply_err(q->req, EIO);
+        free(q);
+        q = next;
+    }
+    Py_XDECREF(out);
+    return NULL;
+}
+
+static int fill_stat(PyObject *attr, struct stat *st)
+{
+    unsigned long long mode, nlink, uid, gid, rdev, size, blksize, blocks;
+    long long atime, mtime, ctime;
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(attr, "KKKKKKKKKLLL", &ino, &mode, &nlink, &uid, &gid, &rdev, &size,
+                          &blksize, &blocks, &atime, &mtime, &ctime))
+        return -1;
+    memset(st, 0, sizeof *st);
+    st->st_ino = ino;
+    st->st_mode = (mode_t)mode;
+    st->st_nlink = (nlink_t)nlink;
+    st->st_uid = (uid_t)uid;
+    st->st_gid = (gid_t)gid;
+    st->st_rdev = (dev_t)rdev;
+    st->st_size = (off_t)size;
+    st->st_blksize = (blksize_t)blksize;
+    st->st_blocks = (blkcnt_t)blocks;
+    st->st_atim.tv_sec = atime / 1000000000LL;
+    st->st_atim.tv_nsec = atime % 1000000000LL;
+    st->st_mtim.tv_sec = mtime / 1000000000LL;
+    st->st_mtim.tv_nsec = mtime % 1000000000LL;
+    st->st_ctim.tv_sec = ctime / 1000000000LL;
+    st->st_ctim.tv_nsec = ctime % 1000000000LL;
+    return 0;
+}
+
+static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat *st)
+{
+    memset(e, 0, sizeof *e);
+    e->ino = st->st_ino;
+    e->generation = 0;
+    e->attr = *st;
+    e->attr_timeout = s->attr_timeout;
+    e->entry_timeout = s->entry_timeout;
+}
+
+/* The reply methods: each claims its request, writes the answer without the GIL (a write
+ * to /dev/fuse), and frees it.  A reply the kernel no longer wants (the request was
+ * interrupted, the connection is gone) fails there and is dropped: nothing to do. */
+#define CLAIM(s, id) struct pending *p = claim((s), (id)); if (!p) return NULL
+#define ANSWER(call) do { Py_BEGIN_ALLOW_THREADS (void)(call); Py_END_ALLOW_THREADS } while (0)
+
+static PyObject *Session_reply_err(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    int err;
+    if (!PyArg_ParseTuple(args, "Ki", &id, &err))
+        return NULL;
+    CLAIM(s, id);
+    ANSWER(fuse_reply_err(p->req, err));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_entry(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    PyObject *attr;
+    struct stat st;
+    struct fuse_entry_param e;
+    if (!PyArg_ParseTuple(args, "KO!", &id, &PyTuple_Type, &attr) || fill_stat(attr, &st) < 0)
+        return NULL;
+    CLAIM(s, id);
+    fill_entry(s, &e, &st);
+    ANSWER(fuse_reply_entry(p->req, &e));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_attr(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    PyObject *attr;
+    struct stat st;
+    if (!PyArg_ParseTuple(args, "KO!", &id, &PyTuple_Type, &attr) || fill_stat(attr, &st) < 0)
+        return NULL;
+    CLAIM(s, id);
+    ANSWER(fuse_reply_attr(p->req, &st, s->attr_timeout));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_open(Session *s, PyObject *args)
+{
+    unsigned long long id, fh;
+    int keep_cache, direct_io;
+    if (!PyArg_ParseTuple(args, "KKpp", &id, &fh, &keep_cache, &direct_io))
+        return NULL;
+    CLAIM(s, id);
+    struct fuse_file_info fi;
+    memset(&fi, 0, sizeof fi);
+    fi.fh = fh;
+    fi.keep_cache = keep_cache ? 1 : 0;
+    fi.direct_io = direct_io ? 1 : 0;
+    ANSWER(fuse_reply_open(p->req, &fi));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_buf(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    Py_buffer view;
+    if (!PyArg_ParseTuple(args, "Ky*", &id, &view))
+        return NULL;
+    struct pending *p = claim(s, id);
+    if (!p) {
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    ANSWER(fuse_reply_buf(p->req, view.buf, (size_t)view.len));
+    PyBuffer_Release(&view);
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_readlink(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    const char *target;
+    if (!PyArg_ParseTuple(args, "Ky", &id, &target))
+        return NULL;
+    CLAIM(s, id);
+    ANSWER(fuse_reply_readlink(p->req, target));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_reply_statfs(Session *s, PyObject *args)
+{
+    unsigned long long id, bsize, frsize, blocks, bfree, bavail, files, ffree, favail, namemax;
+    if (!PyArg_ParseTuple(args, "K(KKKKKKKKK)", &id, &bsize, &frsize, &blocks, &bfree, &bavail, &files,
+                          &ffree, &favail, &namemax))
+        return NULL;
+    CLAIM(s, id);
+    struct statvfs st;
+    memset(&st, 0, sizeof st);
+    st.f_bsize = bsize;
+    st.f_frsize = frsize;
+    st.f_blocks = blocks;
+    st.f_bfree = bfree;
+    st.f_bavail = bavail;
+    st.f_files = files;
+    st.f_ffree = ffree;
+    st.f_favail = favail;
+    st.f_namemax = namemax;
+    ANSWER(fuse_reply_statfs(p->req, &st));
+    free(p);
+    Py_RETURN_NONE;
+}
+
+/* entries: a sequence of (name: bytes, attr: tuple, next_offset: int).  Packs as many as
+ * the kernel's buffer holds and returns how many it took: each one taken is a lookup the
+ * kernel will FORGET; the caller forgets the others itself. */
+static PyObject *Session_reply_readdir(Session *s, PyObject *args)
+{
+    unsigned long long id;
+    PyObject *entries;
+    if (!PyArg_ParseTuple(args, "KO", &id, &entries))
+        return NULL;
+    PyObject *seq = PySequence_Fast(entries, "entries must be a sequence");
+    if (!seq)
+        return NULL;
+    CLAIM(s, id);
+    size_t cap = (size_t)p->size, used = 0;
+    char *buf = malloc(cap ? cap : 1);
+    Py_ssize_t taken = 0, n = PySequence_Fast_GET_SIZE(seq);
+    if (!buf) {
+        fuse_reply_err(p->req, ENOMEM);
+        free(p);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (; taken < n; taken++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, taken), *attr;
+        const char *name;
+        unsigned long long next;
+        struct stat st;
+        struct fuse_entry_param e;
+        if (!PyArg_ParseTuple(item, "yO!K", &name, &PyTuple_Type, &attr, &next) || fill_stat(attr, &st) < 0) {
+            fuse_reply_err(p->req, EIO);
+            free(buf);
+            free(p);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        fill_entry(s, &e, &st);
+        size_t need = fuse_add_direntry_plus(p->req, buf + used, cap - used, name, &e, (off_t)next);
+        if (need > cap - used)
+            break;
+        used += need;
+    }
+    Py_DECREF(seq);
+    ANSWER(fuse_reply_buf(p->req, buf, used));
+    free(buf);
+    free(p);
+    return PyLong_FromSsize_t(taken);
+}
+
+static PyObject *Session_exit(Session *s, PyObject *unused)
+{
+    (void)unused;
+    if (s->se)
+        fuse_session_exit(s->se);
+    if (!atomic_exchange(&s->exit_posted, 1))
+        message(s, OP_EXIT, 0, 0);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_close(Session *s, PyObject *unused)
+{
+    (void)unused;
+    session_close(s);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_exited(Session *s, void *closure)
+{
+    (void)closure;
+    return PyBool_FromLong(!s->se || fuse_session_exited(s->se));
+}
+
+static PyMethodDef Session_methods[] = {
+    {"start", (PyCFunction)Session_start, METH_NOARGS, "Start the reader threads."},
+    {"fileno", (PyCFunction)Session_fileno, METH_NOARGS, "The eventfd that is readable while requests wait."},
+    {"take", (PyCFunction)Session_take, METH_NOARGS,
+     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name) tuples."},
+    {"reply_err", (PyCFunction)Session_reply_err, METH_VARARGS, "reply_err(id, errno)"},
+    {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS, "reply_entry(id, attr)"},
+    {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS, "reply_attr(id, attr)"},
+    {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS, "reply_open(id, fh, keep_cache, direct_io)"},
+    {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
+    {"reply_readlink", (PyCFunction)Session_reply_readlink, METH_VARARGS, "reply_readlink(id, target)"},
+    {"reply_statfs", (PyCFunction)Session_reply_statfs, METH_VARARGS, "reply_statfs(id, fields)"},
+    {"reply_readdir", (PyCFunction)Session_reply_readdir, METH_VARARGS,
+     "reply_readdir(id, entries) -> how many entries the kernel took"},
+    {"exit", (PyCFunction)Session_exit, METH_NOARGS, "End the session: take() returns OP_EXIT."},
+    {"close", (PyCFunction)Session_close, METH_NOARGS,
+     "Stop the readers, fail what is outstanding with EIO, unmount, free the connection."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Session_getset[] = {
+    {"exited", (getter)Session_exited, NULL, "True once the session has ended", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject SessionType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "cubefs_fuse.fs._session.Session",
+    .tp_basicsize = sizeof(Session),
+    .tp_dealloc = (destructor)Session_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Session(mountpoint, options, threads=4, entry_timeout=1.0, attr_timeout=1.0): "
+              "mounts and owns a FUSE connection",
+    .tp_methods = Session_methods,
+    .tp_getset = Session_getset,
+    .tp_new = Session_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "cubefs_fuse.fs._session",
+    "The daemon's FUSE session in C (libfuse 3 low-level API).", -1, NULL, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__session(void)
+{
+    if (PyType_Ready(&SessionType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&SessionType);
+    if (PyModule_AddObject(m, "Session", (PyObject *)&SessionType) < 0) {
+        Py_DECREF(&SessionType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    static const struct { const char *name; int value; } ops[] = {
+        {"OP_LOOKUP", OP_LOOKUP}, {"OP_GETATTR", OP_GETATTR}, {"OP_READLINK", OP_READLINK},
+        {"OP_OPENDIR", OP_OPENDIR}, {"OP_READDIR", OP_READDIR}, {"OP_RELEASEDIR", OP_RELEASEDIR},
+        {"OP_OPEN", OP_OPEN}, {"OP_READ", OP_READ}, {"OP_RELEASE", OP_RELEASE},
+        {"OP_STATFS", OP_STATFS}, {"OP_FORGET", OP_FORGET}, {"OP_INIT", OP_INIT}, {"OP_EXIT", OP_EXIT},
+    };
+    for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++)
+        if (PyModule_AddIntConstant(m, ops[i].name, ops[i].value) < 0) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    if (PyModule_AddStringConstant(m, "LIBFUSE_VERSION", fuse_pkgversion()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,242 @@
+"""The kernel's requests that reach Python, answered by the filesystem core.
+
+The FUSE connection is the C extension's (``fs/_session.c``): its reader threads answer
+what needs no decision and queue the rest; this module takes the queue when its eventfd
+is readable and turns each request into one call of the core (``fs.filesystem``) and one
+reply.  No logic lives here beyond type conversion: every exception becomes an errno
+through ``errors.errno_of`` (one place), and an unexpected one (a bug) is also logged
+with its traceback, once per exception type.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
+
+import trio
+
+from cubefs_fuse.attrs import Attr, FsStats
+from cubefs_fuse.errors import FsError, errno_of
+from cubefs_fuse.fs import _session
+
+log = logging.getLogger(__name__)
+
+# Reader threads of the connection.  Today they only queue requests for the trio thread,
+# so a few suffice to keep the kernel's queue drained while one thread writes a reply; the
+# kernel's own queue (max_background 64, plus one synchronous request per blocked reader)
+# holds the rest.
+READER_THREADS = 4
+# The smallest READDIRPLUS entry: fuse_direntplus's 128-byte entry_out and 24-byte dirent
+# header plus a name padded to 8 bytes.  A reply of ``size`` bytes holds at most
+# size // 160 + 1 entries, so no more are built (and counted as lookups) than can fit.
+_MIN_DIRENTPLUS = 160
+_logged_bugs: set[type[BaseException]] = set()
+
+# What C packs into a struct stat: (ino, mode, nlink, uid, gid, rdev, size, blksize, blocks,
+# atime_ns, mtime_ns, ctime_ns).
+AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
+# A request C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name).
+Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes]
+
+
+class Entry(Protocol):
+    @property
+    def inode(self) -> int: ...
+
+    @property
+    def attr(self) -> Attr: ...
+
+
+class Operations(Protocol):
+    """What the session calls; ``fs.filesystem.Filesystem`` is the implementation."""
+
+    async def lookup(self, parent_inode: int, name: str) -> Entry: ...
+
+    def entry(self, path: str, attr: Attr) -> Entry: ...
+
+    def forget(self, inode: int, n: int) -> None: ...
+
+    async def getattr(self, inode: int) -> Entry: ...
+
+    async def readlink(self, inode: int) -> str: ...
+
+    async def statfs(self) -> FsStats: ...
+
+    async def opendir(self, inode: int) -> int: ...
+
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[int, str, str, Attr]]: ...
+
+    def releasedir(self, fh: int) -> None: ...
+
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int: ...
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview: ...
+
+    def release(self, fh: int) -> None: ...
+
+
+def attr_tuple(inode: int, attr: Attr) -> AttrTuple:
+    return (inode, attr.mode, attr.nlink, attr.uid, attr.gid, attr.rdev, attr.size, attr.blksize,
+            attr.blocks, attr.atime_ns, attr.mtime_ns, attr.ctime_ns)
+
+
+class Native(Protocol):
+    """The C session's interface (fs/_session.pyi); tests give a recording fake."""
+
+    def start(self) -> None: ...
+
+    def fileno(self) -> int: ...
+
+    def take(self) -> list[Request]: ...
+
+    def reply_err(self, id: int, err: int, /) -> None: ...
+
+    def reply_entry(self, id: int, attr: AttrTuple, /) -> None: ...
+
+    def reply_attr(self, id: int, attr: AttrTuple, /) -> None: ...
+
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None: ...
+
+    def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None: ...
+
+    def reply_readlink(self, id: int, target: bytes, /) -> None: ...
+
+    def reply_statfs(self, id: int, fields: tuple[int, int, int, int, int, int, int, int, int], /) -> None: ...
+
+    def reply_readdir(self, id: int, entries: Sequence[tuple[bytes, AttrTuple, int]], /) -> int: ...
+
+    def exit(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def mount(ops: Operations, mount_point: str, options: set[str], *, entry_timeout: float, attr_timeout: float,
+          on_init: Callable[[], object] | None = None, threads: int = READER_THREADS) -> KernelSession:
+    """Mount ``mount_point`` (OSError, with libfuse's reason, if it cannot) and return the
+    session that serves it with ``ops``: run ``serve()``, then always ``close()``."""
+    native = _session.Session(mount_point, ",".join(sorted(options)), threads, entry_timeout, attr_timeout)
+    return KernelSession(ops, native, on_init=on_init)
+
+
+class KernelSession:
+    """One FUSE connection serving ``ops``: ``serve()`` answers requests until the mount
+    goes away or ``terminate()`` is called; ``close()`` unmounts."""
+
+    def __init__(self, ops: Operations, native: Native, *, on_init: Callable[[], object] | None = None) -> None:
+        self.ops = ops
+        self.on_init = on_init
+        self._native = native
+
+    async def serve(self) -> None:
+        native = self._native
+        native.start()
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.lowlevel.wait_readable(native.fileno())
+                for request in native.take():
+                    op = request[1]
+                    if op == _session.OP_EXIT:
+                        nursery.cancel_scope.cancel()
+                        return
+                    handler = self._sync.get(op)
+                    if handler is not None:
+                        handler(self, request)
+                    else:
+                        nursery.start_soon(self._answer, request)
+
+    def terminate(self) -> None:
+        """End ``serve()``: requests still in flight are answered EIO by ``close()``."""
+        self._native.exit()
+
+    def close(self) -> None:
+        self._native.close()
+
+    # -- requests answered on the spot (no await) ---------------------------------------
+
+    def _forget(self, r: Request) -> None:
+        self.ops.forget(r[2], r[5])
+
+    def _init(self, _: Request) -> None:
+        if self.on_init is not None:
+            self.on_init()
+
+    def _releasedir(self, r: Request) -> None:
+        self._replying(r, self.ops.releasedir, r[3])
+
+    def _release(self, r: Request) -> None:
+        self._replying(r, self.ops.release, r[3])
+
+    def _readdir(self, r: Request) -> None:
+        rid, _, _, fh, offset, size = r[:6]
+        ops = self.ops
+        try:
+            entries = []
+            for next_id, name, path, attr in itertools.islice(ops.readdir(fh, offset), size // _MIN_DIRENTPLUS + 1):
+                entry = ops.entry(path, attr)
+                entries.append((os.fsencode(name), attr_tuple(entry.inode, attr), next_id))
+        except Exception as exc:  # noqa: BLE001 - every failure is an errno for the kernel
+            self._fail(r, exc)
+            return
+        taken = self._native.reply_readdir(rid, entries)
+        for _, attr_t, _ in entries[taken:]:
+            ops.forget(attr_t[0], 1)  # the kernel did not take this entry
+
+    def _replying(self, r: Request, call: Callable[[int], None], arg: int) -> None:
+        try:
+            call(arg)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(r, exc)
+            return
+        self._native.reply_err(r[0], 0)
+
+    _sync: dict[int, Callable[[KernelSession, Request], None]] = {
+        _session.OP_FORGET: _forget,
+        _session.OP_INIT: _init,
+        _session.OP_RELEASEDIR: _releasedir,
+        _session.OP_RELEASE: _release,
+        _session.OP_READDIR: _readdir,
+    }
+
+    # -- requests that may wait on the source ------------------------------------------
+
+    async def _answer(self, r: Request) -> None:
+        rid, op, ino, fh, offset, size, flags, pid = r[:8]
+        native, ops = self._native, self.ops
+        try:
+            if op == _session.OP_READ:
+                native.reply_buf(rid, await ops.read(fh, offset, size))
+            elif op == _session.OP_LOOKUP:
+                entry = await ops.lookup(ino, os.fsdecode(r[10]))
+                native.reply_entry(rid, attr_tuple(entry.inode, entry.attr))
+            elif op == _session.OP_GETATTR:
+                entry = await ops.getattr(ino)
+                native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
+            elif op == _session.OP_OPEN:
+                # keep_cache always: an inode serves one version of a file (a changed file
+                # gets a new inode, fs/inodes.py), so the pages the kernel holds for it are
+                # always good; no invalidation notice is ever needed.
+                native.reply_open(rid, await ops.open(ino, flags, pid), True, False)
+            elif op == _session.OP_OPENDIR:
+                native.reply_open(rid, await ops.opendir(ino), False, False)
+            elif op == _session.OP_READLINK:
+                native.reply_readlink(rid, os.fsencode(await ops.readlink(ino)))
+            elif op == _session.OP_STATFS:
+                st = await ops.statfs()
+                native.reply_statfs(rid, (st.block_size, st.fragment_size, st.blocks, st.blocks_free,
+                                          st.blocks_available, st.files, st.files_free, st.files_free,
+                                          st.name_max))
+            else:
+                raise FsError(errno.ENOSYS, f"request {op} is not served")
+        except Exception as exc:  # noqa: BLE001
+            self._fail(r, exc)
+
+    def _fail(self, r: Request, exc: Exception) -> None:
+        if not isinstance(exc, (OSError, FsError)) and type(exc) not in _logged_bugs:
+            _logged_bugs.add(type(exc))
+            log.error("unexpected error in request %d (reported as EIO)", r[1], exc_info=exc)
+        self._native.reply_err(r[0], errno_of(exc))
+

@@ -1,0 +1,256 @@
+"""The Python side of the FUSE session over a fake core and a fake C session.
+
+No kernel: requests are queued on a recording stand-in for ``fs/_session.c`` and the real
+``serve()`` loop answers them.  What it must do is translate: attributes into the tuple C
+packs, every exception into one errno (bugs to EIO, logged once), opens keeping the page
+cache, readdir entries the kernel did not take forgotten, FORGET and INIT passed on, and
+the end of the session ending ``serve()``.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import trio
+
+from cubefs_fuse.attrs import Attr, FsStats
+from cubefs_fuse.errors import FsError
+from cubefs_fuse.fs import _session as c
+from cubefs_fuse.fs import session
+from cubefs_fuse.fs.filesystem import Entry
+from cubefs_fuse.fs.session import AttrTuple, KernelSession, Request
+
+FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
+
+
+class FakeCore:
+    """Records calls; answers from a script; raises what a test puts in ``fail``."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail: BaseException | None = None
+        self.forgotten: list[tuple[int, int]] = []
+
+    def _maybe_fail(self) -> None:
+        if self.fail is not None:
+            raise self.fail
+
+    async def lookup(self, parent: int, name: str) -> Entry:
+        self.calls.append(("lookup", parent, name))
+        self._maybe_fail()
+        return Entry(5, FILE)
+
+    async def getattr(self, inode: int) -> Entry:
+        self._maybe_fail()
+        return Entry(inode, FILE)
+
+    async def readlink(self, inode: int) -> str:
+        return "target"
+
+    def entry(self, path: str, attr: Attr) -> Entry:
+        return Entry(100 + len(path), attr)
+
+    def forget(self, inode: int, n: int) -> None:
+        self.forgotten.append((inode, n))
+
+    async def opendir(self, inode: int) -> int:
+        return 3
+
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[int, str, str, Attr]]:
+        self._maybe_fail()
+        names = ["a", "bb", "ccc"]
+        for i in range(start, len(names)):
+            yield i + 1, names[i], names[i], FILE
+
+    def releasedir(self, fh: int) -> None:
+        self.calls.append(("releasedir", fh))
+
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
+        self.calls.append(("open", inode, flags, pid))
+        self._maybe_fail()
+        return 9
+
+    async def read(self, fh: int, offset: int, size: int) -> bytes:
+        self._maybe_fail()
+        return b"d" * size
+
+    def release(self, fh: int) -> None:
+        self.calls.append(("release", fh))
+
+    async def statfs(self) -> FsStats:
+        return FsStats(4096, 4096, 100, 50, 40, 1000, 900, 255)
+
+
+class FakeNative:
+    """The C session's interface: requests go in through ``push``, replies are recorded."""
+
+    def __init__(self, readdir_room: int = 99) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self.queue: list[Request] = []
+        self.replies: dict[int, tuple[Any, ...]] = {}
+        self.readdir_room = readdir_room
+        self.started = self.closed = False
+        self.next_id = 1
+
+    def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
+             pid: int = 4242, name: bytes = b"") -> int:
+        rid = self.next_id if op not in (c.OP_FORGET, c.OP_INIT, c.OP_EXIT) else 0
+        self.next_id += 1
+        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name))
+        os.eventfd_write(self.fd, 1)
+        return rid
+
+    def start(self) -> None:
+        self.started = True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def take(self) -> list[Request]:
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+        out, self.queue = self.queue, []
+        return out
+
+    def _reply(self, rid: int, *what: Any) -> None:
+        assert rid not in self.replies, "a request answered twice"
+        self.replies[rid] = what
+
+    def reply_err(self, id: int, err: int, /) -> None:
+        self._reply(id, "err", err)
+
+    def reply_entry(self, id: int, attr: AttrTuple, /) -> None:
+        self._reply(id, "entry", attr)
+
+    def reply_attr(self, id: int, attr: AttrTuple, /) -> None:
+        self._reply(id, "attr", attr)
+
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None:
+        self._reply(id, "open", fh, keep_cache, direct_io)
+
+    def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None:
+        self._reply(id, "buf", bytes(data))
+
+    def reply_readlink(self, id: int, target: bytes, /) -> None:
+        self._reply(id, "readlink", target)
+
+    def reply_statfs(self, id: int, fields: tuple[int, int, int, int, int, int, int, int, int], /) -> None:
+        self._reply(id, "statfs", fields)
+
+    def reply_readdir(self, id: int, entries: Sequence[tuple[bytes, AttrTuple, int]], /) -> int:
+        taken = list(entries)[:self.readdir_room]
+        self._reply(id, "readdir", [(name, attr[0], nxt) for name, attr, nxt in taken])
+        return len(taken)
+
+    def exit(self) -> None:
+        self.push(c.OP_EXIT, 0)
+
+    def close(self) -> None:
+        self.closed = True
+        os.close(self.fd)
+
+
+async def served(native: FakeNative, core: FakeCore, inits: list[int] | None = None) -> None:
+    """Serve what is queued until the session's end (pushed last)."""
+    s = KernelSession(core, native, on_init=(lambda: inits.append(1)) if inits is not None else None)
+    native.push(c.OP_EXIT, 0)
+    with trio.fail_after(10):
+        await s.serve()
+
+
+async def answer(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Queue the requests, serve until each is answered, return the replies in order."""
+    s = KernelSession(core, native)
+    ids = [native.push(op, **kw) for op, kw in pushes]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.serve)
+        with trio.fail_after(10):
+            while not all(i in native.replies for i in ids):
+                await trio.sleep(0.001)
+        s.terminate()
+    return [native.replies[i] for i in ids]
+
+
+def attr_of(inode: int) -> AttrTuple:
+    return session.attr_tuple(inode, FILE)
+
+
+async def test_attributes_are_converted_for_c_to_pack() -> None:
+    native, core = FakeNative(), FakeCore()
+    entry, attr, statfs = await answer(native, core, (c.OP_LOOKUP, {"ino": 1, "name": b"name\xff"}),
+                                       (c.OP_GETATTR, {"ino": 7}), (c.OP_STATFS, {}))
+    assert core.calls == [("lookup", 1, os.fsdecode(b"name\xff"))]
+    assert entry == ("entry", (5, FILE.mode, 1, 1000, 1000, 0, 1234, 4096, 8, 1, 2, 3))
+    assert attr == ("attr", attr_of(7))
+    assert statfs == ("statfs", (4096, 4096, 100, 50, 40, 1000, 900, 900, 255))
+
+
+@pytest.mark.parametrize(("raised", "expected"), [
+    (FsError(errno.ESTALE), errno.ESTALE),
+    (OSError(errno.EACCES, "denied"), errno.EACCES),
+    (FileNotFoundError(errno.ENOENT, "gone"), errno.ENOENT),
+    (OSError("no errno"), errno.EIO),
+    (ValueError("a bug"), errno.EIO),
+])
+async def test_every_exception_becomes_one_errno(raised: BaseException, expected: int) -> None:
+    native, core = FakeNative(), FakeCore()
+    core.fail = raised
+    replies = await answer(native, core, (c.OP_LOOKUP, {"name": b"x"}), (c.OP_GETATTR, {}),
+                           (c.OP_READ, {"fh": 9, "size": 10}), (c.OP_READDIR, {"fh": 3, "size": 4096}))
+    assert replies == [("err", expected)] * 4
+
+
+async def test_a_bug_is_logged_once_per_exception_type(caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session, "_logged_bugs", set())
+    native, core = FakeNative(), FakeCore()
+    core.fail = KeyError("bug")
+    with caplog.at_level(logging.ERROR, logger=session.__name__):
+        replies = await answer(native, core, *[(c.OP_GETATTR, {})] * 3)
+    assert replies == [("err", errno.EIO)] * 3
+    assert [r.getMessage() for r in caplog.records] == [f"unexpected error in request {c.OP_GETATTR} (reported as EIO)"]
+
+
+async def test_open_passes_flags_and_pid_and_keeps_the_page_cache() -> None:
+    native, core = FakeNative(), FakeCore()
+    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5, "flags": os.O_RDONLY, "pid": 77}))
+    read, released = await answer(native, core, (c.OP_READ, {"fh": 9, "offset": 0, "size": 3}),
+                                  (c.OP_RELEASE, {"fh": 9}))
+    assert (opened, read, released) == (("open", 9, True, False), ("buf", b"ddd"), ("err", 0))
+    assert core.calls == [("open", 5, os.O_RDONLY, 77), ("release", 9)]
+    core.fail = FsError(errno.ESTALE)  # a retired inode: the kernel retries the lookup
+    assert await answer(native, core, (c.OP_OPEN, {"ino": 5})) == [("err", errno.ESTALE)]
+
+
+async def test_readdir_forgets_the_entries_the_kernel_did_not_take() -> None:
+    native, core = FakeNative(readdir_room=2), FakeCore()
+    listing, released = await answer(native, core, (c.OP_READDIR, {"fh": 3, "offset": 0, "size": 4096}),
+                                     (c.OP_RELEASEDIR, {"fh": 3}))
+    assert listing == ("readdir", [(b"a", 101, 1), (b"bb", 102, 2)])
+    assert core.forgotten == [(103, 1)]
+    assert released == ("err", 0) and core.calls == [("releasedir", 3)]
+
+
+async def test_readdir_builds_no_more_entries_than_the_buffer_can_hold() -> None:
+    native, core = FakeNative(), FakeCore()
+    (listing,) = await answer(native, core, (c.OP_READDIR, {"fh": 3, "offset": 0, "size": 200}))
+    assert listing == ("readdir", [(b"a", 101, 1), (b"bb", 102, 2)])  # 200 // 160 + 1 built
+    assert core.forgotten == []
+
+
+async def test_forget_and_init_are_passed_on_and_the_end_ends_serving() -> None:
+    native, core = FakeNative(), FakeCore()
+    inits: list[int] = []
+    native.push(c.OP_INIT, 0)
+    native.push(c.OP_FORGET, 12, size=3)
+    native.push(c.OP_FORGET, 13, size=1)
+    await served(native, core, inits)
+    assert inits == [1] and core.forgotten == [(12, 3), (13, 1)]
