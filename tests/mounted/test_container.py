@@ -34,7 +34,7 @@ BASE_TAG = "localhost/cubefs-fuse-base:debian12"
 # The host's CA bundle, handed to pip inside the build (a TLS-inspecting proxy signs with a
 # CA that only the host trusts); build-time only, it does not reach the image.
 HOST_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-# apt and pip downloads plus a compile of pyfuse3: minutes on a loaded 2-core machine.
+# apt and pip downloads plus a compile of the C session: minutes on a loaded 2-core machine.
 BUILD_TIMEOUT = 900
 # The Containerfile's compile stage carries this label (its images are untagged by design).
 BUILD_STAGE_LABEL = "io.cubefs-fuse.stage=build"

@@ -22,8 +22,8 @@ from cubefs_fuse import __version__, mounts
 from tests.helpers import REPO, wait_until
 
 # What goes into a distribution (the same list as .dockerignore).
-SOURCES = ("pyproject.toml", "README.md", "LICENSE", "cubefs_fuse", "cube_torch")
-# pip installs of a few MB and a build of pyfuse3: minutes on a loaded 2-core machine.
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "cubefs_fuse", "cube_torch")
+# pip installs of a few MB and a build of the C session: minutes on a loaded 2-core machine.
 PIP_TIMEOUT = 600
 
 
@@ -44,7 +44,7 @@ def _source_copy(dest: Path) -> Path:
     dest.mkdir()
     for name in SOURCES:
         if (REPO / name).is_dir():
-            shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(REPO / name, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so"))
         else:
             shutil.copy2(REPO / name, dest / name)
     return dest

@@ -28,10 +28,10 @@ MARKER = "<!-- walkthrough:systemd"
 CHECKOUT = "/usr/local/src/cubefs-fuse"  # where the walkthrough's checkout lies
 ROOTS = ("/opt/", "/etc/", "/mnt/", "/nvme0/", "/var/log/", "/nfs/")
 # The checkout is copied with what a distribution and the deploy step use.
-CHECKOUT_FILES = ("pyproject.toml", "README.md", "LICENSE", "cubefs_fuse", "cube_torch", "deploy")
+CHECKOUT_FILES = ("pyproject.toml", "setup.py", "README.md", "LICENSE", "cubefs_fuse", "cube_torch", "deploy")
 # Without PYTHONPATH (the test run's points at the worktree): the venv must work alone.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-PIP_TIMEOUT = 600  # the venv's pip install compiles pyfuse3
+PIP_TIMEOUT = 600  # the venv's pip install compiles the C session
 
 
 def walkthrough() -> list[str]:
@@ -62,7 +62,7 @@ def test_the_debian12_walkthrough_runs_as_written(tmp_path: Path) -> None:
     checkout.mkdir(parents=True)
     for name in CHECKOUT_FILES:
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, checkout / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
+        copy(REPO / name, checkout / name, **({"ignore": shutil.ignore_patterns("__pycache__", "*.so")}
                                               if (REPO / name).is_dir() else {}))
 
     def rooted(line: str) -> str:
