@@ -95,7 +95,7 @@ class ClientConfig:
     prefetch_threads: int = 16
     backend_threads: int = 32
     # Seconds any one backend operation may take before the caller gets EIO and the
-    # backend counts as down (docs/architecture.md, "Never stuck"; backends/deadline.py).  30 s
+    # backend counts as down (docs/concurrency.md, "Never stuck"; backends/deadline.py).  30 s
     # is thousands of times a healthy remote's latency (ms; an NFS soft mount gives up
     # after 60 s) and still short enough that a reader sees an error, not a dead process.
     backend_timeout: float = 30.0

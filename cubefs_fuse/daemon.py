@@ -96,7 +96,7 @@ def _user_allow_other() -> bool:
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
     """Serve the mount until it is unmounted or a signal arrives."""
     raise_fd_limit()
-    # Every backend operation has a deadline (docs/architecture.md, "Never stuck"): a hung remote
+    # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
     backend = DeadlineBackend(LocalDirBackend(config.source, config.backend_threads), config.backend_timeout)
     try:

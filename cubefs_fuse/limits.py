@@ -10,7 +10,7 @@ from __future__ import annotations
 MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
 # A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.
 MAX_DATASET_BODY = 1024 * 1024 * 1024
-MAX_DATASET_FILES = 100_000_000  # plans scale to 1e8 samples (docs/architecture.md)
+MAX_DATASET_FILES = 100_000_000  # plans scale to 1e8 samples (docs/ai_prefetch.md)
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
 MAX_NAME = 128  # job names and other identifiers

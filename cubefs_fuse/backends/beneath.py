@@ -1,6 +1,6 @@
 """Opening paths beneath a directory descriptor without following any symlink.
 
-The contract (docs/architecture.md, "Never outside the source"): every path the daemon resolves
+The contract (docs/contracts.md, "Never outside the source"): every path the daemon resolves
 at the source stays beneath the source root, and no component of it -- the last one
 included -- is followed if it is a symlink.  Symlinks are served as symlinks (their
 ``lstat`` attributes and ``readlink``); the kernel resolves them for the application,

@@ -1,7 +1,7 @@
 """Deadlines for a backend: a hung remote costs a reader EIO, never a stuck process.
 
 ``DeadlineBackend(inner, timeout)`` wraps a :class:`ProbedBackend` (``LocalDirBackend``)
-and keeps docs/architecture.md, "Never stuck":
+and keeps docs/concurrency.md, "Never stuck":
 
 * **Deadline.**  Every operation gets ``timeout`` seconds (``backendTimeout``), waiting
   for a worker thread included.  On expiry the caller gets ``EIO`` and the inner call is

@@ -14,7 +14,7 @@ old descriptor answers ENOTCONN/ESTALE/EIO) while threads still use the old one,
 is closed once its last user returns.
 
 Every path is resolved beneath the root's descriptor without following a symlink in any
-component (``backends/beneath.py``; docs/architecture.md, "Never outside the source"): the last
+component (``backends/beneath.py``; docs/contracts.md, "Never outside the source"): the last
 component's attributes come from ``fstatat(AT_SYMLINK_NOFOLLOW)`` and its target from
 ``readlinkat`` relative to the confined parent, so symlinks are served as symlinks and
 never followed by the daemon.  A symlink met on the way fails with ``ELOOP``.

@@ -17,8 +17,8 @@ instead of being flushed by every miss, and the lookahead window, whose blocks a
 needed soonest, is never evicted to make room for anything needed later.
 
 **No garbage-collector work and no whole rebuild per block.**  A tier holds up to
-millions of blocks, and the trio thread must never stall on them (docs/architecture.md,
-"Contract: the trio thread does no work proportional to the cache or the plan"):
+millions of blocks, and the trio thread must never stall on them (docs/concurrency.md,
+"The trio thread does no work proportional to the cache or the plan"):
 
 * CPython's full (generation 2) collection visits every reference held by every tracked
   container: an ``OrderedDict`` or a heap list of a million entries costs 10-15 ms per

@@ -5,7 +5,7 @@ FUSE-free and HTTP-free: ``control/routes.py`` turns requests into these calls a
 filesystem's AccessObserver: every application open is attributed to a job (for
 per-job hit rates) and advances that job's plan cursor.
 
-Nothing leaks (docs/architecture.md, "Contract: jobs end"): a job whose process the
+Nothing leaks (docs/concurrency.md, "Jobs end"): a job whose process the
 daemon can watch (a pidfd) ends when that process exits; a job it cannot watch (pid 0:
 another pid namespace) and a plan submitted for a job never registered end after
 ``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes the plans of
