@@ -1,11 +1,8 @@
-"""The daemon: builds the components inside one nursery, mounts, serves, tears down.
-
-Start-up order: backend, disk tier (lock + block list), RAM tier, block cache,
-metadata cache, filesystem, then the kernel mount and the metrics exporter; only then
-is readiness reported.  Shutdown (``umount``, SIGINT/SIGTERM) runs in reverse: the FUSE
-loop ends, the mount is removed, pending NVMe writes drain (bounded), and the disk
-tier writes its index for a fast restart.
-"""
+"""The daemon: builds the components inside one nursery (backend, disk tier, RAM tier, block
+cache, metadata cache, filesystem, prefetch service, control server), mounts, reports
+readiness only once the mount is live, serves until unmount or SIGINT/SIGTERM, then tears
+down in reverse: the FUSE loop ends, the mount is removed, pending NVMe writes drain
+(bounded) and the disk tier writes its index for a fast restart."""
 
 from __future__ import annotations
 

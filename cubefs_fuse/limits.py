@@ -1,9 +1,7 @@
-"""Bounds on what a client may ask of the daemon, shared by the control API and ai_prefetch.
-
-Standard library only and importing nothing of the package: the wire protocol
-(``control/protocol.py``, imported inside training processes) re-exports these, and
-the prefetch core validates against them without reaching up into the control API.
-"""
+"""Bounds on what a client may ask of the daemon, shared by the control API and ai_prefetch;
+standard library only and importing nothing of the package, so that the wire protocol
+(``control/protocol.py``, imported inside training processes) can re-export them and the
+prefetch core can validate against them without reaching up into the control API."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""Mount-point bookkeeping: the kernel's mount table, stale mounts, the runtime registry.
-
-The runtime registry holds one JSON file per live daemon (pid, mount point, volume,
-config path), so ``umount`` can wait for the daemon to finish and later tools can list
-every mount without scanning processes.
-"""
+"""Mount-point bookkeeping: the kernel's mount table, stale mounts, connection tuning and
+the runtime registry, which holds one JSON file per live daemon (pid, mount point, volume,
+config path) so that ``umount`` can wait for the daemon and tools can list every mount
+without scanning processes."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The thin pyfuse3 adapter: translate requests to ``fs.filesystem.Filesystem`` calls and back.
-
-No logic lives here beyond type conversion.  Every handler goes through
-``_translating``, which turns any exception into ``FUSEError(errors.errno_of(exc))``;
-unexpected ones (bugs) are logged with their traceback once per exception type.
-"""
+"""The thin pyfuse3 adapter: requests to ``fs.filesystem.Filesystem`` calls and results back
+to pyfuse3's types, with no logic beyond that; every handler goes through ``_translating``,
+which turns any exception into ``FUSEError(errors.errno_of(exc))`` and logs unexpected ones
+(bugs) with their traceback once per exception type."""
 
 from __future__ import annotations
 
