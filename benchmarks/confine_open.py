@@ -1,4 +1,4 @@
-"""What confinement (docs/architecture.md, "Never outside the source") costs per file open.
+"""What confinement (docs/contracts.md, "Never outside the source") costs per file open.
 
 Opens ``--files`` files ``class<i>/img<j>`` (depth 2, like an ImageFolder) three ways and
 prints the mean microseconds per open (open + close, no read):

@@ -73,8 +73,9 @@ LATER_EPOCHS_BAR = 2.0  # later epochs at least this multiple of the baseline
 # First epochs measured, each filling a fresh cache; the bar reads the median one.  An
 # epoch here is 0.3-0.5 s of 2 busy cores, where one scheduling hiccup of another process
 # moves a single ratio by 0.1-0.2 (observed: 0.84-1.00 among the fills of one run).  Nine,
-# not five (sessions 7-12) or three: the same expected value, less spread.  Single fills
-# spread with a standard deviation of 0.026-0.031 (four sets of 20 fills, session 13), so
+# not five or three: the same expected value, less spread.  Single fills spread with a
+# standard deviation of 0.026-0.031 (four sets of 20 fills, measured 2026-11-25 at
+# 25b7e93), so
 # the median of five moved by ~0.017 from run to run, and the Redis row's median landed at
 # 0.88-0.90 x in three presets whose 15 fills averaged 0.892 x; the median of nine moves by
 # ~0.013.  Each more fill costs ~1 s per store (the fill, 0.4-0.5 s, the baseline epoch
@@ -221,9 +222,9 @@ def local_redis(workdir: Path) -> Iterator[str]:
     A unix socket is how a Redis on the training node itself is best reached (and what
     docs/cube_torch.md advises): measured here, a 150 KB ``SET`` costs the server 71 us over
     it against 82-85 us over TCP loopback, the client's ``sendmsg`` 23 against 28 us, and
-    fills came out 1.0 +- 0.5 % faster (40 pairs of fills, session 13).  The socket lives in
-    a short directory of its own: ``workdir`` may be longer than a socket path may be (107
-    bytes)."""
+    fills came out 1.0 +- 0.5 % faster (40 pairs of fills, measured 2026-11-25 at
+    25b7e93).  The socket lives in a short directory of its own: ``workdir`` may be longer
+    than a socket path may be (107 bytes)."""
     if shutil.which("redis-server") is None:
         raise HarnessError("redis-server is not installed (apt-get install redis-server)")
     sockets = Path(tempfile.mkdtemp(prefix="cubefs-redis-"))

@@ -1,5 +1,5 @@
 """How long a FUSE request can wait on the trio thread while a plan is submitted over a
-large cache (docs/architecture.md, "Never stuck": no work proportional to the cache or the plan
+large cache (docs/concurrency.md: no work proportional to the cache or the plan
 on the trio thread).
 
     .venv/bin/python -m benchmarks.trio_stalls [--blocks 1000000] [--files 100000] [--earlier-plan]

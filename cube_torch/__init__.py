@@ -1,19 +1,12 @@
 """cube_torch: ``import cube_torch`` and set ``VOL_NAME`` to prefetch each epoch's files.
-
-Importing installs one small patch on torch's DataLoader (see ``cube_torch.patch``):
-at the start of every epoch the loader's exact index order is materialised, mapped to
-the files it reads and sent to the cubefs-fuse daemon of volume ``$VOL_NAME`` from a
-background thread; the daemon then has each file local before a worker opens it.
-``VOL_NAME`` is read when an epoch starts, so it may be set after the import.  If the
-daemon is missing or misbehaves, one warning is logged and training proceeds as usual.
-
-``cube_torch.CachedDataset(base, name=...)`` keeps what ``base[i]`` returns (decoded,
-resized samples) in a sample store, computed once (see ``cube_torch.samples``).
-
-``cube_torch.uninstall()`` removes the patch; ``cube_torch.stats()`` returns this
-job's hit counters; a hit-rate line is printed every ``CUBE_TORCH_METRICS_INTERVAL``
-seconds (default 30).
-"""
+Importing installs one small patch on torch's DataLoader (``cube_torch.patch``): at the
+start of every epoch the loader's exact index order is mapped to the files it reads and sent
+to the cubefs-fuse daemon of volume ``$VOL_NAME`` from a background thread (``VOL_NAME`` is
+read when an epoch starts, so it may be set after the import); ``CachedDataset`` keeps
+decoded samples in a sample store (``cube_torch.samples``); ``uninstall()`` removes the
+patch, ``stats()`` returns the job's hit counters, and a hit-rate line is printed every
+``CUBE_TORCH_METRICS_INTERVAL`` seconds (default 30). A missing or misbehaving daemon costs
+one warning; training proceeds as usual."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The background side of cube_torch: finds the daemon, registers, submits plans.
-
-All daemon traffic happens in one background thread of the training process, never in
-the training loop: an absent, slow or failing daemon costs the loop nothing.  Each
-kind of failure is logged once per process, as a warning.  The thread exits when it
-has had nothing to do for ``IDLE_EXIT`` seconds and is started again on demand, so no
-thread outlives the loaders that need it for long.
-"""
+"""The background side of cube_torch: finds the daemon, registers the dataset and job,
+submits plans. All daemon traffic runs in one background thread of the training process,
+never in the training loop, so an absent, slow or failing daemon costs the loop nothing;
+each kind of failure is logged once per process as a warning, and the thread exits after
+``IDLE_EXIT`` idle seconds and is started again on demand."""
 
 from __future__ import annotations
 

@@ -1,26 +1,13 @@
-"""The fast path, worker side: a batch's files from the daemon's cache, without FUSE.
-
-Inside a DataLoader worker (``get_worker_info()`` is set) of a map-style dataset, each
-batch the worker is about to load is first sent to the daemon in one message over the
-data socket (``data_socket`` of the per-volume file; daemon side:
-cubefs_fuse/control/dataplane.py).  The daemon answers, per file, where its bytes lie in
-this worker's shared-memory ring (a sealed memfd it handed over once, with SCM_RIGHTS),
-or "read it through the mount".  The served bytes are copied out of the ring at once (so
-the ring is free again before the next batch is asked for).
-
-Then, while the worker's fetcher loads exactly that batch, ``builtins.open`` (= ``io.open``)
-is replaced by a hook that answers a read-only binary open (``"rb"``, no encoding,
-newline, opener or closefd) of one of *the batch's served paths* with an in-memory file
-(:class:`FastFile`) of those bytes.  Every other open — another path, a text or write
-mode, a descriptor, a C-level open (``os.open``, ``mmap``, OpenCV), anything after the
-batch — goes to the real ``open`` and through the mount, as without the fast path.
-
-Never wrong, never stuck: every wait is bounded (connect, the hello, each reply within
-:data:`REPLY_TIMEOUT`); any failure — no daemon, an older daemon without a data socket,
-a refusal, a malformed or late reply, a daemon that dies mid-batch — closes the
-connection, logs once, and that batch (and those of the next :data:`RETRY_AFTER`
-seconds) goes through the mount.  ``CUBE_TORCH_FAST_PATH=0`` turns it off.
-"""
+"""The fast path, worker side: a batch's files from the daemon's cache, without FUSE. Inside
+a DataLoader worker of a map-style dataset, each batch is first sent to the daemon in one
+message over the data socket (daemon side: cubefs_fuse/control/dataplane.py), which answers
+per file where its bytes lie in this worker's sealed memfd ring, or "read it through the
+mount"; the bytes are copied out at once, and while the fetcher loads exactly that batch a
+``builtins.open`` hook answers read-only binary opens of the served paths with a
+:class:`FastFile`, every other open going to the real ``open`` and the mount. Every wait is
+bounded (:data:`CONNECT_TIMEOUT`, :data:`REPLY_TIMEOUT`), any failure sends that batch and
+those of the next :data:`RETRY_AFTER` seconds through the mount, and
+``CUBE_TORCH_FAST_PATH=0`` turns it off (docs/contracts.md, "The fast path")."""
 
 from __future__ import annotations
 

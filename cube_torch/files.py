@@ -1,10 +1,8 @@
-"""Which files a dataset sample reads: the index -> paths mapping per dataset type.
-
-Supported: torchvision ``ImageFolder``/``DatasetFolder`` (``samples[i][0]``),
-``VOCDetection`` (image and annotation XML), ``CocoDetection`` (the file of image id
-``ids[i]``), any dataset with ``train_data_list()`` (see :data:`ACCEPTED_LISTS`), and
-``Subset``/``ConcatDataset`` of those, nested, and a ``CachedDataset`` of any of them.
-"""
+"""Which files a dataset sample reads: the index -> paths mapping per dataset type, for
+torchvision ``ImageFolder``/``DatasetFolder`` (``samples[i][0]``), ``VOCDetection`` (image
+and annotation XML), ``CocoDetection`` (the file of image id ``ids[i]``), any dataset with
+``train_data_list()`` (see :data:`ACCEPTED_LISTS`), and ``Subset``/``ConcatDataset`` of
+those, nested, and a ``CachedDataset`` of any of them."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """The one patch: ``DataLoader._index_sampler`` returns a sampler that plans the epoch.
-
-Every DataLoader iterator draws its indices from ``iter(loader._index_sampler)`` (the
-batch sampler, or the sampler when ``batch_size=None``), once per epoch, in the main
-process.  The patched property wraps that sampler in :class:`PlannedSampler`, whose
-iterator, on its first ``next()``, materialises the whole epoch from the real sampler
-(the same RNG draws the loader would make, at the same moment), hands the order to the
-background submitter and then yields exactly that order.  Nothing else of torch is
-replaced: ``isinstance(loader, DataLoader)`` stays true and the worker loop is torch's.
-"""
+Every DataLoader iterator draws its indices from ``iter(loader._index_sampler)`` once per
+epoch in the main process; the patched property wraps that sampler in
+:class:`PlannedSampler`, whose iterator, on its first ``next()``, materialises the whole
+epoch from the real sampler (the same RNG draws at the same moment), hands the order to the
+background submitter and then yields exactly that order. Nothing else of torch is replaced:
+``isinstance(loader, DataLoader)`` stays true and the worker loop is torch's."""
 
 from __future__ import annotations
 

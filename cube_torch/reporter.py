@@ -1,18 +1,11 @@
-"""Hit-rate lines: every CUBE_TORCH_METRICS_INTERVAL seconds, at the end of every epoch and
-once at exit, from the daemon's counters.
-
-The line keeps the format of CubeFS's cube_torch so existing log parsers work::
-
-    user memory last_cycle_metrics:([request_count:4801 hit_count:4801 miss_count:0 hit_rate:100.00% miss_rate:0.00% ])  sum_metrics:([request_count:295154 hit_count:295001 miss_count:153 hit_rate:99.95% miss_rate:0.05%])
-
-In a distributed job (world size > 1) the line starts with ``[rank R] `` and the rest is
-unchanged.  It is printed to stdout and logged (logger ``cube_torch``, INFO);
-``cube_torch.stats()`` returns the same counters as a dict.
-
-``last_cycle_metrics`` is computed here, from the job's cumulative counters at this
-process's previous report: the daemon's own since-last counters restart whenever anyone
-asks for the job, and every rank of a job asks for it.
-"""
+"""Hit-rate lines every ``CUBE_TORCH_METRICS_INTERVAL`` seconds, at the end of every epoch
+and once at exit, in the format of CubeFS's cube_torch so that existing log parsers work
+(``user memory last_cycle_metrics:([request_count:... hit_rate:...% ...])
+sum_metrics:([...])``, prefixed ``[rank R] `` in a distributed job), printed to stdout and
+logged (logger ``cube_torch``, INFO); ``cube_torch.stats()`` returns the same counters.
+``last_cycle_metrics`` is computed here from the job's cumulative counters at this process's
+previous report, because the daemon's own since-last counters restart whenever any rank of
+the job asks."""
 
 from __future__ import annotations
 

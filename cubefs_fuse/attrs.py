@@ -1,9 +1,7 @@
-"""What every layer says about files: attributes, versions and volume statistics.
-
-These are the shared types at the bottom of the package: the backends produce them, the
-cache keys blocks by :class:`FileVersion`, the filesystem core and the FUSE adapter hand
-them on.  Nothing here imports anything of the package.
-"""
+"""What every layer says about files: attributes, versions and volume statistics; the shared
+types at the bottom of the package (the backends produce them, the cache keys blocks by
+:class:`FileVersion`, the filesystem core and the FUSE adapter hand them on), importing
+nothing of the package."""
 
 from __future__ import annotations
 

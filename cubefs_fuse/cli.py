@@ -1,8 +1,5 @@
-"""The ``cubefs-fuse`` command line.
-
-Exit codes: 0 success, 1 a runtime failure, 2 a user mistake (bad config or arguments).
-A user mistake is one line on stderr, never a traceback.
-"""
+"""The ``cubefs-fuse`` command line. Exit codes: 0 success, 1 a runtime failure, 2 a user
+mistake (bad config or arguments), which is one line on stderr, never a traceback."""
 
 from __future__ import annotations
 

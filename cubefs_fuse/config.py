@@ -1,10 +1,8 @@
-"""The JSON client config: parsing and validation (docs/configuration.md).
-
-Parsing (:func:`parse_config`) is pure: it turns a JSON object into a frozen
-:class:`ClientConfig` or raises :class:`ConfigError` with one line naming the key.
-:func:`check_environment` then checks what the config points at (source, mount point,
-cache dir); it is separate so tests and tools can parse configs of other machines.
-"""
+"""The JSON client config (docs/configuration.md): :func:`parse_config` is pure, turning a
+JSON object into a frozen :class:`ClientConfig` or raising :class:`ConfigError` with one
+line naming the key, and :func:`check_environment` then checks what it points at (source,
+mount point, cache dir), separately, so that tests and tools can parse configs of other
+machines."""
 
 from __future__ import annotations
 
@@ -95,7 +93,7 @@ class ClientConfig:
     prefetch_threads: int = 16
     backend_threads: int = 32
     # Seconds any one backend operation may take before the caller gets EIO and the
-    # backend counts as down (docs/architecture.md, "Never stuck"; backends/deadline.py).  30 s
+    # backend counts as down (docs/concurrency.md, "Never stuck"; backends/deadline.py).  30 s
     # is thousands of times a healthy remote's latency (ms; an NFS soft mount gives up
     # after 60 s) and still short enough that a reader sees an error, not a dead process.
     backend_timeout: float = 30.0

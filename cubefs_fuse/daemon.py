@@ -1,11 +1,8 @@
-"""The daemon: builds the components inside one nursery, mounts, serves, tears down.
-
-Start-up order: backend, disk tier (lock + block list), RAM tier, block cache,
-metadata cache, filesystem, then the kernel mount and the metrics exporter; only then
-is readiness reported.  Shutdown (``umount``, SIGINT/SIGTERM) runs in reverse: the FUSE
-loop ends, the mount is removed, pending NVMe writes drain (bounded), and the disk
-tier writes its index for a fast restart.
-"""
+"""The daemon: builds the components inside one nursery (backend, disk tier, RAM tier, block
+cache, metadata cache, filesystem, prefetch service, control server), mounts, reports
+readiness only once the mount is live, serves until unmount or SIGINT/SIGTERM, then tears
+down in reverse: the FUSE loop ends, the mount is removed, pending NVMe writes drain
+(bounded) and the disk tier writes its index for a fast restart."""
 
 from __future__ import annotations
 
@@ -93,7 +90,7 @@ def _user_allow_other() -> bool:
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
     """Serve the mount until it is unmounted or a signal arrives."""
     raise_fd_limit()
-    # Every backend operation has a deadline (docs/architecture.md, "Never stuck"): a hung remote
+    # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
     backend = DeadlineBackend(LocalDirBackend(config.source, config.backend_threads), config.backend_timeout)
     try:

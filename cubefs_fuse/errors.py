@@ -1,10 +1,8 @@
-"""The one place where failures become errno values, and the error kinds of the core.
-
-Every layer below the FUSE adapter raises ordinary exceptions: ``OSError`` from the
-backend (already carrying an errno), :class:`FsError` for conditions the core detects
-itself, :class:`StaleVersion` when the source changed under a read.  The adapter calls
-:func:`errno_of` and nothing else decides which errno an application sees.
-"""
+"""The one place where failures become errno values, and the error kinds of the core: layers
+below the FUSE adapter raise ``OSError`` from the backend, :class:`FsError` for conditions
+the core detects, :class:`StaleVersion` when the source changed under a read, and the
+adapter calls :func:`errno_of`, which alone decides the errno an application sees; the
+control API's :class:`RequestError` kinds live here too."""
 
 from __future__ import annotations
 

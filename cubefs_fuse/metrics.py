@@ -1,12 +1,8 @@
-"""Prometheus metrics: every name in one table, values pulled from ``statistics()``.
-
-Components count with plain integers on the trio thread.  At scrape time the exporter
-thread asks the trio thread (``trio.from_thread.run_sync``) for one consistent
-snapshot of every component's statistics and turns it into metric families, so the
-FUSE hot path never takes a lock and never calls into prometheus_client.
-
-``docs/metrics.md`` documents the same table; a test keeps the two in step.
-"""
+"""Prometheus metrics: every name in one table (``METRICS``, which docs/metrics.md documents
+and a test keeps in step), values pulled from ``statistics()``. Components count with plain
+integers on the trio thread; at scrape time the exporter thread asks the trio thread
+(``trio.from_thread.run_sync``) for one consistent snapshot and turns it into metric
+families, so the FUSE hot path never takes a lock or calls into prometheus_client."""
 
 from __future__ import annotations
 

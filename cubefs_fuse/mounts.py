@@ -1,9 +1,7 @@
-"""Mount-point bookkeeping: the kernel's mount table, stale mounts, the runtime registry.
-
-The runtime registry holds one JSON file per live daemon (pid, mount point, volume,
-config path), so ``umount`` can wait for the daemon to finish and later tools can list
-every mount without scanning processes.
-"""
+"""Mount-point bookkeeping: the kernel's mount table, stale mounts, connection tuning and
+the runtime registry, which holds one JSON file per live daemon (pid, mount point, volume,
+config path) so that ``umount`` can wait for the daemon and tools can list every mount
+without scanning processes."""
 
 from __future__ import annotations
 
@@ -25,10 +23,10 @@ log = logging.getLogger(__name__)
 FUSE_SUBTYPE = "cubefs-fuse"
 # Asynchronous FUSE requests (reads, readahead) the kernel lets reach the daemon at once.
 # The kernel default of 12 serialises DataLoaders with many workers; 64 measured
-# +40-75 % with >= 64 readers (docs/architecture.md), and stays far below pyfuse3's task limit.
+# +40-75 % with >= 64 readers (2026-11-21, 350266a), and stays far below pyfuse3's task limit.
 FUSE_MAX_BACKGROUND = 64
 # Readahead window for files on the mount: 1 MiB matched the default block size and
-# measured +34 % on files >= 1 MB (docs/architecture.md); small files are unaffected.
+# measured +34 % on files >= 1 MB (2026-11-21, 350266a); small files are unaffected.
 FUSE_READ_AHEAD_KB = 1024
 
 

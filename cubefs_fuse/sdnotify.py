@@ -1,13 +1,8 @@
-"""systemd's readiness protocol (sd_notify(3)) in a few lines of stdlib.
-
-Under a ``Type=notify`` unit systemd passes ``$NOTIFY_SOCKET``: an AF_UNIX datagram
-socket, a path or an abstract name written with a leading ``@``.  The daemon sends
-``READY=1`` once the mount is live (``systemctl start`` returns only then) and
-``STOPPING=1`` when it starts to unmount; ``STATUS=`` lines show in ``systemctl status``.
-Without ``$NOTIFY_SOCKET`` (a terminal, Kubernetes, a detached mount) every call is a
-no-op.  A notification is best effort: it never blocks (the socket is non-blocking, so
-it is safe on the trio thread) and never raises.
-"""
+"""systemd's readiness protocol (sd_notify(3)) in a few lines of stdlib: under a
+``Type=notify`` unit, ``READY=1`` once the mount is live, ``STOPPING=1`` when it starts to
+unmount and ``STATUS=`` lines, as one non-blocking datagram to ``$NOTIFY_SOCKET`` (a path,
+or an abstract name written with a leading ``@``); without it every call is a no-op, and a
+call never blocks or raises, so it is safe on the trio thread."""
 
 from __future__ import annotations
 

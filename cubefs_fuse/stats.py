@@ -1,8 +1,6 @@
-"""Small counters shared by components' ``statistics()``; no Prometheus here.
-
-Components count on the trio thread with plain integers; the metrics exporter reads
-them at scrape time (metrics.py), so the hot path never takes a lock.
-"""
+"""Small counters shared by components' ``statistics()``, counted with plain integers on the
+trio thread and read by the metrics exporter at scrape time (metrics.py), so that the hot
+path never takes a lock; no Prometheus here."""
 
 from __future__ import annotations
 

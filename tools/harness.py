@@ -508,7 +508,7 @@ class DaemonMount:
         """Wait until ``blocks`` blocks are on NVMe (the write-behind has finished).
 
         Counts the entries of the documented cache layout (``segments/<hex>.seg``, see
-        docs/architecture.md) instead of polling /metrics, so that waiting costs the
+        docs/on-disk.md) instead of polling /metrics, so that waiting costs the
         daemon no CPU time (benchmarks charge the daemon's CPU time to each pass).
         """
         deadline = time.monotonic() + timeout

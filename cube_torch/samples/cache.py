@@ -1,42 +1,15 @@
 """``SampleCache``: a value computed once per (name, key), kept in a sample store.
-
-``SampleCache(name, store).get(key, compute)`` returns the stored value of ``key`` when the
-store has a valid entry, else ``compute()`` (and stores it in the background);
-``get_many(keys, compute_one)`` does a batch with one store round trip.
-
-An entry is a 16-byte header, then the codec's encoding of the value (codec.py)::
-
-    magic b"CTSC" | u8 format version (FORMAT_VERSION) | 3 bytes zero | u64 validity tag
-
-The validity tag is an xxh64 of the sample's source files' (path, size, mtime and ctime
-in ns) when the caller names the files (``CachedDataset`` does for the datasets
-cube_torch knows), else 0.  An entry whose tag differs from the files' tag now (a source
-file changed), or of another format version, is a miss: the value is computed again and
-the entry overwritten.
-
-Never in training's way:
-
-* A store that fails (down, refused, timed out, an import that fails) is logged once per
-  process and bypassed for :data:`RETRY_AFTER` seconds: values are computed as without a
-  cache.  A store that refuses writes only (Redis full, ``noeviction``) is still read;
-  writes stop for that long.  A corrupt entry (bad magic, a payload the codec refuses) is
-  logged once and treated as a miss (computed and overwritten).
-* A computed value is encoded once, copied once: straight into the store's own buffer
-  when the store offers one (``write_entry``: the daemon store's ring, the Redis stores'
-  reused buffers), else into the entry's bytes; either is the snapshot taken before
-  ``get_many`` returns (a transform after the cache that changes the value in place does
-  not change what is stored).  A batch's values are encoded after its last one is computed.
-* Writes go through a bounded in-process buffer (:data:`MAX_PENDING_ENTRIES` entries,
-  :data:`MAX_PENDING_BYTES` bytes) drained by one background thread per process; a full
-  buffer drops the write (the sample is computed again next time), it never waits.  At
-  process exit (DataLoader workers included) what is pending is written, waiting at most
-  :data:`FLUSH_TIMEOUT` seconds.
-* A value the codec cannot encode is returned uncached, with one warning per type.
-
-Stores are opened lazily in each process (a DataLoader worker opens its own, after the
-fork) and never pickled: pickling a ``SampleCache`` keeps its name and store
-specification only.
-"""
+``get(key, compute)`` returns the stored value when the store has a valid entry, else
+``compute()``, stored in the background; ``get_many`` does a batch in one store round trip.
+An entry is a 16-byte header (magic ``CTSC``, format version, the validity tag of the
+sample's source files) and the codec's encoding (docs/on-disk.md, "What a sample entry
+holds"); another tag or version is a miss. It is never in training's way: a failing store is
+logged once and bypassed for :data:`RETRY_AFTER` seconds, a corrupt entry is a miss, a value
+is encoded and copied once (into the store's own buffer when it offers ``write_entry``)
+after the batch's last compute, writes go through a bounded buffer
+(:data:`MAX_PENDING_ENTRIES`, :data:`MAX_PENDING_BYTES`) drained by one thread per process
+and flushed at exit within :data:`FLUSH_TIMEOUT`, and stores are opened lazily in each
+process, never pickled."""
 
 from __future__ import annotations
 

@@ -1,65 +1,16 @@
-"""The sample codec: what a dataset returns, as bytes, and back; no pickle.
-
-A store that other processes (other ranks, other jobs, anyone who can reach the Redis
-server) can write must never lead to code execution in the trainer, so entries are not
-pickles: the format below names a closed set of types, decoding builds only those, and
-nothing is imported, evaluated or looked up by a name taken from the payload.
-
-``encode(obj) -> bytes``; ``decode(buffer) -> obj``.  The buffer may be ``bytes``,
-``bytearray`` or a ``memoryview`` into a store's ring that is reused on its next call:
-every array and tensor that ``decode`` returns has memory of its own (exactly one copy of its
-bytes, out of the buffer); nothing returned aliases the buffer.
-
-Supported, round-tripping bit-exactly (NaN payloads, -0.0 included):
-
-* ``None``, ``bool``, ``int`` (any size), ``float``, ``complex``, ``str`` (lone surrogates
-  included), ``bytes``, ``bytearray``;
-* ``tuple``, ``list``, ``dict`` (insertion order kept; keys any supported hashable value),
-  nested up to :data:`MAX_DEPTH` levels; subclasses decode as the base type (a namedtuple
-  as a tuple, an OrderedDict as a dict);
-* numpy arrays and numpy scalars of the dtypes in :data:`NUMPY_DTYPES` (bool, signed and
-  unsigned integers, float16/32/64, complex64/128, either byte order);
-* CPU torch tensors of the dtypes in :data:`TORCH_DTYPES` (bfloat16 included), any shape
-  (0-d and empty too), any strides; ``requires_grad`` and the autograd graph are not kept
-  (a sample is data);
-* PIL images of the modes in :data:`PIL_MODES`: mode, size, pixels and, for ``P``/``PA``,
-  the palette.  Not kept: ``info`` (EXIF, ICC profile, transparency key, DPI) and the file
-  format; a decoded image is a plain ``PIL.Image.Image``.
-
-Layout: an array or tensor whose memory is one dense block in some order of its
-dimensions (C order, or a permutation of it: torchvision's ``PILToTensor`` gives the CHW
-view of an HWC image, ``np.transpose`` views) is stored as its memory lies, with that
-order, and decoded with the same strides: one plain copy each way, and the value as the
-dataset returned it.  Any other layout (slices with gaps, broadcast or reversed strides)
-is stored in C order, reordered in its one copy, and decoded C-contiguous.  Decoded
-arrays and tensors are writable.
-
-Anything else raises :class:`CodecError` at encode time (the cache then leaves that sample
-uncached); any malformed, truncated or oversized payload raises :class:`CodecError` at
-decode time, before allocating more than the payload's own size.
-
-Format (little-endian): one tag byte per value, then its fields::
-
-    N | T | F                           None, True, False
-    i int64                             an int in int64 range
-    I u32 n, n bytes                    any other int: two's complement, little-endian
-    f float64 | c 2 x float64           float, complex (raw IEEE bits)
-    s u32 n, UTF-8 (surrogatepass)      str
-    b u32 n, bytes | B ...              bytes, bytearray
-    t u32 n, n values | l ...           tuple, list
-    d u32 n, n (key, value) pairs       dict
-    a u8 len, dtype, u8 ndim, ndim x u64 shape, u64 n, n bytes     numpy array (C order)
-    A u8 len, dtype, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
-                                        numpy array in memory order (see Layout)
-    x u8 len, dtype, itemsize bytes     numpy scalar
-    p u8 code, u8 ndim, ndim x u64 shape, u64 n, n bytes           torch tensor
-    q u8 code, u8 ndim, ndim x u64 shape, ndim x u8 order, u64 n, n bytes
-                                        torch tensor in memory order (see Layout)
-
-``order`` lists the dimensions from the outermost in memory to the innermost; the bytes
-are those of the C-order block of shape ``[shape[d] for d in order]``.
-    m u8 len, mode, u32 w, u32 h, u64 n, pixels, u8 len, palette mode, u32 n, palette  PIL image
-"""
+"""The sample codec: what a dataset returns, as bytes and back, without pickle, because a
+store that other ranks, jobs or Redis users can write must never lead to code execution in
+the trainer. It covers a closed set of types, round-tripping bit-exactly: ``None``,
+``bool``, ``int``, ``float``, ``complex``, ``str``, ``bytes``, ``bytearray``; ``tuple``,
+``list``, ``dict`` up to :data:`MAX_DEPTH` levels (subclasses decode as the base type);
+numpy arrays and scalars of :data:`NUMPY_DTYPES`, CPU torch tensors of :data:`TORCH_DTYPES`
+(no autograd state) and PIL images of :data:`PIL_MODES` (no ``info``). A dense array in a
+permuted order (``PILToTensor``'s CHW view) is stored as its memory lies and decoded with
+the same strides; every decoded array has memory of its own, never aliasing the buffer
+(which may be a store's reused ring). Anything else raises :class:`CodecError` at encode
+time; a malformed, truncated or oversized payload raises it at decode time before more than
+the payload's own size is allocated. The format is in docs/on-disk.md, "What a sample entry
+holds"."""
 
 from __future__ import annotations
 

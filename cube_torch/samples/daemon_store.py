@@ -1,33 +1,16 @@
 """The default sample store: the node's cubefs-fuse daemon, over its data socket.
-
-``DaemonStore(volume)`` talks to the daemon of the mount whose ``volName`` is ``volume``
-(default: ``$VOL_NAME``), found through the per-volume config file like the fast path
-(``read_volume_config``; the daemon must run with ``"profile": "ai_prefetch"``).  Entries
-travel through the connection's shared-memory ring (cube_torch/fastpath.py's
-:class:`~cube_torch.fastpath.Channel`; the ops are documented in the daemon's
-control/sampleplane.py): one message per batch of keys, no per-sample round trip.
-
-Names are the caller's own (the daemon scopes them by the process's uid); ``~UID/NAME``
-reads another user's cache that its owner's daemon config shares (``sampleCacheShared``):
-such a store is read-only, its ``put_many`` and ``plan`` do nothing.  ``plan_held`` is
-``plan`` plus the daemon's answer of which keys it holds (cube_torch leaves their files out
-of the epoch's prefetch plan).
-
-Entries written in place (:meth:`DaemonStore.write_entry`): the training thread encodes a
-computed sample straight into the writer connection's ring (one copy, the snapshot), and
-the writer thread's ``put_many`` sends its slot, with no second copy; a slot lives until
-its ``sample_put`` is answered.  Given the entry's cache name and key, ``write_entry`` also
-computes the entry's checksum right after the copy, while the bytes are in this CPU's
-cache (~4 us for 150 KB), and the put carries it: the daemon then never reads the payload
-(its own checksum of it, from memory another CPU wrote, cost ~17 us of its CPU per entry).
-Plans go through a connection of their own, opened per plan (the daemon writes its answer
-at the start of the ring, where slots may live).
-
-Timeouts: connecting and the hello within :data:`~cube_torch.fastpath.CONNECT_TIMEOUT`
-(2 s), each answer within :data:`~cube_torch.fastpath.REPLY_TIMEOUT` (10 s).  Any failure
-raises :class:`~cube_torch.samples.store.StoreError` at once (the connection is dropped
-and the next call connects again); nothing here waits unboundedly or retries.
-"""
+``DaemonStore(volume)`` finds the daemon of ``volume`` (default ``$VOL_NAME``, which must
+run with ``"profile": "ai_prefetch"``) through the per-volume config file, and moves entries
+through the connection's shared-memory ring (cube_torch/fastpath.py's
+:class:`~cube_torch.fastpath.Channel`; the ops are control/sampleplane.py's), one message
+per batch of keys. Names are the caller's own; ``~UID/NAME`` reads a cache another user
+shares, read-only. :meth:`DaemonStore.write_entry` encodes a computed sample straight into
+the writer connection's ring and computes its checksum while the bytes are in this CPU's
+cache, so the daemon never reads the payload; plans go through a connection of their own, as
+the daemon answers at the ring's start. Connecting waits at most
+:data:`~cube_torch.fastpath.CONNECT_TIMEOUT`, each answer
+:data:`~cube_torch.fastpath.REPLY_TIMEOUT`, and any failure raises
+:class:`~cube_torch.samples.store.StoreError` at once."""
 
 from __future__ import annotations
 

@@ -1,23 +1,12 @@
 """``CachedDataset``: a dataset whose samples are computed once and kept in a sample store.
-
-``CachedDataset(base, name, transform=None, store=None)[i]`` is ``transform(base[i])`` (or
-``base[i]``), where what ``base[i]`` returns comes from the store under (name, i) once any
-process (a DataLoader worker, another rank, an earlier run) has computed it.  Cache the
-deterministic part (decoding, resizing) in ``base`` and put random augmentation in
-``transform``, which runs after the cache, on every access.
-
-torch's fetcher calls ``__getitems__`` with a batch's indices: one store round trip per
-batch.  The entries are checked against the sample's source files when cube_torch knows
-them (cube_torch/files.py: ImageFolder, VOC, COCO, ``train_data_list()``, Subset and
-ConcatDataset of those); a changed file makes its samples computed again.
-
-cube_torch plans a CachedDataset's epochs as its base's (same files), and in DataLoader
-workers the fast path serves the files of the batch's *misses* only (hits read no file).
-At each epoch's start cube_torch also sends the epoch's key order to the store
-(:meth:`CachedDataset.plan`; through ``Subset``s and ``ConcatDataset``s each
-CachedDataset gets its own indices, in reading order), so
-that a store that evicts (the daemon) keeps the entries needed soonest.
-"""
+``CachedDataset(base, name, transform=None, store=None)[i]`` is ``transform(base[i])``,
+where ``base[i]`` comes from the store under (name, i) once any process has computed it:
+cache the deterministic part (decoding, resizing) in ``base`` and put random augmentation in
+``transform``. ``__getitems__`` does one store round trip per batch; entries are checked
+against the sample's source files when cube_torch knows them (cube_torch/files.py); in
+DataLoader workers the fast path serves only the batch's misses' files, and at each epoch's
+start the epoch's key order goes to the store (:meth:`CachedDataset.plan`) so that a store
+that evicts keeps the entries needed soonest."""
 
 from __future__ import annotations
 

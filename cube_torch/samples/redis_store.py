@@ -1,25 +1,14 @@
-"""Sample stores on Redis: one server (``RedisStore``) or a Redis Cluster (``RedisClusterStore``).
-
-Entries live under ``cube_torch:sample:<name>:<key>`` as plain strings, without a hash tag,
-so a cluster spreads one dataset's samples over all its slots (and masters).  A batch is
-one round trip per server: ``MGET`` on a single server, a ``ClusterPipeline`` of ``GET``s on
-a cluster (redis-py groups them by node); writes are pipelined ``SET``s.  On a single
-server a batch's ``SET``s go in one ``sendmsg`` and their answers are read later
-(:class:`SetWriter`): redis-py's pipeline made two system calls per entry, each a
-loopback packet of its own, read each answer as it came, and ran its command machinery
-(measured in a decoding process: the writer thread's CPU per 150 KB entry 67 -> 57 us
-with one sendmsg, then ~37 us less a sample with the answers read later).  Entries are
-copied into buffers of the store's (:meth:`write_entry`), reused once sent.
-
-No TTL is set: capacity is Redis's own ``maxmemory`` and ``maxmemory-policy``
-(``allkeys-lru`` is the advice: see docs/cube_torch.md).  A full server with
-``noeviction`` answers writes with an OOM error: :class:`StoreError` saying so (the cache
-then stops writing for a while and keeps reading).
-
-Every failure is a :class:`StoreError`; no call waits longer than the timeouts below (plus
-one retry).  Nothing connects before the first call, so a store made in the main process
-and used in forked DataLoader workers opens its connections in each worker.
-"""
+"""Sample stores on Redis: one server (``RedisStore``) or a Redis Cluster
+(``RedisClusterStore``). Entries live under ``cube_torch:sample:<name>:<key>`` as plain
+strings without a hash tag (a cluster spreads a dataset over all its slots); a batch is one
+``MGET`` on a server, a ``ClusterPipeline`` of ``GET``s on a cluster; on a server a batch's
+``SET``s go out in one ``sendmsg`` from reused buffers and their answers are read later
+(:class:`SetWriter`), because redis-py's pipeline cost two system calls per entry. No TTL is
+set: capacity is Redis's ``maxmemory`` and policy (docs/cube_torch.md advises
+``allkeys-lru``); every failure, a full ``noeviction`` server included, is a
+:class:`StoreError`, no call waits longer than the timeouts below plus one retry, and
+nothing connects before the first call, so forked DataLoader workers open their own
+connections."""
 
 from __future__ import annotations
 

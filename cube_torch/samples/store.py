@@ -1,29 +1,12 @@
-"""What a sample store is: opaque entries under (cache name, integer key).
-
-A store knows nothing of samples: the entry bytes are made and checked by
-cube_torch.samples.cache (a header with the validity tag of the sample's source files,
-then the codec's encoding).  Implementations: the node's daemon (daemon_store.py),
-Redis and Redis Cluster (redis_store.py); tests may use an in-memory one.
-
-Contract, shared by every implementation:
-
-* ``get_many(name, keys)`` returns one item per key, in order: the entry's bytes, or
-  ``None`` when the store has no entry.  An item may be a ``memoryview`` into the store's
-  own buffer, valid only until the next call on the same store object (the caller decodes
-  or copies it at once).
-* ``put_many(name, items)`` stores ``(key, entry)`` pairs; it may drop any of them (a full
-  store, an entry over the store's size bound): a store is a cache, never the only copy.
-* ``plan(name, keys)``: the order in which the keys will be asked for next (an epoch's
-  order); a store that evicts may use it, others ignore it.  Optional:
-  ``plan_held(name, keys)``, the same plus which keys the store holds (a numpy bool array,
-  one per key, or None): cube_torch then leaves those samples' files out of the epoch's
-  prefetch plan (the daemon store has it).
-* Any failure (down, refused, full beyond recovery, a malformed answer) raises
-  :class:`StoreError`; the caller then logs once and bypasses the store for a while.
-  No call waits unboundedly: each implementation documents its timeouts.
-* A store object is used from one thread at a time; each DataLoader worker opens its own
-  (stores are created lazily, after the fork, never pickled with an open connection).
-"""
+"""What a sample store is: opaque entries under (cache name, integer key), made and checked
+by cube_torch.samples.cache; implemented by the node's daemon (daemon_store.py), Redis and
+Redis Cluster (redis_store.py). The contract: ``get_many(name, keys)`` returns one item per
+key in order, the entry's bytes or ``None`` (an item may be a ``memoryview`` valid only
+until the next call on the store); ``put_many(name, items)`` may drop any entry (a store is
+a cache, never the only copy); ``plan(name, keys)`` announces the next order (optional
+``plan_held`` also says which keys the store holds); any failure raises :class:`StoreError`
+and no call waits unboundedly; and a store object is used from one thread at a time, opened
+lazily in each process, never pickled with an open connection."""
 
 from __future__ import annotations
 

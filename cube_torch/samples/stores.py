@@ -1,16 +1,11 @@
-"""Which store a ``store=`` argument names: ``open_store(spec)``.
-
-* ``None``: the node's cubefs-fuse daemon (``DaemonStore``, daemon_store.py), the default;
-* ``"redis://[[user]:password@]host[:port][/db]"`` (or ``rediss://`` for TLS): one Redis
-  server (``RedisStore``);
-* ``"redis+cluster://[[user]:password@]host:port[,host:port...]"``: a Redis Cluster, any of
-  its nodes to start from (``RedisClusterStore``);
-* an object with the :class:`~cube_torch.samples.store.SampleStore` methods: itself.
-
-Store modules are imported here, lazily: a training process that never asks for Redis
-never imports redis-py.  One that makes a cache on a store imports its module at once
-(:func:`preload`): DataLoader workers, forked anew each epoch, then find it imported.
-"""
+"""Which store a ``store=`` argument names: ``open_store(spec)`` maps ``None`` to the node's
+daemon (``DaemonStore``), ``"redis://[[user]:password@]host[:port][/db]"`` (or
+``rediss://``) to one Redis server,
+``"redis+cluster://[[user]:password@]host:port[,host:port...]"`` to a Redis Cluster, and an
+object with the :class:`~cube_torch.samples.store.SampleStore` methods to itself. Store
+modules are imported lazily, so a process that never asks for Redis never imports redis-py,
+and at once by :func:`preload` when a cache is made, so DataLoader workers forked anew each
+epoch find them imported."""
 
 from __future__ import annotations
 

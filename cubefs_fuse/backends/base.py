@@ -1,9 +1,7 @@
 """The backend contract: what the cache and the filesystem core need from a remote volume.
-
-Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  An
-implementation runs every blocking call off the trio thread; ``read_block`` raises
-:class:`~cubefs_fuse.errors.StaleVersion` when the file is no longer ``version``.
-"""
+Paths are relative to the volume root, ``/``-separated, ``""`` for the root; an
+implementation runs every blocking call off the trio thread, and ``read_block`` raises
+:class:`~cubefs_fuse.errors.StaleVersion` when the file is no longer ``version``."""
 
 from __future__ import annotations
 

@@ -1,30 +1,13 @@
-"""Opening paths beneath a directory descriptor without following any symlink.
-
-The contract (docs/architecture.md, "Never outside the source"): every path the daemon resolves
-at the source stays beneath the source root, and no component of it -- the last one
-included -- is followed if it is a symlink.  Symlinks are served as symlinks (their
-``lstat`` attributes and ``readlink``); the kernel resolves them for the application,
-with the application's own permissions.
-
-:func:`open_beneath` is the one way the backend opens a path below a directory fd:
-
-* ``openat2(2)`` (Linux 5.6+) with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS |
-  RESOLVE_NO_MAGICLINKS``: the kernel refuses, atomically, any symlink (``ELOOP``), any
-  absolute path or ``..`` that would leave the start directory (``EXDEV``);
-* without ``openat2`` (older kernel, or a seccomp filter that answers ``ENOSYS``/
-  ``EPERM``): a component-wise walk, each step ``openat(fd, name, O_PATH | O_NOFOLLOW |
-  O_DIRECTORY)`` from the previous step's descriptor, so no step can follow a symlink
-  and a rename elsewhere cannot redirect the walk (each step holds the directory it
-  reached, not a name).  ``..``, ``.``, empty components and absolute paths are refused
-  up front with ``EXDEV`` (the caller passes normalised relative paths, so this only
-  turns a bug into an error).
-
-Both give the same errno for a symlink anywhere on the path: ``ELOOP`` (the kernel's
-answer to ``O_NOFOLLOW`` and ``RESOLVE_NO_SYMLINKS``; the walk turns the ``ENOTDIR`` that
-``O_DIRECTORY | O_NOFOLLOW`` gives for a symlink into ``ELOOP`` after an ``lstat``).  The
-one exception mirrors ``openat2``: with ``O_PATH | O_NOFOLLOW`` a symlink as the *last*
-component is opened as itself (for ``fstat``/``readlinkat``).
-"""
+"""Opening paths beneath a directory descriptor without following any symlink
+(docs/contracts.md, "Never outside the source"). :func:`open_beneath` uses ``openat2(2)``
+with ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS``, where the kernel
+refuses any symlink (``ELOOP``) or escape (``EXDEV``) atomically, or, without ``openat2``
+(an older kernel, a seccomp filter answering ``ENOSYS``/``EPERM``), a component-wise walk of
+``openat(fd, name, O_PATH | O_NOFOLLOW | O_DIRECTORY)`` from each step's descriptor, so no
+step follows a symlink and no rename elsewhere redirects it; ``..``, ``.``, empty and
+absolute components are refused with ``EXDEV``. Both give ``ELOOP`` for a symlink anywhere
+on the path, except that, as with ``openat2`` and ``O_PATH | O_NOFOLLOW``, a symlink as the
+last component is opened as itself (for ``fstat``/``readlinkat``)."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""Deadlines for a backend: a hung remote costs a reader EIO, never a stuck process.
-
-``DeadlineBackend(inner, timeout)`` wraps a :class:`ProbedBackend` (``LocalDirBackend``)
-and keeps docs/architecture.md, "Never stuck":
-
-* **Deadline.**  Every operation gets ``timeout`` seconds (``backendTimeout``), waiting
-  for a worker thread included.  On expiry the caller gets ``EIO`` and the inner call is
-  cancelled; the inner backend abandons its thread (bounded there: abandoned threads keep
-  their limiter tokens, so at most ``backendThreads`` + 1 threads ever exist).
-* **Fail fast.**  The first expiry (or an ENOTCONN/ECONNABORTED: the remote's mount is
-  gone) marks the backend *down*: every operation then fails with ``EIO`` at once instead
-  of each waiting the whole deadline.  Nothing cached is affected: RAM/NVMe hits and
-  metadata within its TTL never reach the backend.
-* **Probe.**  While down, :meth:`supervise` (a task in the daemon's nursery) calls
-  ``inner.probe()`` every ``probe_interval`` seconds, each with its own short deadline;
-  the first probe that answers marks the backend up again.  The probe also reopens the
-  source root when the remote came back at the same path.  An ESTALE/EIO from an
-  operation (a root handle that may have died) asks for one probe without marking down.
-* **Abort.**  :meth:`abort` (shutdown) fails every operation in flight and every later one
-  with ``EIO`` at once, so the FUSE loop can end while the remote hangs.
-"""
+"""Deadlines for a backend: a hung remote costs a reader EIO, never a stuck process
+(docs/concurrency.md, "Never stuck"). ``DeadlineBackend(inner, timeout)`` gives every
+operation ``timeout`` seconds (``backendTimeout``, waiting for a thread included) and
+answers ``EIO`` on expiry; the first expiry, or ENOTCONN/ECONNABORTED, marks the backend
+down so that every operation fails at once instead of waiting the deadline, while cached
+data is still served; :meth:`supervise` probes the inner backend every ``probe_interval``
+seconds while down (reopening the source root when the remote came back at the same path)
+and marks it up at the first answer; an ESTALE/EIO asks for one probe; and :meth:`abort`
+fails everything in flight at shutdown so the FUSE loop can end while the remote hangs."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
-"""The directory backend: a local or NFS-mounted directory as the remote volume.
-
-Paths are relative to the volume root, ``/``-separated, ``""`` for the root.  Every
-blocking syscall runs in a worker thread under one ``trio.CapacityLimiter``: a slow or
-hung remote ties up worker threads, never the trio thread.  Every call can be cancelled
-(``abandon_on_cancel``): the caller gets ``trio.Cancelled`` at once and the thread is
-left to finish on its own (``backends/workers.py``).  A thread's limiter token is released
-only when the thread really returns, so abandoned threads keep their tokens: at most ``threads`` operation
-threads plus one probe thread (its own limiter) exist, however long the remote hangs.
-
-The source root is one ``SourceRoot``: its descriptor can be replaced (``probe`` reopens
-it when the path now names another directory, e.g. the remote was remounted, or when the
-old descriptor answers ENOTCONN/ESTALE/EIO) while threads still use the old one, which
-is closed once its last user returns.
-
-Every path is resolved beneath the root's descriptor without following a symlink in any
-component (``backends/beneath.py``; docs/architecture.md, "Never outside the source"): the last
-component's attributes come from ``fstatat(AT_SYMLINK_NOFOLLOW)`` and its target from
-``readlinkat`` relative to the confined parent, so symlinks are served as symlinks and
-never followed by the daemon.  A symlink met on the way fails with ``ELOOP``.
-"""
+"""The directory backend: a local or NFS-mounted directory as the remote volume. Every
+blocking syscall runs in a worker thread under one ``trio.CapacityLimiter`` and can be
+abandoned on cancellation (``backends/workers.py``), its token kept until the thread
+returns, so at most ``threads`` operation threads plus one probe thread exist however long
+the remote hangs. The source root is a replaceable ``SourceRoot`` (``probe`` reopens it
+after a remount or a dead descriptor; the old one closes when its last user returns), and
+every path is resolved beneath it without following a symlink in any component
+(``backends/beneath.py``; docs/contracts.md, "Never outside the source"), so symlinks are
+served as symlinks and one met on the way fails with ``ELOOP``."""
 
 from __future__ import annotations
 

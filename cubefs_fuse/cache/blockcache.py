@@ -1,23 +1,12 @@
-"""BlockCache: the tiers composed, single-flight fetches, foreground before prefetch.
-
-The cache knows nothing of the remote: callers pass a ``fetch`` coroutine function
-that produces the block's bytes.  A lookup tries RAM, then NVMe (a hit is promoted to
-RAM), then runs ``fetch`` under a fetch slot.  Concurrency invariants:
-
-* At most one fetch per key is in flight; later callers wait for it (single flight).
-  Flights run in the cache's own nursery, so a caller that is cancelled (an
-  interrupted FUSE request) never cancels the work other callers wait on.
-* Fetch slots are shared by foreground reads and prefetch.  Prefetch may hold at most
-  ``background_max`` slots (< total), so foreground reads always have slots of their
-  own, and a waiting foreground fetch is served before any waiting prefetch.  A
-  foreground read that joins a queued prefetch flight promotes it, and so does a
-  reader's announcement that it is about to ask (``prefetch(urgent=True)``,
-  ``promote``): a DataLoader's next batches, which its workers ask for within about one
-  batch's time.
-* Blocks fetched from the backend go to RAM at once and to NVMe in the background;
-  pending NVMe writes are capped in bytes (``max_pending_disk_bytes``) so a slow disk
-  cannot turn into unbounded memory: past the cap a block simply is not written.
-"""
+"""BlockCache: the tiers composed, single-flight fetches, foreground before prefetch. A
+lookup tries RAM, then NVMe (a hit is promoted to RAM), then runs the caller's ``fetch``
+under a fetch slot (the cache knows nothing of the remote); at most one fetch per key is in
+flight, run in the cache's own nursery so a cancelled caller never cancels work others wait
+on; prefetch holds at most ``background_max`` of the shared slots, a waiting foreground
+fetch goes first, and a foreground read, ``prefetch(urgent=True)`` or ``promote`` lifts a
+queued prefetch; fetched blocks go to RAM at once and to NVMe in the background, with
+pending NVMe writes capped in bytes (``max_pending_disk_bytes``) so a slow disk cannot grow
+memory (docs/concurrency.md)."""
 
 from __future__ import annotations
 

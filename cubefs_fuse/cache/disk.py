@@ -1,41 +1,11 @@
-"""The NVMe tier: checksummed blocks packed into segment files, a byte limit and a free-space floor.
-
-Layout of the cache directory::
-
-    lock                      flock()ed by the daemon that owns the directory (holds its pid)
-    index.bin                 the block list, written at clean shutdown, deleted at start-up
-    segments/<hex id>.seg     append-only segment files of entries (below)
-
-An entry is a 40-byte header (magic, format, payload length, key, xxh3-64 of the
-payload, xxh32 of the header itself) and the payload, at a 4 KiB-aligned offset of its
-segment, occupying the header and payload rounded up to 4 KiB (``allocated_bytes``).
-One segment is open for appending at a time (the *active* one); an entry that would
-take it past ``SEGMENT_BYTES`` starts a new one, so a file is created once per ~16 MiB
-of blocks instead of once per block (creating a file, its inode and directory entry
-was the largest cost of a cold block on ext4).  Offsets are handed out on the trio
-thread, so concurrent writers never overlap.  A daemon always starts a new segment.
-
-Eviction frees an entry's 4 KiB-aligned range with ``fallocate(PUNCH_HOLE)`` (the
-range then reads as zeros); a segment is deleted when its last block goes (and it is
-not the active one).  An entry is in the block list only once its write returned, so
-a reader never sees a block being written; a read that races an eviction reads zeros
-or a missing file, which the header and checksum turn into a miss, never into bytes.
-
-Start-up reads ``index.bin`` (one sequential read, no per-block syscalls) and deletes
-it, so a daemon that crashes later leaves no index and the next start falls back to a
-scan of the segments' headers (``SEEK_DATA`` skips punched ranges); a range whose
-header is damaged (a write cut short by a crash) is punched and counted as
-discarded.  A scan does not read payloads: a damaged payload is caught by its checksum
-when read, counted, punched and reported as a miss, never served.  The layout before
-segments (``blocks/ab/<key>`` files and ``tmp/``) is deleted at start-up as junk.
-
-Accounting is in allocated bytes: each entry's ``allocated_bytes``, each segment's
-``segment_slack`` (its extent tree, at most one extent per 4 KiB unit of the file),
-the ``segments/`` directory as last measured by a worker plus ``DIR_SLACK`` for its
-growth before the next measurement.  A put reserves its space on the trio thread
-before its write starts; freed ranges stay counted until punched, so the bytes on
-disk never exceed the limit.
-"""
+"""The NVMe tier: checksummed blocks packed into append-only segment files under a byte
+limit and a free-space floor. Offsets are handed out on the trio thread, an entry enters the
+block list only once its write returned, eviction punches its range and deletes a segment
+with its last block, and a read that meets a damaged or punched range is a miss, never
+bytes; start-up reads ``index.bin`` (written at clean shutdown) or scans the segments'
+headers after a crash; accounting is in allocated bytes, each put reserving its space before
+its write, so the bytes on disk never exceed the limit. The formats and the accounting are
+in docs/on-disk.md."""
 
 from __future__ import annotations
 

@@ -1,15 +1,10 @@
-"""Sparse segment files: the allocation unit, punching a hole, probing for it, the data ranges.
-
-Both NVMe stores (the block tier, ``cache/disk.py``, and the sample store,
-``samples/files.py``) pack entries into segment files at allocation-unit boundaries and
-free an entry by punching its range (``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go
-back to the filesystem, the file keeps its size and the other entries their offsets; the
-range then reads as zeros).  Their start-up scans walk a segment's data ranges only
-(``SEEK_DATA``/``SEEK_HOLE``), so punched ranges cost nothing to skip.  What each store
-does when a filesystem cannot punch is its own policy (:func:`can_punch` only finds out).
-
-Every function here blocks (file I/O): callers run them in worker threads.
-"""
+"""Sparse segment files, shared by both NVMe stores (``cache/disk.py``,
+``samples/files.py``): the allocation unit, punching an entry's range
+(``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go back to the filesystem, the other
+entries keep their offsets, the range reads as zeros), probing whether a filesystem can
+(:func:`can_punch`; what to do when it cannot is each store's policy), and a segment's data
+ranges (``SEEK_DATA``/``SEEK_HOLE``) for the start-up scans. Every function blocks: callers
+run them in worker threads."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Cache keys: a block of one version of one file.
-
-A key is the 128-bit xxh3 of (path, version, block index).  The version is everything
-that changes when a file's content may have changed: size, mtime, inode number and
-ctime.  mtime alone is not enough: ``rsync -a``/``cp -p`` preserve mtime and often
-size, but replace the file (new inode) or touch ctime.  A changed file therefore gets
-new keys and its old blocks are never served again; they age out of the tiers.
-"""
+"""Cache keys: a block of one version of one file, the 128-bit xxh3 of (path, version, block
+index), where the version is size, mtime, inode number and ctime, because ``rsync -a``/``cp
+-p`` preserve mtime and often size but replace the file or touch ctime; a changed file gets
+new keys and its old blocks age out, never served again."""
 
 from __future__ import annotations
 

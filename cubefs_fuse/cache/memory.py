@@ -1,8 +1,6 @@
-"""The RAM tier: blocks in a dict, a byte limit that holds, plan-aware eviction.
-
-Without plans it is a plain LRU.  With plans, blocks carry the position at which a
-plan will read them and eviction follows ``policy.PlannedLru`` (Belady).
-"""
+"""The RAM tier: blocks in a sharded dict under a byte limit that holds after every call,
+evicted by ``policy.PlannedLru`` (plain LRU without plans; with plans, Belady by the
+position at which a plan reads each block)."""
 
 from __future__ import annotations
 

@@ -1,39 +1,14 @@
-"""Eviction that knows the future: least recently used, then furthest next use (Belady).
-
-Every block in a tier is either
-
-* **unplanned** — no active plan will read it (again): ordered by recency, evicted
-  first, oldest first (plain LRU when no plan is active); or
-* **planned** — an active plan reads it at position ``next_use``: evicted only after
-  every unplanned block, the furthest ``next_use`` first (among equal ones, the one
-  planned first).
-
-Admission follows Belady too: a planned block may displace a planned block needed
-later than itself, never one needed sooner; an unplanned block may displace planned
-ones only while unplanned blocks hold less than ``scratch_bytes`` (room for the block
-a reader is consuming right now).  So when the dataset is larger than the tier, the
-planned blocks already resident stay resident epoch after epoch (a stable subset)
-instead of being flushed by every miss, and the lookahead window, whose blocks are
-needed soonest, is never evicted to make room for anything needed later.
-
-**No garbage-collector work and no whole rebuild per block.**  A tier holds up to
-millions of blocks, and the trio thread must never stall on them (docs/architecture.md,
-"Contract: the trio thread does no work proportional to the cache or the plan"):
-
-* CPython's full (generation 2) collection visits every reference held by every tracked
-  container: an ``OrderedDict`` or a heap list of a million entries costs 10-15 ms per
-  collection each.  So the per-block state lives only in dicts whose keys and values are
-  ``bytes`` or ``int``, which the collector never tracks: the orders are doubly linked
-  lists threaded through two such dicts (``_next``/``_prev``), one list for the
-  unplanned blocks (oldest first) and one per distinct ``next_use`` (first planned
-  first), and the distinct ``next_use`` values are kept sorted in ``_SortedInts``
-  (chunks of ``array('q')``, which hold no references).
-* A dict of a million entries is resized (or compacted) in one call of 50-110 ms, and a
-  heap of tuples had to be rebuilt now and then (~25 ms).  So every per-block dict is
-  split in ``SHARDS`` by the key's first byte (``cache/shards.py``), and nothing is ever
-  rebuilt whole: every operation is O(1) dict work, plus an O(``USE_CHUNK``) memmove
-  when a ``next_use`` value appears or disappears.
-"""
+"""Eviction that knows the future: least recently used, then furthest next use (Belady). A
+block is *unplanned* (no active plan reads it: evicted first, oldest first) or *planned* at
+position ``next_use`` (evicted after every unplanned block, the furthest first); a planned
+block may displace only blocks needed later than itself, an unplanned one displaces planned
+blocks only within ``scratch_bytes``, so a dataset larger than the tier keeps a stable
+resident subset and the lookahead window is never evicted for something needed later. The
+per-block state lives only in sharded dicts of bytes and ints (the orders are linked lists
+threaded through them, the distinct ``next_use`` values sorted in chunks of ``array('q')``),
+which the garbage collector never visits and which are never rebuilt whole
+(docs/concurrency.md, "The trio thread does no work proportional to the cache or the
+plan")."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Per-block dicts split by the key's first byte, so that none is ever resized whole.
-
-A CPython dict grows (and, under churn, compacts its deleted entries) by rebuilding its
-whole table in one call: at 10^6 entries that is 50-110 ms on the trio thread, and a
-tier of a million blocks does it every few hundred thousand inserts.  Cache keys are
-hashes, so their first byte spreads them evenly over ``SHARDS`` dicts: a 10^6-block
-tier has ~4,000 entries per shard, rebuilt in ~0.2 ms.  Keys must be non-empty bytes
-(cache keys are 16-byte hashes).
-
-Dicts whose keys and values are atoms (``bytes``, ``int``, ``float``, ``bool``) are never
-tracked by the garbage collector (``gc.is_tracked`` is False), so a full collection does
-not visit them either: keep it so (no tuple, object or container as a value).
-"""
+"""Per-block dicts split by the key's first byte, so that none is ever resized whole: a
+CPython dict of 10^6 entries rebuilds its table in one 50-110 ms call on the trio thread,
+while ``SHARDS`` shards of a hashed key hold ~4,000 entries each at 10^6 blocks (~0.2 ms a
+resize). Keys must be non-empty bytes; keep keys and values atoms (``bytes``, ``int``,
+``float``, ``bool``), which the garbage collector never tracks."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Path tags of cached blocks, sharded so that a re-ranking can walk them in small steps.
-
-A plan submit gives every cached block of the plan's files its position (eviction
-keeps the blocks needed soonest).  Walking a million blocks at once would stall the
-trio thread for ~0.5 s; a dict cannot be iterated piecewise while the cache keeps
-changing it.  So the tags live in ``SHARDS`` dicts chosen by the key's first byte (keys
-are hashes: the shards are even), and a walk copies one shard per step.
-"""
+"""Path tags of cached blocks, sharded by the key's first byte so that a plan's re-ranking
+can walk them one shard per step (walking a million blocks at once would stall the trio
+thread for ~0.5 s, and a dict cannot be iterated piecewise while the cache keeps changing
+it)."""
 
 from __future__ import annotations
 

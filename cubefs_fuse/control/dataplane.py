@@ -1,49 +1,16 @@
-"""The fast path's transport: batches in, file bytes out through a per-connection memfd ring.
-
-Why a second socket: the control API is HTTP (h11) over a stream socket, which cannot
-carry a descriptor (ancillary data) in a form h11 sees, and its requests are one-shot.
-The data socket (``<controlSocket>.data``, listed in the per-volume file as
-``data_socket``) is an AF_UNIX SOCK_SEQPACKET socket: every message is one JSON object,
-so framing costs nothing, and the memfd travels once with SCM_RIGHTS.  It is admitted by
-:meth:`ControlServer.serve_data` under the control socket's own peer-credential policy,
-caps and descriptor reserve (control/server.py).
-
-The conversation, one connection per DataLoader worker (client: cube_torch/fastpath.py):
-
-* ``{"op": "hello"}`` → ``{"ring": <bytes>, "version": 1, "uid": <the peer's uid>}`` with
-  the ring's memfd (SCM_RIGHTS).  ``uid`` is the peer as the daemon sees it (SO_PEERCRED,
-  in the daemon's user namespace): the owner a sample entry's checksum names
-  (control/sampleplane.py's ``sample_put``).  The ring is created per connection:
-  ``memfd_create`` (no path: it can only be reached through this descriptor, or by the
-  daemon's uid through /proc), sized, then sealed against shrinking and growing
-  (``F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL``) before it is handed over, so the peer
-  cannot truncate it under the daemon's mapping.
-* ``{"op": "batch", "paths": [<relative path>, ...]}`` → ``{"files": [[offset, length] |
-  null, ...]}``: one entry per path, ``null`` meaning "read it through the mount".  The
-  served files' bytes are laid out in the ring from offset 0, in order.
-* ``{"op": "release", "opens": [<count>, ...]}`` (no answer), once the worker has loaded
-  the batch: how often its loading code opened each file of the batch from the ring (0:
-  never — a loader that opens files from C reads them through the mount, where they are
-  counted; 2: a sample twice in the batch).  Only then are the served files counted, one
-  request per open (``BatchResolver.commit``); a worker that goes away without a release
-  has its last batch counted once per served file, as delivered.
-
-**Who owns the ring's bytes**: the bytes of a response belong to the worker until it sends
-its next message on the connection (cube_torch copies them out before it does); the
-daemon writes a batch only into a ring whose previous batch was thereby released, and a
-connection has at most one batch in flight, so the daemon never rewrites bytes a worker
-may still be reading.  The ring is unmapped when the connection ends.
-
-The processed-sample cache's ops (``sample_get``, ``sample_put``, ``sample_plan``) share the
-connection and its ring; they are served by control/sampleplane.py (documented there)
-when the daemon keeps a sample store, and answered with an error otherwise.
-
-Deadlines: a new connection must say hello within ``HEAD_DEADLINE`` (5 s) like a control
-request head; an idle connection (between batches) is closed after :data:`IDLE_DEADLINE`,
-and meanwhile is the first to give up its slot when the caps are reached; a batch is
-answered within ``BATCH_WAIT`` (prefetch/batches.py) plus the copy.  A malformed message
-closes the connection (the worker then reads through the mount).
-"""
+"""The fast path's transport: batches in, file bytes out through a per-connection memfd
+ring. The data socket (``<controlSocket>.data``, ``data_socket`` in the per-volume file) is
+AF_UNIX SOCK_SEQPACKET, one JSON object per message, because the h11 control socket cannot
+carry a descriptor; it is admitted under the control socket's own policy, caps and
+descriptor reserve. Per DataLoader worker (client: cube_torch/fastpath.py): ``hello`` → the
+ring's size, protocol version and the peer's uid, with a ``memfd_create`` ring sealed
+against shrinking and growing sent by SCM_RIGHTS; ``batch`` with relative paths → per path
+``[offset, length]`` in the ring or ``null`` (read it through the mount); ``release`` with
+each served file's open count, which is when the opens are counted. A response's bytes
+belong to the worker until its next message and a connection has one batch in flight, so the
+daemon never rewrites bytes a worker may read; the sample store's ops share the connection
+(control/sampleplane.py). A hello is due within ``HEAD_DEADLINE``, an idle connection closes
+after :data:`IDLE_DEADLINE`, and a malformed message closes the connection."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
-"""The ai_prefetch wire protocol, shared by the daemon and cube_torch.
-
-Standard library only, and xxhash for the sample entries' checksum (``entry_digest``,
-from samples/checksum.py: a client sends it with a put): ``cube_torch`` imports this
-module inside training processes and must not pull in trio, pyfuse3 or numpy through it.
-
-* The **per-volume config file** ``<configDir>/cube_torch.config.<volName>`` tells a
-  client where the daemon is.  The first four fields are the ones CubeFS's client
-  writes (``prof``, ``mount_point``, ``vol_name``, ``local_ip``); the rest are ours.
-* The **control API** is HTTP/1.1 over a Unix domain socket, paths under ``/v1``,
-  errors as JSON ``{"error": "..."}`` with a 4xx/5xx status.  Bulk data never travels
-  as JSON lists: a dataset's file list is NUL-separated UTF-8, an epoch's order is a
-  little-endian integer array.
-"""
+"""The ai_prefetch wire protocol, shared by the daemon and cube_torch, which imports it
+inside training processes, so it uses only the standard library and xxhash (never trio,
+pyfuse3 or numpy): the per-volume config file ``<configDir>/cube_torch.config.<volName>``
+(CubeFS's fields ``prof``, ``mount_point``, ``vol_name``, ``local_ip``, then ours), the
+control API client (HTTP/1.1 over a Unix socket, ``/v1`` paths, JSON errors; file lists
+NUL-separated, epoch orders little-endian integer arrays, never JSON lists), the request
+bounds and the sample entries' checksum (``entry_digest``)."""
 
 from __future__ import annotations
 

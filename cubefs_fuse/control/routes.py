@@ -1,10 +1,7 @@
 """The control API's routes: HTTP requests in, :class:`PrefetchService` calls, JSON out.
-
-Everything a client sends is checked here (names, integers, paths, body sizes) before
-the service sees it; the service's :class:`~cubefs_fuse.errors.RequestError` kinds
-become statuses in ``server.py``.  Routes and their bodies are documented in
-docs/ai_prefetch.md.
-"""
+Everything a client sends is checked here (names, integers, paths, body sizes) before the
+service sees it; the service's :class:`~cubefs_fuse.errors.RequestError` kinds become
+statuses in ``server.py``, and routes and bodies are documented in docs/ai_prefetch.md."""
 
 from __future__ import annotations
 

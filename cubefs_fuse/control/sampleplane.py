@@ -1,39 +1,14 @@
-"""The sample store's ops on the data socket: entries through the connection's memfd ring.
-
-The same connection, hello and ring as the fast path's batches (control/dataplane.py);
-client: cube_torch/samples/daemon_store.py.  The caller is the connection's peer uid
-(SO_PEERCRED, checked at accept against the control socket's policy): a name is the
-caller's own, ``~UID/NAME`` another user's (samples/store.py says who may do what).
-
-* ``{"op": "sample_get", "name": N, "keys": [k, ...]}`` → ``{"entries": [[offset, length] |
-  null, ...]}``: the entries are laid out in the ring from offset 0 (those read from NVMe
-  each at a 4 KiB boundary, read there directly); ``null`` is a miss.
-  The answer may cover only a prefix of the keys (what fits the ring); the client asks
-  again for the rest.  The bytes belong to the client until its next message.
-* ``{"op": "sample_put", "name": N, "items": [[key, offset, length] | [key, offset, length,
-  digest], ...]}`` → ``{"stored": n}``: the client wrote the entries into the ring first
-  (the ring is sealed against resizing only, so the client's mapping may write); the daemon
-  writes them to NVMe (or copies them to RAM) before it answers, so the ring is the
-  client's again once the answer arrives.  ``n`` entries were kept (a store may drop any:
-  full, still loading).  ``digest``, optional: the entry's checksum
-  (samples/checksum.py's ``entry_digest``, with the uid the hello answered), computed by
-  the client right after it wrote the entry (in its CPU's cache: ~4 us for 150 KB, where
-  the daemon's own read of the payload cost ~17 us, measured); the daemon stores it as
-  given.  It is the client's word about its own entry only: a wrong one makes the entry
-  fail the check of every read (a miss, never served; then freed).
-* ``{"op": "sample_plan", "name": N, "count": c}`` → ``{"planned": c}``: the next order of
-  the cache's keys, ``c`` little-endian int64s at the start of the ring (at most
-  MAX_SAMPLE_PLAN_KEYS: one ring).  With ``"held": true`` the answer also has ``"held": h``
-  and the ring's first ``c`` bytes say, key by key, whether the cache holds an entry (1)
-  or not (0): what the client need not have prefetched.
-
-A request the store refuses (a bad name, a foreign cache, too large, no room) is
-answered ``{"error": ..., "status": <HTTP-like status>}`` and the connection stays open;
-only a malformed message (not JSON, an unknown op) closes it, as for batches.
-Every op is bounded: at most MAX_SAMPLE_KEYS keys per message, at most a ring of bytes,
-copied COPY_STEP at a time between checkpoints of the trio thread (a put's entries: in
-worker threads, see samples/store.py's put_many).
-"""
+"""The sample store's ops on the data socket, through the same connection, hello and ring as
+the fast path's batches (control/dataplane.py; client: cube_torch/samples/daemon_store.py),
+for the connection's peer uid: ``sample_get {name, keys}`` → ``[offset, length]`` or
+``null`` per key for the prefix of the keys that fits the ring (NVMe entries read straight
+to a 4 KiB boundary there); ``sample_put {name, items: [[key, offset, length(,
+digest)]...]}`` → ``{"stored": n}`` once the entries the client wrote into the ring are on
+NVMe or in RAM (``digest`` is the client's checksum of its own entry, stored as given);
+``sample_plan {name, count(, held)}`` with ``count`` int64 keys at the ring's start, and
+with ``held`` a byte per key saying whether the cache holds it. A refusal is ``{"error",
+"status"}`` and keeps the connection; a malformed message closes it; every op is bounded
+(MAX_SAMPLE_KEYS keys, one ring of bytes, COPY_STEP bytes between checkpoints)."""
 
 from __future__ import annotations
 

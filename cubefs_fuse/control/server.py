@@ -1,22 +1,12 @@
-"""The control API's HTTP/1.1 server (h11 over trio): transport, auth, bounds, routing.
-
-It knows nothing about prefetching: handlers are registered per (method, path) and
-receive a parsed :class:`Request`.  What it enforces for every handler:
-
-* peer credentials (SO_PEERCRED) on the Unix socket, checked right after accept(): a peer
-  that is not allowed gets a 403 written without waiting and the connection closed at
-  once, so it never holds a task, a slot or a descriptor; on the optional loopback TCP
-  port, a bearer token instead;
-* bounded resources: at most :data:`MAX_CONNECTIONS` connections, :data:`MAX_PER_UID` per
-  uid, a connection waiting for a request head is closed after :data:`HEAD_DEADLINE` (and
-  is the first to go when a new connection needs its slot), and no connection is accepted
-  into the last :func:`fd_reserve` descriptors of the process (kept for FUSE and cache I/O);
-* a body limit per route, checked against Content-Length before reading and again
-  while reading, and a deadline per request so a stalled client cannot pin a task;
-* errors as JSON ``{"error": ...}`` with a 4xx/5xx status: a handler's ApiError or the
-  core's RequestError (mapped by :data:`STATUS_OF`, the one table) is the client's
-  fault, anything else is logged and answered 500.
-"""
+"""The control API's HTTP/1.1 server (h11 over trio): transport, auth, bounds, routing, and
+nothing about prefetching (handlers are registered per method and path). For every handler
+it enforces the peer's credentials (SO_PEERCRED right after ``accept()``, a refused peer
+answered 403 and closed at once) or, on the optional loopback port, a bearer token; at most
+:data:`MAX_CONNECTIONS` connections, :data:`MAX_PER_UID` per uid, :data:`HEAD_DEADLINE` for
+a request head, and none accepted into the last :func:`fd_reserve` descriptors; a body limit
+per route and a deadline per request; and errors as JSON with the status from
+:data:`STATUS_OF`, anything unexpected logged and answered 500 (docs/concurrency.md,
+"Control socket resources")."""
 
 from __future__ import annotations
 

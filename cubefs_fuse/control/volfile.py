@@ -1,12 +1,9 @@
-"""The per-volume config file: written atomically, owned, removed at exit.
-
-One daemon per volume name: a file naming a live daemon makes a second one refuse to
-start; a file left by a dead daemon is taken over.  The directory is shared (``/tmp``):
-nothing another user can plant there blocks or redirects us.  Only a regular file owned
-by root or by us and writable by nobody else is read as a claim; any other entry (another
-user's file, a symlink, a directory, a FIFO) is never followed and is replaced, and the
-temp file has an unpredictable name created with O_EXCL|O_NOFOLLOW.
-"""
+"""The per-volume config file on the daemon's side: claimed at start (a file naming a live
+daemon refuses a second one, a dead one's is taken over), written atomically, removed at
+exit. The directory is shared (``/tmp``), so only a regular file owned by root or us and
+writable by nobody else is read as a claim; any other entry is never followed and is
+replaced, and the temp file has an unpredictable name created with O_EXCL|O_NOFOLLOW
+(docs/contracts.md, "The per-volume file in a shared directory")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Whole-file block operations: the blocks of one version of a file in the cache.
-
-The read path takes its keys and fetchers from here; ai_prefetch and warmup bring whole
-files in (``prefetch_file``, ``warm_file``), mark consumed ones (``unplan_file``) and
-ask what is held (``cached_fraction``).  A block is ``block_size`` bytes of the file at
-one :class:`FileVersion`; its key is ``cache.keys.block_key``.
-"""
+"""Whole-file block operations: the blocks of one version of a file in the cache. The read
+path takes its keys (``cache.keys.block_key``) and fetchers from here; ai_prefetch and
+warmup bring whole files in (``prefetch_file``, ``warm_file``), mark consumed ones
+(``unplan_file``) and ask what is held (``cached_fraction``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The filesystem core without FUSE: names, handles, reads assembled from cached blocks.
-
-Everything here is testable without a kernel; the adapter (``fs.adapter``) only translates.  The
-volume is read-only: every write fails with EROFS.  Failures are raised as exceptions
-and mapped to errno in ``errors.errno_of`` (one place).
-"""
+"""The filesystem core without FUSE: names, handles, reads assembled from cached blocks,
+testable without a kernel (``fs.adapter`` only translates). The volume is read-only, so
+every write fails with EROFS, and failures are raised as exceptions for ``errors.errno_of``
+to map."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
-"""The inode table: inode numbers for paths, one per version of a file, with the kernel's lookup counts.
-
-The kernel page cache belongs to an inode, so two versions of a file must never share
-one: an inode serves exactly one *identity* of its path (for a regular file its
-:class:`FileVersion`, for anything else its file type).  When the path is found with
-another identity (the file changed at the source), the inode is *retired*: the path gets
-a new inode number, so the kernel builds a fresh inode (fresh pages, fresh size) for new
-opens, while the retired inode keeps serving its own version (its attributes frozen) to
-the handles still open on it until the kernel forgets it.  An inode lives while the
-kernel holds a lookup on it (``forget`` brings the count to zero); numbers are never reused.
-"""
+"""The inode table: inode numbers for paths, one per version of a file, with the kernel's
+lookup counts. Because the kernel page cache belongs to an inode, an inode serves exactly
+one identity of its path (a regular file's :class:`FileVersion`, else its file type); when
+the path is found with another identity the inode is retired: the path gets a new number, so
+new opens get a fresh inode, while the retired one serves its own version, attributes
+frozen, to the handles still open until the kernel forgets it. Numbers are never reused
+(docs/contracts.md, "One inode per file version")."""
 
 from __future__ import annotations
 

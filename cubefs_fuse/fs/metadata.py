@@ -1,11 +1,7 @@
-"""Metadata cache: attributes, negative lookups and directory listings with TTLs.
-
-``attrValid`` bounds how long attributes (and so a file's version) are trusted;
-``lookupValid`` how long a name is known to be absent.  A listing fills the attribute
-cache of its children, so ``ls -l`` or a dataset scan costs one backend call per
-directory, not one per file.  Both maps are bounded (``metaCacheEntries``) and drop
-their oldest entries first.
-"""
+"""Metadata cache: attributes (trusted for ``attrValid``), negative lookups
+(``lookupValid``) and directory listings, a listing filling its children's attributes so
+that a dataset scan costs one backend call per directory; both maps are bounded by
+``metaCacheEntries`` and drop their oldest entries first."""
 
 from __future__ import annotations
 

@@ -1,31 +1,12 @@
-"""Batch resolution for cube_torch's fast path: one request answers every file of a batch.
-
-A DataLoader worker about to load a batch sends the batch's paths at once (over the data
-socket, ``control/dataplane.py``).  For each file the daemon does what an open and a full
-read through the mount would: the attributes from the metadata cache (the same
-``attrValid`` an open sees), the file's version pinned, every block through
-``BlockCache.get`` at foreground priority (RAM, else NVMe with its checksum, else the
-backend with its version check).  A file whose bytes are all there within
-:data:`BATCH_WAIT` is *served*: its blocks go back to the transport, which copies them
-into the worker's ring.  Any other file — not a regular file, too large for the room
-left, not readable by the caller under the mount's own permission rules, changed at the
-source during the read (``StaleVersion``), any error, not done in time — is answered
-"read it through the mount", and its flights keep going in the cache's nursery, so the
-worker's read through FUSE joins them.
-
-Accounting is the FUSE path's (prefetch/service.py): the caller is attributed to its job
-like an opening process.  A file the daemon starts reading for the batch is *opened*
-then, at the ask: it advances the job's plan cursor, as an open through the mount does
-before its first read, so the plan's window moves past the batch's files while they are
-fetched and prefetches what the worker asks for next (moved only at the release, the
-window spent itself on the files of the batches in progress).  Each open of a *served* file, as the worker reports them when it releases
-the batch (``commit``), is one request (a hit if no block waited on the backend, a miss
-if one did, including a wait for a prefetch still in flight); a second open of the file
-advances the cursor again, as a second open through the mount would.  A file sent back
-to the mount, or served but never opened from Python (a loader reading from C), is
-counted by its FUSE open instead: each open is one request, whichever way it went (its
-release pairs with the open made at the ask, so it advances the cursor once).
-"""
+"""Batch resolution for cube_torch's fast path: one request answers every file of a batch as
+an open and full read through the mount would (attributes from the metadata cache, the
+version pinned, every block through ``BlockCache.get`` at foreground priority, the mount's
+permission rules). A file whose bytes are all there within :data:`BATCH_WAIT` is served; any
+other is answered "read it through the mount" while its flights go on, so the worker's FUSE
+read joins them. Accounting is the FUSE path's: a file is opened at the ask, advancing the
+job's plan cursor so the window moves past the batch while it is fetched, and each open the
+worker reports at release (``commit``) is one request, a hit unless a block waited on the
+backend; a file never opened from Python is counted by its FUSE open instead."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""Registered dataset file lists: validated in bulk, stored compactly, content-addressed.
-
-A file list arrives as NUL-separated UTF-8 relative paths.  It is kept as that one
-``bytes`` blob plus a numpy array of offsets (8 bytes per file), never as millions of
-Python strings: 10 million ImageNet-style paths take ~400 MB + 80 MB instead of ~1.5 GB.
-Validation runs on the whole blob with substring searches (C speed), not per path.
-"""
+"""Registered dataset file lists: NUL-separated UTF-8 relative paths kept as one ``bytes``
+blob plus a numpy array of offsets, never as millions of Python strings (10 million
+ImageNet-style paths take ~480 MB instead of ~1.5 GB), validated in bulk with substring
+searches and content-addressed."""
 
 from __future__ import annotations
 

@@ -1,19 +1,11 @@
-"""Jobs, the processes that belong to them, and per-job hit accounting.
-
-A training job registers its main process per rank.  FUSE requests carry the pid of
-the calling thread; DataLoader workers are children of the registered process, so a
-pid is attributed to a job by walking its ancestry in /proc (a few reads of
-``/proc/<pid>/status``, done in a worker thread, cached for ``RESOLVE_TTL`` seconds so a
-pid reused by an unrelated process is not credited to the job for long).
-
-Jobs end (``unregister``) when their process exits or after an idle time; the service
-decides when (prefetch/service.py).  Each job remembers when it was last active.
-
-A *request* is one open of a regular file by an application; it is a *hit* if none of
-its reads waited on the backend.  Reads answered by the kernel page cache never reach
-the daemon, so a re-read file held there counts as a hit through its open (open and
-release still reach us).  The daemon's own prefetch never counts.
-"""
+"""Jobs, the processes that belong to them, and per-job hit accounting. A training job
+registers its main process per rank; a FUSE request's pid is attributed to a job by walking
+its ancestry in ``/proc/<pid>/status`` (in a worker thread, cached ``RESOLVE_TTL`` seconds
+so a reused pid is not credited for long), since DataLoader workers are its children. A
+request is one open of a regular file, a hit if none of its reads waited on the backend (a
+file re-read from the kernel page cache is a hit through its open); the daemon's own
+prefetch never counts, and when a job ends is the service's decision
+(prefetch/service.py)."""
 
 from __future__ import annotations
 

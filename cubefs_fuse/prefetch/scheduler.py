@@ -1,41 +1,14 @@
-"""Plan-driven prefetch: one lookahead window per (job, rank, loader), ahead of its read cursor.
-
-A plan is an epoch's sample order over a registered dataset, submitted by one
-DataLoader (``loader``) of a job's rank; the loaders of one (job, rank) -- two domains
-zipped, train and val -- each keep their own plan, at most ``MAX_LOADERS`` of them.
-Its cursor is the first position not yet read; it advances as the daemon sees the
-job's processes open the plan's files: an open is matched by path against the plans of
-its (job, rank), and advances the one that reads that path nearest its cursor.  A task
-per plan keeps the files from the cursor up to its share of the byte budget (and
-``MAX_WINDOW_FILES``) in flight or cached, nearest first: the files of each chunk of
-positions are stat'ed in parallel (never by listing a directory, one round trip per
-entry in series), then their blocks are handed, in plan order, to
-``BlockCache.prefetch`` (background priority, bounded by the cache's prefetch slots, so
-foreground reads always go first).  The loader's *next* files are the exception: the
-positions just past the cursor, as many as the loader has batches in progress (the
-plan's ``first``: its workers ask for them within about one batch's time each) and at
-most one per fetch slot, are fetched as foreground reads, issued so or promoted as the
-cursor reaches them (``BlockCache.promote``), so that a loader faster than the prefetch
-slots alone does not find them still queued behind the rest of the window while fetch
-slots sit idle for want of a read.  The byte budget is shared equally by the plans
-still being read (a finished plan, or one no open advanced for ``PLAN_IDLE`` seconds,
-takes no share).  A new plan for the same (job, rank, loader) cancels the old one's
-task; its outstanding prefetches finish but nothing new is issued.  The plans of a job
-that ended are removed (``remove_job``); once no plan is left, every cached block
-becomes unplanned again (plain LRU).
-
-Eviction ranks blocks by the position at which a plan reads them.  The plans of a node
-read at the same time, so positions are put on one clock: a plan's position ``i`` is
-``origin + i``, its origin being the furthest any plan had read when it was submitted
-(``Scheduler.now``).  Two zipped loaders' windows then sit side by side, and a later
-loader's positions never look "sooner" than the ones an older plan reads now.
-
-Nothing here does work proportional to the cache or the plan on the trio thread in one
-go: re-ranking the cached blocks walks the cache shard by shard (``cache.tags``) with a
-checkpoint every ``RERANK_STEP`` blocks, the numpy work runs in worker threads, and the
-open path's position index grows ``OPEN_INDEX_STEP`` positions per open at most (the
-plan's task extends it ``INDEX_STEP`` positions per checkpoint).
-"""
+"""Plan-driven prefetch: one lookahead window per (job, rank, loader) plan, ahead of its
+read cursor. A plan is one DataLoader's epoch order (at most ``MAX_LOADERS`` per rank); its
+cursor advances as the job's opens match its paths; a task per plan keeps the files from the
+cursor up to its share of the byte budget (and ``MAX_WINDOW_FILES``) in flight or cached,
+stat'ing each chunk of positions in parallel, never by listing a directory, and handing
+their blocks to ``BlockCache.prefetch`` at background priority, except the loader's next
+files (the plan's ``first``), which are fetched as foreground reads. Positions of all plans
+are on one clock (``origin + i``, ``Scheduler.now``) so that eviction compares loaders
+fairly, a new plan for the same loader cancels the old one's task, and nothing here does
+work proportional to the cache or the plan in one step (docs/concurrency.md; details in
+docs/ai_prefetch.md, "Inside the daemon")."""
 
 from __future__ import annotations
 

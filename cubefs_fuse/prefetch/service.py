@@ -1,18 +1,11 @@
-"""The ai_prefetch service: datasets, jobs, plans and warmups over the filesystem core.
-
-FUSE-free and HTTP-free: ``control/routes.py`` turns requests into these calls and
-:class:`~cubefs_fuse.errors.RequestError` kinds into statuses.  The service is also the
-filesystem's AccessObserver: every application open is attributed to a job (for
-per-job hit rates) and advances that job's plan cursor.
-
-Nothing leaks (docs/architecture.md, "Contract: jobs end"): a job whose process the
-daemon can watch (a pidfd) ends when that process exits; a job it cannot watch (pid 0:
-another pid namespace) and a plan submitted for a job never registered end after
-``jobIdleTimeout`` seconds without an open or a plan.  Ending a job removes the plans of
-all its loaders (their dataset pins go with them: a dataset then ages out by the LRU
-budget) and its
-per-job metric series (built from the live job list at each scrape).
-"""
+"""The ai_prefetch service: datasets, jobs, plans and warmups over the filesystem core,
+FUSE-free and HTTP-free (``control/routes.py`` turns requests into these calls and
+:class:`~cubefs_fuse.errors.RequestError` kinds into statuses), and the filesystem's
+AccessObserver, attributing every application open to a job and advancing its plan. Nothing
+leaks (docs/concurrency.md, "Jobs end"): a job whose process the daemon can watch ends when
+it exits, one it cannot watch (and a plan for a job never registered) after
+``jobIdleTimeout`` seconds without an open or a plan, and ending a job removes its loaders'
+plans and its per-job metric series."""
 
 from __future__ import annotations
 

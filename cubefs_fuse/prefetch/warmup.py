@@ -1,8 +1,6 @@
-"""Warmup: bring whole files or subtrees into the cache on an operator's request.
-
-``cubefs-fuse warmup`` starts one; its progress is kept for :data:`MAX_WARMUPS`
-queries.  Files are fetched at prefetch priority, behind application reads.
-"""
+"""Warmup: whole files or subtrees brought into the cache on an operator's request
+(``cubefs-fuse warmup``) at prefetch priority, behind application reads, with progress kept
+for :data:`MAX_WARMUPS` queries."""
 
 from __future__ import annotations
 

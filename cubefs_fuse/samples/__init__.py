@@ -1,6 +1,4 @@
-"""The processed-sample cache's daemon store: entries in RAM and on NVMe, per owner and name.
-
-``store.py`` keeps the index, the budgets and the plan-aware eviction on the trio thread;
-``files.py`` is the NVMe format (worker threads only).  The wire (data socket ops) is in
-control/sampleplane.py; the training side is cube_torch/samples/.
-"""
+"""The processed-sample cache's daemon store: ``store.py`` keeps the index, the budgets and
+the plan-aware eviction on the trio thread, ``files.py`` the NVMe format (worker threads
+only); the data socket ops are control/sampleplane.py and the training side
+cube_torch/samples/."""

@@ -1,15 +1,10 @@
-"""A sample entry's checksum: what the daemon stores in the entry's header on NVMe and
-checks on every read (samples/files.py), and what a client may compute and send with a
-put (control/sampleplane.py) so that the daemon need not read the payload to compute it.
-
-The xxh3-64 of the owner's uid (u32), the key (i64) and the payload's length (u64), all
-little-endian, then the cache's name (UTF-8), then the payload.  ``uid`` is the owner as
-the daemon sees it (its SO_PEERCRED uid, which the data socket's hello answers: in a user
-namespace it differs from the client's own ``os.geteuid()``).
-
-Imported by cube_torch inside training processes (through control/protocol.py): xxhash and
-the standard library only.
-"""
+"""A sample entry's checksum, stored in the entry's NVMe header and checked on every read
+(samples/files.py), and computed by a client with its put (control/sampleplane.py) so that
+the daemon need not read the payload: the xxh3-64 of the owner's uid (u32), the key (i64)
+and the payload's length (u64), little-endian, then the cache's name (UTF-8), then the
+payload, ``uid`` being the owner as the daemon sees it (the uid the data socket's hello
+answers, which differs from the client's own in a user namespace). Imported by cube_torch
+through control/protocol.py, so xxhash and the standard library only."""
 
 from __future__ import annotations
 

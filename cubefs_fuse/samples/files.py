@@ -1,56 +1,10 @@
-"""The sample store's NVMe files: checksummed entries packed in segment files (worker threads only).
-
-Layout, under ``<diskCacheDir>/samples/`` (the block cache's directory lock covers it)::
-
-    tmp/                             caches being removed (wiped at start-up)
-    <owner uid>/<name>/<segment>     one segment per put batch: its entries, each at a 4 KiB boundary
-
-A segment is named by a decimal id, unique in the store (never reused while the daemon
-runs, and above every id found at start-up).  One put batch is one segment: one file
-created per batch instead of one per entry (on ext4 an inode allocation cost 20-150 us
-of the daemon's CPU, more as deleted inodes pile up in the directory's group: a quarter
-of its put cost), written with one ``writev`` per entry.  Each entry (format 3) is a head
-block and its payload, both starting at an :data:`ALIGN` boundary: the head block holds
-a header (magic, format, name length, owner, key, payload length, the xxh3-64 of those
-fields, the name and the payload) and the name, zeros to the block's end; the payload
-follows, then zeros up to the next boundary.  The header repeats the owner, the name and
-the key, so bytes found elsewhere are never taken for another entry, and the checksum is
-checked on every read: a damaged entry is answered as a miss, never served (the store
-then frees it).  The checksum (samples/checksum.py) is the client's when it sent one with
-the put (computed where the entry was just written, still in its CPU's cache), else
-computed here from the payload.  Entries of format 2 (the payload right after the name,
-in the same block: written before format 3) are still read, scanned and freed.
-
-**Writing without the page cache** (``O_DIRECT``): a payload whose memory is page-aligned
-(the data connection's ring, where cube_torch places entries at page boundaries) goes from
-that memory to the disk; only the head block and the payload's last partial block are
-copied (into this thread's scratch blocks, reused).  Through the page cache the same
-write copied the payload into fresh page-cache memory: measured on the 2-core VM, ~55-65
-us per 150 KB entry from a ring, 52% of the daemon's CPU while a store filled (and up to
-~300 us in some rounds, for a reason not established), against ~6 us from already-mapped
-memory with ``O_DIRECT``; it also left the page cache full of entries the store had just
-written, at the expense of the dataset's own pages.  The format puts the payload at a
-block boundary so that it can be written so.  A segment with a payload that is not
-page-aligned (bytes, or an older client's ring slot), or on a filesystem without
-``O_DIRECT`` (tmpfs), is written through the page cache as before; nothing else changes.
-
-**Freeing an entry** (evicted, rewritten, damaged): its 4 KiB-aligned range is punched
-(``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go back to the filesystem, the other
-entries of the segment stay where they are); the store counts each segment's live
-entries and unlinks the segment when the last one goes.  On a filesystem that cannot
-punch holes (:func:`prepare` finds out) the store puts one entry per segment, so that
-unlinking frees every entry.
-
-Segments are written in place, not renamed into place: a crash mid-write leaves a
-segment whose unfinished entries fail the start-up scan (their header, or a payload that
-runs past the end of the file) or the read's checksum.  The start-up :func:`scan` walks
-each segment from its start: ``SEEK_DATA`` skips punched ranges, a valid header is an
-entry (its payload is checked when it is read), anything else is junk, skipped
-:data:`ALIGN` bytes at a time and punched.  Files of the previous layout (one file per
-entry under ``<name>/<key % 256>/``) are removed as junk.
-
-Every function here blocks (file I/O): the store calls them through ``trio.to_thread``.
-"""
+"""The sample store's NVMe files (worker threads only): one segment file per put batch under
+``<diskCacheDir>/samples/<owner uid>/<name>/<id>``, each entry a 4 KiB head block (header,
+name) and its payload from the next 4 KiB boundary, checksummed and checked on every read,
+written and read with ``O_DIRECT`` when the payload lies page-aligned in the connection's
+ring (the page cache otherwise, same bytes on disk), freed by punching its range, and found
+again at start-up by a scan of the segments' headers that punches anything else as junk. The
+format is in docs/on-disk.md, "Sample store segments"."""
 
 from __future__ import annotations
 

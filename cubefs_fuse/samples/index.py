@@ -1,40 +1,11 @@
-"""The sample store's per-entry state, as atoms in sharded dicts.
-
-A node-wide sample cache of ImageNet holds ~1.28M entries.  One object per entry (even
-with ``__slots__``) is tracked by the garbage collector, and every full collection walks
-all of them on the trio thread (hundreds of ms at 10^6); one plain dict of 10^6 keys is
-rebuilt whole when it grows (50-110 ms).  So, as the block tier (cache/shards.py), an
-entry is atoms only, in :data:`SHARDS` dicts chosen by the key's low byte:
-
-* ``IntShards[int]``: key -> its **location word**, the entry's size and NVMe place
-  packed in one int (layout below);
-* ``IntShards[bytes]``: key -> its RAM copy (only the entries held in RAM).
-
-Dicts of ints and bytes are never tracked by the collector (``gc.is_tracked`` is False),
-and a 10^6-entry cache has ~4,000 keys per shard (a resize takes ~0.2 ms).  Keys are the
-training side's int64 sample keys, often 0..N-1: ``key & 0xFF`` spreads consecutive keys
-evenly (negative ones too: Python's ``&`` and ``>>`` are two's complement).  A shard holds
-a key as ``key >> 8`` (its low byte is the shard's): an int hashes to itself and a dict
-indexes by the hash's low bits, so keys that all share their low byte would pile into
-1/256 of a shard's slots (a lookup measured 8x slower at 10^6).
-
-Location word (a Python int, so the top field has no width limit)::
-
-    bits   0..39   size     payload bytes of the entry's current value
-                            (< MAX_SAMPLE_ENTRY_BYTES = 32 MiB, far below 2^40)
-    bits  40..79   charge   bytes charged for it on NVMe, files.allocated_bytes
-                            (0: not on NVMe; then offset and segment are 0 too)
-                            (< 2^26 + two ALIGN + ENTRY_CHARGE, far below 2^40)
-    bits  80..119  offset   where its range starts in its segment file
-                            (a segment holds one put batch, < 2^26 bytes; a scanned
-                            file's offsets are checked against 2^40 by fits())
-    bits 120..     segment  its segment id (unbounded: one per put batch since the
-                            store was made, and those found at start-up)
-
-So ``word >> 40`` is non-zero exactly when the entry is on NVMe.  A word is a 28-byte
-int off NVMe, 44 bytes on it (5 digits of 30 bits), against a 72-byte object (with its
-GC header) plus its fields' ints before.
-"""
+"""The sample store's per-entry state as atoms in sharded dicts, because one object per
+entry would make every full garbage collection walk a node-wide cache (~1.28M entries for
+ImageNet) on the trio thread and one dict of 10^6 keys is rebuilt whole as it grows. Per
+cache, ``IntShards[int]`` maps a key to its location word (size, NVMe charge, offset and
+segment id packed in one int: docs/on-disk.md, "The sample store's index") and
+``IntShards[bytes]`` to its RAM copy, each over :data:`SHARDS` dicts chosen by the key's low
+byte and holding ``key >> 8``, since an int hashes to itself and keys sharing their low byte
+would otherwise crowd 1/256 of a shard's slots."""
 
 from __future__ import annotations
 

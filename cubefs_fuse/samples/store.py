@@ -1,41 +1,13 @@
-"""The daemon's sample store: opaque entries under (owner uid, cache name, integer key).
-
-What ``cube_torch.samples`` caches for ``CachedDataset`` (a decoded, resized sample, made
-and checked by the training side: bytes here), shared by every rank and job of the node
-and kept across restarts.  Two tiers under node-wide byte budgets (``sampleCacheMemSize``,
-``sampleCacheDiskSize``; 0 turns a tier off):
-
-* **RAM**: the entries' bytes (each charged :data:`RAM_ENTRY_OVERHEAD` more), the hot
-  part: what gets read from NVMe (promoted), and what a put could not write there (or
-  every put, without an NVMe tier);
-* **NVMe**: checksummed entries under ``<diskCacheDir>/samples/`` (files.py), each put
-  batch one segment file written in one worker-thread hop straight from the connection's
-  ring (no copy: a copy's fresh memory cost more than the write), so entries survive a
-  restart (a get reads them straight into the connection's ring: files.read_entries'
-  targets; only an entry that may enter RAM is also copied, into private memory);
-  an entry that leaves is punched out of its segment, and a segment is unlinked when its
-  last entry goes (``_Cache.segments`` counts them).  At start-up the segments' headers
-  are scanned in a worker thread and merged into the index in chunks (until that is
-  done, gets miss and puts are dropped).  A damaged entry is freed, counted and answered
-  as a miss, never served.
-
-**Eviction** (cache/policy.py's :class:`PlannedLru`, one per tier, over every cache of
-the node): ``plan(name, keys)`` gives a cache's next order (an epoch's); an entry the
-plan reads at position p is "planned" until a get consumes it.  Over budget, unplanned
-entries go first, least recently used first; then planned ones, the furthest next use
-first (Belady); a put that is not planned displaces planned entries only within the
-tier's scratch room.  Without a plan it is LRU.
-
-**Names and owners**: the owner of an entry is the uid of the process that put it (the
-data socket's peer credentials).  A name is resolved in the caller's own namespace;
-``~<uid>/<name>`` names another user's cache, readable only if the config shares it
-(``sampleCacheShared``) or by an administrator (root or the daemon's uid), and never
-writable by anyone but its owner.  Dropping a cache: its owner or an administrator.
-
-All state lives on the trio thread; file I/O runs in worker threads under a capacity
-limiter, and work proportional to a cache's size (a plan, a drop, the start-up merge)
-runs in chunks of :data:`CHUNK` with a checkpoint between them.
-"""
+"""The daemon's sample store: opaque entries under (owner uid, cache name, integer key),
+what ``cube_torch.CachedDataset`` caches, shared by every rank and job of the node and kept
+across restarts, in a RAM tier (promoted reads, and puts NVMe did not take) and an NVMe tier
+(files.py: one segment per put batch, written straight from the connection's ring) under
+node-wide budgets (``sampleCacheMemSize``, ``sampleCacheDiskSize``), evicted by
+``PlannedLru`` over every cache of the node, with names scoped by owner (``~UID/NAME``
+another user's, readable only when shared or by an administrator). All state lives on the
+trio thread, file I/O runs in worker threads, and work proportional to a cache (a plan, a
+drop, the start-up merge) runs in chunks of :data:`CHUNK` with checkpoints
+(docs/contracts.md, "The processed-sample cache (daemon store)")."""
 
 from __future__ import annotations
 

@@ -531,7 +531,7 @@ def _references_the_collector_visits() -> int:
 async def test_cached_blocks_add_nothing_for_the_garbage_collector_to_visit(tmp_path: Path) -> None:
     """Thousands of blocks in both tiers, read, prefetched with positions, admitted,
     planned, evicted: a full collection visits no more references than with an empty
-    cache (docs/architecture.md, "Concurrency": per-block state only in untracked dicts),
+    cache (docs/concurrency.md: per-block state only in untracked dicts),
     so its pause does not grow with the cache."""
     backend = FakeBackend()
     blocks = Blocks(backend)

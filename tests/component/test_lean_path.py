@@ -1,4 +1,4 @@
-"""The lean FUSE path (docs/architecture.md, "Contract: the lean path"), without a kernel.
+"""The lean FUSE path (docs/contracts.md, "The lean path"), without a kernel.
 
 A cold small file costs one backend call (the lookup's ``stat_read``) and still counts
 as the miss it was; files larger than a block, metadata hits, cached files and busy

@@ -1,4 +1,4 @@
-"""Mounted: the daemon never reads outside its source (docs/architecture.md, "Never outside the
+"""Mounted: the daemon never reads outside its source (docs/contracts.md, "Never outside the
 source"), whatever an unprivileged user who can write in the source does.
 
 The layout (``base`` is traversable by everyone; ``src`` belongs to nobody)::

@@ -1,4 +1,4 @@
-"""The control socket cannot be used to stop readers (docs/architecture.md, "Nobody else's
+"""The control socket cannot be used to stop readers (docs/concurrency.md, "Nobody else's
 resources"): a local user who is not allowed floods it with connections, an allowed one
 holds idle connections, and reads through the mount (uncached files too), /metrics and
 the API of allowed users keep working while the daemon's descriptors stay bounded."""

@@ -1,4 +1,4 @@
-"""Mounted: a hung or vanished remote (docs/architecture.md, "Never stuck"), through real mounts.
+"""Mounted: a hung or vanished remote (docs/concurrency.md, "Never stuck"), through real mounts.
 
 The remote is tools/slowfs: ``hang()`` stops it answering (SIGSTOP), ``resume()`` answers
 again; ``stop()`` and a new slowfs on the same path are a remote that went away and came

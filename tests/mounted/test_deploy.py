@@ -103,7 +103,7 @@ def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[.
         m.path(name).read_bytes()
     # A backend error (so that cubefs_fuse_backend_errors_total has a sample): the file is
     # listed (attributes cached; a lookup would bring the small file whole, see
-    # docs/architecture.md "Contract: the lean path"), then removed at the source before it is read.
+    # docs/contracts.md "The lean path"), then removed at the source before it is read.
     assert "gone" in os.listdir(m.mount_point)
     os.stat(m.path("gone"))
     (m.source / "gone").unlink()

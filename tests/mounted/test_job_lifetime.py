@@ -1,4 +1,4 @@
-"""Jobs end ("Nothing leaks", docs/architecture.md): a job ends when its process exits, its plan
+"""Jobs end ("Jobs end", docs/concurrency.md): a job ends when its process exits, its plan
 and per-job metric series go with it; a plan nobody registered a job for ends when idle.
 
 Each training run is a short-lived subprocess that does what cube_torch does over the

@@ -1,4 +1,4 @@
-"""Mounted: the lean path (docs/architecture.md, "Contract: the lean path") through a real daemon.
+"""Mounted: the lean path (docs/contracts.md, "The lean path") through a real daemon.
 
 A cold small file is one backend call (its lookup's stat_read) and still counts as a
 miss; after a restart its lookup finds it on NVMe in the same call (an NVMe hit, the

@@ -54,8 +54,8 @@ def test_backend_errors_reach_the_application_and_the_rest_is_served(
     m = s.mount
     # A file that vanishes at the source after the daemon cached its attributes (attrValid
     # is the default 30 s): the kernel and the daemon still know it, the remote does not.
-    # Known by a listing: a lookup would have brought the small file whole (docs/architecture.md,
-    # "Contract: the lean path") and its bytes would be served.
+    # Known by a listing: a lookup would have brought the small file whole (docs/contracts.md,
+    # "The lean path") and its bytes would be served.
     assert "gone.bin" in os.listdir(m.path("bad"))
     assert m.path("bad/gone.bin").stat().st_size == 1300
     (s.real / "bad" / "gone.bin").unlink()

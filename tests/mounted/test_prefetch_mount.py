@@ -156,7 +156,7 @@ def test_reads_by_other_processes_do_not_count_for_the_job(make_slow_mount: Call
             assert (again["requests"], again["hits"], again["misses"]) == (len(paths), len(paths), 0)
             # The page cache answered them: nothing from the remote.  (On a loaded machine the
             # kernel now and then asks again for a page or a file it had cached: 1-4 of these
-            # 80 pages in 2 of 20 runs with 4 CPU burners, before and after session 4; the
+            # 80 pages in 2 of 20 runs with 4 CPU burners, measured 2026-11-24 at 663641c; the
             # daemon serves those from RAM, so they stay hits.)
             after = client.status()["counters"]
             assert after["bytes_by_source"]["backend"] == before["bytes_by_source"]["backend"]

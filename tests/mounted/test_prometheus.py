@@ -289,7 +289,7 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
     for name in names:
         m.path(name).read_bytes()
     # Listed, then looked up (attributes cached from the listing: a lookup that missed them
-    # would bring the small file whole, docs/architecture.md "Contract: the lean path"),
+    # would bring the small file whole, docs/contracts.md "The lean path"),
     # removed at the source later.
     assert "gone" in os.listdir(m.mount_point)
     os.stat(m.path("gone"))

@@ -1,4 +1,4 @@
-"""Mounted: the FUSE requests a kernel page-cache hit costs the daemon (docs/architecture.md,
+"""Mounted: the FUSE requests a kernel page-cache hit costs the daemon (docs/contracts.md,
 "The kernel page cache"), counted by the kernel itself.
 
 Once a file's pages and its dentry and attributes are cached, an open/read/close reaches

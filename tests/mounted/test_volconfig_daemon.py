@@ -67,7 +67,7 @@ def test_config_file_lifecycle_and_one_daemon_per_volume(make_mount: Callable[..
     assert not path.exists(), "the config file outlived the mount"
 
 
-# -- entries another user planted before the daemon started (docs/architecture.md, ) -------------------
+# -- entries another user planted before the daemon started (docs/contracts.md) ----------------------
 
 # Run as uid 65534 in a sticky, world-writable directory like /tmp: plant ARGV[1] at ARGV[2].
 PLANT = """

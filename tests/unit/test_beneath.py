@@ -1,4 +1,4 @@
-"""Confinement beneath the source root (docs/architecture.md, "Never outside the source"):
+"""Confinement beneath the source root (docs/contracts.md, "Never outside the source"):
 backends/beneath.py's openat2 wrapper and its fallback walk, and LocalDirBackend's and
 DirFds' use of them, on real directories with real symlinks.  Through a real mount, with
 an unprivileged user doing the swaps: tests/mounted/test_confinement.py."""

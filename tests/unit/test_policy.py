@@ -4,7 +4,7 @@ The randomized test drives PlannedLru and a deliberately naive reference model (
 and sorts, no linked lists) with the same operations and checks that they choose the
 same victims and the same eviction order, so the linked lists and the sorted next uses
 cannot drift from the rules.  PlannedLru keeps its per-block state out of the garbage
-collector's sight (docs/architecture.md, "the trio thread does no work proportional to
+collector's sight (docs/concurrency.md, "the trio thread does no work proportional to
 the cache"): the tests check that too.
 """
 
