@@ -49,6 +49,8 @@ METRICS: dict[str, MetricSpec] = {
                    ("volume", "mount_point", "source", "profile")),
         MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests from applications that reached the daemon."),
         MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications by the daemon."),
+        MetricSpec("cubefs_fuse_native_reads_total", "counter",
+                   "Read requests the C FUSE session served from RAM blocks lent to it, without Python (part of reads_total)."),
         MetricSpec("cubefs_fuse_opens_total", "counter", "Files opened through the mount."),
         MetricSpec("cubefs_fuse_open_files", "gauge", "File handles currently open."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
@@ -201,6 +203,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
         f.add("cubefs_fuse_mount_info", 1, where.volume, where.mount_point, where.source, where.profile or "none")
     f.add("cubefs_fuse_reads_total", s.fs.reads)
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
+    f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
     f.add("cubefs_fuse_opens_total", s.fs.opens)
     f.add("cubefs_fuse_open_files", s.fs.open_files)
     f.add("cubefs_fuse_inodes", s.fs.inodes)

@@ -319,6 +319,25 @@ class BlockCache:
             self._prefetch_used += 1
         return data, Source.RAM, 0.0
 
+    def lend(self, key: bytes) -> bytes | None:
+        """A RAM block for a reader that serves it itself (the FUSE session in C), kept
+        in memory and counted against the RAM limit until :meth:`give_back`.  Only a block
+        whose next read is a plain RAM hit: one whose first read counts as the miss that
+        brought it (``admit``) is not lent.  Nothing is counted until :meth:`served`."""
+        if self._admitted_unread and key in self._admitted_unread:
+            return None
+        return self.memory.lend(key)
+
+    def give_back(self, key: bytes) -> None:
+        self.memory.give_back(key)
+
+    def served(self, key: bytes) -> None:
+        """The borrower read a lent block: counted as :meth:`read_now` counts a RAM hit."""
+        self._hits_ram += 1
+        self.memory.count_hit()
+        if self._unused_prefetched.pop(key, None) is not None:
+            self._prefetch_used += 1
+
     def in_memory(self, key: bytes) -> bool:
         """Whether the block is in the RAM tier (nothing counted, nothing touched)."""
         return key in self.memory

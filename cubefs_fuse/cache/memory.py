@@ -37,6 +37,12 @@ class MemoryTier:
         self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
         self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
+        # Blocks lent to the FUSE session, which serves reads from them without asking
+        # (fs/session.py): key -> loans.  A lent block that leaves the tier stays counted
+        # in used_bytes as a ghost (key -> (size, loans)) until its last loan is returned,
+        # since its bytes stay in memory until then: the limit holds for what is lent too.
+        self._loans: dict[bytes, int] = {}
+        self._ghosts: dict[bytes, tuple[int, int]] = {}
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -50,6 +56,41 @@ class MemoryTier:
         self._hits += 1
         return data
 
+    def lend(self, key: bytes) -> bytes | None:
+        """The block, lent until :meth:`give_back` (touched, not counted as a hit); None if absent."""
+        data = self._blocks.get(key)
+        if data is not None:
+            self.policy.touch(key)
+            self._loans[key] = self._loans.get(key, 0) + 1
+        return data
+
+    def give_back(self, key: bytes) -> None:
+        loans = self._loans.get(key)
+        if loans is not None:
+            if loans > 1:
+                self._loans[key] = loans - 1
+            else:
+                del self._loans[key]
+            return
+        size, ghost_loans = self._ghosts.pop(key, (0, 0))
+        if ghost_loans > 1:
+            self._ghosts[key] = (size, ghost_loans - 1)
+        else:
+            self.used_bytes -= size
+
+    def count_hit(self) -> None:
+        """A read of a lent block, served by the borrower."""
+        self._hits += 1
+
+    def _leave(self, key: bytes, size: int) -> None:
+        """``key``'s block left the tier: its bytes stop counting unless they are lent."""
+        loans = self._loans.pop(key, None)
+        if loans is None:
+            self.used_bytes -= size
+            return
+        _, earlier = self._ghosts.get(key, (size, 0))
+        self._ghosts[key] = (size, earlier + loans)
+
     def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it); False if not stored."""
         size = len(data)
@@ -58,12 +99,14 @@ class MemoryTier:
             self._rejected += 1
             return False
         # Evict before inserting, so the limit holds at every instant, not just on average.
-        victims = self.policy.victims(size, self.limit_bytes - self.used_bytes, next_use)
+        # A lent victim frees nothing (its bytes stay counted until given back), so the
+        # room is asked for again until it is there; each round evicts at least one block.
+        while victims := self.policy.victims(size, self.limit_bytes - self.used_bytes, next_use):
+            for victim in victims:
+                self._evict(victim)
         if victims is None:
             self._rejected += 1
             return False
-        for victim in victims:
-            self._evict(victim)
         self._blocks[key] = data
         self._tags.set(key, tag)
         self.policy.add(key, size, next_use)
@@ -73,7 +116,7 @@ class MemoryTier:
 
     def _evict(self, key: bytes) -> None:
         self.policy.remove(key)
-        self.used_bytes -= len(self._blocks.pop(key))
+        self._leave(key, len(self._blocks.pop(key)))
         self._tags.pop(key)
         self._evictions += 1
         if self.on_evict is not None:
@@ -84,7 +127,7 @@ class MemoryTier:
         if data is not None:
             self.policy.remove(key)
             self._tags.pop(key)
-            self.used_bytes -= len(data)
+            self._leave(key, len(data))
 
     def plan(self, key: bytes, next_use: int) -> None:
         self.policy.plan(key, next_use)

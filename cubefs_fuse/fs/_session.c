@@ -26,6 +26,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* What Python is asked to do; the numbers are the module's OP_* constants. */
@@ -45,8 +46,27 @@ enum {
     OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
 };
 
+/* An open file whose RAM-held blocks Python lent (reply_open): READs that fall on them
+ * are served here, from the bytes objects themselves, without Python.  Python keeps the
+ * blocks counted against its RAM limit until the handle's RELEASE reaches it. */
+struct handle {
+    struct handle *next;  /* the bucket's chain */
+    uint64_t fh;
+    uint64_t size;        /* the file's size at the version the handle reads */
+    uint64_t block_size;
+    uint32_t nblocks;
+    _Atomic uint64_t reads, bytes, lookups, mask;  /* served here; mask bit i: block i */
+    PyObject *blocks[];   /* a reference to each lent block (bytes); NULL where none */
+};
+/* Lent blocks per handle are reported as a 64-bit mask (Filesystem.MAX_LENT_BLOCKS). */
+#define MAX_LENT_BLOCKS 64
+/* Handle numbers are Python's, counted up from 1: consecutive numbers fill the buckets
+ * evenly, and 1024 chains stay short for the few thousand files open at once. */
+#define HANDLE_BUCKETS 1024
+
 struct pending {
     struct pending *next;  /* the queue's link */
+    struct handle *handle; /* RELEASE: the handle's lent blocks, detached, for Python to free */
     fuse_req_t req;        /* NULL for the messages that take no reply */
     uint64_t id;           /* slot | generation << 32; 0 for messages */
     int op;
@@ -73,6 +93,8 @@ typedef struct {
     double entry_timeout, attr_timeout;
     atomic_int init_posted;
     atomic_int exit_posted;
+    pthread_rwlock_t hlock;  /* the handles: READs read them, OPEN and RELEASE change them */
+    struct handle *handles[HANDLE_BUCKETS];
     pthread_mutex_t lock;  /* the queue and the slots */
     struct pending *head, *tail;
     struct pending **slots;  /* requests given to Python and not yet answered */
@@ -256,8 +278,84 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
     forward(p);
 }
 
+/* Under hlock (either mode). */
+static struct handle *find_handle(Session *s, uint64_t fh)
+{
+    struct handle *h = s->handles[fh % HANDLE_BUCKETS];
+    while (h && h->fh != fh)
+        h = h->next;
+    return h;
+}
+
+/* Serve a READ from the handle's lent blocks; 0 (nothing sent) if any byte of the range
+ * is on a block that was not lent: then Python serves the whole request. */
+static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_t off)
+{
+    struct iovec iov[MAX_LENT_BLOCKS];
+    int n = 0, served = 0;
+    uint64_t mask = 0, total = 0;
+    pthread_rwlock_rdlock(&s->hlock);
+    struct handle *h = find_handle(s, fh);
+    if (!h || off < 0)
+        goto out;
+    uint64_t start = (uint64_t)off, end = start + size < h->size ? start + size : h->size;
+    if (start < end) {
+        uint64_t bs = h->block_size, first = start / bs, last = (end - 1) / bs;
+        if (last >= h->nblocks)
+            goto out;
+        for (uint64_t i = first; i <= last; i++) {
+            PyObject *block = h->blocks[i];
+            uint64_t from = (start > i * bs ? start : i * bs) - i * bs;
+            uint64_t to = (end < (i + 1) * bs ? end : (i + 1) * bs) - i * bs;
+            /* PyBytes_AS_STRING and _GET_SIZE only read the object's fields: no GIL is
+             * needed while a reference keeps it alive (bytes never change). */
+            if (!block || (uint64_t)PyBytes_GET_SIZE(block) < to)
+                goto out;
+            iov[n].iov_base = PyBytes_AS_STRING(block) + from;
+            iov[n].iov_len = to - from;
+            total += to - from;
+            mask |= 1ULL << i;
+            n++;
+        }
+    }
+    /* The reply is written under the read lock, so RELEASE cannot free the blocks under it;
+     * the kernel sends RELEASE only after the handle's reads anyway. */
+    fuse_reply_iov(req, iov, n);
+    atomic_fetch_add(&h->reads, 1);
+    atomic_fetch_add(&h->bytes, total);
+    atomic_fetch_add(&h->lookups, (uint64_t)n);
+    atomic_fetch_or(&h->mask, mask);
+    served = 1;
+out:
+    pthread_rwlock_unlock(&s->hlock);
+    return served;
+}
+
+static struct handle *detach_handle(Session *s, uint64_t fh)
+{
+    pthread_rwlock_wrlock(&s->hlock);
+    struct handle **link = &s->handles[fh % HANDLE_BUCKETS];
+    while (*link && (*link)->fh != fh)
+        link = &(*link)->next;
+    struct handle *h = *link;
+    if (h)
+        *link = h->next;
+    pthread_rwlock_unlock(&s->hlock);
+    return h;
+}
+
+/* With the GIL. */
+static void free_handle(struct handle *h)
+{
+    for (uint32_t i = 0; i < h->nblocks; i++)
+        Py_XDECREF(h->blocks[i]);
+    free(h);
+}
+
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
+    if (serve_lent(of(req), req, fi->fh, size, off))
+        return;
     struct pending *p = request(req, OP_READ, ino, NULL);
     if (p) {
         p->fh = fi->fh;
@@ -269,9 +367,16 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
+    Session *s = of(req);
+    struct handle *h = detach_handle(s, fi->fh);
     struct pending *p = request(req, OP_RELEASE, ino, NULL);
-    if (p)
-        p->fh = fi->fh;
+    if (!p) {
+        /* Not freed here (no GIL): a handle that cannot be handed back is leaked, and
+         * so are its blocks' references; the process is out of memory anyway. */
+        return;
+    }
+    p->fh = fi->fh;
+    p->handle = h;
     forward(p);
 }
 
@@ -495,8 +600,17 @@ static void fail_outstanding(Session *s)
         struct pending *next = q->next;
         if (q->req)
             fuse_reply_err(q->req, EIO);
+        if (q->handle)
+            free_handle(q->handle);
         free(q);
         q = next;
+    }
+    for (size_t i = 0; i < HANDLE_BUCKETS; i++) {
+        while (s->handles[i]) {
+            struct handle *h = s->handles[i];
+            s->handles[i] = h->next;
+            free_handle(h);
+        }
     }
 }
 
@@ -528,6 +642,7 @@ static void Session_dealloc(Session *s)
     free(s->gens);
     free(s->free_slots);
     pthread_mutex_destroy(&s->lock);
+    pthread_rwlock_destroy(&s->hlock);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -548,6 +663,7 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         return NULL;
     s->efd = s->stopfd = -1;
     pthread_mutex_init(&s->lock, NULL);
+    pthread_rwlock_init(&s->hlock, NULL);
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
     s->nthreads = threads;
@@ -635,10 +751,23 @@ static PyObject *Session_take(Session *s, PyObject *unused)
             if (rc < 0)
                 goto fail;
         }
-        PyObject *t = Py_BuildValue("(KiKKKKiiIIy)", (unsigned long long)p->id, p->op,
+        PyObject *served;
+        if (p->handle) {
+            struct handle *h = p->handle;
+            served = Py_BuildValue("(KKKK)", (unsigned long long)h->reads, (unsigned long long)h->bytes,
+                                   (unsigned long long)h->lookups, (unsigned long long)h->mask);
+            if (!served)
+                goto fail;
+            p->handle = NULL;
+            free_handle(h);
+        } else {
+            served = Py_NewRef(Py_None);
+        }
+        PyObject *t = Py_BuildValue("(KiKKKKiiIIyN)", (unsigned long long)p->id, p->op,
                                     (unsigned long long)p->ino, (unsigned long long)p->fh,
                                     (unsigned long long)p->off, (unsigned long long)p->size,
-                                    p->flags, (int)p->pid, (unsigned)p->uid, (unsigned)p->gid, p->name);
+                                    p->flags, (int)p->pid, (unsigned)p->uid, (unsigned)p->gid, p->name,
+                                    served);
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             if (p->req)
@@ -657,6 +786,8 @@ fail:
         struct pending *next = q->next;
         if (q->req)
             fuse_reply_err(q->req, EIO);
+        if (q->handle)
+            free_handle(q->handle);
         free(q);
         q = next;
     }
@@ -747,21 +878,72 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
     Py_RETURN_NONE;
 }
 
+/* reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> bool:
+ * blocks (a sequence of bytes or None, one per block of the file) are lent until RELEASE.
+ * False if the kernel did not take the answer (the open was interrupted): then no RELEASE
+ * will come, the blocks are given back at once and the caller releases the handle. */
 static PyObject *Session_reply_open(Session *s, PyObject *args)
 {
-    unsigned long long id, fh;
+    unsigned long long id, fh, size = 0, block_size = 0;
     int keep_cache, direct_io;
-    if (!PyArg_ParseTuple(args, "KKpp", &id, &fh, &keep_cache, &direct_io))
+    PyObject *blocks = Py_None;
+    if (!PyArg_ParseTuple(args, "KKpp|KKO", &id, &fh, &keep_cache, &direct_io, &size, &block_size, &blocks))
         return NULL;
-    CLAIM(s, id);
+    struct handle *h = NULL;
+    if (blocks != Py_None) {
+        PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
+        if (!seq)
+            return NULL;
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        if (n > MAX_LENT_BLOCKS || block_size == 0 || (unsigned long long)n * block_size < size) {
+            Py_DECREF(seq);
+            return PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes",
+                                n, block_size, size);
+        }
+        h = calloc(1, sizeof *h + (size_t)n * sizeof(PyObject *));
+        if (!h) {
+            Py_DECREF(seq);
+            return PyErr_NoMemory();
+        }
+        h->fh = fh;
+        h->size = size;
+        h->block_size = block_size;
+        h->nblocks = (uint32_t)n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
+            h->blocks[i] = PyBytes_Check(b) ? Py_NewRef(b) : NULL;
+        }
+        Py_DECREF(seq);
+    }
+    struct pending *p = claim(s, id);
+    if (!p) {
+        if (h)
+            free_handle(h);
+        return NULL;
+    }
+    if (h) {
+        /* In the table before the answer: the first READ may follow it at once. */
+        pthread_rwlock_wrlock(&s->hlock);
+        h->next = s->handles[fh % HANDLE_BUCKETS];
+        s->handles[fh % HANDLE_BUCKETS] = h;
+        pthread_rwlock_unlock(&s->hlock);
+    }
     struct fuse_file_info fi;
     memset(&fi, 0, sizeof fi);
     fi.fh = fh;
     fi.keep_cache = keep_cache ? 1 : 0;
     fi.direct_io = direct_io ? 1 : 0;
-    ANSWER(fuse_reply_open(p->req, &fi));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fuse_reply_open(p->req, &fi);
+    Py_END_ALLOW_THREADS
     free(p);
-    Py_RETURN_NONE;
+    if (rc == -ENOENT) {
+        if (h && (h = detach_handle(s, fh)) != NULL)
+            free_handle(h);
+        Py_RETURN_FALSE;
+    }
+    Py_RETURN_TRUE;
 }
 
 static PyObject *Session_reply_buf(Session *s, PyObject *args)
@@ -891,11 +1073,12 @@ static PyMethodDef Session_methods[] = {
     {"start", (PyCFunction)Session_start, METH_NOARGS, "Start the reader threads."},
     {"fileno", (PyCFunction)Session_fileno, METH_NOARGS, "The eventfd that is readable while requests wait."},
     {"take", (PyCFunction)Session_take, METH_NOARGS,
-     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name) tuples."},
+     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served) tuples."},
     {"reply_err", (PyCFunction)Session_reply_err, METH_VARARGS, "reply_err(id, errno)"},
     {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS, "reply_entry(id, attr)"},
     {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS, "reply_attr(id, attr)"},
-    {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS, "reply_open(id, fh, keep_cache, direct_io)"},
+    {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS,
+     "reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> whether the kernel took it"},
     {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
     {"reply_readlink", (PyCFunction)Session_reply_readlink, METH_VARARGS, "reply_readlink(id, target)"},
     {"reply_statfs", (PyCFunction)Session_reply_statfs, METH_VARARGS, "reply_statfs(id, fields)"},

@@ -26,6 +26,10 @@ from cubefs_fuse.fs.metadata import MetadataCache
 # flight while the reader consumes the next, which hides one remote round trip per
 # block without spending the cache on blocks a random reader never asks for.
 READAHEAD_BLOCKS = 2
+# The largest file (in blocks) whose RAM blocks are lent to the FUSE session at open: the
+# session reports which blocks it served as a 64-bit mask.  Larger files are read in large
+# requests, where the per-request cost the session saves matters least.
+MAX_LENT_BLOCKS = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -45,6 +49,16 @@ class OpenFile:
     owner: object = None  # the observer's context for the opening process
     waited: bool = False  # a read of this handle waited on the backend
     stall: float = 0.0  # seconds reads of this handle waited on the backend
+    lent: list[bytes] = field(default_factory=list)  # keys of the RAM blocks lent for this handle
+
+
+@dataclass(frozen=True, slots=True)
+class Lent:
+    """The blocks of one open file's version lent to the FUSE session (None: not held)."""
+
+    size: int
+    block_size: int
+    blocks: list[bytes | None]
 
 
 class AccessObserver(Protocol):
@@ -63,6 +77,7 @@ class FilesystemStatistics:
     open_dirs: int
     reads: int
     read_bytes: int
+    native_reads: int  # of those, served by the FUSE session from lent blocks (counted at release)
     blocks_by_source: dict[str, int]  # block lookups by the tier that answered
     bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
     stale_reads: int
@@ -82,6 +97,7 @@ class _Counters:
     opens: int = 0
     reads: int = 0
     read_bytes: int = 0
+    native_reads: int = 0
     stale_reads: int = 0
     stale_opens: int = 0
     file_requests: int = 0
@@ -246,10 +262,44 @@ class Filesystem:
         self._c.opens += 1
         return fh
 
+    def lend_blocks(self, fh: int) -> Lent | None:
+        """The RAM-held blocks of an open file, lent to a reader that serves them itself
+        until the handle is released; None if no block is held (or the file is too large)."""
+        f = self.open_file(fh)
+        count = self.blocks.count(f.version.size)
+        if not 0 < count <= MAX_LENT_BLOCKS:
+            return None
+        blocks: list[bytes | None] = []
+        for index in range(count):
+            key = block_key(f.path, f.version, index)
+            data = self.cache.lend(key)
+            if data is not None:
+                f.lent.append(key)
+            blocks.append(data)
+        return Lent(f.version.size, self.block_size, blocks) if f.lent else None
+
+    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None:
+        """What the reader of lent blocks served for ``fh``: ``reads`` requests of ``nbytes``
+        bytes, ``lookups`` block lookups, from the blocks in ``mask`` (bit i: block i)."""
+        f = self.open_file(fh)
+        self._c.reads += reads
+        self._c.native_reads += reads
+        self._c.read_bytes += nbytes
+        self._c.blocks_by_source[Source.RAM.value] += lookups
+        self._c.bytes_by_source[Source.RAM.value] += nbytes
+        index = 0
+        while mask:
+            if mask & 1:
+                self.cache.served(block_key(f.path, f.version, index))
+            mask >>= 1
+            index += 1
+
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)
         if f is None:
             return
+        for key in f.lent:
+            self.cache.give_back(key)
         self.inodes.released(f.inode)
         self._c.file_requests += 1
         if f.waited:
@@ -317,7 +367,7 @@ class Filesystem:
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()
         return FilesystemStatistics(c.lookups, c.opens, len(self._files), len(self._dirs), c.reads,
-                                    c.read_bytes, dict(c.blocks_by_source), dict(c.bytes_by_source),
+                                    c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
                                     c.stale_reads, c.stale_opens, i.inodes, i.retired,
                                     i.changes_with_handles, i.changes_without_handles,
                                     c.file_requests, c.file_misses, c.stall_seconds)

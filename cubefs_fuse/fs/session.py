@@ -21,6 +21,7 @@ import trio
 
 from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError, errno_of
+from cubefs_fuse.fs.filesystem import Lent
 from cubefs_fuse.fs import _session
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,11 @@ _logged_bugs: set[type[BaseException]] = set()
 # What C packs into a struct stat: (ino, mode, nlink, uid, gid, rdev, size, blksize, blocks,
 # atime_ns, mtime_ns, ctime_ns).
 AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
-# A request C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name).
-Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes]
+# What C served from an open file's lent blocks, given with its RELEASE: (reads, bytes,
+# block lookups, mask of the blocks read).
+Served = tuple[int, int, int, int]
+# A request C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served).
+Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None]
 
 
 class Entry(Protocol):
@@ -76,6 +80,10 @@ class Operations(Protocol):
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview: ...
 
+    def lend_blocks(self, fh: int) -> Lent | None: ...
+
+    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None: ...
+
     def release(self, fh: int) -> None: ...
 
 
@@ -99,7 +107,8 @@ class Native(Protocol):
 
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None: ...
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None: ...
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = ...,
+                   block_size: int = ..., blocks: Sequence[bytes | None] | None = ..., /) -> bool: ...
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None: ...
 
@@ -168,6 +177,9 @@ class KernelSession:
         self._replying(r, self.ops.releasedir, r[3])
 
     def _release(self, r: Request) -> None:
+        served = r[11]
+        if served is not None:  # C read some of the handle's lent blocks itself
+            self.ops.served(r[3], *served)
         self._replying(r, self.ops.release, r[3])
 
     def _readdir(self, r: Request) -> None:
@@ -219,9 +231,16 @@ class KernelSession:
                 # keep_cache always: an inode serves one version of a file (a changed file
                 # gets a new inode, fs/inodes.py), so the pages the kernel holds for it are
                 # always good; no invalidation notice is ever needed.
-                native.reply_open(rid, await ops.open(ino, flags, pid), True, False)
+                fh = await ops.open(ino, flags, pid)
+                lent = ops.lend_blocks(fh)
+                took = native.reply_open(rid, fh, True, False) if lent is None else \
+                    native.reply_open(rid, fh, True, False, lent.size, lent.block_size, lent.blocks)
+                if not took:  # the open was interrupted: no RELEASE will come for fh
+                    ops.release(fh)
             elif op == _session.OP_OPENDIR:
-                native.reply_open(rid, await ops.opendir(ino), False, False)
+                dh = await ops.opendir(ino)
+                if not native.reply_open(rid, dh, False, False):  # interrupted: no RELEASEDIR will come
+                    ops.releasedir(dh)
             elif op == _session.OP_READLINK:
                 native.reply_readlink(rid, os.fsencode(await ops.readlink(ino)))
             elif op == _session.OP_STATFS:

@@ -23,8 +23,8 @@ from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs import _session as c
 from cubefs_fuse.fs import session
-from cubefs_fuse.fs.filesystem import Entry
-from cubefs_fuse.fs.session import AttrTuple, KernelSession, Request
+from cubefs_fuse.fs.filesystem import Entry, Lent
+from cubefs_fuse.fs.session import AttrTuple, KernelSession, Request, Served
 
 FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
 
@@ -36,6 +36,7 @@ class FakeCore:
         self.calls: list[tuple[Any, ...]] = []
         self.fail: BaseException | None = None
         self.forgotten: list[tuple[int, int]] = []
+        self.lent: Lent | None = None
 
     def _maybe_fail(self) -> None:
         if self.fail is not None:
@@ -80,6 +81,12 @@ class FakeCore:
         self._maybe_fail()
         return b"d" * size
 
+    def lend_blocks(self, fh: int) -> Lent | None:
+        return self.lent
+
+    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None:
+        self.calls.append(("served", fh, reads, nbytes, lookups, mask))
+
     def release(self, fh: int) -> None:
         self.calls.append(("release", fh))
 
@@ -90,19 +97,20 @@ class FakeCore:
 class FakeNative:
     """The C session's interface: requests go in through ``push``, replies are recorded."""
 
-    def __init__(self, readdir_room: int = 99) -> None:
+    def __init__(self, readdir_room: int = 99, take_opens: bool = True) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue: list[Request] = []
         self.replies: dict[int, tuple[Any, ...]] = {}
         self.readdir_room = readdir_room
+        self.take_opens = take_opens
         self.started = self.closed = False
         self.next_id = 1
 
     def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
-             pid: int = 4242, name: bytes = b"") -> int:
+             pid: int = 4242, name: bytes = b"", served: Served | None = None) -> int:
         rid = self.next_id if op not in (c.OP_FORGET, c.OP_INIT, c.OP_EXIT) else 0
         self.next_id += 1
-        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name))
+        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served))
         os.eventfd_write(self.fd, 1)
         return rid
 
@@ -133,8 +141,10 @@ class FakeNative:
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None:
         self._reply(id, "attr", attr)
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None:
-        self._reply(id, "open", fh, keep_cache, direct_io)
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = 0,
+                   block_size: int = 0, blocks: Sequence[bytes | None] | None = None, /) -> bool:
+        self._reply(id, "open", fh, keep_cache, direct_io, *((size, block_size, list(blocks)) if blocks else ()))
+        return self.take_opens
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None:
         self._reply(id, "buf", bytes(data))
@@ -254,3 +264,19 @@ async def test_forget_and_init_are_passed_on_and_the_end_ends_serving() -> None:
     native.push(c.OP_FORGET, 13, size=1)
     await served(native, core, inits)
     assert inits == [1] and core.forgotten == [(12, 3), (13, 1)]
+
+
+async def test_an_open_lends_the_held_blocks_and_its_release_reports_what_c_served() -> None:
+    native, core = FakeNative(), FakeCore()
+    core.lent = Lent(10, 4, [b"abcd", None, b"ij"])
+    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
+    assert opened == ("open", 9, True, False, 10, 4, [b"abcd", None, b"ij"])
+    (released,) = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101)}))
+    assert released == ("err", 0)
+    assert core.calls[-2:] == [("served", 9, 2, 6, 2, 0b101), ("release", 9)]
+
+
+async def test_an_open_the_kernel_did_not_take_is_released_at_once() -> None:
+    native, core = FakeNative(take_opens=False), FakeCore()
+    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
+    assert opened == ("open", 9, True, False) and core.calls[-1] == ("release", 9)

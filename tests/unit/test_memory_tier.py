@@ -75,3 +75,49 @@ def test_hits_misses_discard_clear() -> None:
     tier.clear()
     stats = tier.statistics()
     assert (stats.used_bytes, stats.blocks, stats.hits, stats.misses) == (0, 0, 1, 1)
+
+
+def test_lent_blocks_stay_counted_until_given_back_and_the_limit_holds() -> None:
+    limit = 1_000_000
+    tier = MemoryTier(limit)
+    rng = random.Random(99)
+    lent: list[tuple[bytes, int]] = []  # (key, size) of every loan not yet given back
+    shadow: dict[bytes, int] = {}
+    for _ in range(3000):
+        k = key(rng.randrange(300))
+        roll = rng.random()
+        if roll < 0.5:
+            size = rng.choice([1, rng.randrange(1, 4096), rng.randrange(4096, 150_000)])
+            tier.put(k, bytes(size))
+            shadow[k] = size
+        elif roll < 0.8:
+            data = tier.lend(k)
+            if data is not None:
+                lent.append((k, len(data)))
+        elif lent:
+            given, _ = lent.pop(rng.randrange(len(lent)))
+            tier.give_back(given)
+        # What is counted: the resident blocks, plus the lent ones that left the tier
+        # (their bytes live until the loan ends): at most every loan on top, never past the limit.
+        resident = sum(v for kk, v in shadow.items() if kk in tier)
+        assert resident <= tier.used_bytes <= min(limit, resident + sum(size for _, size in lent))
+    for k, _ in lent:
+        tier.give_back(k)
+    resident = {kk: v for kk, v in shadow.items() if kk in tier}
+    assert tier.used_bytes == sum(resident.values())  # every loan back: nothing counted twice or lost
+
+
+def test_a_lent_block_evicted_frees_its_bytes_only_when_given_back() -> None:
+    tier = MemoryTier(300)
+    for i in range(3):
+        tier.put(key(i), bytes(100))
+    assert tier.lend(key(0)) is not None
+    assert tier.put(key(3), bytes(100))  # evicts key 1: lend() touched key 0
+    assert key(1) not in tier and tier.used_bytes == 300
+    assert tier.put(key(4), bytes(100))  # key 2 goes; key 0 is lent, resident
+    assert tier.put(key(5), bytes(100))  # now key 0 leaves the tier but stays counted
+    assert key(0) not in tier and tier.used_bytes == 300
+    assert tier.statistics().blocks == 2  # keys 4 and 5 resident, key 0's 100 bytes lent
+    tier.give_back(key(0))
+    assert tier.used_bytes == 200
+    assert tier.put(key(6), bytes(100)) and tier.used_bytes == 300

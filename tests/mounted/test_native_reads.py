@@ -1,0 +1,120 @@
+"""Mounted: READs of RAM-held blocks are served by the C FUSE session, never wrong bytes.
+
+At open the daemon lends the file's RAM-held blocks to the session (fs/_session.c), which
+answers READs on them without Python; the handle's RELEASE brings back what it served
+(``cubefs_fuse_native_reads_total``).  The stress test runs many readers, with the kernel's
+page cache dropped under them so that READs keep reaching the daemon, while the source
+files are rewritten and a small RAM tier evicts: every read sees one whole version.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+
+from tests.helpers import Mount, metric, wait_released
+
+BS = 64 * 1024
+
+
+def _drop_page_cache() -> None:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
+
+
+def test_a_file_held_in_ram_is_read_through_the_session_without_python(make_mount: Callable[..., Mount]) -> None:
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    small, large = os.urandom(3 * BS + 123), os.urandom(70 * BS)  # 4 blocks; 70 > the 64 lent at most
+    (m.source / "small").write_bytes(small)
+    (m.source / "large").write_bytes(large)
+    m.mount()
+    assert m.path("small").read_bytes() == small and m.path("large").read_bytes() == large  # cold: Python
+    wait_released(m)
+    before = m.scrape()
+    _drop_page_cache()
+    assert m.path("small").read_bytes() == small
+    assert m.path("large").read_bytes() == large
+    wait_released(m)
+    after = m.scrape()
+    native = metric(after, "cubefs_fuse_native_reads_total") - metric(before, "cubefs_fuse_native_reads_total")
+    reads = metric(after, "cubefs_fuse_reads_total") - metric(before, "cubefs_fuse_reads_total")
+    assert native >= 1, "the small file's READs did not go through the session"
+    assert reads > native, "the large file (more blocks than are lent) is read by Python"
+    served = metric(after, "cubefs_fuse_served_bytes_total", source="ram") \
+        - metric(before, "cubefs_fuse_served_bytes_total", source="ram")
+    assert served >= len(small) + len(large)
+    m.umount()
+
+
+def _content(name: str, generation: int, size: int) -> bytes:
+    """A version of a file: its generation in the first 8 bytes, the rest derived from it."""
+    head = generation.to_bytes(8, "little")
+    return head + random.Random(f"{name}/{generation}").randbytes(size - 8)
+
+
+def test_many_readers_see_whole_versions_while_the_source_changes_and_the_cache_evicts(
+        make_mount: Callable[..., Mount]) -> None:
+    ttl = 0.2
+    m = make_mount(blockSize="16KiB", memCacheSize="1MiB", attrValid=ttl, lookupValid=ttl)
+    names = [f"f{i}" for i in range(40)]
+    sizes = {n: random.Random(n).randint(9, 120_000) for n in names}
+    generation = dict.fromkeys(names, 0)
+    for n in names:
+        (m.source / n).write_bytes(_content(n, 0, sizes[n]))
+    m.mount()
+    stop = time.monotonic() + 8.0
+    problems: list[str] = []
+    whole: list[str] = []
+    stale: list[str] = []
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        while time.monotonic() < stop and not problems:
+            n = rng.choice(names)
+            try:
+                data = m.path(n).read_bytes()
+            except OSError as exc:
+                # The contract (docs/contracts.md): an old version's handle reads that
+                # version or gets ESTALE, once its bytes are gone from the source and the cache.
+                if exc.errno != errno.ESTALE:
+                    problems.append(f"{n}: {exc!r}")
+                stale.append(n)
+                continue
+            whole.append(n)
+            gen = int.from_bytes(data[:8], "little")
+            if data != _content(n, gen, sizes[n]):
+                problems.append(f"{n}: {len(data)} bytes are not generation {gen} whole")
+
+    def writer() -> None:
+        rng = random.Random(1)
+        while time.monotonic() < stop and not problems:
+            n = rng.choice(names)
+            generation[n] += 1
+            tmp = m.source / f".{n}.tmp"
+            tmp.write_bytes(_content(n, generation[n], sizes[n]))
+            os.rename(tmp, m.source / n)  # a new version, whole, at once
+            time.sleep(0.01)
+
+    def dropper() -> None:
+        while time.monotonic() < stop and not problems:
+            _drop_page_cache()  # READs keep reaching the daemon (and the session)
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=writer), threading.Thread(target=dropper)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not problems, problems[:10]
+    assert len(whole) > 20 * len(stale), f"{len(whole)} whole reads, {len(stale)} ESTALE"
+    wait_released(m)
+    samples = m.scrape()
+    assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "no READ went through the session"
+    assert metric(samples, "cubefs_fuse_cache_evictions_total", tier="ram") > 0, "the RAM tier never evicted"
+    m.umount()
