@@ -11,7 +11,9 @@ passes, all through one cache directory:
    lookups, opens and releases reach the daemon; repeated :data:`PAGE_CACHE_PASSES`
    times, because the per-file cost is a few clock ticks per pass;
 3. **nvme**: unmounted and mounted again on the same cache directory (RAM tier empty),
-   page cache dropped: the NVMe tier serves every block.
+   page cache dropped: the NVMe tier serves every block;
+4. **ram**: a second daemon whose RAM tier holds the whole dataset, read once to fill it
+   (not counted), then again with the page cache dropped: the RAM tier serves every block.
 
 The RAM tier is ``ram_fraction`` of the dataset (smaller than the data, as the fast path's
 NVMe-tier figure asks); the NVMe tier holds it all.  The daemon runs with
@@ -37,11 +39,12 @@ from tools.harness import DaemonMount, Dataset, HarnessError, Readers
 # each) over 1,000 files; five passes make one tick ~2 µs per file.
 PAGE_CACHE_PASSES = 5
 READERS = 1  # the fast path's figures are per file with one reader: the daemon's cost, not its parallelism
-PASS_KINDS = ("cold", "page_cache", "nvme")
+PASS_KINDS = ("cold", "page_cache", "nvme", "ram")
 PASS_TITLES = {
     "cold": "cold (local source, no latency)",
     "page_cache": "kernel page-cache hit",
     "nvme": "NVMe-tier hit (RAM tier smaller than the data, page cache dropped)",
+    "ram": "RAM-tier hit (page cache dropped)",
 }
 
 
@@ -97,6 +100,18 @@ def measure(dataset: Dataset, workdir: Path, registry: Registry, *, ram_fraction
         record("nvme", [mount_pass(readers, mount, dataset, "nvme", seed=seed + 1 + PAGE_CACHE_PASSES,
                                    drop=True)])
         mount.umount()
+        whole, _ = cache_budget(dataset, None)
+        (workdir / "ram").mkdir(exist_ok=True)
+        ram = DaemonMount(workdir / "ram", dataset.root, workdir / "ram" / "cache", vol_name=f"benchram{os.getpid()}",
+                          mem_cache_size=whole, disk_cache_size=disk, profile="ai_prefetch")
+        release_ram = registry.push(f"cubefs-fuse {ram.mount_point}", ram.cleanup)
+        try:
+            ram.mount()
+            mount_pass(readers, ram, dataset, "ram fill", seed=seed + 2 + PAGE_CACHE_PASSES, drop=True, cold=True)
+            record("ram", [mount_pass(readers, ram, dataset, "ram", seed=seed + 3 + PAGE_CACHE_PASSES, drop=True)])
+            ram.umount()
+        finally:
+            release_ram()
     except (HarnessError, OSError) as exc:
         out["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     finally:
