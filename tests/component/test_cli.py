@@ -77,12 +77,20 @@ def test_cache_dir_under_a_regular_file(env: Env, foreground: bool) -> None:
 
 
 @FOREGROUND
-@pytest.mark.parametrize(("key", "value"), [("memCacheSize", "lots"), ("diskCacheSize", "8XiB"),
-                                            ("blockSize", "-4KiB")])
-def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: str) -> None:
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("memCacheSize", "lots", "cannot parse 'lots' as a size (examples: 1073741824, \"512MiB\", \"8GiB\", \"8Gi\")"),
+    ("memCacheSize", "64bananas", "'64bananas' has an unknown unit 'bananas'; sizes are bytes or a number with "
+                                  "KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti), all powers of 1024"),
+    ("diskCacheSize", "10Gibberish", "'10Gibberish' has an unknown unit 'Gibberish'; sizes are bytes or a "
+                                     "number with KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti), all powers of 1024"),
+    ("diskCacheSize", "10G", "'10G': the unit 'G' means 1000 or 1024 depending on the tool; write 10GiB "
+                             "(powers of 1024) or a byte count"),
+    ("memCacheSize", "0.5", "'0.5' is not a whole number of bytes (0.5)"),
+    ("blockSize", "-4KiB", "size must not be negative, got '-4KiB'"),
+])
+def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: str, says: str) -> None:
     env.write(**{key: value})
-    assert env.fails(foreground=foreground).endswith(
-        f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")")
+    assert env.fails(foreground=foreground) == f"config file {str(env.config_path)!r}: key {key!r}: {says}"
 
 
 @FOREGROUND
