@@ -20,6 +20,9 @@ MAX_DATASET_FILES = 100_000_000  # plans scale to 1e8 samples (docs/architecture
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
 MAX_NAME = 128  # job names and other identifiers
+# Paths per warmup request (a subtree counts as one path; the request's body is bounded by
+# MAX_JSON_BODY too); `cubefs-fuse warmup` checks the count before it asks the daemon.
+MAX_WARMUP_PATHS = 100_000
 PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
 # DataLoaders of one (job, rank) with a plan each (train and val, domains zipped together).
 # Every open of the job is matched against each of its loaders' plans, and the lookahead

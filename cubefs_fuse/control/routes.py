@@ -15,10 +15,10 @@ from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
-from cubefs_fuse.limits import DIGITS_PATTERN, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.limits import (DIGITS_PATTERN, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES,
+                                MAX_PLAN_BODY, MAX_WARMUP_PATHS)
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
-from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
 from cubefs_fuse.samples.store import SampleStore
 
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
