@@ -57,6 +57,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import xxhash
 
+from cube_torch import shared
 from cube_torch.client import once
 from cube_torch.samples import codec
 from cube_torch.samples.store import SampleStore, StoreError
@@ -501,7 +502,9 @@ class SampleCache:
                 results[i] = _MISS
             state.fail("read", exc, reads=True)
             return
-        state.counts["hits"] += sum(1 for value in results if value is not _MISS)
+        hits = sum(1 for value in results if value is not _MISS)
+        state.counts["hits"] += hits
+        shared.add_sample_hits(hits)  # the job's hits the daemon never sees (the hit-rate line adds them)
 
     def _decoded(self, state: _State, entry: bytes | memoryview, tag: int | None) -> Any:
         view = memoryview(entry)
