@@ -206,6 +206,8 @@ class _State:
         self.write_retry_at = now + RETRY_AFTER
         if reads:
             self.read_retry_at = now + RETRY_AFTER
+        if isinstance(exc, StoreError) and exc.said:
+            return  # its cause was said once for the process tree (a missing volume, a daemon not running)
         kind = f"samples:{self.name}:store"  # one line per process and cache, whatever fails next
         if once(kind):
             log.warning("cube_torch: sample cache %r: the store failed (%s): %s (%s for %.0f s; logged once)",
