@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from cube_torch.client import warn_if_daemon_down, warn_no_volume
+from cube_torch.client import warn_if_daemon_down, warn_no_volume, warn_once_in_tree
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
 from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
@@ -313,7 +313,11 @@ class DaemonStore:
 
     def _open_channel(self) -> Channel:
         if not self.volume:
-            raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)")
+            # Every worker of every epoch meets this: one warning for the process tree.
+            warn_once_in_tree("samples:no-vol-name", "a sample cache's default store is the cubefs-fuse daemon of "
+                              "$VOL_NAME, which is not set: set VOL_NAME to the mount's volName (or give the "
+                              "CachedDataset a store=...); samples are computed without a cache")
+            raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)", said=True)
         try:
             config = read_volume_config(self.volume, self.config_dir)
         except ProtocolError as exc:

@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader
 from tests.torch_datasets import ListDataset, keep
 data = sys.argv[1]
 dataset = ListDataset(sorted(os.path.join(data, n) for n in os.listdir(data)))
+if sys.argv[2] == "cached":  # the daemon's sample store, the default
+    dataset = cube_torch.CachedDataset(dataset, name="diagnostics")
 loader = DataLoader(dataset, batch_size=2, shuffle=True, num_workers=2, collate_fn=keep)
 for epoch in range(2):
     assert sum(len(b) for b in loader) == len(dataset)
@@ -31,13 +33,14 @@ print("TRAINED", flush=True)
 """
 
 
-def train(tmp_path: Path, vol_name: str, data: Path) -> list[str]:
-    """Train 2 epochs with 2 workers over ``data``; the cube_torch warnings on stderr."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CUBE_TORCH")}
-    env |= {"VOL_NAME": vol_name, "CUBE_TORCH_CONFIG_DIR": str(tmp_path / "config"),
-            "CUBE_TORCH_METRICS_INTERVAL": "3600", "CUBE_TORCH_JOB": f"messages-{os.getpid()}"}
-    result = subprocess.run([sys.executable, "-c", TRAIN, str(data)], capture_output=True, text=True, timeout=180,
-                            cwd=REPO, env=env)
+def train(tmp_path: Path, vol_name: str, data: Path, *, cached: bool = False) -> list[str]:
+    """Train 2 epochs with 2 workers over ``data`` (through a CachedDataset with the default
+    store when ``cached``); the cube_torch warnings on stderr.  An empty ``vol_name``: unset."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUBE_TORCH") and k != "VOL_NAME"}
+    env |= {"CUBE_TORCH_CONFIG_DIR": str(tmp_path / "config"), "CUBE_TORCH_METRICS_INTERVAL": "3600",
+            "CUBE_TORCH_JOB": f"messages-{os.getpid()}"} | ({"VOL_NAME": vol_name} if vol_name else {})
+    result = subprocess.run([sys.executable, "-c", TRAIN, str(data), "cached" if cached else "plain"],
+                            capture_output=True, text=True, timeout=180, cwd=REPO, env=env)
     assert result.returncode == 0 and "TRAINED" in result.stdout, result.stderr[-3000:]
     return [line for line in result.stderr.splitlines() if "cube_torch" in line]
 
@@ -67,12 +70,20 @@ def config_dir(tmp_path: Path) -> Path:
     return tmp_path / "config"
 
 
-def test_a_wrong_vol_name_is_one_warning_listing_the_volumes_served(tmp_path: Path, config_dir: Path) -> None:
-    [warning] = train(tmp_path, "imagenett", files(tmp_path / "data"))
+@pytest.mark.parametrize("cached", [False, True], ids=["files", "sample-cache"])
+def test_a_wrong_vol_name_is_one_warning_listing_the_volumes_served(tmp_path: Path, config_dir: Path,
+                                                                    cached: bool) -> None:
+    """Prefetch, the workers' fast path and the sample cache's daemon store all meet it: one line."""
+    [warning] = train(tmp_path, "imagenett", files(tmp_path / "data"), cached=cached)
     assert "WARNING" in warning or warning.startswith("cube_torch:"), warning
     assert (f"VOL_NAME='imagenett': no cubefs-fuse daemon serves this volume on this node "
             f"(no {config_dir}/cube_torch.config.imagenett). Volumes served here: 'coco', 'imagenet'.") in warning
     assert '"profile": "ai_prefetch"' in warning and "configDir" in warning and "$CUBE_TORCH_CONFIG_DIR" in warning
+
+
+def test_a_sample_cache_without_vol_name_is_one_warning(tmp_path: Path, config_dir: Path) -> None:
+    [warning] = train(tmp_path, "", files(tmp_path / "data"), cached=True)
+    assert "a sample cache's default store is the cubefs-fuse daemon of $VOL_NAME, which is not set" in warning
 
 
 def test_no_volume_at_all_says_none_are_served(tmp_path: Path) -> None:
