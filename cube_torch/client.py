@@ -158,6 +158,8 @@ def daemon_not_running(socket_path: str) -> str | None:
     """Why nothing answers at ``socket_path`` when no daemon runs there (the socket is gone,
     or refuses connections: its daemon died), else None (it is up, or slow, or refusing us)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A Unix connect() answers at once (accepted, refused, gone, or EAGAIN for a full
+    # backlog); the bound only guards against the unexpected, like the job registration's.
     sock.settimeout(JOB_REGISTRATION_TIMEOUT)
     try:
         sock.connect(socket_path)
