@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from cube_torch import shared
 from cube_torch.files import SampleFiles, Unsupported, relative_to_mount, sample_files
-from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
+from cubefs_fuse.control.protocol import (CONFIG_DIR_ENV, CONFIG_FILE_PREFIX, ControlClient, ProtocolError,
+                                          VolumeConfig, config_file_path, default_config_dir, read_volume_config)
 
 log = logging.getLogger("cube_torch")
 
@@ -76,6 +78,7 @@ class _DatasetFiles:
     offsets: np.ndarray  # sample i reads paths[offsets[i]:offsets[i+1]]
     mount_point: str  # the paths are relative to it
     registered: dict[tuple[int, str], str]  # (daemon pid, socket) -> dataset id
+    outside_root: str = ""  # where the files outside the mount lie (their common directory)
 
 
 _warned: set[str] = set()
@@ -101,6 +104,84 @@ def info_once(kind: str, message: str, *args: Any) -> None:
     if not once(kind):
         return
     log.info("cube_torch: " + message, *args)
+
+
+def warn_once_in_tree(kind: str, message: str, *args: Any) -> bool:
+    """One warning for ``kind`` per process tree (the training process and its forked
+    DataLoader workers: cube_torch/shared.py); True if this call logged it."""
+    if not once(kind) or not shared.first_in_tree(kind):
+        return False
+    log.warning("cube_torch: " + message + " (training continues without the daemon's help; logged once)", *args)
+    return True
+
+
+# Volumes named in the "no daemon" warning: a node serves a few; more are summed up.
+MAX_VOLUMES_LISTED = 10
+
+
+def served_volumes(config_dir: str | None = None) -> list[str]:
+    """The volumes whose daemon wrote its per-volume file in ``config_dir`` (the
+    directory cube_torch looks in): the daemons of this node that take plans."""
+    try:
+        names = os.listdir(config_dir or default_config_dir())
+    except OSError:
+        return []
+    return sorted(n[len(CONFIG_FILE_PREFIX):] for n in names if n.startswith(CONFIG_FILE_PREFIX)
+                  and not n.endswith(".tmp") and len(n) > len(CONFIG_FILE_PREFIX))
+
+
+def warn_no_volume(vol_name: str, exc: ProtocolError, config_dir: str | None = None) -> bool:
+    """``read_volume_config(vol_name)`` failed: say why, once per process tree.  A missing
+    file is a wrong VOL_NAME or a mount without ai_prefetch: the warning lists the volumes
+    served here and what a mount needs; any other refusal (the file's owner, mode) is said
+    as the reader put it."""
+    path = config_file_path(vol_name, config_dir)
+    if os.path.lexists(path):
+        return warn_once_in_tree(f"volume-file:{vol_name}", "%s", exc.message)
+    volumes = served_volumes(config_dir)
+    listed = ", ".join(repr(v) for v in volumes[:MAX_VOLUMES_LISTED])
+    if len(volumes) > MAX_VOLUMES_LISTED:
+        listed += f" and {len(volumes) - MAX_VOLUMES_LISTED} more"
+    where = config_dir or default_config_dir()
+    return warn_once_in_tree(
+        f"no-volume:{vol_name}",
+        "VOL_NAME=%r: no cubefs-fuse daemon serves this volume on this node (no %s). Volumes served here: %s. "
+        "A mount writes that file only with \"profile\": \"ai_prefetch\" in its client config, into its configDir, "
+        "which must be where cube_torch looks (%s: $%s, else /tmp)",
+        vol_name, path, listed or "none", where, CONFIG_DIR_ENV)
+
+
+def daemon_not_running(socket_path: str) -> str | None:
+    """Why nothing answers at ``socket_path`` when no daemon runs there (the socket is gone,
+    or refuses connections: its daemon died), else None (it is up, or slow, or refusing us)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A Unix connect() answers at once (accepted, refused, gone, or EAGAIN for a full
+    # backlog); the bound only guards against the unexpected, like the job registration's.
+    sock.settimeout(JOB_REGISTRATION_TIMEOUT)
+    try:
+        sock.connect(socket_path)
+    except FileNotFoundError:
+        return "is gone"
+    except ConnectionRefusedError:
+        return "refuses connections"
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    return None
+
+
+def warn_if_daemon_down(vol_name: str, volume: VolumeConfig, config_dir: str | None = None) -> bool:
+    """True (and one warning per process tree) when the volume's daemon is not running:
+    its file names a control socket nobody listens on."""
+    reason = daemon_not_running(volume.control_socket)
+    if reason is None:
+        return False
+    warn_once_in_tree(f"daemon-down:{vol_name}",
+                      "the cubefs-fuse daemon of volume %r is not running: %s names pid %d, whose socket %s %s; "
+                      "see 'cubefs-fuse status' and mount the volume again",
+                      vol_name, config_file_path(vol_name, config_dir), volume.pid, volume.control_socket, reason)
+    return True
 
 
 def _job_name(name: str) -> str:
@@ -312,15 +393,19 @@ class Submitter:
         try:
             volume = read_volume_config(request.vol_name)
         except ProtocolError as exc:
-            warn_once(f"no-daemon:{request.vol_name}", "%s", exc.message)
+            warn_no_volume(request.vol_name, exc)
             return
         client = ControlClient(volume.control_socket, timeout=REQUEST_TIMEOUT)
         files = self._dataset_files(request.dataset, volume.mount_point)
         if files is None:
             return
         if not files.paths:
-            info_once(f"outside:{id(request.dataset)}", "no file of %s lies under the mount %s: not prefetching it",
-                      type(request.dataset).__name__, volume.mount_point)
+            if files.outside_root:
+                warn_once_in_tree(f"outside:{files.outside_root}:{volume.mount_point}",
+                                  "the files of %s lie under %s, outside the mount %s of volume %r: they are read "
+                                  "directly, without prefetch; read the dataset through the mount (or unset VOL_NAME)",
+                                  type(request.dataset).__name__, files.outside_root, volume.mount_point,
+                                  request.vol_name)
             return
         try:
             key = (volume.pid, volume.control_socket)
@@ -348,6 +433,8 @@ class Submitter:
             if exc.status == 404:
                 files.registered.clear()  # the daemon restarted and forgot the list: next epoch re-registers
                 self._jobs.clear()
+            if exc.status == 0 and warn_if_daemon_down(request.vol_name, volume):
+                return
             warn_once(f"daemon-error:{exc.status}", "the cubefs-fuse daemon refused the plan: %s", exc)
 
     def _dataset_files(self, dataset: Any, mount_point: str) -> _DatasetFiles | None:
@@ -429,16 +516,25 @@ def _without_held(request: PlanRequest, held: np.ndarray) -> PlanRequest:
     return dataclasses.replace(request, order=order)
 
 
+# Files outside the mount whose directories name the dataset's root in the warning: a
+# sample of them (the first ones) is enough to find the common directory.
+OUTSIDE_SAMPLE = 1000
+
+
 def _collect(mapping: SampleFiles, samples: int, mount_point: str) -> _DatasetFiles:
     paths: list[str] = []
+    outside: list[str] = []
     offsets = np.zeros(samples + 1, dtype=np.int64)
     for i in range(samples):
         for path in mapping(i):
             relative = relative_to_mount(path, mount_point)
             if relative:
                 paths.append(relative)
+            elif relative is None and len(outside) < OUTSIDE_SAMPLE:
+                outside.append(os.path.dirname(os.path.abspath(path)))
         offsets[i + 1] = len(paths)
-    return _DatasetFiles(paths, offsets, mount_point, {})
+    root = os.path.commonpath(outside) if outside else ""
+    return _DatasetFiles(paths, offsets, mount_point, {}, root)
 
 
 def _file_order(offsets: np.ndarray, samples: np.ndarray) -> np.ndarray:

@@ -25,9 +25,10 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
-from cube_torch.client import once
+from cube_torch.client import once, warn_if_daemon_down, warn_no_volume
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
-from cubefs_fuse.control.protocol import MAX_BATCH_FILES, MAX_BATCH_MESSAGE, ProtocolError, read_volume_config
+from cubefs_fuse.control.protocol import (MAX_BATCH_FILES, MAX_BATCH_MESSAGE, ProtocolError, VolumeConfig,
+                                          read_volume_config)
 
 log = logging.getLogger("cube_torch")
 
@@ -230,6 +231,7 @@ class _Worker:
         self.channel: Channel | None = None
         self.retry_at = 0.0
         self.volume: tuple[float, str, str, str] | None = None  # (read at, vol_name, mount point, data socket)
+        self.volume_config: VolumeConfig | None = None  # the file read then
         self.mappings: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         self.mappings_by_id: dict[int, Any] = {}
         self.useless: dict[int, int] = {}  # id(dataset) -> batches in a row none of whose served files were opened
@@ -240,10 +242,11 @@ class _Worker:
             try:
                 config = read_volume_config(vol_name)
             except ProtocolError as exc:
-                _warn_once("no-daemon", "%s", exc.message)
+                warn_no_volume(vol_name, exc)  # once per process tree: the main process's plan says the same
                 self.retry_at = now + RETRY_AFTER
                 return None
             self.volume = (now, vol_name, config.mount_point, config.data_socket)
+            self.volume_config = config
         if not self.volume[3]:
             _warn_once("no-data-socket", "the daemon of volume %r has no data socket (an older version)", vol_name)
             self.retry_at = now + RETRY_AFTER
@@ -298,7 +301,14 @@ class _Worker:
         paths = list(relative)[:MAX_BATCH_FILES]
         try:
             if self.channel is None:
-                self.channel = Channel(data_socket)
+                try:
+                    self.channel = Channel(data_socket)
+                except (FileNotFoundError, ConnectionRefusedError):
+                    config = self.volume_config
+                    if config is not None and warn_if_daemon_down(vol_name, config):
+                        self.retry_at = time.monotonic() + RETRY_AFTER  # said once per process tree
+                        return [], {}
+                    raise
             answers = self.channel.batch(paths)
         except (OSError, ValueError, ProtocolError) as exc:
             self.fail(exc)

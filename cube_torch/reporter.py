@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cube_torch import shared
 from cube_torch.client import submitter
 from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
@@ -60,7 +61,7 @@ def format_line(since_last: dict[str, Any], cumulative: dict[str, Any], rank: in
             f"sum_metrics:([{_counts(cumulative)}])")
 
 
-_COUNTERS = ("requests", "hits", "misses", "stall_seconds")
+_COUNTERS = ("requests", "hits", "misses", "stall_seconds", "sample_hits")
 # Each (volume, job, rank)'s cumulative counters at this process's previous report.
 _previous: dict[tuple[str, str, int], dict[str, Any]] = {}
 _previous_lock = threading.Lock()
@@ -69,9 +70,20 @@ _previous_lock = threading.Lock()
 def _since(previous: dict[str, Any] | None, cumulative: dict[str, Any]) -> dict[str, Any]:
     if previous is None or int(previous["requests"]) > int(cumulative["requests"]):
         return dict(cumulative)  # the first report, or the daemon restarted and counts anew
-    since: dict[str, Any] = {key: cumulative[key] - previous[key] for key in _COUNTERS}
+    since: dict[str, Any] = {key: cumulative[key] - previous.get(key, 0) for key in _COUNTERS if key in cumulative}
     since["hit_rate"] = since["hits"] / since["requests"] if since["requests"] else 0.0
     return since
+
+
+def with_sample_hits(daemon: dict[str, Any], sample_hits: int) -> dict[str, Any]:
+    """The daemon's cumulative counters of the job with its sample-cache hits added: each is
+    a request and a hit (``sample_hits`` says how many of them there are)."""
+    counts = dict(daemon)
+    counts["sample_hits"] = sample_hits
+    counts["requests"] = int(daemon["requests"]) + sample_hits
+    counts["hits"] = int(daemon["hits"]) + sample_hits
+    counts["hit_rate"] = counts["hits"] / counts["requests"] if counts["requests"] else 0.0
+    return counts
 
 
 def stats(timeout: float = 5.0) -> dict[str, Any] | None:
@@ -87,7 +99,7 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
         return None
     for entry in report.get("jobs", []):
         if entry.get("rank") == last.rank:
-            cumulative = entry["cumulative"]
+            cumulative = with_sample_hits(entry["cumulative"], shared.sample_hits())
             key = (last.vol_name, last.job, last.rank)
             with _previous_lock:
                 since = _since(_previous.get(key), cumulative)
@@ -97,19 +109,53 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
     return None
 
 
-def report_once(timeout: float = 5.0) -> str | None:
-    """Print and log one line now; None (and nothing printed) if no daemon has this job."""
+def report_once(timeout: float = 5.0, *, unless_idle: bool = False) -> str | None:
+    """Print and log one line now; None (and nothing printed) if no daemon has this job,
+    or with ``unless_idle`` if nothing was read since this process's previous line."""
     current = stats(timeout)
-    if current is None:
+    if current is None or (unless_idle and current["since_last"]["requests"] == 0):
         return None
     line = format_line(current["since_last"], current["cumulative"],
                        current["rank"] if current["world_size"] > 1 else None)
-    # One write of the whole line: ranks printing to one pipe at once must not interleave
-    # (print() writes the line and its newline separately).
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
     log.info("%s", line)
+    if not _on_console(log):
+        # One write of the whole line: ranks printing to one pipe at once must not interleave
+        # (print() writes the line and its newline separately).
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     return line
+
+
+def _is_console(stream: Any) -> bool:
+    """True for the process's stdout or stderr (also after a redirection of sys.stdout)."""
+    if stream is None:
+        return False
+    if any(stream is s for s in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)):
+        return True
+    try:
+        return stream.fileno() in (1, 2)
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def _on_console(logger: logging.Logger) -> bool:
+    """Whether an INFO record of ``logger`` reaches a handler that writes it to stdout or
+    stderr (``logging.basicConfig(level=INFO)``, to either stream, or the user's own
+    StreamHandler): then the log line is the printed line.  A file handler, a handler
+    above INFO, or no handler at all (Python's last resort shows warnings only) leaves
+    the printing to cube_torch."""
+    if not logger.isEnabledFor(logging.INFO):
+        return False
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if (handler.level <= logging.INFO and isinstance(handler, logging.StreamHandler)
+                    and not isinstance(handler, logging.FileHandler) and _is_console(handler.stream)):
+                return True
+        if not current.propagate:
+            return False
+        current = current.parent
+    return False
 
 
 def _run(still_needed: Callable[[], int]) -> None:
@@ -167,9 +213,18 @@ def _report_at_exit(pid: int) -> None:
         _exit_reported_pid = pid
     stop()
     try:
-        report_once(EXIT_TIMEOUT)
+        # Nothing read since the previous line (an epoch's end, the interval): that line's
+        # sum_metrics is the final count, and a last_cycle of 0 requests would say nothing.
+        report_once(EXIT_TIMEOUT, unless_idle=_previous_reported())
     except Exception as exc:  # never turn a clean exit into an error
         log.debug("cube_torch: final metrics report failed: %r", exc)
+
+
+def _previous_reported() -> bool:
+    """Whether this process has printed a line (or answered stats()) for its current job."""
+    last = submitter.last_job
+    with _previous_lock:
+        return last is not None and (last.vol_name, last.job, last.rank) in _previous
 
 
 def stop() -> None:

@@ -16,13 +16,12 @@ import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import humanfriendly
-
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.limits import SAMPLE_NAME_PATTERN
+from cubefs_fuse.limits import DIGITS_PATTERN, SAMPLE_NAME_PATTERN
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -163,11 +162,10 @@ def _port(key: str, value: Any) -> int | None:
 # numpy's), so anything beyond is a mistake, and refusing it before int() or float() keeps
 # Python's 4300-digit int-str limit and float overflow from ever being reached.
 MAX_NUMBER = (1 << 63) - 1
-# An integer as CubeFS configs often write it, quoted ("exporterPort": "9500"): ASCII digits
-# only (str.isdigit() also says yes to "²" and "١٢٣"), at most 19 of them (MAX_NUMBER has 19).
-_DIGITS = re.compile(r"[0-9]{1,19}")
+# An integer as CubeFS configs often write it, quoted ("exporterPort": "9500").
+_DIGITS = re.compile(DIGITS_PATTERN)
 # Seconds, quoted: ASCII decimal notation, at most 19 digits before and 9 after the point.
-_DECIMAL = re.compile(r"[0-9]{1,19}(\.[0-9]{1,9})?")
+_DECIMAL = re.compile(DIGITS_PATTERN + r"(\.[0-9]{1,9})?")
 
 
 def _shown(value: Any) -> str:
@@ -223,22 +221,32 @@ def _ratio(key: str, value: Any) -> float:
     return float(value)
 
 
+# Size units, all powers of 1024: the IEC spelling (KiB ... TiB) and Kubernetes' quantity
+# suffixes (Ki ... Ti), so a value copied from a manifest means the same here.  "B" is bytes.
+SIZE_UNITS = {"B": 1, "KiB": KiB, "MiB": MiB, "GiB": GiB, "TiB": 1024 * GiB,
+              "Ki": KiB, "Mi": MiB, "Gi": GiB, "Ti": 1024 * GiB}
+# Units refused because readers disagree on them: Kubernetes and SI read K/M/G/T (and KB,
+# MB, ...) as powers of 1000, systemd, the JVM and many tools as powers of 1024.  Each
+# maps to the binary unit the error suggests.
+_AMBIGUOUS_UNITS = {"K": "KiB", "M": "MiB", "G": "GiB", "T": "TiB", "k": "KiB",
+                    "KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "kB": "KiB"}
+# A size string: ASCII digits, an optional fraction of the unit ("1.5GiB"; at most 9
+# digits, as for seconds: a size that needs finer is written in a smaller unit), an
+# optional space, then letters (the unit, checked against SIZE_UNITS).  A leading "-" is
+# matched only to say "negative" rather than "cannot parse".
+_SIZE = re.compile(r"(?P<number>-?" + DIGITS_PATTERN + r")(?:\.(?P<fraction>[0-9]{1,9}))? ?(?P<unit>[A-Za-z]*)")
+_SIZE_EXAMPLES = 'examples: 1073741824, "512MiB", "8GiB", "8Gi"'
+
+
 def parse_size(key: str, value: Any) -> int:
-    """Bytes from an integer or a ``"512MiB"``/``"8GiB"`` string (KB/MB/GB are decimal)."""
+    """Bytes from an integer or a ``"512MiB"``/``"8GiB"``/``"8Gi"`` string (docs/configuration.md,
+    "Sizes"): units are powers of 1024; anything else is a ConfigError naming the key."""
     if isinstance(value, bool):
         raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {value!r}")
     if isinstance(value, int):
         size = value
     elif isinstance(value, str):
-        # ASCII only, and at most 40 characters ("1099511627776 bytes" has 19): humanfriendly
-        # reads "١٢٣" as 123 and fails on 5,000 digits with Python's int-str limit.
-        if not value.isascii() or len(value) > 40:
-            raise ConfigError(f"key {key!r}: cannot parse {_shown(value)} as a size "
-                              "(examples: 1073741824, \"512MiB\", \"8GiB\")")
-        try:
-            size = int(humanfriendly.parse_size(value))
-        except (humanfriendly.InvalidSize, ValueError, OverflowError):
-            raise ConfigError(f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")") from None
+        size = _size_string(key, value)
     else:
         raise ConfigError(f"key {key!r}: expected a size like 1073741824 or \"1GiB\", got {_type_name(value)} {_shown(value)}")
     if size < 0:
@@ -246,6 +254,31 @@ def parse_size(key: str, value: Any) -> int:
     if size > MAX_NUMBER:
         raise ConfigError(f"key {key!r}: {_shown(value)} is out of range")
     return size
+
+
+def _size_string(key: str, value: str) -> int:
+    # At most 40 characters: "1099511627776 B" has 15; a longer string is no size.
+    text = value.strip()
+    match = _SIZE.fullmatch(text) if text.isascii() and len(text) <= 40 else None
+    if match is None:
+        raise ConfigError(f"key {key!r}: cannot parse {_shown(value)} as a size ({_SIZE_EXAMPLES})")
+    number, fraction, unit = match.group("number", "fraction", "unit")
+    if number.startswith("-"):
+        raise ConfigError(f"key {key!r}: size must not be negative, got {value!r}")
+    if unit in _AMBIGUOUS_UNITS:
+        binary = _AMBIGUOUS_UNITS[unit]
+        raise ConfigError(f"key {key!r}: {value!r}: the unit {unit!r} means 1000 or 1024 depending on the tool; "
+                          f"write {number}{'.' + fraction if fraction else ''}{binary} (powers of 1024) or a byte count")
+    factor = SIZE_UNITS.get(unit or "B")
+    if factor is None:
+        close = [u for u in SIZE_UNITS if u.lower() == unit.lower()]
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"key {key!r}: {value!r} has an unknown unit {unit!r}{hint}; sizes are bytes or a "
+                          f"number with KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti), all powers of 1024")
+    exact = Fraction(int(number + (fraction or "")), 10 ** len(fraction or "")) * factor
+    if exact.denominator != 1:
+        raise ConfigError(f"key {key!r}: {value!r} is not a whole number of bytes ({float(exact):.1f})")
+    return int(exact)
 
 
 # uids and gids are 32-bit; (uid_t)-1 means "no change" to the kernel, never a real id.

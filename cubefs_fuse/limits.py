@@ -5,6 +5,12 @@ prefetch core can validate against them without reaching up into the control API
 
 from __future__ import annotations
 
+# A decimal integer as a config value, a query string or a JSON string carries it: ASCII
+# digits only (str.isdigit() also says yes to "²" and "١٢٣", which int() refuses or reads
+# as other digits), at most 19 of them: 2^63 - 1, the largest number any key or parameter
+# takes, has 19, and int() then never meets Python's 4300-digit int-str limit.
+DIGITS_PATTERN = r"[0-9]{1,19}"
+
 MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
 # A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.
 MAX_DATASET_BODY = 1024 * 1024 * 1024
@@ -12,6 +18,9 @@ MAX_DATASET_FILES = 100_000_000  # plans scale to 1e8 samples (docs/ai_prefetch.
 MAX_PATH_BYTES = 4096  # PATH_MAX on Linux
 MAX_PLAN_BODY = MAX_DATASET_FILES * 8  # one uint64 index per sample at most
 MAX_NAME = 128  # job names and other identifiers
+# Paths per warmup request (a subtree counts as one path; the request's body is bounded by
+# MAX_JSON_BODY too); `cubefs-fuse warmup` checks the count before it asks the daemon.
+MAX_WARMUP_PATHS = 100_000
 PLAN_DTYPES = {"<u4": 4, "<u8": 8, "<i4": 4, "<i8": 8}
 # DataLoaders of one (job, rank) with a plan each (train and val, domains zipped together).
 # Every open of the job is matched against each of its loaders' plans, and the lookahead

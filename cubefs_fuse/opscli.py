@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -20,6 +22,7 @@ from rich.table import Table
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import ControlClient, ProtocolError
+from cubefs_fuse.limits import MAX_NAME, MAX_WARMUP_PATHS, SAMPLE_NAME_PATTERN
 
 # Seconds between progress polls of a warmup: smooth enough for a bar, cheap for the daemon.
 POLL_SECONDS = 0.25
@@ -27,6 +30,11 @@ POLL_SECONDS = 0.25
 
 class OpsError(Exception):
     """A problem the operator can act on; one line, exit code 1."""
+
+
+class UsageError(OpsError):
+    """A mistake in the command line (a path outside the mount, a missing argument, a
+    MOUNTPOINT that is no cubefs-fuse mount); one line, exit code 2 as for every command."""
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             return cmd_stats(args)
     except OpsError as exc:
         print(f"cubefs-fuse: error: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, UsageError) else 1
     raise AssertionError(args.command)
 
 
@@ -87,7 +95,7 @@ def _client(mount_point: str) -> tuple[dict[str, Any], ControlClient]:
         if entry is not None and entry.fstype == f"fuse.{mounts.FUSE_SUBTYPE}":
             raise OpsError(f"{path} is a cubefs-fuse mount but its daemon is not running "
                            "(stale mount: 'cubefs-fuse umount --lazy' it, or mount again)")
-        raise OpsError(f"{path} is not a cubefs-fuse mount (see 'cubefs-fuse status')")
+        raise UsageError(f"{path} is not a cubefs-fuse mount (see 'cubefs-fuse status')")
     socket_path = info.get("controlSocket") or ""
     if not socket_path:
         raise OpsError(f"{path}: the daemon (pid {info['pid']}) runs without \"profile\": \"ai_prefetch\", "
@@ -289,11 +297,11 @@ def _relative_paths(mount_point: str, paths: list[str]) -> list[str]:
         if os.path.isabs(path):
             absolute = os.path.normpath(path)
             if absolute != root and not absolute.startswith(root + "/"):
-                raise OpsError(f"{raw!r} is not under the mount point {root}")
+                raise UsageError(f"{raw!r} is not under the mount point {root}")
             path = os.path.relpath(absolute, root)
         path = os.path.normpath(path)
         if path.startswith(".."):
-            raise OpsError(f"{raw!r} leaves the mount point")
+            raise UsageError(f"{raw!r} leaves the mount point")
         out.append("" if path == "." else path)
     return out
 
@@ -306,26 +314,41 @@ def cmd_warmup(args: argparse.Namespace) -> int:
             with handle:
                 raw.extend(handle.read().splitlines())
         except OSError as exc:
-            raise OpsError(f"cannot read {args.file}: {exc.strerror}") from None
+            raise UsageError(f"cannot read {args.file}: {exc.strerror}") from None
     paths = _relative_paths(args.mount_point, raw)
     if not paths:
-        raise OpsError("give at least one PATH or -f LIST")
+        raise UsageError("give at least one PATH or -f LIST")
+    if len(paths) > MAX_WARMUP_PATHS:
+        raise UsageError(f"{len(paths)} paths: one warmup takes at most {MAX_WARMUP_PATHS}; split the list "
+                         "or name their directories")
     _, client = _client(args.mount_point)
     started = _call(client, "POST", "warmup", body=json.dumps({"paths": paths, "check": args.check}).encode())
     report = _follow(client, int(started["id"]), quiet=args.json)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        verb = "cached" if args.check else "now cached"
-        print(f"{report['files_cached']}/{report['files_total']} files, {_size(report['bytes_cached'])} of "
-              f"{_size(report['bytes_total'])} {verb} ({report['cached_percent']:.1f}%), "
-              f"{report['errors']} errors, {report['elapsed']:.1f} s")
+        print(warmup_summary(report, len(paths)))
         for failure in report.get("error_details", []):
             print(f"  {failure['path']}: {failure['error']}", file=sys.stderr)
         if report["errors"] > len(report.get("error_details", [])):
             print(f"  ... and {report['errors'] - len(report['error_details'])} more (see the daemon log)",
                   file=sys.stderr)
     return 0 if report["errors"] == 0 else 1
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def warmup_summary(report: dict[str, Any], paths: int) -> str:
+    """The one-line result of a warmup (or ``--check``) of ``paths`` paths."""
+    errors, elapsed = _count(report["errors"], "error"), f"{report['elapsed']:.1f} s"
+    if not report["files_total"]:
+        # Nothing was found to fetch: no share of nothing is "cached" (a percentage would say 100 %).
+        return f"no files found under the {_count(paths, 'path')} given, {errors}, {elapsed}"
+    verb = "cached" if report["check"] else "now cached"
+    return (f"{report['files_cached']}/{_count(report['files_total'], 'file')}, {_size(report['bytes_cached'])} of "
+            f"{_size(report['bytes_total'])} {verb} ({report['cached_percent']:.1f}%), {errors}, {elapsed}")
 
 
 def _follow(client: ControlClient, warmup_id: int, *, quiet: bool) -> dict[str, Any]:
@@ -357,7 +380,7 @@ def cmd_drop(args: argparse.Namespace) -> int:
     if args.samples is not None:
         return _drop_samples(args.mount_point or _samples_mount(), args.samples)
     if not args.mount_point:
-        raise OpsError("give the MOUNTPOINT whose cache to drop (or --samples NAME)")
+        raise UsageError("give the MOUNTPOINT whose cache to drop (or --samples NAME)")
     _, client = _client(args.mount_point)
     result = _call(client, "POST", "cache/drop", body=b"{}")
     print(f"dropped {_size(result['dropped_bytes'])} from the cache of {os.path.abspath(args.mount_point)}")
@@ -372,13 +395,20 @@ def _samples_mount() -> str:
         for m in live:
             if (m.info or {}).get("volName") == volume:
                 return m.mount_point
-        raise OpsError(f"no live cubefs-fuse mount of volume {volume!r} (VOL_NAME) on this node: give its MOUNTPOINT")
+        raise UsageError(f"no live cubefs-fuse mount of volume {volume!r} (VOL_NAME) on this node: give its MOUNTPOINT")
     if len(live) == 1:
         return live[0].mount_point
-    raise OpsError(f"{len(live)} live cubefs-fuse mounts on this node: give the MOUNTPOINT (or set VOL_NAME)")
+    raise UsageError(f"{len(live)} live cubefs-fuse mounts on this node: give the MOUNTPOINT (or set VOL_NAME)")
+
+
+# A sample cache's name as `drop-cache --samples` takes it: NAME (the caller's) or ~UID/NAME.
+_SAMPLE_NAME = re.compile(r"(?:~[0-9]{1,10}/)?" + SAMPLE_NAME_PATTERN)
 
 
 def _drop_samples(mount_point: str, name: str) -> int:
+    if not _SAMPLE_NAME.fullmatch(name) or name.rpartition("/")[2] in (".", ".."):
+        raise UsageError(f"--samples {name!r}: a sample cache's name is 1-{MAX_NAME} of [A-Za-z0-9_.:@-], "
+                         "or ~UID/NAME for another user's")
     _, client = _client(mount_point)
     result = _call(client, "POST", "samples/drop", query={"name": name}, body=b"{}")
     print(f"dropped sample cache {name}: {result['dropped_entries']} entries, {_size(result['dropped_bytes'])} "
@@ -390,8 +420,10 @@ def _drop_samples(mount_point: str, name: str) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    if args.interval <= 0:
-        raise OpsError("--interval must be positive")
+    if not 0 < args.interval < math.inf:
+        raise UsageError(f"--interval {args.interval}: give a positive number of seconds")
+    if args.count < 0:
+        raise UsageError(f"--count {args.count}: give a number of intervals, or 0 for no end")
     _, client = _client(args.mount_point)
     previous = _call(client, "GET", "status")
     before = time.monotonic()

@@ -30,6 +30,7 @@ from typing import Any, TypeVar, cast
 import numpy as np
 import xxhash
 
+from cube_torch import shared
 from cube_torch.client import once
 from cube_torch.samples import codec
 from cube_torch.samples.store import SampleStore, StoreError
@@ -178,6 +179,8 @@ class _State:
         self.write_retry_at = now + RETRY_AFTER
         if reads:
             self.read_retry_at = now + RETRY_AFTER
+        if isinstance(exc, StoreError) and exc.said:
+            return  # its cause was said once for the process tree (a missing volume, a daemon not running)
         kind = f"samples:{self.name}:store"  # one line per process and cache, whatever fails next
         if once(kind):
             log.warning("cube_torch: sample cache %r: the store failed (%s): %s (%s for %.0f s; logged once)",
@@ -474,7 +477,9 @@ class SampleCache:
                 results[i] = _MISS
             state.fail("read", exc, reads=True)
             return
-        state.counts["hits"] += sum(1 for value in results if value is not _MISS)
+        hits = sum(1 for value in results if value is not _MISS)
+        state.counts["hits"] += hits
+        shared.add_sample_hits(hits)  # the job's hits the daemon never sees (the hit-rate line adds them)
 
     def _decoded(self, state: _State, entry: bytes | memoryview, tag: int | None) -> Any:
         view = memoryview(entry)

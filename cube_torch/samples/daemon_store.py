@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from cube_torch.client import warn_if_daemon_down, warn_no_volume, warn_once_in_tree
 from cube_torch.fastpath import CONNECT_TIMEOUT, REPLY_TIMEOUT, Channel
 from cube_torch.samples.codec import Part, write_parts
 from cube_torch.samples.store import StoreError
@@ -295,18 +296,25 @@ class DaemonStore:
 
     def _open_channel(self) -> Channel:
         if not self.volume:
-            raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)")
+            # Every worker of every epoch meets this: one warning for the process tree.
+            warn_once_in_tree("samples:no-vol-name", "a sample cache's default store is the cubefs-fuse daemon of "
+                              "$VOL_NAME, which is not set: set VOL_NAME to the mount's volName (or give the "
+                              "CachedDataset a store=...); samples are computed without a cache")
+            raise StoreError("the daemon store needs a volume: set VOL_NAME or pass DaemonStore(volume=...)", said=True)
         try:
             config = read_volume_config(self.volume, self.config_dir)
         except ProtocolError as exc:
-            raise StoreError(f"daemon store: {exc.message}") from None
+            warn_no_volume(self.volume, exc, self.config_dir)  # said by this process, or by another of its tree
+            raise StoreError(f"daemon store: {exc.message}", said=True) from None
         if not config.data_socket:
             raise StoreError(f"daemon store: the daemon of volume {self.volume!r} has no data socket (an older version)")
         try:
             return Channel(config.data_socket, connect_timeout=self.connect_timeout,
                            reply_timeout=self.reply_timeout, writable=True)
         except (OSError, ValueError, ProtocolError) as exc:
-            raise StoreError(f"daemon store: cannot connect to {config.data_socket}: {exc}") from None
+            down = isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) and warn_if_daemon_down(
+                self.volume, config, self.config_dir)
+            raise StoreError(f"daemon store: cannot connect to {config.data_socket}: {exc}", said=down) from None
 
     def _call(self, request: dict[str, Any], channel: Channel | None = None) -> dict[str, Any]:
         own = channel is None

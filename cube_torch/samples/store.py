@@ -15,7 +15,14 @@ from typing import Protocol
 
 
 class StoreError(Exception):
-    """The store cannot serve this call: the caller bypasses it (and logs once)."""
+    """The store cannot serve this call: the caller bypasses it (and logs once).  ``said``:
+    the cause was already told to the user (a wrong VOL_NAME, a daemon that is not
+    running: one warning per process tree, cube_torch/client.py), so the caller does not
+    log it again."""
+
+    def __init__(self, message: str, *, said: bool = False) -> None:
+        super().__init__(message)
+        self.said = said
 
 
 class SampleStore(Protocol):

@@ -12,10 +12,10 @@ from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
-from cubefs_fuse.limits import MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES, MAX_PLAN_BODY
+from cubefs_fuse.limits import (DIGITS_PATTERN, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES,
+                                MAX_PLAN_BODY, MAX_WARMUP_PATHS)
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
-from cubefs_fuse.prefetch.warmup import MAX_WARMUP_PATHS
 from cubefs_fuse.samples.store import SampleStore
 
 _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
@@ -31,10 +31,8 @@ def _name(query: dict[str, str], key: str) -> str:
     return value
 
 
-# A decimal integer as a query string or JSON string carries it: ASCII digits only (str.isdigit
-# also says yes to "²" and "١٢", which int() refuses or reads as other digits), and at most
-# 19 of them (every bound here is below 10^19), so int() never meets Python's 4300-digit limit.
-_DIGITS = re.compile(r"[0-9]{1,19}")
+# A decimal integer as a query string or JSON string carries it (every bound here is below 10^19).
+_DIGITS = re.compile(DIGITS_PATTERN)
 
 
 def _int(value: Any, key: str, low: int, high: int) -> int:

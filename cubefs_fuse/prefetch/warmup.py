@@ -17,6 +17,7 @@ import trio
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.errors import FsError, errno_of
 from cubefs_fuse.fs.filesystem import Filesystem
+from cubefs_fuse.limits import MAX_WARMUP_PATHS
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +25,6 @@ log = logging.getLogger(__name__)
 MAX_WARMUPS = 64
 # Files a warmup fetches at once (each at prefetch priority, behind application reads).
 WARMUP_CONCURRENCY = 16
-# Paths per warmup request (a subtree counts as one path).
-MAX_WARMUP_PATHS = 100_000
 # Failed paths a warmup keeps with their reason, for its report (the count goes on).
 MAX_ERROR_DETAILS = 10
 

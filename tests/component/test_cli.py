@@ -77,12 +77,20 @@ def test_cache_dir_under_a_regular_file(env: Env, foreground: bool) -> None:
 
 
 @FOREGROUND
-@pytest.mark.parametrize(("key", "value"), [("memCacheSize", "lots"), ("diskCacheSize", "8XiB"),
-                                            ("blockSize", "-4KiB")])
-def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: str) -> None:
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("memCacheSize", "lots", "cannot parse 'lots' as a size (examples: 1073741824, \"512MiB\", \"8GiB\", \"8Gi\")"),
+    ("memCacheSize", "64bananas", "'64bananas' has an unknown unit 'bananas'; sizes are bytes or a number with "
+                                  "KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti), all powers of 1024"),
+    ("diskCacheSize", "10Gibberish", "'10Gibberish' has an unknown unit 'Gibberish'; sizes are bytes or a "
+                                     "number with KiB, MiB, GiB, TiB (or Ki, Mi, Gi, Ti), all powers of 1024"),
+    ("diskCacheSize", "10G", "'10G': the unit 'G' means 1000 or 1024 depending on the tool; write 10GiB "
+                             "(powers of 1024) or a byte count"),
+    ("memCacheSize", "0.5", "'0.5' is not a whole number of bytes (0.5)"),
+    ("blockSize", "-4KiB", "size must not be negative, got '-4KiB'"),
+])
+def test_size_that_does_not_parse(env: Env, foreground: bool, key: str, value: str, says: str) -> None:
     env.write(**{key: value})
-    assert env.fails(foreground=foreground).endswith(
-        f"key {key!r}: cannot parse {value!r} as a size (examples: 1073741824, \"512MiB\", \"8GiB\")")
+    assert env.fails(foreground=foreground) == f"config file {str(env.config_path)!r}: key {key!r}: {says}"
 
 
 @FOREGROUND
@@ -131,6 +139,58 @@ def test_no_command_prints_help_and_fails() -> None:
     result = cli()
     assert result.returncode == 2
     assert "usage: cubefs-fuse" in result.stdout
+
+
+# Every mistake in the operator commands' command line: (arguments, what the line says).
+# "{dir}" is a plain directory, no cubefs-fuse mount.
+OPS_MISTAKES = [
+    (["warmup", "{dir}"], "give at least one PATH or -f LIST"),
+    (["warmup", "{dir}", "/etc/passwd"], "'/etc/passwd' is not under the mount point {dir}"),
+    (["warmup", "{dir}", "../escape"], "'../escape' leaves the mount point"),
+    (["warmup", "{dir}", "-f", "{dir}/no-such-list"], "cannot read {dir}/no-such-list: No such file or directory"),
+    (["warmup", "{dir}", "a"], "{dir} is not a cubefs-fuse mount (see 'cubefs-fuse status')"),
+    (["drop-cache"], "give the MOUNTPOINT whose cache to drop (or --samples NAME)"),
+    (["drop-cache", "{dir}"], "{dir} is not a cubefs-fuse mount (see 'cubefs-fuse status')"),
+    (["drop-cache", "--samples", "a/b", "{dir}"], "--samples 'a/b': a sample cache's name is 1-128 of"),
+    (["drop-cache", "--samples", "~1000/..", "{dir}"], "--samples '~1000/..': a sample cache's name"),
+    (["stats", "{dir}"], "{dir} is not a cubefs-fuse mount (see 'cubefs-fuse status')"),
+    (["stats", "{dir}", "-i", "0"], "--interval 0.0: give a positive number of seconds"),
+    (["stats", "{dir}", "-i", "nan"], "--interval nan: give a positive number of seconds"),
+    (["stats", "{dir}", "-n", "-1"], "--count -1: give a number of intervals, or 0 for no end"),
+    (["status", "{dir}"], "{dir} is not a cubefs-fuse mount (see 'cubefs-fuse status')"),
+]
+
+
+@pytest.mark.parametrize(("args", "says"), OPS_MISTAKES, ids=[" ".join(a) for a, _ in OPS_MISTAKES])
+def test_operator_command_mistakes_exit_2(tmp_path: Path, args: list[str], says: str) -> None:
+    result = cli(*[a.format(dir=tmp_path) for a in args])
+    assert "Traceback" not in result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"{ERROR}{says.format(dir=tmp_path)}"), line
+    assert result.returncode == 2, (result.returncode, result.stderr)
+
+
+@pytest.mark.parametrize("args", [["warmup"], ["stats", "x", "-i", "soon"], ["stats", "x", "-n", "1.5"],
+                                  ["drop-cache", "--nope"]])
+def test_operator_command_argument_errors_exit_2(args: list[str]) -> None:
+    result = cli(*args)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1].startswith(("cubefs-fuse: error: ", f"cubefs-fuse {args[0]}: error: "))
+
+
+def test_warmup_summary_of_nothing_found() -> None:
+    """A warmup that found no file says so: no "0/0 files ... (100.0%)", no "1 errors"."""
+    from cubefs_fuse.opscli import warmup_summary
+
+    report = {"files_total": 0, "files_cached": 0, "bytes_total": 0, "bytes_cached": 0, "cached_percent": 100.0,
+              "errors": 1, "elapsed": 0.01, "check": False}
+    assert warmup_summary(report, 1) == "no files found under the 1 path given, 1 error, 0.0 s"
+    assert warmup_summary({**report, "errors": 0}, 2) == "no files found under the 2 paths given, 0 errors, 0.0 s"
+    found = {**report, "files_total": 3, "files_cached": 2, "bytes_total": 300, "bytes_cached": 200,
+             "cached_percent": 200 / 3, "check": True}
+    assert warmup_summary(found, 1) == "2/3 files, 200 B of 300 B cached (66.7%), 1 error, 0.0 s"
+    assert warmup_summary({**found, "files_total": 1, "files_cached": 1, "errors": 0, "check": False}, 1) == (
+        "1/1 file, 200 B of 300 B now cached (66.7%), 0 errors, 0.0 s")
 
 
 def test_umount_of_a_path_that_is_not_mounted(tmp_path: Path) -> None:

@@ -231,10 +231,14 @@ def test_systemd_unit_keys() -> None:
     assert "@mount" in allowed and "@system-service" in allowed
     assert service["SystemCallErrorNumber"] == "EPERM"  # a missed call fails, it does not kill
     assert service["UMask"] == "0022"  # /run/cubefs-fuse and the per-volume file stay readable
-    # Memory sized from the default memCacheSize (drop-ins for others: docs/operations.md).
-    mem_cache = parse_config({"mountPoint": "/m", "volName": "v", "source": "/s"}).mem_cache_size
+    # Memory sized from the default RAM tiers, the block cache's and the sample store's, plus
+    # 2 GiB for the rest (drop-ins for others: docs/operations.md).
+    defaults = parse_config({"mountPoint": "/m", "volName": "v", "source": "/s"})
+    tiers = defaults.mem_cache_size + defaults.sample_cache_mem_size
     high, limit = _systemd_size(service["MemoryHigh"]), _systemd_size(service["MemoryMax"])
-    assert limit == mem_cache + 2 * 2**30 and mem_cache < high < limit, (mem_cache, high, limit)
+    assert limit == tiers + 2 * 2**30 and tiers < high < limit, (tiers, high, limit)
+    # The arithmetic in the unit's comment names what it adds up.
+    assert "sampleCacheMemSize" in UNIT.read_text()
     assert -1000 < int(service["OOMScoreAdjust"]) <= -500  # training (0) is killed first
     assert service["SyslogIdentifier"] == "cubefs-fuse-%i"
 
@@ -508,11 +512,13 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
     assert not any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])
     assert {"name": "metrics", "containerPort": config.exporter_port, "protocol": "TCP"} in container["ports"]
     assert config.exporter_addr == "0.0.0.0"  # reachable by Prometheus on the pod IP
-    # Resources: the memory limit is the RAM tier plus the documented overhead.
+    # Resources: the memory limit is both RAM tiers (the block cache's and the sample
+    # store's) plus the documented overhead; Kubernetes' Gi is the config's Gi.
     overhead = parse_size("overhead", daemonset["spec"]["template"]["metadata"]["annotations"]
-                          ["cubefs-fuse/memory-overhead"].replace("Gi", "GiB").replace("Mi", "MiB"))
-    limit = parse_size("limit", container["resources"]["limits"]["memory"].replace("Gi", "GiB").replace("Mi", "MiB"))
-    assert limit == config.mem_cache_size + overhead, (limit, config.mem_cache_size, overhead)
+                          ["cubefs-fuse/memory-overhead"])
+    limit = parse_size("limit", container["resources"]["limits"]["memory"])
+    assert limit == config.mem_cache_size + config.sample_cache_mem_size + overhead, (
+        limit, config.mem_cache_size, config.sample_cache_mem_size, overhead)
     assert overhead >= 512 * 2**20
     assert container["resources"]["requests"]["memory"] == container["resources"]["limits"]["memory"]
     # Probes check the mount (test_k8s_probe_checks_the_mount runs them), a clean unmount
@@ -552,6 +558,57 @@ def test_k8s_daemonset_matches_the_client_config() -> None:
     run_as = pod["spec"].get("securityContext", {}).get("runAsUser", 0)
     assert run_as == 0 or run_as in config.control_allow_uids  # else the control API refuses it
     assert pod["spec"]["nodeSelector"] == spec["nodeSelector"]
+
+
+# A size as the manifests write it: Kubernetes quantities only (the client config reads them too).
+K8S_SIZE = re.compile(r"[0-9]+(?:\.[0-9]+)?(?:Ki|Mi|Gi|Ti)")
+# Any size-like token, to catch a second notation in values and comments alike ("8GiB", "10G").
+ANY_SIZE = re.compile(r"\b[0-9.]+ ?(?:[KMGT]i?B?|[KMGT]i)\b")
+
+
+def test_k8s_manifests_write_sizes_in_one_notation() -> None:
+    docs = _manifests()
+    configmap = next(d for d in docs.values() if d["kind"] == "ConfigMap")
+    raw = json.loads(next(iter(configmap["data"].values())))
+    sizes = {key: value for key, value in raw.items() if key.endswith("Size")}
+    assert sizes and all(isinstance(v, str) and K8S_SIZE.fullmatch(v) for v in sizes.values()), sizes
+    daemonset = next(d for d in docs.values() if d["kind"] == "DaemonSet")
+    [container] = daemonset["spec"]["template"]["spec"]["containers"]
+    for kind in ("requests", "limits"):
+        assert K8S_SIZE.fullmatch(container["resources"][kind]["memory"]), container["resources"]
+    for path in sorted(K8S.glob("*.yaml")):
+        for token in ANY_SIZE.findall(path.read_text()):
+            assert K8S_SIZE.fullmatch(token.replace(" ", "")), f"{path.name}: {token!r} is not a Kubernetes quantity"
+
+
+# A reference to a section of a document in a deploy/ comment: FILE, "Section" (the
+# comment may wrap between the two, or inside the section's name).
+SECTION_REFERENCE = re.compile(r"((?:docs|deploy)/[A-Za-z0-9_./-]+\.md),\s+\"([^\"]+)\"")
+
+
+def _comments(path: Path) -> str:
+    """The comment text of a YAML, unit or Containerfile, joined into one line."""
+    lines = [line.split("#", 1)[1].strip() for line in path.read_text().splitlines() if "#" in line]
+    return " ".join(lines)
+
+
+def test_deploy_comments_point_to_what_exists() -> None:
+    """Every "FILE, "Section"" a deploy/ comment names is a heading of that file, and the
+    per-volume file's path named in the manifests is where the config's configDir puts it."""
+    references = []
+    for path in sorted(p for p in DEPLOY.rglob("*") if p.is_file() and p.suffix not in (".json", ".md")):
+        for document, section in SECTION_REFERENCE.findall(_comments(path)):
+            references.append((path.name, document, section))
+            headings = [line.lstrip("#").strip() for line in (REPO / document).read_text().splitlines()
+                        if line.startswith("#")]
+            assert section in headings, f"{path.name} names {document}, {section!r}, which has no such heading"
+    assert len(references) >= 3, references
+    docs = _manifests()
+    config = parse_config(json.loads(next(iter(docs["ConfigMap/cubefs-fuse-imagenet"]["data"].values()))))
+    named = set()
+    for path in sorted(K8S.glob("*.yaml")):
+        named |= set(re.findall(r"/[A-Za-z0-9_/.-]*cube_torch\.config\.[A-Za-z0-9_.-]+", _comments(path)))
+    assert named == {os.path.join(config.config_dir, f"cube_torch.config.{config.vol_name}")}, named
 
 
 def _probe(name: str, mount_point: Path) -> list[str]:

@@ -77,8 +77,10 @@ def _check(m: Mount, *paths: str) -> dict[str, Any]:
     return report
 
 
-def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str) -> str:
-    assert result.returncode == 1, (result.returncode, result.stdout, result.stderr)
+def _one_line_error(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> str:
+    """One line on stderr, no traceback, exit ``code``: 2 for a mistake in the command line,
+    1 for a failure (a daemon that is not running, a refused control socket)."""
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # one line, no traceback
     for needle in needles:
@@ -183,11 +185,14 @@ def test_warmup_check_list_and_drop_cache(make_mount: Callable[..., Mount]) -> N
     assert _check(m, str(m.mount_point))["cached_percent"] == 100.0  # the whole volume
 
     # Paths outside the mount are refused, in one line, before anything is sent.
-    _one_line_error(cli("warmup", str(m.mount_point), "/etc/passwd"), "'/etc/passwd' is not under the mount point")
-    _one_line_error(cli("warmup", str(m.mount_point), "../escape"), "leaves the mount point")
+    _one_line_error(cli("warmup", str(m.mount_point), "/etc/passwd"), "'/etc/passwd' is not under the mount point",
+                    code=2)
+    _one_line_error(cli("warmup", str(m.mount_point), "../escape"), "leaves the mount point", code=2)
     listing.write_text("b/g0\n/etc/shadow\n")
-    _one_line_error(cli("warmup", str(m.mount_point), "-f", str(listing)), "/etc/shadow")
-    _one_line_error(cli("warmup", str(m.mount_point)), "give at least one PATH or -f LIST")
+    _one_line_error(cli("warmup", str(m.mount_point), "-f", str(listing)), "/etc/shadow", code=2)
+    _one_line_error(cli("warmup", str(m.mount_point)), "give at least one PATH or -f LIST", code=2)
+    _one_line_error(cli("drop-cache", "--samples", "../x", str(m.mount_point)), "a sample cache's name", code=2)
+    _one_line_error(cli("stats", str(m.mount_point), "-i", "0"), "--interval 0.0: give a positive number", code=2)
 
     drop = cli("drop-cache", str(m.mount_point))
     assert drop.returncode == 0, drop.stderr
@@ -256,7 +261,7 @@ def test_clear_errors_not_a_mount_stale_and_permission(make_mount: Callable[...,
     plain_dir = tmp_path / "not-a-mount"
     plain_dir.mkdir()
     for args in (("status", str(plain_dir)), ("warmup", str(plain_dir), "x"), ("drop-cache", str(plain_dir))):
-        _one_line_error(cli(*args), f"{plain_dir} is not a cubefs-fuse mount")
+        _one_line_error(cli(*args), f"{plain_dir} is not a cubefs-fuse mount", code=2)
 
     m, _ = _mount(make_mount, **AI_PREFETCH)
     info = mounts.registered(str(m.mount_point))
@@ -342,6 +347,11 @@ def test_warmup_names_the_paths_that_failed_and_why(make_mount: Callable[..., Mo
         result = cli("warmup", str(m.mount_point), "a", "no/such/dir", "missing.bin")
         assert result.returncode == 1
         assert ", 2 errors," in result.stdout, result.stdout
+        # Only a missing file: nothing found, nothing said to be cached (not "0/0 files ... (100.0%)").
+        missing = cli("warmup", str(m.mount_point), "missing.bin")
+        assert missing.returncode == 1
+        assert re.fullmatch(r"no files found under the 1 path given, 1 error, [0-9.]+ s\n", missing.stdout), missing.stdout
+        assert missing.stderr == "  missing.bin: ENOENT: No such file or directory\n", missing.stderr
         assert result.stderr.splitlines() == ["  no/such/dir: ENOENT: No such file or directory",
                                               "  missing.bin: ENOENT: No such file or directory"], result.stderr
         as_json = cli("warmup", str(m.mount_point), "missing.bin", "--json")

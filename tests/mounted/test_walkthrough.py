@@ -131,12 +131,13 @@ def _start_and_stop(root: Path, instance_unit: str, config_path: Path) -> None:
     for dropin in sorted((system / f"cubefs-fuse@{instance}.service.d").glob("*.conf")):
         for key, values in parse_unit(dropin.read_text())["Service"].items():
             service[key] = values
-    # The drop-in's memory limits follow the config's memCacheSize (+1.5 GiB / +2 GiB).
+    # The drop-in's memory limits follow the config's two RAM tiers, memCacheSize and
+    # sampleCacheMemSize (+1.5 GiB / +2 GiB).
     config = load_config(str(config_path))
     mib = {k: int(service[k][-1].removesuffix("M")) if service[k][-1].endswith("M")
            else int(service[k][-1].removesuffix("G")) * 1024 for k in ("MemoryHigh", "MemoryMax")}
-    assert mib == {"MemoryHigh": config.mem_cache_size // 2**20 + 1536,
-                   "MemoryMax": config.mem_cache_size // 2**20 + 2048}, mib
+    tiers = (config.mem_cache_size + config.sample_cache_mem_size) // 2**20
+    assert mib == {"MemoryHigh": tiers + 1536, "MemoryMax": tiers + 2048}, mib
     subs = {"%i": instance, "/opt/": f"{root}/opt/", "/etc/": f"{root}/etc/"}
     start, stop = unit_command(service["ExecStart"][-1], subs), unit_command(service["ExecStop"][-1], subs)
     sock, address = notify_socket("path", root)

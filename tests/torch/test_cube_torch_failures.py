@@ -128,7 +128,8 @@ def test_daemon_absent(quick_exit: str, monkeypatch: pytest.MonkeyPatch, caplog:
     assert submitter.wait_idle(30)
     assert submitter.plans_sent == sent and cube_torch.stats() is None
     (warning,) = warnings_of(caplog)
-    assert "no daemon" in warning and quick_exit in warning and "training continues" in warning
+    assert "no cubefs-fuse daemon serves this volume" in warning and quick_exit in warning
+    assert "training continues" in warning and "Volumes served here: " in warning
     assert_nothing_left(before)
 
 

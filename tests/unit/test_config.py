@@ -55,7 +55,7 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "profile": ("ai_prefetch", "profile", "ai_prefetch"),
     "memCacheSize": ("8GiB", "mem_cache_size", 8 * GiB),
     "diskCacheDir": ("/nvme/cache", "disk_cache_dir", "/nvme/cache"),
-    "diskCacheSize": ("1.5GB", "disk_cache_size", 1_500_000_000),
+    "diskCacheSize": ("800Gi", "disk_cache_size", 800 * GiB),
     "diskFreeRatio": (0.25, "disk_free_ratio", 0.25),
     "blockSize": ("512KiB", "block_size", 512 * KiB),
     "lookupValid": (12, "lookup_valid", 12.0),
@@ -108,32 +108,96 @@ def test_exporter_port_null_means_off() -> None:
 # -- sizes -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("raw", "expected"),
-    [
-        (0, 0),
-        (4096, 4096),
-        (1073741824, GiB),
-        ("512MiB", 512 * MiB),
-        ("8GiB", 8 * GiB),
-        ("8 GiB", 8 * GiB),
-        ("1.5GB", 1_500_000_000),  # decimal units are decimal
-        ("1.5GiB", 3 * GiB // 2),
-        ("64KiB", 64 * KiB),
-        ("100", 100),
-    ],
-)
-def test_sizes(raw: Any, expected: int) -> None:
-    assert parse_size("memCacheSize", raw) == expected
-    assert parse(memCacheSize=raw).mem_cache_size == expected
-    assert isinstance(parse(memCacheSize=raw).mem_cache_size, int)
+TiB = 1024 * GiB
+# Every size string a config may hold, good and bad: (raw, bytes) or (raw, what the error says).
+# Units are powers of 1024 in both spellings (KiB and Kubernetes' Ki); K/M/G/T and KB/MB/GB/TB
+# are refused (1000 or 1024 depending on the tool); bare integers are bytes.
+SIZES: list[tuple[Any, int | str]] = [
+    (0, 0),
+    (4096, 4096),
+    (1073741824, GiB),
+    ("100", 100),
+    ("0", 0),
+    ("512B", 512),
+    ("512 B", 512),
+    ("64KiB", 64 * KiB),
+    ("512MiB", 512 * MiB),
+    ("8GiB", 8 * GiB),
+    ("8 GiB", 8 * GiB),
+    (" 8GiB ", 8 * GiB),
+    ("2TiB", 2 * TiB),
+    ("1.5GiB", 3 * GiB // 2),
+    ("0.5KiB", 512),
+    ("1.0", 1),
+    ("64Ki", 64 * KiB),
+    ("512Mi", 512 * MiB),
+    ("10Gi", 10 * GiB),  # Kubernetes' Gi is binary, never decimal
+    ("1Ti", TiB),
+    ("1.5Gi", 3 * GiB // 2),
+    ("64bananas", "has an unknown unit 'bananas'"),
+    ("10Gibberish", "has an unknown unit 'Gibberish'"),
+    ("10 Gbit", "has an unknown unit 'Gbit'"),
+    ("8XiB", "has an unknown unit 'XiB'"),
+    ("1PiB", "has an unknown unit 'PiB'"),
+    ("8gib", "has an unknown unit 'gib' (did you mean 'GiB'?)"),
+    ("8gi", "has an unknown unit 'gi' (did you mean 'Gi'?)"),
+    ("8bytes", "has an unknown unit 'bytes'"),
+    ("10G", "the unit 'G' means 1000 or 1024 depending on the tool; write 10GiB"),
+    ("10K", "the unit 'K' means 1000 or 1024 depending on the tool; write 10KiB"),
+    ("1.5GB", "the unit 'GB' means 1000 or 1024 depending on the tool; write 1.5GiB"),
+    ("100MB", "write 100MiB"),
+    ("1kB", "write 1KiB"),
+    ("2T", "write 2TiB"),
+    ("0.5", "is not a whole number of bytes (0.5)"),
+    ("1.5", "is not a whole number of bytes"),
+    ("0.3KiB", "is not a whole number of bytes (307.2)"),
+    ("-5", "must not be negative"),
+    ("-4KiB", "must not be negative"),
+    (-1, "must not be negative"),
+    ("lots", "cannot parse 'lots' as a size"),
+    ("", "cannot parse '' as a size"),
+    ("GiB", "cannot parse 'GiB' as a size"),
+    ("1e9", "cannot parse '1e9' as a size"),
+    ("0x10", "cannot parse '0x10' as a size"),
+    ("+5", "cannot parse '+5' as a size"),
+    ("8  GiB", "cannot parse '8  GiB' as a size"),
+    ("8GiB8", "cannot parse '8GiB8' as a size"),
+    ("1,5GiB", "cannot parse '1,5GiB' as a size"),
+    (".5GiB", "cannot parse '.5GiB' as a size"),
+    ("10\u00a0GiB", "cannot parse"),  # a no-break space
+    ("\u0661\u0662GiB", "cannot parse"),  # Arabic-Indic digits
+    ("9" * 41, "cannot parse"),
+    ("99999999999TiB", "is out of range"),
+    (True, "expected a size"),
+    (1.5, "expected a size"),
+    (None, "expected a size"),
+]
 
 
-@pytest.mark.parametrize("raw", ["lots", "8XiB", "", "-5", "1e9", "0x10", "GiB"])
-def test_size_strings_that_do_not_parse(raw: str) -> None:
+def test_the_size_table_is_large() -> None:
+    assert len(SIZES) >= 40 and sum(isinstance(e, int) for _, e in SIZES) >= 15
+
+
+@pytest.mark.parametrize(("raw", "expected"), SIZES, ids=[repr(raw) for raw, _ in SIZES])
+def test_sizes(raw: Any, expected: int | str) -> None:
+    if isinstance(expected, int):
+        assert parse_size("memCacheSize", raw) == expected
+        assert parse(memCacheSize=raw).mem_cache_size == expected
+        assert isinstance(parse(memCacheSize=raw).mem_cache_size, int)
+        return
     message = error_of({**BASE, "diskCacheSize": raw})
-    assert message.startswith("key 'diskCacheSize': cannot parse")
-    assert repr(raw) in message
+    assert message.startswith("key 'diskCacheSize': ") and expected in message, message
+    assert len(message) < 300, message
+
+
+def test_the_size_units_are_documented_once() -> None:
+    """docs/configuration.md says, in its Sizes section, which units mean what."""
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    section = doc.split("## Sizes", 1)[1].split("\n## ", 1)[0]
+    for unit in config.SIZE_UNITS:
+        assert f"`{unit}`" in section, unit
+    assert "powers of 1024" in section and "`G`" in section and "`GB`" in section
+    assert "humanfriendly" not in doc
 
 
 @pytest.mark.parametrize("raw", [True, 1.5, [1], {"GiB": 1}, None])
@@ -257,7 +321,7 @@ def test_block_size_in_bounds(ok: Any) -> None:
     assert parse(blockSize=ok).block_size == parse_size("blockSize", ok)
 
 
-@pytest.mark.parametrize("bad", [0, 2 * KiB, 4 * KiB - 1, 4 * KiB + 1, "65MiB", "128MiB", "1GB"])
+@pytest.mark.parametrize("bad", [0, 2 * KiB, 4 * KiB - 1, 4 * KiB + 1, "65MiB", "128MiB", "1GiB"])
 def test_block_size_out_of_bounds(bad: Any) -> None:
     message = error_of({**BASE, "blockSize": bad})
     assert message.startswith("key 'blockSize': ")
