@@ -1,7 +1,7 @@
 """The C extension's build; everything else about the package is in pyproject.toml.
 
 ``cubefs_fuse.fs._session`` (the daemon's FUSE session) compiles against libfuse 3 as
-pkg-config describes it, with every warning an error: native code is held to the bar of
+pkg-config describes it and xxHash's header (libxxhash-dev; compiled in, no library), with every warning an error: native code is held to the bar of
 docs/architecture.md ("Never wrong bytes", "Never stuck").  ``CUBEFS_FUSE_SANITIZE=1``
 builds it with AddressSanitizer and UndefinedBehaviorSanitizer for the sanitizer test.
 """
@@ -20,7 +20,7 @@ def pkg_config(*args: str) -> list[str]:
         out = subprocess.run(["pkg-config", *args, "fuse3"], check=True, capture_output=True, text=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise SystemExit(f"cubefs-fuse needs libfuse 3's headers and pkg-config "
-                         f"(Debian: apt-get install libfuse3-dev pkg-config): {exc}") from None
+                         f"(Debian: apt-get install libfuse3-dev libxxhash-dev pkg-config): {exc}") from None
     return shlex.split(out)
 
 

@@ -14,6 +14,8 @@ python3 -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(
     || need_apt+=(python3-dev)
 command -v fusermount3 >/dev/null 2>&1 || need_apt+=(fuse3)
 dpkg -s libfuse3-dev >/dev/null 2>&1 || need_apt+=(libfuse3-dev)
+# xxhash.h: the FUSE session checks NVMe entries' xxh3 checksums (compiled in, header only).
+dpkg -s libxxhash-dev >/dev/null 2>&1 || need_apt+=(libxxhash-dev)
 command -v pkg-config >/dev/null 2>&1 || need_apt+=(pkg-config)
 # The deployment tests: strace (the systemd unit's system-call filter against what the
 # daemon calls), logrotate (deploy/logrotate run for real), podman and mmdebstrap (the

@@ -321,22 +321,42 @@ class BlockCache:
 
     def lend(self, key: bytes) -> bytes | None:
         """A RAM block for a reader that serves it itself (the FUSE session in C), kept
-        in memory and counted against the RAM limit until :meth:`give_back`.  Only a block
-        whose next read is a plain RAM hit: one whose first read counts as the miss that
-        brought it (``admit``) is not lent.  Nothing is counted until :meth:`served`."""
-        if self._admitted_unread and key in self._admitted_unread:
-            return None
+        in memory and counted against the RAM limit until :meth:`give_back`.  Nothing is
+        counted until :meth:`served`."""
         return self.memory.lend(key)
 
     def give_back(self, key: bytes) -> None:
         self.memory.give_back(key)
 
-    def served(self, key: bytes) -> None:
-        """The borrower read a lent block: counted as :meth:`read_now` counts a RAM hit."""
+    def locate_on_disk(self, key: bytes) -> tuple[str, int, int] | None:
+        """Where the NVMe tier holds ``key`` (``DiskTier.locate``), for a reader that checks
+        and reads the entry itself; None if it is not there, a flight is bringing it, or
+        its first read must count as the miss that brought it (``admit``)."""
+        if self.disk is None or key in self._flights or (self._admitted_unread and key in self._admitted_unread):
+            return None
+        return self.disk.locate(key)
+
+    def served(self, key: bytes, source: Source, tag: int = 0) -> tuple[Source, float]:
+        """The borrower read a lent block from ``source`` (RAM or DISK), counted as
+        :meth:`read_now` or a disk read counts it; what the read counts as, and the seconds
+        an earlier wait cost (a block brought by ``admit`` counts as the miss it was)."""
+        if source is Source.DISK:
+            self._hits_disk += 1
+            if self.disk is not None:
+                self.disk.count_hit(key, tag)
+            return Source.DISK, 0.0
+        stall = self._admitted_unread.pop(key, None) if self._admitted_unread else None
+        if stall == _FROM_DISK:
+            self._hits_disk += 1
+            return Source.DISK, 0.0
+        if stall is not None:
+            self._misses += 1
+            return Source.BACKEND, stall
         self._hits_ram += 1
         self.memory.count_hit()
         if self._unused_prefetched.pop(key, None) is not None:
             self._prefetch_used += 1
+        return Source.RAM, 0.0
 
     def in_memory(self, key: bytes) -> bool:
         """Whether the block is in the RAM tier (nothing counted, nothing touched)."""

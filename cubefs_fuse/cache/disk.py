@@ -377,6 +377,17 @@ class DiskTier:
         except (OSError, _Corrupt):
             return None
 
+    def locate(self, key: bytes) -> tuple[str, int, int] | None:
+        """(segment path, offset, allocated bytes) of the block's entry, for a reader that
+        checks and reads it itself; None if not stored.  Touches no accounting: the
+        reader's hits are counted with :meth:`count_hit`.  An entry is never rewritten in
+        place, so a reader that races an eviction finds zeros or no file, never other bytes."""
+        location = self._entries.get(key)
+        if location is None:
+            return None
+        segment, offset, size = _unpack(location)
+        return self._segment_path(segment), offset, size
+
     def count_hit(self, key: bytes, tag: int = 0) -> None:
         """Account a hit read by :meth:`read_in_thread` (on the trio thread)."""
         self._hits += 1

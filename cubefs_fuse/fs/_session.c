@@ -14,6 +14,9 @@
 #define FUSE_USE_VERSION 35
 #include <Python.h>
 #include <fuse_lowlevel.h>
+/* xxHash compiled in (header only): the NVMe tier's checksums, checked before a byte is served. */
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -46,24 +49,39 @@ enum {
     OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
 };
 
-/* An open file whose RAM-held blocks Python lent (reply_open): READs that fall on them
- * are served here, from the bytes objects themselves, without Python.  Python keeps the
- * blocks counted against its RAM limit until the handle's RELEASE reaches it. */
+/* A block lent as its place in the NVMe tier: an entry of a segment file (cache/disk.py):
+ * a 40-byte header (magic, format, reserved, payload length, key, xxh3-64 of the payload,
+ * xxh32 of the 36 bytes before it), then the payload, ``alloc`` bytes in all. */
+struct disk_block {
+    char *path;
+    uint64_t offset;
+    uint64_t alloc;
+    unsigned char key[16];
+};
+/* Lent blocks per handle are reported as 64-bit masks (Filesystem.MAX_LENT_BLOCKS). */
+#define MAX_LENT_BLOCKS 64
+/* Handle numbers are Python's, counted up from 1: consecutive numbers fill the buckets
+ * evenly, and 1024 chains stay short for the few thousand files open at once. */
+#define HANDLE_BUCKETS 1024
+#define ENTRY_HEADER 40
+#define ENTRY_FORMAT 2
+#define ALLOCATION_UNIT 4096
+
+/* An open file whose cached blocks Python lent (reply_open): READs that fall on them are
+ * served here without Python, from the bytes objects of RAM blocks, or from NVMe entries
+ * checked like Python checks them (a failed check leaves the READ to Python).  Python keeps
+ * RAM blocks counted against its limit until the handle's RELEASE reaches it. */
 struct handle {
     struct handle *next;  /* the bucket's chain */
     uint64_t fh;
     uint64_t size;        /* the file's size at the version the handle reads */
     uint64_t block_size;
     uint32_t nblocks;
-    _Atomic uint64_t reads, bytes, lookups, mask;  /* served here; mask bit i: block i */
-    PyObject *blocks[];   /* a reference to each lent block (bytes); NULL where none */
+    /* served here, by tier; a mask's bit i: block i */
+    _Atomic uint64_t reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask;
+    struct disk_block **disk;  /* per block, NULL where not lent from NVMe */
+    PyObject *blocks[];   /* per block, a reference to a lent RAM block (bytes), or NULL */
 };
-/* Lent blocks per handle are reported as a 64-bit mask (Filesystem.MAX_LENT_BLOCKS). */
-#define MAX_LENT_BLOCKS 64
-/* Handle numbers are Python's, counted up from 1: consecutive numbers fill the buckets
- * evenly, and 1024 chains stay short for the few thousand files open at once. */
-#define HANDLE_BUCKETS 1024
-
 struct pending {
     struct pending *next;  /* the queue's link */
     struct handle *handle; /* RELEASE: the handle's lent blocks, detached, for Python to free */
@@ -287,13 +305,52 @@ static struct handle *find_handle(Session *s, uint64_t fh)
     return h;
 }
 
+/* The payload of a lent NVMe entry, checked; NULL if it is not (any more) what was lent:
+ * evicted (punched to zeros, or its segment deleted), damaged, or unreadable.  Python's
+ * read of the same block then finds out which, counts it and frees it. */
+static unsigned char *read_entry(const struct disk_block *d, uint64_t *length)
+{
+    unsigned char header[ENTRY_HEADER];
+    int fd = open(d->path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return NULL;
+    unsigned char *payload = NULL;
+    if (pread(fd, header, sizeof header, (off_t)d->offset) != (ssize_t)sizeof header)
+        goto out;
+    uint16_t format;
+    uint32_t len, own;
+    uint64_t sum;
+    memcpy(&format, header + 4, 2);
+    memcpy(&len, header + 8, 4);
+    memcpy(&sum, header + 28, 8);
+    memcpy(&own, header + 36, 4);
+    uint64_t alloc = (ENTRY_HEADER + (uint64_t)len + ALLOCATION_UNIT - 1) / ALLOCATION_UNIT * ALLOCATION_UNIT;
+    if (memcmp(header, "CFSG", 4) != 0 || format != ENTRY_FORMAT || memcmp(header + 12, d->key, 16) != 0
+        || XXH32(header, 36, 0) != own || alloc != d->alloc)
+        goto out;
+    payload = malloc(len ? len : 1);
+    if (!payload)
+        goto out;
+    if (pread(fd, payload, len, (off_t)(d->offset + ENTRY_HEADER)) != (ssize_t)len || XXH3_64bits(payload, len) != sum) {
+        free(payload);
+        payload = NULL;
+        goto out;
+    }
+    *length = len;
+out:
+    close(fd);
+    return payload;
+}
+
 /* Serve a READ from the handle's lent blocks; 0 (nothing sent) if any byte of the range
- * is on a block that was not lent: then Python serves the whole request. */
+ * is on a block that was not lent, or an NVMe entry fails its check: then Python serves
+ * the whole request. */
 static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_t off)
 {
     struct iovec iov[MAX_LENT_BLOCKS];
+    unsigned char *payloads[MAX_LENT_BLOCKS];
     int n = 0, served = 0;
-    uint64_t mask = 0, total = 0;
+    uint64_t ram_mask = 0, ram_bytes = 0, ram_n = 0, disk_mask = 0, disk_bytes = 0, disk_n = 0;
     pthread_rwlock_rdlock(&s->hlock);
     struct handle *h = find_handle(s, fh);
     if (!h || off < 0)
@@ -304,17 +361,35 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
         if (last >= h->nblocks)
             goto out;
         for (uint64_t i = first; i <= last; i++) {
-            PyObject *block = h->blocks[i];
             uint64_t from = (start > i * bs ? start : i * bs) - i * bs;
             uint64_t to = (end < (i + 1) * bs ? end : (i + 1) * bs) - i * bs;
-            /* PyBytes_AS_STRING and _GET_SIZE only read the object's fields: no GIL is
-             * needed while a reference keeps it alive (bytes never change). */
-            if (!block || (uint64_t)PyBytes_GET_SIZE(block) < to)
+            PyObject *block = h->blocks[i];
+            payloads[n] = NULL;
+            if (block) {
+                /* PyBytes_AS_STRING and _GET_SIZE only read the object's fields: no GIL
+                 * is needed while a reference keeps it alive (bytes never change). */
+                if ((uint64_t)PyBytes_GET_SIZE(block) < to)
+                    goto out;
+                iov[n].iov_base = PyBytes_AS_STRING(block) + from;
+                ram_mask |= 1ULL << i;
+                ram_bytes += to - from;
+                ram_n++;
+            } else if (h->disk && h->disk[i]) {
+                uint64_t length = 0;
+                unsigned char *payload = read_entry(h->disk[i], &length);
+                if (!payload || length < to) {
+                    free(payload);
+                    goto out;
+                }
+                payloads[n] = payload;
+                iov[n].iov_base = payload + from;
+                disk_mask |= 1ULL << i;
+                disk_bytes += to - from;
+                disk_n++;
+            } else {
                 goto out;
-            iov[n].iov_base = PyBytes_AS_STRING(block) + from;
+            }
             iov[n].iov_len = to - from;
-            total += to - from;
-            mask |= 1ULL << i;
             n++;
         }
     }
@@ -322,12 +397,17 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
      * the kernel sends RELEASE only after the handle's reads anyway. */
     fuse_reply_iov(req, iov, n);
     atomic_fetch_add(&h->reads, 1);
-    atomic_fetch_add(&h->bytes, total);
-    atomic_fetch_add(&h->lookups, (uint64_t)n);
-    atomic_fetch_or(&h->mask, mask);
+    atomic_fetch_add(&h->ram_bytes, ram_bytes);
+    atomic_fetch_add(&h->ram_lookups, ram_n);
+    atomic_fetch_or(&h->ram_mask, ram_mask);
+    atomic_fetch_add(&h->disk_bytes, disk_bytes);
+    atomic_fetch_add(&h->disk_lookups, disk_n);
+    atomic_fetch_or(&h->disk_mask, disk_mask);
     served = 1;
 out:
     pthread_rwlock_unlock(&s->hlock);
+    for (int i = 0; i < n; i++)
+        free(payloads[i]);
     return served;
 }
 
@@ -347,9 +427,40 @@ static struct handle *detach_handle(Session *s, uint64_t fh)
 /* With the GIL. */
 static void free_handle(struct handle *h)
 {
-    for (uint32_t i = 0; i < h->nblocks; i++)
+    for (uint32_t i = 0; i < h->nblocks; i++) {
         Py_XDECREF(h->blocks[i]);
+        if (h->disk && h->disk[i]) {
+            free(h->disk[i]->path);
+            free(h->disk[i]);
+        }
+    }
+    free(h->disk);
     free(h);
+}
+
+/* A lent NVMe block from Python's (path: bytes, offset, allocated bytes, key: 16 bytes);
+ * NULL with an exception set if it is malformed. */
+static struct disk_block *disk_block_of(PyObject *t)
+{
+    const char *path, *key;
+    Py_ssize_t key_len;
+    unsigned long long offset, alloc;
+    if (!PyArg_ParseTuple(t, "yKKy#", &path, &offset, &alloc, &key, &key_len))
+        return NULL;
+    if (key_len != 16) {
+        PyErr_Format(PyExc_ValueError, "a block key is 16 bytes, not %zd", key_len);
+        return NULL;
+    }
+    struct disk_block *d = calloc(1, sizeof *d);
+    if (!d || !(d->path = strdup(path))) {
+        free(d);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    d->offset = offset;
+    d->alloc = alloc;
+    memcpy(d->key, key, 16);
+    return d;
 }
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
@@ -754,8 +865,10 @@ static PyObject *Session_take(Session *s, PyObject *unused)
         PyObject *served;
         if (p->handle) {
             struct handle *h = p->handle;
-            served = Py_BuildValue("(KKKK)", (unsigned long long)h->reads, (unsigned long long)h->bytes,
-                                   (unsigned long long)h->lookups, (unsigned long long)h->mask);
+            served = Py_BuildValue("(KKKKKKK)", (unsigned long long)h->reads, (unsigned long long)h->ram_bytes,
+                                   (unsigned long long)h->ram_lookups, (unsigned long long)h->ram_mask,
+                                   (unsigned long long)h->disk_bytes, (unsigned long long)h->disk_lookups,
+                                   (unsigned long long)h->disk_mask);
             if (!served)
                 goto fail;
             p->handle = NULL;
@@ -879,31 +992,29 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
 }
 
 /* reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> bool:
- * blocks (a sequence of bytes or None, one per block of the file) are lent until RELEASE.
+ * blocks (one per block of the file: bytes from RAM, a (path, offset, size, key) tuple of
+ * an NVMe entry, or None) are lent until RELEASE.
  * False if the kernel did not take the answer (the open was interrupted): then no RELEASE
  * will come, the blocks are given back at once and the caller releases the handle. */
 static PyObject *Session_reply_open(Session *s, PyObject *args)
 {
     unsigned long long id, fh, size = 0, block_size = 0;
     int keep_cache, direct_io;
-    PyObject *blocks = Py_None;
+    PyObject *blocks = Py_None, *seq = NULL;
+    struct handle *h = NULL;
     if (!PyArg_ParseTuple(args, "KKpp|KKO", &id, &fh, &keep_cache, &direct_io, &size, &block_size, &blocks))
         return NULL;
-    struct handle *h = NULL;
     if (blocks != Py_None) {
-        PyObject *seq = PySequence_Fast(blocks, "blocks must be a sequence");
-        if (!seq)
+        if (!(seq = PySequence_Fast(blocks, "blocks must be a sequence")))
             return NULL;
         Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
         if (n > MAX_LENT_BLOCKS || block_size == 0 || (unsigned long long)n * block_size < size) {
-            Py_DECREF(seq);
-            return PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes",
-                                n, block_size, size);
+            PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes", n, block_size, size);
+            goto bad;
         }
-        h = calloc(1, sizeof *h + (size_t)n * sizeof(PyObject *));
-        if (!h) {
-            Py_DECREF(seq);
-            return PyErr_NoMemory();
+        if (!(h = calloc(1, sizeof *h + (size_t)n * sizeof(PyObject *)))) {
+            PyErr_NoMemory();
+            goto bad;
         }
         h->fh = fh;
         h->size = size;
@@ -911,16 +1022,25 @@ static PyObject *Session_reply_open(Session *s, PyObject *args)
         h->nblocks = (uint32_t)n;
         for (Py_ssize_t i = 0; i < n; i++) {
             PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
-            h->blocks[i] = PyBytes_Check(b) ? Py_NewRef(b) : NULL;
+            if (PyBytes_Check(b)) {
+                h->blocks[i] = Py_NewRef(b);
+            } else if (PyTuple_Check(b)) {
+                if (!h->disk && !(h->disk = calloc((size_t)n, sizeof *h->disk))) {
+                    PyErr_NoMemory();
+                    goto bad;
+                }
+                if (!(h->disk[i] = disk_block_of(b)))
+                    goto bad;
+            } else if (b != Py_None) {
+                PyErr_Format(PyExc_TypeError, "a lent block is bytes, a (path, offset, size, key) tuple or None");
+                goto bad;
+            }
         }
-        Py_DECREF(seq);
+        Py_CLEAR(seq);
     }
     struct pending *p = claim(s, id);
-    if (!p) {
-        if (h)
-            free_handle(h);
-        return NULL;
-    }
+    if (!p)
+        goto bad;
     if (h) {
         /* In the table before the answer: the first READ may follow it at once. */
         pthread_rwlock_wrlock(&s->hlock);
@@ -944,6 +1064,12 @@ static PyObject *Session_reply_open(Session *s, PyObject *args)
         Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
+bad:
+    /* A malformed call leaves the request in its slot: the caller's error path answers it. */
+    Py_XDECREF(seq);
+    if (h)
+        free_handle(h);
+    return NULL;
 }
 
 static PyObject *Session_reply_buf(Session *s, PyObject *args)

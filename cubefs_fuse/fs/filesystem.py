@@ -26,8 +26,8 @@ from cubefs_fuse.fs.metadata import MetadataCache
 # flight while the reader consumes the next, which hides one remote round trip per
 # block without spending the cache on blocks a random reader never asks for.
 READAHEAD_BLOCKS = 2
-# The largest file (in blocks) whose RAM blocks are lent to the FUSE session at open: the
-# session reports which blocks it served as a 64-bit mask.  Larger files are read in large
+# The largest file (in blocks) whose blocks are lent to the FUSE session at open: the
+# session reports which blocks it served as 64-bit masks.  Larger files are read in large
 # requests, where the per-request cost the session saves matters least.
 MAX_LENT_BLOCKS = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
@@ -52,13 +52,18 @@ class OpenFile:
     lent: list[bytes] = field(default_factory=list)  # keys of the RAM blocks lent for this handle
 
 
+# An NVMe entry lent by its place: (segment path, offset, allocated bytes, block key).
+DiskBlock = tuple[bytes, int, int, bytes]
+
+
 @dataclass(frozen=True, slots=True)
 class Lent:
-    """The blocks of one open file's version lent to the FUSE session (None: not held)."""
+    """The blocks of one open file's version lent to the FUSE session: a RAM block's
+    bytes, an NVMe entry's place, or None where the block is not held."""
 
     size: int
     block_size: int
-    blocks: list[bytes | None]
+    blocks: list[bytes | DiskBlock | None]
 
 
 class AccessObserver(Protocol):
@@ -263,36 +268,53 @@ class Filesystem:
         return fh
 
     def lend_blocks(self, fh: int) -> Lent | None:
-        """The RAM-held blocks of an open file, lent to a reader that serves them itself
-        until the handle is released; None if no block is held (or the file is too large)."""
+        """The cached blocks of an open file, lent to a reader that serves them itself
+        until the handle is released: RAM blocks as their bytes, and for a file of one
+        block its NVMe entry's place; None if no block is held (or the file is too large)."""
         f = self.open_file(fh)
         count = self.blocks.count(f.version.size)
         if not 0 < count <= MAX_LENT_BLOCKS:
             return None
-        blocks: list[bytes | None] = []
+        blocks: list[bytes | DiskBlock | None] = []
         for index in range(count):
             key = block_key(f.path, f.version, index)
             data = self.cache.lend(key)
             if data is not None:
                 f.lent.append(key)
-            blocks.append(data)
-        return Lent(f.version.size, self.block_size, blocks) if f.lent else None
+                blocks.append(data)
+                continue
+            # NVMe entries only for one-block files: the reader checks a whole entry per
+            # READ, which a file of many blocks would pay once per READ of each block.
+            place = self.cache.locate_on_disk(key) if count == 1 else None
+            blocks.append((os.fsencode(place[0]), place[1], place[2], key) if place else None)
+        if not any(b is not None for b in blocks):
+            return None
+        return Lent(f.version.size, self.block_size, blocks)
 
-    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None:
-        """What the reader of lent blocks served for ``fh``: ``reads`` requests of ``nbytes``
-        bytes, ``lookups`` block lookups, from the blocks in ``mask`` (bit i: block i)."""
+    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
+               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+        """What the reader of lent blocks served for ``fh``: ``reads`` requests; bytes and
+        block lookups from RAM and from NVMe; masks of the blocks read (bit i: block i)."""
         f = self.open_file(fh)
-        self._c.reads += reads
-        self._c.native_reads += reads
-        self._c.read_bytes += nbytes
-        self._c.blocks_by_source[Source.RAM.value] += lookups
-        self._c.bytes_by_source[Source.RAM.value] += nbytes
-        index = 0
-        while mask:
-            if mask & 1:
-                self.cache.served(block_key(f.path, f.version, index))
-            mask >>= 1
-            index += 1
+        c = self._c
+        c.reads += reads
+        c.native_reads += reads
+        c.read_bytes += ram_bytes + disk_bytes
+        for source, nbytes, lookups, mask in ((Source.RAM, ram_bytes, ram_lookups, ram_mask),
+                                              (Source.DISK, disk_bytes, disk_lookups, disk_mask)):
+            # What each block counts as (a RAM block brought by admit counts as the read
+            # that brought it); the bytes and lookups are shared out over the blocks read.
+            counted = [self.cache.served(block_key(f.path, f.version, i), source, f.tag)
+                       for i in range(mask.bit_length()) if mask >> i & 1]
+            for actual, stall in counted:
+                c.blocks_by_source[actual.value] += lookups // len(counted)
+                c.bytes_by_source[actual.value] += nbytes // len(counted)
+                if actual is Source.BACKEND:
+                    f.waited = True
+                    f.stall += stall
+            if counted:  # what integer division left over
+                c.blocks_by_source[counted[0][0].value] += lookups % len(counted)
+                c.bytes_by_source[counted[0][0].value] += nbytes % len(counted)
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)

@@ -21,7 +21,7 @@ import trio
 
 from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError, errno_of
-from cubefs_fuse.fs.filesystem import Lent
+from cubefs_fuse.fs.filesystem import DiskBlock, Lent
 from cubefs_fuse.fs import _session
 
 log = logging.getLogger(__name__)
@@ -40,9 +40,9 @@ _logged_bugs: set[type[BaseException]] = set()
 # What C packs into a struct stat: (ino, mode, nlink, uid, gid, rdev, size, blksize, blocks,
 # atime_ns, mtime_ns, ctime_ns).
 AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
-# What C served from an open file's lent blocks, given with its RELEASE: (reads, bytes,
-# block lookups, mask of the blocks read).
-Served = tuple[int, int, int, int]
+# What C served from an open file's lent blocks, given with its RELEASE: (reads, then bytes,
+# block lookups and a mask of the blocks read from RAM, then the same from NVMe).
+Served = tuple[int, int, int, int, int, int, int]
 # A request C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served).
 Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None]
 
@@ -82,7 +82,8 @@ class Operations(Protocol):
 
     def lend_blocks(self, fh: int) -> Lent | None: ...
 
-    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None: ...
+    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
+               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None: ...
 
     def release(self, fh: int) -> None: ...
 
@@ -108,7 +109,7 @@ class Native(Protocol):
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None: ...
 
     def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = ...,
-                   block_size: int = ..., blocks: Sequence[bytes | None] | None = ..., /) -> bool: ...
+                   block_size: int = ..., blocks: Sequence[bytes | DiskBlock | None] | None = ..., /) -> bool: ...
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None: ...
 

@@ -15,8 +15,9 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from tests.helpers import Mount, metric, wait_released
+from tests.helpers import Mount, metric, wait_released, wait_until
 
 BS = 64 * 1024
 
@@ -117,4 +118,52 @@ def test_many_readers_see_whole_versions_while_the_source_changes_and_the_cache_
     samples = m.scrape()
     assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "no READ went through the session"
     assert metric(samples, "cubefs_fuse_cache_evictions_total", tier="ram") > 0, "the RAM tier never evicted"
+    m.umount()
+
+
+def _segment_files(m: Mount) -> list[Path]:
+    return sorted((m.cache_dir / "segments").glob("*.seg"))
+
+
+def _drop_pages_only() -> None:
+    """Drop the page cache but not dentries and inodes: the kernel opens without a LOOKUP."""
+    os.sync()
+    _drop_page_cache()
+
+
+def test_a_one_block_file_on_nvme_is_read_through_the_session_and_a_damaged_entry_never_served(
+        make_mount: Callable[..., Mount]) -> None:
+    # A RAM tier smaller than one file: blocks live on NVMe only, and the kernel's entries
+    # (long lookupValid) stay, so reads open without a LOOKUP that would bring the bytes.
+    m = make_mount(blockSize="128KiB", memCacheSize="64KiB", diskCacheSize="64MiB")
+    files = {f"f{i}": os.urandom(100_000 + i) for i in range(6)}
+    for name, data in files.items():
+        (m.source / name).write_bytes(data)
+    m.mount()
+    assert all(m.path(n).read_bytes() == d for n, d in files.items())  # cold: from the source, to NVMe
+    wait_released(m)
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_cache_blocks", tier="disk") >= len(files), 30,
+               "every file written to NVMe")
+    _drop_pages_only()
+    before = m.scrape()
+    assert m.path("f0").read_bytes() == files["f0"]
+    wait_released(m)
+    after = m.scrape()
+    assert metric(after, "cubefs_fuse_native_reads_total") > metric(before, "cubefs_fuse_native_reads_total")
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="disk") \
+        - metric(before, "cubefs_fuse_served_bytes_total", source="disk") == len(files["f0"])
+    assert metric(after, "cubefs_fuse_reads_total") - metric(before, "cubefs_fuse_reads_total") \
+        == metric(after, "cubefs_fuse_native_reads_total") - metric(before, "cubefs_fuse_native_reads_total")
+    # Damage every payload on NVMe (a byte past each entry's 40-byte header): the session's
+    # check fails, Python's read finds the damage, frees the entry and fetches the source.
+    for segment in _segment_files(m):
+        raw = bytearray(segment.read_bytes())
+        for offset in range(0, len(raw), 4096):
+            if raw[offset:offset + 4] == b"CFSG":
+                raw[offset + 100] ^= 0xFF
+        segment.write_bytes(bytes(raw))
+    _drop_pages_only()
+    assert all(m.path(n).read_bytes() == d for n, d in files.items())
+    wait_released(m)
+    assert metric(m.scrape(), "cubefs_fuse_checksum_failures_total") >= len(files)
     m.umount()

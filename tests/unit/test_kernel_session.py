@@ -23,7 +23,7 @@ from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs import _session as c
 from cubefs_fuse.fs import session
-from cubefs_fuse.fs.filesystem import Entry, Lent
+from cubefs_fuse.fs.filesystem import DiskBlock, Entry, Lent
 from cubefs_fuse.fs.session import AttrTuple, KernelSession, Request, Served
 
 FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
@@ -84,8 +84,9 @@ class FakeCore:
     def lend_blocks(self, fh: int) -> Lent | None:
         return self.lent
 
-    def served(self, fh: int, reads: int, nbytes: int, lookups: int, mask: int) -> None:
-        self.calls.append(("served", fh, reads, nbytes, lookups, mask))
+    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
+               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+        self.calls.append(("served", fh, reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask))
 
     def release(self, fh: int) -> None:
         self.calls.append(("release", fh))
@@ -142,7 +143,7 @@ class FakeNative:
         self._reply(id, "attr", attr)
 
     def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = 0,
-                   block_size: int = 0, blocks: Sequence[bytes | None] | None = None, /) -> bool:
+                   block_size: int = 0, blocks: Sequence[bytes | DiskBlock | None] | None = None, /) -> bool:
         self._reply(id, "open", fh, keep_cache, direct_io, *((size, block_size, list(blocks)) if blocks else ()))
         return self.take_opens
 
@@ -271,9 +272,9 @@ async def test_an_open_lends_the_held_blocks_and_its_release_reports_what_c_serv
     core.lent = Lent(10, 4, [b"abcd", None, b"ij"])
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
     assert opened == ("open", 9, True, False, 10, 4, [b"abcd", None, b"ij"])
-    (released,) = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101)}))
+    (released,) = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101, 0, 0, 0)}))
     assert released == ("err", 0)
-    assert core.calls[-2:] == [("served", 9, 2, 6, 2, 0b101), ("release", 9)]
+    assert core.calls[-2:] == [("served", 9, 2, 6, 2, 0b101, 0, 0, 0), ("release", 9)]
 
 
 async def test_an_open_the_kernel_did_not_take_is_released_at_once() -> None:
