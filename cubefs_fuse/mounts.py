@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 FUSE_SUBTYPE = "cubefs-fuse"
 # Asynchronous FUSE requests (reads, readahead) the kernel lets reach the daemon at once.
 # The kernel default of 12 serialises DataLoaders with many workers; 64 measured
-# +40-75 % with >= 64 readers (2026-11-21, 350266a), and stays far below pyfuse3's task limit.
+# +40-75 % with >= 64 readers (2026-11-21, 350266a), and the kernel queues what the daemon has not read yet.
 FUSE_MAX_BACKGROUND = 64
 # Readahead window for files on the mount: 1 MiB matched the default block size and
 # measured +34 % on files >= 1 MB (2026-11-21, 350266a); small files are unaffected.

@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=()
-# The FUSE session (a C extension) and pyfuse3 (tools/slowfs.py) are built from source:
-# they need a compiler, the Python headers and venv.
+# The FUSE session is a C extension built from source: it needs a compiler, the Python
+# headers and venv.
 command -v gcc >/dev/null 2>&1 || need_apt+=(gcc)
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || need_apt+=(python3-venv)
 python3 -c "import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" \

@@ -85,21 +85,25 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-import pyfuse3
 import trio
+
+from cubefs_fuse.attrs import Attr, FsStats
+from cubefs_fuse.errors import FsError
+from cubefs_fuse.fs import session as kernel
+from cubefs_fuse.fs.filesystem import Lent
 
 log = logging.getLogger("slowfs")
 T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 STATS_NAME = ".slowfs_stats"
-ROOT_INODE = pyfuse3.ROOT_INODE
+ROOT_INODE = 1  # FUSE's root inode number
 STATS_INODE = ROOT_INODE + 1
 # A file's inode number is its source st_ino shifted past the root and the stats file, so
 # it keeps its number (and st_ino) for the life of the mount even after the kernel forgets
@@ -111,9 +115,6 @@ FOREIGN_INODES = 1 << 62
 # dozens of workers plus cubefs-fuse's backend threads (32 by default) without queueing;
 # a sleeping thread costs only its stack.
 DEFAULT_THREADS = 64
-# pyfuse3 request tasks beyond the worker threads: requests that need no thread (release,
-# forget, the stats file) must not wait behind requests parked on a thread token.
-EXTRA_TASKS = 64
 # Weight of a new sample in the running mean of time.sleep's overshoot: 1/32 averages
 # over the last ~32 delays, fast enough to follow load changes, slow enough that one
 # late wake-up does not swing the next requests.
@@ -266,8 +267,20 @@ def _rel(path: str) -> str:
     return path or "."
 
 
-class SlowFS(pyfuse3.Operations):
-    """The pyfuse3 operations: a read-only passthrough of ``source`` with latency and errors."""
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    inode: int
+    attr: Attr
+
+
+class SlowFS:
+    """The FUSE session's operations (fs/session.py): a read-only passthrough of ``source``
+    with latency and errors."""
+
+    # Files are opened with direct_io and no page cache: every application read is one
+    # FUSE read that pays the latency, as on a remote without a client cache.
+    keep_cache = False
+    direct_io = True
 
     def __init__(
         self,
@@ -280,7 +293,6 @@ class SlowFS(pyfuse3.Operations):
         cache_timeout: float = 0.0,
         bandwidth: float = 0.0,
     ) -> None:
-        super().__init__()
         self.source = os.path.abspath(source)
         self.latency = latency
         self.fail_open = tuple(fail_open)
@@ -299,6 +311,7 @@ class SlowFS(pyfuse3.Operations):
         self._handles = itertools.count(1)
         self._files: dict[int, _OpenFile] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, os.stat_result]]]] = {}
+        self._listed: dict[str, os.stat_result] = {}  # children of the open directories, by path
         self._stats_reads: dict[int, bytes] = {}
         self._c = _Counters()
 
@@ -330,7 +343,7 @@ class SlowFS(pyfuse3.Operations):
         except OSError as exc:
             code = exc.errno or errno.EIO
             c.errors.setdefault(op, Counter())[errno.errorcode.get(code, str(code))] += 1
-            raise pyfuse3.FUSEError(code) from None
+            raise FsError(code) from None
         finally:
             c.concurrent -= 1
 
@@ -338,26 +351,7 @@ class SlowFS(pyfuse3.Operations):
         try:
             return self._path[inode]
         except KeyError:
-            raise pyfuse3.FUSEError(errno.ESTALE) from None
-
-    def _attributes(self, inode: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
-        out = pyfuse3.EntryAttributes()
-        out.st_ino = inode
-        out.generation = 0
-        out.entry_timeout = self.cache_timeout
-        out.attr_timeout = self.cache_timeout
-        out.st_mode = st.st_mode
-        out.st_nlink = st.st_nlink
-        out.st_uid = st.st_uid
-        out.st_gid = st.st_gid
-        out.st_rdev = st.st_rdev
-        out.st_size = st.st_size
-        out.st_blksize = st.st_blksize
-        out.st_blocks = st.st_blocks
-        out.st_atime_ns = st.st_atime_ns
-        out.st_mtime_ns = st.st_mtime_ns
-        out.st_ctime_ns = st.st_ctime_ns
-        return out
+            raise FsError(errno.ESTALE) from None
 
     def _inode_of(self, st: os.stat_result) -> int:
         key = (st.st_dev, st.st_ino)
@@ -370,13 +364,13 @@ class SlowFS(pyfuse3.Operations):
             inode = self._foreign[key] = next(self._foreign_numbers)
         return inode
 
-    def _remember(self, path: str, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def _remember(self, path: str, st: os.stat_result) -> _Entry:
         """The entry for ``path`` handed to the kernel (its lookup count goes up by one)."""
         inode = self._inode_of(st)
         self._path[inode] = path  # the latest name of a hard-linked file will do
         if inode != ROOT_INODE:
             self._lookups[inode] = self._lookups.get(inode, 0) + 1
-        return self._attributes(inode, st)
+        return _Entry(inode, Attr.from_stat(st))
 
     def _forget_one(self, inode: int, n: int) -> None:
         if inode not in self._lookups:
@@ -385,18 +379,12 @@ class SlowFS(pyfuse3.Operations):
         if self._lookups[inode] <= 0:
             del self._lookups[inode], self._path[inode]
 
-    def _stats_attributes(self) -> pyfuse3.EntryAttributes:
+    def _stats_entry(self) -> _Entry:
+        # Its size is the statistics' size now; read with direct_io, the file is read to
+        # its end whatever size the kernel has cached (--cache-timeout).
         now = time.time_ns()
-        out = pyfuse3.EntryAttributes()
-        out.st_ino = STATS_INODE
-        out.entry_timeout = out.attr_timeout = 0
-        out.st_mode = stat.S_IFREG | 0o444
-        out.st_nlink = 1
-        out.st_uid, out.st_gid = os.getuid(), os.getgid()
-        out.st_size = len(self.statistics_json())
-        out.st_blksize = 4096
-        out.st_atime_ns = out.st_mtime_ns = out.st_ctime_ns = now
-        return out
+        return _Entry(STATS_INODE, Attr(stat.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), 0,
+                                        len(self.statistics_json()), 0, 4096, now, now, now, STATS_INODE))
 
     def statistics(self) -> dict[str, Any]:
         """Everything counted so far, as the JSON-ready object of ``.slowfs_stats``."""
@@ -422,11 +410,10 @@ class SlowFS(pyfuse3.Operations):
 
     # -- names and attributes ----------------------------------------------------------
 
-    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    async def lookup(self, parent_inode: int, text: str) -> _Entry:
         parent = self._node_path(parent_inode)
-        text = os.fsdecode(name)
         if parent_inode == ROOT_INODE and text == STATS_NAME:
-            return self._stats_attributes()
+            return self._stats_entry()
         if text == ".":
             path = parent
         elif text == "..":
@@ -437,36 +424,34 @@ class SlowFS(pyfuse3.Operations):
         st = await self._remote("lookup", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False))
         return self._remember(path, st)
 
-    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
-        for inode, n in inode_list:
-            self._forget_one(inode, n)
+    def entry(self, path: str, attr: Attr) -> _Entry:
+        """A listed child handed to the kernel by READDIRPLUS (its lookup count goes up)."""
+        return self._remember(path, self._listed[path])
 
-    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+    def forget(self, inode: int, n: int) -> None:
+        self._forget_one(inode, n)
+
+    async def getattr(self, inode: int) -> _Entry:
         if inode == STATS_INODE:
-            return self._stats_attributes()
+            return self._stats_entry()
         path = self._node_path(inode)
         rel = _rel(path)
         st = await self._remote("getattr", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False))
-        return self._attributes(inode, st)
+        return _Entry(inode, Attr.from_stat(st))
 
-    async def readlink(self, inode: int, ctx: pyfuse3.RequestContext) -> bytes:
+    async def readlink(self, inode: int) -> str:
         path = self._node_path(inode)
         rel = _rel(path)
-        target = await self._remote("readlink", path, lambda: os.readlink(rel, dir_fd=self._root_fd))
-        return os.fsencode(target)
+        return await self._remote("readlink", path, lambda: os.readlink(rel, dir_fd=self._root_fd))
 
-    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+    async def statfs(self) -> FsStats:
         st = await self._remote("statfs", "", lambda: os.statvfs(self._root_fd))
-        out = pyfuse3.StatvfsData()
-        out.f_bsize, out.f_frsize = st.f_bsize, st.f_frsize
-        out.f_blocks, out.f_bfree, out.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
-        out.f_files, out.f_ffree, out.f_favail = st.f_files, st.f_ffree, st.f_favail
-        out.f_namemax = st.f_namemax
-        return out
+        return FsStats(st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files, st.f_ffree,
+                       st.f_namemax)
 
     # -- directories -------------------------------------------------------------------
 
-    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+    async def opendir(self, inode: int) -> int:
         path = self._node_path(inode)
         rel = _rel(path)
 
@@ -490,32 +475,34 @@ class SlowFS(pyfuse3.Operations):
         entries = await self._remote("readdir", path, scan)
         fh = next(self._handles)
         self._dirs[fh] = (path, entries)
+        for name, st in entries:
+            self._listed[f"{path}/{name}" if path else name] = st
         return fh
 
-    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+    def readdir(self, fh: int, start: int) -> Iterator[tuple[int, str, str, Attr]]:
         try:
             path, entries = self._dirs[fh]
         except KeyError:
-            raise pyfuse3.FUSEError(errno.EBADF) from None
-        for i in range(start_id, len(entries)):
+            raise FsError(errno.EBADF) from None
+        for i in range(start, len(entries)):
             name, st = entries[i]
-            attributes = self._remember(f"{path}/{name}" if path else name, st)
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), attributes, i + 1):
-                self._forget_one(attributes.st_ino, 1)  # the kernel did not take it
-                break
+            yield i + 1, name, f"{path}/{name}" if path else name, Attr.from_stat(st)
 
-    async def releasedir(self, fh: int) -> None:
-        self._dirs.pop(fh, None)
+    def releasedir(self, fh: int) -> None:
+        path, entries = self._dirs.pop(fh, ("", []))
+        if not any(p == path for p, _ in self._dirs.values()):  # another handle may list it too
+            for name, _ in entries:
+                self._listed.pop(f"{path}/{name}" if path else name, None)
 
     # -- files -------------------------------------------------------------------------
 
-    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
         if flags & _WRITE_FLAGS:
-            raise pyfuse3.FUSEError(errno.EROFS)
+            raise FsError(errno.EROFS)
         if inode == STATS_INODE:
             fh = next(self._handles)
             self._stats_reads[fh] = self.statistics_json()
-            return pyfuse3.FileInfo(fh=fh, direct_io=True)
+            return fh
         path = self._node_path(inode)
         rel = _rel(path)
         fd = await self._remote(
@@ -525,7 +512,7 @@ class SlowFS(pyfuse3.Operations):
         )
         fh = next(self._handles)
         self._files[fh] = _OpenFile(fd, path, first_match(self.fail_read, path))
-        return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        return fh
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         snapshot = self._stats_reads.get(fh)
@@ -534,7 +521,8 @@ class SlowFS(pyfuse3.Operations):
         try:
             f = self._files[fh]
         except KeyError:
-            raise pyfuse3.FUSEError(errno.EBADF) from None
+            raise FsError(errno.EBADF) from None
+
         def read() -> bytes:
             chunk = os.pread(f.fd, size, off)
             self._bandwidth.transfer(len(chunk))
@@ -544,49 +532,57 @@ class SlowFS(pyfuse3.Operations):
         self._c.bytes_read += len(data)
         return data
 
-    async def release(self, fh: int) -> None:
+    def lend_blocks(self, fh: int) -> Lent | None:
+        return None  # nothing cached here: every read is a remote one
+
+    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
+               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+        raise AssertionError("slowfs lends no blocks")
+
+    def release(self, fh: int) -> None:
         if self._stats_reads.pop(fh, None) is not None:
             return
         f = self._files.pop(fh, None)
         if f is not None:
             self._c.ops["release"] += 1
-            await trio.to_thread.run_sync(os.close, f.fd)  # close() of a remote file may block
+            os.close(f.fd)  # a descriptor of SOURCE, a local directory: close() does not block
 
 
 # -- serving -------------------------------------------------------------------------
 
 
 def mount_options() -> set[str]:
-    options = set(pyfuse3.default_options)  # default_permissions: the kernel checks modes
-    options |= {"ro", "fsname=slowfs", "subtype=slowfs"}
+    options = {"default_permissions", "ro", "fsname=slowfs", "subtype=slowfs"}  # the kernel checks modes
     if os.geteuid() == 0:
         options.add("allow_other")  # the daemon under test may run as another user
     return options
 
 
-async def serve(fs: SlowFS, mount_point: str, *, threads: int, on_ready: Callable[[], None]) -> None:
+async def serve(fs: SlowFS, mount_point: str, *, on_ready: Callable[[], None]) -> None:
     """Mount ``fs`` on ``mount_point`` and serve until unmounted or SIGINT/SIGTERM."""
-    pyfuse3.init(fs, mount_point, mount_options())
+    session = kernel.mount(fs, mount_point, mount_options(), entry_timeout=fs.cache_timeout,
+                           attr_timeout=fs.cache_timeout)
     try:
         async with trio.open_nursery() as nursery:
             # The signal handler is in place before readiness is reported, so a SIGTERM
             # sent right after start-up unmounts cleanly instead of killing the process.
-            await nursery.start(_terminate_on_signal)
+            await nursery.start(_terminate_on_signal, session)
             log.info("slowfs: %s on %s, latency %.0f us, pid %d", fs.source, mount_point, fs.latency * 1e6,
                      os.getpid())
             on_ready()
-            await pyfuse3.main(max_tasks=threads + EXTRA_TASKS)
+            await session.serve()
             nursery.cancel_scope.cancel()
     finally:
-        pyfuse3.close(unmount=True)
+        session.close()
         log.info("slowfs: unmounted %s", mount_point)
 
 
-async def _terminate_on_signal(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def _terminate_on_signal(session: kernel.KernelSession, *,
+                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()
         async for _ in signals:
-            pyfuse3.terminate()  # main() returns; a terminate() before main() makes it return at once
+            session.terminate()  # serve() returns; a terminate() before serve() makes it return at once
             return
 
 
@@ -676,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report(f"error: cannot open {args.source}: {exc.strerror}")
         return 1
     try:
-        trio.run(lambda: serve(fs, args.mount_point, threads=args.threads, on_ready=lambda: report("ok")))
+        trio.run(lambda: serve(fs, args.mount_point, on_ready=lambda: report("ok")))
     except Exception as exc:
         report(f"error: {exc}")
         log.exception("slowfs failed")

@@ -8,7 +8,7 @@ epoch, so each system's remote traffic is known.
 
 Two implementations with the same options, semantics and statistics file: ``c``
 (tools/slowfs_c, libfuse3 low-level API, built on demand; the default: its own cost per
-operation is a few microseconds) and ``python`` (tools/slowfs.py, pyfuse3: ~25+ us of CPU
+operation is a few microseconds) and ``python`` (tools/slowfs.py, requests answered in Python: ~25+ us of CPU
 per operation, a ceiling of ~350-400 files/s on 2 cores that caps every first epoch).  If
 the C one cannot be built, the suite warns and falls back to the Python one.
 """
@@ -36,7 +36,7 @@ EMULATOR_THREADS = 128
 # Reader processes of the ceiling measurement: as many as the widest DataLoader.
 CEILING_READERS = 8
 EMULATORS = ("c", "python")  # tools/slowfs_c (the default) and tools/slowfs.py
-EMULATOR_TITLES = {"c": "tools/slowfs_c (C, libfuse3)", "python": "tools/slowfs.py (Python, pyfuse3)"}
+EMULATOR_TITLES = {"c": "tools/slowfs_c (C, libfuse3)", "python": "tools/slowfs.py (Python)"}
 SLOWFS_C_BUILD = REPO / "tools" / "slowfs_c" / "build.sh"
 BUILD_TIMEOUT_S = 120.0  # a cold gcc -O2 of slowfs.c takes ~1-2 s on 2 cores
 

@@ -1,6 +1,6 @@
 """The ai_prefetch wire protocol, shared by the daemon and cube_torch, which imports it
 inside training processes, so it uses only the standard library and xxhash (never trio,
-pyfuse3 or numpy): the per-volume config file ``<configDir>/cube_torch.config.<volName>``
+the FUSE session or numpy): the per-volume config file ``<configDir>/cube_torch.config.<volName>``
 (CubeFS's fields ``prof``, ``mount_point``, ``vol_name``, ``local_ip``, then ours), the
 control API client (HTTP/1.1 over a Unix socket, ``/v1`` paths, JSON errors; file lists
 NUL-separated, epoch orders little-endian integer arrays, never JSON lists), the request

@@ -1,1 +1,1 @@
-"""The FUSE side of a read: the pyfuse3 adapter over the filesystem core and its metadata."""
+"""The FUSE side of a read: the C session and its Python side over the filesystem core and its metadata."""

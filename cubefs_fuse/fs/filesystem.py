@@ -113,6 +113,12 @@ class _Counters:
 
 
 class Filesystem:
+    # The kernel may keep a file's pages across opens: an inode serves one version of a
+    # file (a changed file gets a new inode, fs/inodes.py), so the pages it holds for an
+    # inode are always good, and no invalidation notice is ever needed.
+    keep_cache = True
+    direct_io = False
+
     def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int) -> None:
         self.meta = meta
         self.cache = cache

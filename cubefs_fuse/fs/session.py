@@ -56,7 +56,11 @@ class Entry(Protocol):
 
 
 class Operations(Protocol):
-    """What the session calls; ``fs.filesystem.Filesystem`` is the implementation."""
+    """What the session calls; ``fs.filesystem.Filesystem`` is the implementation (and
+    tools/slowfs.py, the remote emulator, another)."""
+
+    keep_cache: bool  # the kernel may keep an open file's pages across opens
+    direct_io: bool  # every application read reaches ``read`` (no page cache)
 
     async def lookup(self, parent_inode: int, name: str) -> Entry: ...
 
@@ -229,13 +233,10 @@ class KernelSession:
                 entry = await ops.getattr(ino)
                 native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
             elif op == _session.OP_OPEN:
-                # keep_cache always: an inode serves one version of a file (a changed file
-                # gets a new inode, fs/inodes.py), so the pages the kernel holds for it are
-                # always good; no invalidation notice is ever needed.
                 fh = await ops.open(ino, flags, pid)
                 lent = ops.lend_blocks(fh)
-                took = native.reply_open(rid, fh, True, False) if lent is None else \
-                    native.reply_open(rid, fh, True, False, lent.size, lent.block_size, lent.blocks)
+                took = native.reply_open(rid, fh, ops.keep_cache, ops.direct_io) if lent is None else \
+                    native.reply_open(rid, fh, ops.keep_cache, ops.direct_io, lent.size, lent.block_size, lent.blocks)
                 if not took:  # the open was interrupted: no RELEASE will come for fh
                     ops.release(fh)
             elif op == _session.OP_OPENDIR:

@@ -32,6 +32,9 @@ FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
 class FakeCore:
     """Records calls; answers from a script; raises what a test puts in ``fail``."""
 
+    keep_cache = True
+    direct_io = False
+
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
         self.fail: BaseException | None = None

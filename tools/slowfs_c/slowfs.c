@@ -3,7 +3,7 @@
  *
  * The C twin of tools/slowfs.py (same command line, same semantics, same .slowfs_stats
  * JSON), written on the libfuse3 low-level API so that the emulator itself costs a few
- * microseconds of CPU per operation instead of pyfuse3's ~25+.  See README.md beside this
+ * microseconds of CPU per operation instead of the Python emulator's ~25+.  See README.md beside this
  * file for the semantics, the accuracy measurements and how the benchmark uses it.
  *
  *   slowfs-c SOURCE MOUNTPOINT [--latency-us N] [--threads N] [--cache-timeout S]
