@@ -495,7 +495,8 @@ def _stats_row(a: dict[str, Any], b: dict[str, Any], seconds: float) -> list[str
     paths = [(rb["by_path"][p]["requests"] - ra["by_path"][p]["requests"]) / seconds
              for p in ("mount", "fastpath", "sample_cache")]
     by = {k: (cb["bytes_by_source"][k] - ca["bytes_by_source"][k]) / seconds / 2**20 for k in cb["bytes_by_source"]}
-    return [time.strftime("%H:%M:%S"), f"{requests / seconds:.0f}", hit, f"{(rb['bytes'] - ra['bytes']) / seconds / 2**20:.1f}",
+    mib = (rb["bytes"] - ra["bytes"]) / seconds / 2**20
+    return [time.strftime("%H:%M:%S"), f"{requests / seconds:.0f}", hit, f"{mib:.1f}",
             *(f"{n:.0f}" for n in paths), f"{rate('opens'):.0f}", f"{rate('reads'):.0f}",
             f"{by.get('ram', 0):.1f}", f"{by.get('disk', 0):.1f}",
             f"{by.get('backend', 0):.1f}", f"{rate('backend_operations'):.0f}", f"{rate('prefetch_issued'):.0f}",

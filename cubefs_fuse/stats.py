@@ -60,6 +60,7 @@ class LatencyHistogram:
 # in their components; the Protocols below name the figures taken from each, so this module
 # imports none of them (it sits below them all).
 
+
 class _MountFigures(Protocol):
     @property
     def file_requests(self) -> int: ...

@@ -64,6 +64,7 @@ def quiet(mount: Mount) -> dict[str, Any]:
         return len(seen) > 1 and seen[-2]["reads"] == report["reads"] and seen[-2]["jobs"] == report["jobs"] \
             and all(c["entries"] == FILES for c in report["samples"]["caches"])
 
+    # Settling takes a second or two (workers exit, writers drain); 60 s is for a loaded machine.
     wait_until(settled, timeout=60, what="the daemon's counters to settle")
     return seen[-1]
 
@@ -76,7 +77,7 @@ def line_counts(line: str) -> dict[str, int]:
 
 def check_views_agree(mount: Mount, report: dict[str, Any]) -> dict[str, Any]:
     """Every view against ``report``'s ``reads`` (status --json); the reads."""
-    reads = report["reads"]
+    reads: dict[str, Any] = report["reads"]
     by_path = reads["by_path"]
     assert reads["requests"] == sum(by_path[p]["requests"] for p in PATHS)
     assert reads["hits"] + reads["misses"] == reads["requests"] and by_path["sample_cache"]["misses"] == 0
@@ -113,7 +114,7 @@ def check_views_agree(mount: Mount, report: dict[str, Any]) -> dict[str, Any]:
                 f"{by_path['fastpath']['requests']}, sample cache {by_path['sample_cache']['requests']})  "
                 f"hits {reads['hits']}  misses {reads['misses']}  hit rate {100 * reads['hit_rate']:.2f}%")
     assert expected in text, text
-    return reads  # type: ignore[no-any-return]
+    return reads
 
 
 def stats_rows(out: str) -> list[dict[str, str]]:
@@ -164,15 +165,17 @@ def test_every_view_counts_what_a_cube_torch_job_reads(volume: tuple[Mount, str]
     rows = stats_rows(header + out)
     total = history[-1]
     assert rows, out
-    # Each line: its requests/s are its paths' requests/s (each figure rounded to a whole number).
+    # Each line: its requests/s are its paths' requests/s, each of the four figures rounded to
+    # a whole number (half a request/s each way: less than 2 between them).
     for row in rows:
         req, mount_, fast, sample = (float(row[k]) for k in ("1:req/s", "4:mount", "5:fast", "6:sample"))
-        assert abs(req - (mount_ + fast + sample)) <= 1.5, row
+        assert abs(req - (mount_ + fast + sample)) < 2, row
         if req == 0:
             assert row["2:hit%"] == "-", row
     # The lines saw the fast path and the sample cache at work, and all the requests: the sum
-    # of each line's requests/s over lines of about STATS_INTERVAL_S (a line's interval also
-    # holds its status call: a few per cent longer), give or take each figure's rounding.
+    # of each line's requests/s times STATS_INTERVAL_S, give or take each figure's rounding
+    # (half a request/s) and the status call each line's interval also holds (a few per cent
+    # of a second on a loaded machine: 10 % allowed).
     assert any(float(r["5:fast"]) > 0 for r in rows) and any(float(r["6:sample"]) > 0 for r in rows), out
     seen = sum(float(r["1:req/s"]) for r in rows) * STATS_INTERVAL_S
     assert abs(seen - total["requests"]) <= 0.5 * len(rows) + 0.1 * total["requests"], (seen, total, out)
