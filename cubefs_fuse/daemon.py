@@ -38,6 +38,7 @@ from cubefs_fuse.fs.session import KernelSession
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
+from cubefs_fuse.stats import AppReads, app_reads
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,13 @@ class Daemon:
                         fastpath=plane.resolver.statistics() if plane else None,
                         fastpath_connections=plane.connections if plane else 0,
                         samples=self.samples.statistics() if self.samples else None)
+
+    def app_reads(self) -> AppReads:
+        """What applications read, every path this daemon serves (the metrics' snapshot
+        counts the same figures)."""
+        plane = self.data_plane
+        return app_reads(self.fs.statistics(), plane.resolver.statistics() if plane else None,
+                         self.samples.statistics() if self.samples else None)
 
 
 def mount_options(config: ClientConfig) -> set[str]:
@@ -131,6 +139,7 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
                 nursery, sample_dir(config), config.sample_cache_mem_size, config.sample_cache_disk_size,
                 config.disk_free_ratio, shared=frozenset(config.sample_cache_shared))
         daemon.data_plane = await _start_control(nursery, service, config, cleanup, daemon.samples)
+        service.reads = daemon.app_reads  # status and stats count every path, as /metrics does
         write_index = await _serve(daemon, config_path, on_ready)
         nursery.cancel_scope.cancel()
     return write_index

@@ -28,6 +28,7 @@ from cubefs_fuse.fs.metadata import MetadataStatistics
 from cubefs_fuse.prefetch.batches import BatchStatistics
 from cubefs_fuse.prefetch.jobs import JobSample
 from cubefs_fuse.samples.store import SampleStoreStatistics
+from cubefs_fuse.stats import app_reads
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +48,26 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_build_info", "gauge", "Always 1: the daemon's version and Python.", ("version", "python")),
         MetricSpec("cubefs_fuse_mount_info", "gauge", "Always 1: what this daemon serves (join on it for per-volume views).",
                    ("volume", "mount_point", "source", "profile")),
-        MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests from applications that reached the daemon."),
-        MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications by the daemon."),
+        # What applications read, whichever path served it (stats.app_reads; docs/metrics.md,
+        # "What a job reads"): the count every operator view shows.
+        MetricSpec("cubefs_fuse_app_requests_total", "counter",
+                   "What applications read: one request per file opened through the mount or handed to a worker by the "
+                   "fast path, and per sample the sample cache served instead of its files; by path and result "
+                   "(hit: nothing waited on the remote).", ("path", "result")),
+        MetricSpec("cubefs_fuse_app_bytes_total", "counter",
+                   "Bytes applications got from the daemon, by path (mount: READs that reached it; fastpath: files "
+                   "in the rings, per open; sample_cache: entries served).", ("path",)),
+        MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests through the mount that reached the daemon (FUSE READs)."),
+        MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications through the mount (FUSE READs)."),
         MetricSpec("cubefs_fuse_native_reads_total", "counter",
                    "Read requests the C FUSE session served from RAM blocks lent to it, without Python (part of reads_total)."),
-        MetricSpec("cubefs_fuse_opens_total", "counter", "Files opened through the mount."),
+        MetricSpec("cubefs_fuse_opens_total", "counter",
+                   "Files opened through the mount (the fast path and the sample cache open none: see app_requests_total)."),
         MetricSpec("cubefs_fuse_open_files", "gauge", "File handles currently open."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
         MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
-        MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications, by the tier that held them (ram, disk, backend).", ("source",)),
+        MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications through the mount, by the tier that held them (ram, disk, backend).",
+                   ("source",)),
         MetricSpec("cubefs_fuse_cache_used_bytes", "gauge", "Bytes held by a cache tier (disk: allocated bytes).", ("tier",)),
         MetricSpec("cubefs_fuse_cache_limit_bytes", "gauge", "Configured byte limit of a cache tier (disk: after the free-space floor).", ("tier",)),
         MetricSpec("cubefs_fuse_cache_blocks", "gauge", "Blocks held by a cache tier.", ("tier",)),
@@ -88,7 +100,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode (old_handles: open or none).", ("old_handles",)),
         MetricSpec("cubefs_fuse_stale_opens_total", "counter", "Opens of an old version's inode answered ESTALE (the kernel looks the name up again and opens the new version)."),
         MetricSpec("cubefs_fuse_file_requests_total", "counter",
-                   "Files opened and closed by applications (one request per open; page-cache reads included)."),
+                   "Files applications read: opens through the mount (page-cache reads included) and opens of files "
+                   "the fast path served, one request each (app_requests_total adds the sample cache)."),
         MetricSpec("cubefs_fuse_file_hits_total", "counter", "File requests none of whose reads waited on the backend."),
         MetricSpec("cubefs_fuse_file_misses_total", "counter", "File requests with at least one read that waited on the backend."),
         MetricSpec("cubefs_fuse_stall_seconds_total", "counter", "Seconds application reads waited on the backend."),
@@ -201,6 +214,14 @@ def families(s: Snapshot) -> Iterator[Metric]:
     if s.mount is not None:
         where = s.mount
         f.add("cubefs_fuse_mount_info", 1, where.volume, where.mount_point, where.source, where.profile or "none")
+    # Every path's series from the start (0 where this daemon does not serve it), so a sum
+    # over paths or a per-path panel never changes shape when training starts.
+    reads = app_reads(s.fs, s.fastpath, s.samples)
+    for path, counts in reads.by_path().items():
+        f.add("cubefs_fuse_app_requests_total", counts.hits, path, "hit")
+        if path != "sample_cache":  # a sample the cache lacks is read from its files: no request of its own
+            f.add("cubefs_fuse_app_requests_total", counts.misses, path, "miss")
+        f.add("cubefs_fuse_app_bytes_total", counts.bytes, path)
     f.add("cubefs_fuse_reads_total", s.fs.reads)
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
     f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
@@ -256,14 +277,13 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_metadata_cache_hits_total", m.listing_hits, "listing")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.attr_misses, "attr")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.listing_misses, "listing")
-    # File requests: opens through the mount and files cube_torch's workers opened from the
-    # fast path's rings (each open one request, as on the mount).
-    fast = s.fastpath
-    fast_hits, fast_misses = (fast.served_hits, fast.served_misses) if fast is not None else (0, 0)
-    f.add("cubefs_fuse_file_requests_total", s.fs.file_requests + fast_hits + fast_misses)
-    f.add("cubefs_fuse_file_hits_total", s.fs.file_requests - s.fs.file_misses + fast_hits)
-    f.add("cubefs_fuse_file_misses_total", s.fs.file_misses + fast_misses)
-    f.add("cubefs_fuse_stall_seconds_total", s.fs.stall_seconds + (fast.served_stall if fast is not None else 0.0))
+    # File requests: the files of app_requests_total (opens through the mount and files
+    # cube_torch's workers opened from the fast path's rings), without the sample cache.
+    files = reads.files
+    f.add("cubefs_fuse_file_requests_total", files.requests)
+    f.add("cubefs_fuse_file_hits_total", files.hits)
+    f.add("cubefs_fuse_file_misses_total", files.misses)
+    f.add("cubefs_fuse_stall_seconds_total", files.stall_seconds)
     f.add("cubefs_fuse_prefetch_used_total", c.prefetch_used)
     f.add("cubefs_fuse_prefetch_wasted_total", c.prefetch_wasted)
     if s.fastpath is not None:

@@ -64,8 +64,9 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                       "(another user's: root only)")
 
     stats = sub.add_parser("stats", help="a live view of a mount's activity (like 'juicefs stats')",
-                           description="Print per-interval rates: opens, reads, hit rate, bytes by source, "
-                           "backend operations, prefetch; Ctrl-C to stop.")
+                           description="Print per-interval rates: what applications read by every path (mount, "
+                           "fast path, sample cache) with its hit rate and MiB/s, the mount's opens and reads, bytes "
+                           "by source, backend operations, prefetch; Ctrl-C to stop.")
     stats.add_argument("mount_point", metavar="MOUNTPOINT")
     stats.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)")
     stats.add_argument("-n", "--count", type=int, default=0, metavar="N", help="stop after N intervals (0: never)")
@@ -194,9 +195,12 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
         use = 100.0 * t["used_bytes"] / t["limit_bytes"] if t["limit_bytes"] else 0.0
         tiers.add_row(tier, _size(t["used_bytes"]), _size(t["limit_bytes"]), f"{use:.1f}%", str(t["blocks"]))
     console.print(tiers)
-    hits = r["hits"]
-    console.print(f"  file requests {hits['requests']}  hits {hits['hits']}  misses {hits['misses']}  "
-                  f"hit rate {100 * hits['hit_rate']:.2f}%  stall {hits['stall_seconds']:.1f} s")
+    reads = _reads(r)
+    paths = reads["by_path"]
+    console.print(f"  requests {reads['requests']} (mount {paths['mount']['requests']}, fast path "
+                  f"{paths['fastpath']['requests']}, sample cache {paths['sample_cache']['requests']})  "
+                  f"hits {reads['hits']}  misses {reads['misses']}  hit rate {100 * reads['hit_rate']:.2f}%  "
+                  f"stall {reads['stall_seconds']:.1f} s")
     if r.get("profile", "ai_prefetch") != "ai_prefetch":
         console.print('  jobs and plans: this mount runs without "profile": "ai_prefetch"')
         return
@@ -255,6 +259,20 @@ def _print_samples(console: Console, samples: dict[str, Any] | None) -> None:
     console.print(table)
     if others:
         console.print(" " + others)
+
+
+def _reads(status: dict[str, Any]) -> dict[str, Any]:
+    """What applications read, by path (a status's ``reads``; docs/metrics.md, "What a job
+    reads").  A daemon of an older version reports its file requests only (``hits``): they
+    stand for the mount, the other paths at zero."""
+    if "reads" in status:
+        reads: dict[str, Any] = status["reads"]
+        return reads
+    hits = status["hits"]
+    zero = {"requests": 0, "hits": 0, "misses": 0, "bytes": 0, "stall_seconds": 0.0}
+    mount = {**zero, **{k: hits[k] for k in ("requests", "hits", "misses", "stall_seconds")},
+             "bytes": status["counters"]["read_bytes"]}
+    return {**mount, "hit_rate": hits["hit_rate"], "by_path": {"mount": mount, "fastpath": zero, "sample_cache": zero}}
 
 
 def _plan_cells(p: dict[str, Any] | None) -> tuple[str, str, str]:
@@ -444,12 +462,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 # One line per interval, like vmstat/juicefs stats: readable in a terminal and in a log.
-# Columns: time | opens/s reads/s MiB/s hit% | MiB/s served from RAM, disk, remote |
-# remote ops/s, prefetched blocks/s | RAM and disk in use.
+# Columns: time | what applications read, every path (requests/s, hit %, MiB/s) | requests/s
+# by path (mount, fast path, sample cache) | the mount's opens/s and READs/s | MiB/s the
+# mount served from RAM, disk, remote | remote ops/s, prefetched blocks/s | RAM and disk in
+# use.  A header every 20 lines keeps one on a terminal's screen.
 STATS_HEADER_EVERY = 20
-_STATS_FORMAT = "{:>8} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>6} {:>6}"
-_STATS_HEADER = _STATS_FORMAT.format("time", "open/s", "read/s", "MiB/s", "hit%", "RAM", "disk", "remote",
-                                     "rops/s", "pref/s", "RAM", "disk")
+_STATS_FORMAT = ("{:>8} {:>7} {:>6} {:>7} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} {:>7} | {:>7} {:>7} | "
+                 "{:>6} {:>6}")
+_STATS_HEADER = _STATS_FORMAT.format("time", "req/s", "hit%", "MiB/s", "mount", "fast", "sample", "open/s", "read/s",
+                                     "RAM", "disk", "remote", "rops/s", "pref/s", "RAM", "disk")
 
 
 def _short(n: float) -> str:
@@ -467,11 +488,16 @@ def _stats_row(a: dict[str, Any], b: dict[str, Any], seconds: float) -> list[str
     def rate(key: str) -> float:
         return float(cb[key] - ca[key]) / seconds
 
-    requests = cb["file_requests"] - ca["file_requests"]
-    misses = cb["file_misses"] - ca["file_misses"]
+    ra, rb = _reads(a), _reads(b)
+    requests = rb["requests"] - ra["requests"]
+    misses = rb["misses"] - ra["misses"]
     hit = f"{100.0 * (requests - misses) / requests:.1f}" if requests else "-"
+    paths = [(rb["by_path"][p]["requests"] - ra["by_path"][p]["requests"]) / seconds
+             for p in ("mount", "fastpath", "sample_cache")]
     by = {k: (cb["bytes_by_source"][k] - ca["bytes_by_source"][k]) / seconds / 2**20 for k in cb["bytes_by_source"]}
-    return [time.strftime("%H:%M:%S"), f"{rate('opens'):.0f}", f"{rate('reads'):.0f}",
-            f"{rate('read_bytes') / 2**20:.1f}", hit, f"{by.get('ram', 0):.1f}", f"{by.get('disk', 0):.1f}",
+    mib = (rb["bytes"] - ra["bytes"]) / seconds / 2**20
+    return [time.strftime("%H:%M:%S"), f"{requests / seconds:.0f}", hit, f"{mib:.1f}",
+            *(f"{n:.0f}" for n in paths), f"{rate('opens'):.0f}", f"{rate('reads'):.0f}",
+            f"{by.get('ram', 0):.1f}", f"{by.get('disk', 0):.1f}",
             f"{by.get('backend', 0):.1f}", f"{rate('backend_operations'):.0f}", f"{rate('prefetch_issued'):.0f}",
             _short(b["cache"]["ram"]["used_bytes"]), _short(b["cache"].get("disk", {}).get("used_bytes", 0))]

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,7 @@ from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, par
 from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER, Plan, Scheduler
 from cubefs_fuse.prefetch.warmup import Warmups
+from cubefs_fuse.stats import AppReads, app_reads
 
 # Registered file lists kept at once, by total bytes; the least recently used list that
 # no plan refers to is dropped first.  2 GiB holds five 10-million-file lists.
@@ -61,6 +63,9 @@ class PrefetchService:
         # Plans of jobs never registered: their last activity (they end when idle).
         self._orphans: dict[JobKey, float] = {}
         self.ended = 0  # jobs ended (exit or idle), for status
+        # What applications read, every path (the daemon adds the fast path and the sample
+        # store once it has them): the count status and stats show.
+        self.reads: Callable[[], AppReads] = lambda: app_reads(self.fs.statistics(), None, None)
         nursery.start_soon(self._reap_idle)
 
     # -- AccessObserver ----------------------------------------------------------------
@@ -100,7 +105,7 @@ class PrefetchService:
             "pid": os.getpid(),
             "volume": self.config.vol_name, "mount_point": self.config.mount_point, "source": self.config.source,
             "uptime": time.time() - self.started, "cache": tiers,
-            "hits": self._hits().as_dict(), "datasets": len(self.datasets),
+            "hits": self._hits().as_dict(), "reads": self.reads().as_dict(), "datasets": len(self.datasets),
             "jobs": [{"job": j.name, "rank": j.rank, "pid": j.pid, **j.counters.as_dict(),
                       "loaders": len(self.scheduler.plans_of(key))}
                      for key, j in self.jobs.jobs.items()],
@@ -109,19 +114,18 @@ class PrefetchService:
         }
 
     def _hits(self) -> HitCounters:
-        """Every file request of the mount (the per-job registry sees them with ai_prefetch only)."""
-        if self.config.profile == "ai_prefetch":
-            return self.jobs.total
-        fs = self.fs.statistics()
-        return HitCounters(fs.file_requests, fs.file_requests - fs.file_misses, fs.file_misses, fs.stall_seconds)
+        """Every file request of the mount and the fast path (``reads`` adds the sample cache)."""
+        files = self.reads().files
+        return HitCounters(files.requests, files.hits, files.misses, files.stall_seconds)
 
     def _counters(self) -> dict[str, Any]:
         """Monotonic counters for rate views (``cubefs-fuse stats``)."""
         fs, cache, backend = self.fs.statistics(), self.fs.cache.statistics(), self.fs.backend.statistics()
+        files = self.reads().files  # as the file_* metrics: the mount's and the fast path's
         return {
             "opens": fs.opens, "reads": fs.reads, "read_bytes": fs.read_bytes,
-            "bytes_by_source": fs.bytes_by_source, "file_requests": fs.file_requests,
-            "file_misses": fs.file_misses, "stall_seconds": fs.stall_seconds,
+            "bytes_by_source": fs.bytes_by_source, "file_requests": files.requests,
+            "file_misses": files.misses, "stall_seconds": files.stall_seconds,
             "block_hits_ram": cache.hits_ram, "block_hits_disk": cache.hits_disk, "block_misses": cache.misses,
             "backend_operations": sum(backend.operations.values()), "backend_bytes": backend.bytes_read,
             "backend_errors": sum(backend.errors.values()),

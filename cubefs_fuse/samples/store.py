@@ -90,6 +90,8 @@ class SampleStoreStatistics:
     startup_seconds: float
     startup_discarded: int
     caches: tuple[SampleCacheStatistics, ...]
+    hits: int = 0  # keys every cache's gets answered with an entry, dropped caches' included
+    hit_bytes: int = 0  # the bytes of those entries
 
 
 class _Release:
@@ -238,6 +240,9 @@ class SampleStore:
         self._plans: OrderedDict[int, _Cache] = OrderedDict()  # caches with a plan, least recently planned first
         self.planned_keys = 0  # distinct keys of every plan held (at most MAX_SAMPLE_PLANNED_KEYS)
         self.corrupt = self.write_errors = self.dropped = 0
+        # Every cache's hits and the bytes of their entries, kept when a cache is dropped (its
+        # own counters go with it): what applications read from the store (stats.app_reads).
+        self.hits = self.hit_bytes = 0
         self.loaded = False
         self.startup_seconds = 0.0
         self.startup_discarded = 0
@@ -398,6 +403,9 @@ class SampleStore:
                 await trio.to_thread.run_sync(files.release, damaged.punches, damaged.unlink, limiter=self._limiter)
         hits = sum(1 for data in out if data is not None)
         cache.hits += hits
+        self.hits += hits
+        self.hit_bytes += sum(len(data) if isinstance(data, bytes) else size
+                              for data, size in zip(out, got.sizes) if data is not None)
         cache.misses += len(keys) - hits
         plan = cache.plan
         if plan is not None:
@@ -821,7 +829,7 @@ class SampleStore:
         return SampleStoreStatistics(self.ram_used, self.mem_limit, self.disk_used, self.disk_limit,
                                      self.ram_entries, self.disk_entries, self.corrupt, self.write_errors,
                                      self.dropped, self.loaded, self.startup_seconds, self.startup_discarded,
-                                     caches)
+                                     caches, self.hits, self.hit_bytes)
 
     def status(self) -> dict[str, Any]:
         s = self.statistics()

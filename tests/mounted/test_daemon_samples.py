@@ -135,6 +135,10 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         assert metric(samples, "cubefs_fuse_sample_cache_puts_total", **labels) == 40
         assert metric(samples, "cubefs_fuse_sample_store_limit_bytes", tier="disk") == 64 * 2**20
         assert 0 < metric(samples, "cubefs_fuse_sample_store_used_bytes", tier="disk") <= 64 * 2**20
+        # What applications read: the two entries served are the sample cache's requests.
+        served = len(entries[5]) + len(entries[39])
+        assert metric(samples, "cubefs_fuse_app_requests_total", path="sample_cache", result="hit") == 2
+        assert metric(samples, "cubefs_fuse_app_bytes_total", path="sample_cache") == served
 
         # A second run of the daemon: the entries come back from NVMe (a sweep decodes once).
         m.umount()
@@ -172,6 +176,11 @@ def test_entries_round_trip_survive_a_restart_and_are_dropped(make_mount: Callab
         store = _store(m)
         assert store.get_many("sweep", [5]) == [None]
         store.close()
+        # The cache is gone, what it served stays counted (this run of the daemon: 39 hits).
+        reads = cli("status", str(m.mount_point), "--json")
+        by_path = json.loads(reads.stdout)[0]["reads"]["by_path"]["sample_cache"]
+        assert (by_path["requests"], by_path["misses"]) == (39, 0)
+        assert by_path["bytes"] == sum(len(e) for k, e in entries.items() if k != 7)
     finally:
         m.umount()
 

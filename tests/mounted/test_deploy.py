@@ -25,10 +25,12 @@ import pytest
 import yaml  # type: ignore[import-untyped]
 from prometheus_client.parser import text_string_to_metric_families
 
+from cube_torch.fastpath import Channel
+from cube_torch.samples.daemon_store import DaemonStore
 from cubefs_fuse import mounts
 from cubefs_fuse.config import parse_config, parse_size
 from cubefs_fuse.metrics import METRICS
-from cubefs_fuse.control.protocol import ControlClient
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.helpers import REPO, Mount, wait_until
 from tests.systemd_units import next_notification, notify_socket, parse_unit, unit_command
 
@@ -110,6 +112,17 @@ def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[.
     with pytest.raises(OSError):
         m.path("gone").read_bytes()
 
+    # A sample cache (its per-cache series) and a fast-path batch, as cube_torch's workers make them.
+    config_dir = m.config().get("configDir", "/tmp")
+    channel = Channel(read_volume_config(m.config()["volName"], config_dir).data_socket)
+    assert channel.batch(names[:2]) == [m.path(n).read_bytes() for n in names[:2]]
+    channel.release([1, 1])
+    channel.close()
+    store = DaemonStore(m.config()["volName"], config_dir=config_dir)
+    store.put_many("dash-samples", [(1, b"x" * 100)])
+    assert store.get_many("dash-samples", [1, 2]) == [b"x" * 100, None]
+    store.close()
+
     exported = _exported_names(m.port)
     queries = dashboard_queries(json.loads(DASHBOARD.read_text())) + rule_queries()
     referenced: dict[str, list[str]] = {}
@@ -130,7 +143,10 @@ def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[.
                    "cubefs_fuse_cache_limit_bytes", "histogram_quantile(0.99",
                    "cubefs_fuse_backend_latency_seconds_bucket", "cubefs_fuse_plan_lookahead_bytes",
                    "cubefs_fuse_prefetch_wasted_total", "cubefs_fuse_cache_evictions_total",
-                   "cubefs_fuse_backend_errors_total", "cubefs_fuse_checksum_failures_total"):
+                   "cubefs_fuse_backend_errors_total", "cubefs_fuse_checksum_failures_total",
+                   # what applications read by every path, the fast path and the sample caches
+                   "cubefs_fuse_app_requests_total", "cubefs_fuse_app_bytes_total", "cubefs_fuse_fastpath_files_total",
+                   "cubefs_fuse_sample_cache_hits_total", "cubefs_fuse_sample_store_used_bytes"):
         assert needle in text, needle
     m.umount()
 

@@ -76,6 +76,15 @@ def test_a_batch_is_served_from_the_ring_and_counted_once_per_file(make_mount: C
         assert metric(samples, "cubefs_fuse_file_requests_total") == 2 * len(names) - 1
         assert metric(samples, "cubefs_fuse_file_hits_total") == len(names) - 1
         assert metric(samples, "cubefs_fuse_file_misses_total") == len(names)
+        # What applications read: the fast path's share, bytes included; nothing opened through the mount.
+        assert metric(samples, "cubefs_fuse_app_requests_total", path="fastpath", result="hit") == len(names) - 1
+        assert metric(samples, "cubefs_fuse_app_requests_total", path="fastpath", result="miss") == len(names)
+        assert metric(samples, "cubefs_fuse_app_bytes_total", path="fastpath") \
+            == metric(samples, "cubefs_fuse_fastpath_bytes_total") > 0
+        assert metric(samples, "cubefs_fuse_app_requests_total", path="mount", result="hit") == 0
+        status = control.status()
+        assert status["counters"]["file_requests"] == status["hits"]["requests"] == status["reads"]["requests"] \
+            == 2 * len(names) - 1
     finally:
         m.umount()
 

@@ -121,6 +121,14 @@ def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> No
     assert disk["used_bytes"] == metric(samples, "cubefs_fuse_cache_used_bytes", tier="disk")
     assert report["hits"]["requests"] == 8 and report["hits"]["misses"] == 2
     assert report["hits"]["hit_rate"] == 0.75
+    # What applications read, every path: here the mount's file requests alone, as /metrics says.
+    reads = report["reads"]
+    assert (reads["requests"], reads["hits"], reads["misses"], reads["hit_rate"]) == (8, 6, 2, 0.75)
+    assert [reads["by_path"][p]["requests"] for p in ("mount", "fastpath", "sample_cache")] == [8, 0, 0]
+    assert reads["bytes"] == metric(samples, "cubefs_fuse_read_bytes_total") \
+        == metric(samples, "cubefs_fuse_app_bytes_total", path="mount")
+    assert metric(samples, "cubefs_fuse_app_requests_total", path="mount", result="miss") == 2
+    assert report["counters"]["file_requests"] == metric(samples, "cubefs_fuse_file_requests_total") == 8
     [job_row] = report["jobs"]
     assert (job_row["job"], job_row["rank"], job_row["pid"]) == (job, 1, os.getpid())
     assert (job_row["requests"], job_row["hits"], job_row["hit_rate"]) == (8, 6, 0.75)
@@ -133,6 +141,7 @@ def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> No
     assert str(m.mount_point) in text and f"volume {m.config()['volName']}" in text
     assert re.search(r"ram\s+\S+ \w*B\s+64\.0 MiB", text), text
     assert re.search(r"disk\s+", text) and "uptime " in text
+    assert "requests 8 (mount 8, fast path 0, sample cache 0)  hits 6  misses 2  hit rate 75.00%" in text, text
     assert "hit rate 75.00%" in text
     assert re.search(rf"{job}\s+1\s+{os.getpid()}\s+8\s+75\.00%\s+3\s+6/6", text), text
 
@@ -238,21 +247,29 @@ def test_stats_prints_rate_lines(make_mount: Callable[..., Mount]) -> None:
         thread.join()
     assert proc.returncode == 0, err
     header, *rows = out.strip().splitlines()
-    assert header.split()[:5] == ["time", "open/s", "read/s", "MiB/s", "hit%"]
+    assert header.replace("|", " ").split()[:9] == ["time", "req/s", "hit%", "MiB/s", "mount", "fast", "sample",
+                                                   "open/s", "read/s"]
     assert len(rows) == 2, out
     for row in rows:
         fields = row.replace("|", " ").split()
         assert re.fullmatch(r"\d\d:\d\d:\d\d", fields[0]), row
-        opens, reads, mib = float(fields[1]), float(fields[2]), float(fields[3])
+        requests, mib, by_path = float(fields[1]), float(fields[3]), [float(f) for f in fields[4:7]]
+        opens, reads = float(fields[7]), float(fields[8])
         assert opens > 0 and reads > 0, row
+        # Everything went through the mount: every request is the mount's, one per open.  An
+        # open and its release (where the request is counted) may fall on either side of an
+        # interval's edge, one file at each of its two edges, over at least 0.5 s: 4 per
+        # second, and 1 for the two figures' rounding.
+        assert by_path[1:] == [0.0, 0.0] and by_path[0] == requests, row
+        assert abs(requests - opens) <= 2 / 0.5 + 1, row
         # The reader reads whole files, every file in turn, one at a time: the bytes read in an
         # interval are its opens times the mean file size, give or take less than one round of
         # files and one file across each end of the interval (of at least 0.5 s), and rounding.
         tolerance = round_bytes / 0.5 + mean_size / 2 + 0.05 * 2**20
         expected = opens * mean_size
         assert abs(mib * 2**20 - expected) <= tolerance, (row, f"expected {expected / 2**20:.1f} MiB/s")
-        assert 0.0 <= float(fields[4]) <= 100.0, row  # hit% over the interval
-        assert len(fields) == 12, row
+        assert 0.0 <= float(fields[2]) <= 100.0, row  # hit% over the interval
+        assert len(fields) == 16, row
     assert opened > 0
     m.umount()
 

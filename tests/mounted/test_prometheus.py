@@ -42,8 +42,10 @@ import numpy as np
 import pytest
 import yaml  # type: ignore[import-untyped]
 
+from cube_torch.fastpath import Channel
+from cube_torch.samples.daemon_store import DaemonStore
 from cubefs_fuse import mounts
-from cubefs_fuse.control.protocol import ControlClient
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.helpers import REPO, Mount, free_port, wait_until
 
 DASHBOARD = REPO / "deploy" / "grafana" / "cubefs-fuse.json"
@@ -293,6 +295,11 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
     # removed at the source later.
     assert "gone" in os.listdir(m.mount_point)
     os.stat(m.path("gone"))
+    # cube_torch's other two paths, as its DataLoader workers use them: the fast path's data
+    # socket and the daemon's sample store (the fast-path and sample-cache panels).
+    config_dir = m.config().get("configDir", "/tmp")
+    channel = Channel(read_volume_config(volume, config_dir).data_socket)
+    store = DaemonStore(volume, config_dir=config_dir)
 
     rounds = 0
 
@@ -313,6 +320,12 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
             with open(m.path(name), "rb") as f:
                 f.read()
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # the next open reads through
+        # A fast-path batch, each file opened once, and a sample cache's put and get (the
+        # round's key a hit, a key never put a miss).
+        assert None not in channel.batch(names[2:4])
+        channel.release([1, 1])
+        store.put_many("promql-samples", [(rounds, rng.bytes(1000))])
+        assert store.get_many("promql-samples", [rounds, -1])[1] is None
 
     prometheus = Prometheus(tmp_path / "prometheus", m.port, volume)
     try:
@@ -382,4 +395,6 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
         print(f"prometheus: {len(expressions)} expressions × 2 evaluations after {rounds} workload rounds")
     finally:
         prometheus.stop()
+        channel.close()
+        store.close()
     m.umount()
