@@ -1,4 +1,4 @@
-"""Every operator view counts what a cube_torch job reads, and they agree (issue 32, finding 2).
+"""Every operator view counts what a cube_torch job reads, and they agree.
 
 A real training loop: a ``CachedDataset`` (the daemon's sample store, the default) over an
 ImageFolder on a real ``ai_prefetch`` mount, DataLoader workers with cube_torch's fast path

@@ -65,7 +65,7 @@ def _status(mount: int, fast: int, cached: int, misses: int, nbytes: int) -> dic
 
 def test_the_stats_line_shows_every_path() -> None:
     """The fast path and the sample cache, which open nothing through the mount, still make
-    requests, a hit rate and MiB/s (issue 32's finding: 0 opens/s and no hit rate)."""
+    requests, a hit rate and MiB/s (it showed 0 opens/s and no hit rate during training)."""
     before, after = _status(0, 0, 0, 0, 0), _status(0, 600, 400, 0, 0)
     fields = _stats_row(before, after, 2.0)
     header = _STATS_HEADER.replace("|", " ").split()
