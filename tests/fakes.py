@@ -1,4 +1,4 @@
-"""Test doubles for the layers below the FUSE adapter.
+"""Test doubles for the layers below the FUSE session, and a sample store in a dict.
 
 :class:`FakeBackend` implements the :class:`cubefs_fuse.backend.Backend` protocol over
 an in-memory tree, so the cache, metadata and core layers can be driven without a
@@ -28,8 +28,9 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -38,6 +39,7 @@ from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram
+from cube_torch.samples.store import StoreError
 
 OPS = ("stat", "listdir", "read", "readlink", "statfs")
 # A fixed "now" for fresh files (2024-01-01T00:00:00Z in ns), so attributes are
@@ -277,3 +279,35 @@ class FakeBackend:
             threads_busy=self.reads_in_flight,
             threads_total=0,
         )
+
+
+class MemoryStore:
+    """A SampleStore in a dict, with switches to fail and to stall."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[str, int], bytes] = {}
+        self.calls = Counter[str]()
+        self.fail_get = self.fail_put = False
+        self.stall = threading.Event()
+        self.stall.set()
+        self.plans: list[tuple[str, list[int]]] = []
+
+    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
+        self.calls["get_many"] += 1
+        if self.fail_get:
+            raise StoreError("down")
+        return [memoryview(self.entries[(name, k)]) if (name, k) in self.entries else None for k in keys]
+
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+        self.calls["put_many"] += 1
+        self.stall.wait(10)
+        if self.fail_put:
+            raise StoreError("OOM full")
+        for key, entry in items:
+            self.entries[(name, key)] = bytes(entry)
+
+    def plan(self, name: str, keys: Sequence[int]) -> None:
+        self.plans.append((name, [int(k) for k in keys]))
+
+    def close(self) -> None:
+        self.calls["close"] += 1

@@ -22,7 +22,7 @@ from cube_torch.samples.dataset import CachedDataset
 from cubefs_fuse.control.protocol import VolumeConfig
 from tests.helpers import REPO
 from tests.torch_datasets import LINE, keep
-from tests.unit.test_sample_cache import MemoryStore
+from tests.fakes import MemoryStore
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 

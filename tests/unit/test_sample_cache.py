@@ -22,38 +22,7 @@ from cube_torch.samples.cache import HEADER, SampleCache
 from cube_torch.samples.dataset import CachedDataset
 from cube_torch.samples.store import StoreError
 from cube_torch.samples.stores import open_store
-
-
-class MemoryStore:
-    """A SampleStore in a dict, with switches to fail and to stall."""
-
-    def __init__(self) -> None:
-        self.entries: dict[tuple[str, int], bytes] = {}
-        self.calls = Counter[str]()
-        self.fail_get = self.fail_put = False
-        self.stall = threading.Event()
-        self.stall.set()
-        self.plans: list[tuple[str, list[int]]] = []
-
-    def get_many(self, name: str, keys: Sequence[int]) -> list[bytes | memoryview | None]:
-        self.calls["get_many"] += 1
-        if self.fail_get:
-            raise StoreError("down")
-        return [memoryview(self.entries[(name, k)]) if (name, k) in self.entries else None for k in keys]
-
-    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
-        self.calls["put_many"] += 1
-        self.stall.wait(10)
-        if self.fail_put:
-            raise StoreError("OOM full")
-        for key, entry in items:
-            self.entries[(name, key)] = bytes(entry)
-
-    def plan(self, name: str, keys: Sequence[int]) -> None:
-        self.plans.append((name, [int(k) for k in keys]))
-
-    def close(self) -> None:
-        self.calls["close"] += 1
+from tests.fakes import MemoryStore
 
 
 @pytest.fixture(autouse=True)
