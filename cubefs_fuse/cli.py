@@ -18,7 +18,7 @@ from typing import Any
 from importlib import resources
 
 from cubefs_fuse import __version__, mounts, opscli
-from cubefs_fuse.config import ClientConfig, check_environment, load_config
+from cubefs_fuse.config import ClientConfig, check_environment, check_fuse_access, load_config, user_allow_other
 from cubefs_fuse.control import volfile
 from cubefs_fuse.errors import ConfigError
 
@@ -110,10 +110,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ---------------------------------------------------------------------------
 
 
-def _load_and_check(path: str) -> ClientConfig:
+def _load_and_check(path: str, *, warn: bool = True) -> ClientConfig:
+    """The config, checked against the machine; a mistake raises ConfigError."""
     config = load_config(path)
     mounts.prepare_mount_point(config.mount_point)
     check_environment(config)
+    check_fuse_access()
+    if warn and os.geteuid() != 0 and not user_allow_other():
+        print(f"{PROG}: warning: mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
+              f"only uid {os.geteuid()} can read {config.mount_point}", file=sys.stderr)
     return config
 
 
@@ -252,7 +257,8 @@ def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
                 os.close(fd)
 
     try:
-        config = _load_and_check(config_path)
+        # Detached, the parent checked and warned already: the warning is said once.
+        config = _load_and_check(config_path, warn=ready_fd is None)
         _setup_logging(config, detached=ready_fd is not None)
         trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda: report("ok")))
     except Exception as exc:  # report why the mount failed instead of a silent exit

@@ -22,7 +22,7 @@ from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.config import ClientConfig, record_block_size, user_allow_other
 from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
@@ -71,20 +71,12 @@ class Daemon:
 def mount_options(config: ClientConfig) -> set[str]:
     options = {"default_permissions",  # the kernel checks modes: no ACCESS request reaches us
                "ro", "noatime", f"fsname=cubefs-fuse:{config.vol_name}", f"subtype={mounts.FUSE_SUBTYPE}"}
-    if os.geteuid() == 0 or _user_allow_other():
+    if os.geteuid() == 0 or user_allow_other():
         options.add("allow_other")  # training jobs run as other users than the daemon
     else:
         log.info("mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
                  "only uid %d can read the mount", os.geteuid())
     return options
-
-
-def _user_allow_other() -> bool:
-    try:
-        with open("/etc/fuse.conf") as f:
-            return any(line.strip() == "user_allow_other" for line in f)
-    except OSError:
-        return False
 
 
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
