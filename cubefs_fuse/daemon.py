@@ -154,11 +154,16 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         if config.exporter_port:
             collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
+        ai_prefetch = config.profile == "ai_prefetch"
+        # The entry names every file the daemon has in shared places (the data socket is the
+        # control socket's name + ".data"): `umount` removes them after a daemon that could
+        # not (SIGKILL, a crash).
         mounts.register(config.mount_point, {"volName": config.vol_name, "source": config.source,
                                              "config": os.path.abspath(config_path), "version": __version__,
                                              "controlSocket": control_socket_path(config),
+                                             "tokenFile": token_file_path(config) if config.prof_port else "",
                                              "profile": config.profile,
-                                             "configDir": config.config_dir if config.profile == "ai_prefetch" else ""})
+                                             "configDir": config.config_dir if ai_prefetch else ""})
         if config.profile == "ai_prefetch":
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
@@ -204,12 +209,12 @@ async def _tune_connection(mount_point: str) -> None:
 
 
 def control_socket_path(config: ClientConfig) -> str:
-    return config.control_socket or os.path.join(mounts.runtime_dir(), f"{config.vol_name}.sock")
+    return mounts.control_socket_path(config.vol_name, config.control_socket)
 
 
 def data_socket_path(config: ClientConfig) -> str:
     """The fast path's socket (control/dataplane.py), beside the control socket."""
-    return control_socket_path(config) + ".data"
+    return mounts.data_socket_path(control_socket_path(config))
 
 
 def sample_dir(config: ClientConfig) -> str:
@@ -218,7 +223,7 @@ def sample_dir(config: ClientConfig) -> str:
 
 
 def token_file_path(config: ClientConfig) -> str:
-    return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
+    return mounts.token_file_path(config.vol_name)
 
 
 def _write_token(path: str, token: str) -> None:

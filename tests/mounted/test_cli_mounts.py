@@ -82,6 +82,32 @@ def test_second_mount_on_a_mounted_mount_point(make_mount: Callable[..., Mount])
     m.umount()
 
 
+def test_second_daemon_of_a_live_volume_is_refused_before_it_writes(make_mount: Callable[..., Mount],
+                                                                     tmp_path: Path) -> None:
+    m = make_mount()
+    (m.source / "f.txt").write_text("live")
+    m.mount()
+    pid, vol = m.pid(), m.config()["volName"]
+    log_file = m.base / "log" / f"{vol}.log"
+    log_before = log_file.read_bytes()
+    # The same volume on another mount point, cache dir and port, logging into the same
+    # directory: its log file would be the live daemon's.
+    other = Env(tmp_path / "other")
+    other.config.update(volName=vol, logDir=str(m.base / "log"))
+    other.write()
+    message = other.fails()
+    assert message == (f"key 'volName': volume {vol!r} is already served by daemon pid {pid} on {m.mount_point} "
+                       f"(unmount it first: cubefs-fuse umount {m.mount_point})")
+    # Refused before writing anything: no line in the live daemon's log, no cache dir made.
+    assert log_file.read_bytes() == log_before
+    assert not (other.base / "cache").exists()
+    # The live daemon keeps its control socket (a second daemon would have replaced it).
+    status = cli("status", str(m.mount_point), "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)[0]["control_api"], status.stderr
+    assert m.path("f.txt").read_text() == "live"
+    m.umount()
+
+
 def test_second_daemon_on_the_same_cache_dir(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
     m = make_mount()
     (m.source / "f.txt").write_text("live")
@@ -158,7 +184,8 @@ def test_a_start_that_fails_after_the_control_api_opened_leaves_nothing(env: Env
     assert result.returncode == 0, result.stderr
     try:
         token_file = Path(mounts.runtime_dir()) / f"{vol}.token"
-        assert token_file.exists() and len(leftovers(config)) == 4  # socket, token, volume file, registry
+        # The control and data sockets, the token, the volume file and the registry entry.
+        assert token_file.exists() and len(leftovers(config)) == 5, leftovers(config)
         log_file = env.base / "log" / f"{vol}.log"
         assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
     finally:
@@ -179,6 +206,26 @@ def test_an_old_world_readable_log_file_is_made_private(env: Env) -> None:
         assert log_file.read_text().startswith("old lines\n")  # appended to, not replaced
     finally:
         assert cli("umount", str(env.mount_point)).returncode == 0
+
+
+def test_umount_lazy_after_kill_9_leaves_nothing(env: Env) -> None:
+    # Every file a daemon has in shared places (ai_prefetch with profPort has them all).
+    cfg = env.base / "cfg"
+    cfg.mkdir()
+    vol = f"killed{os.getpid()}"
+    env.write(profile="ai_prefetch", volName=vol, configDir=str(cfg), profPort=free_port())
+    config = json.loads(env.config_path.read_text())
+    assert cli("mount", "-c", str(env.config_path)).returncode == 0
+    info = mounts.registered(str(env.mount_point))
+    assert info is not None and len(leftovers(config)) == 5, leftovers(config)
+    os.kill(info["pid"], 9)
+    assert mounts.wait_for_exit(info["pid"], timeout=30)
+    result = cli("umount", "--lazy", str(env.mount_point))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"cubefs-fuse: unmounted {env.mount_point}\n"
+    assert leftovers(config) == []
+    assert mounts.find_mount(str(env.mount_point)) is None
+    assert str(env.mount_point) not in cli("status").stdout
 
 
 # -- as a user who is not root -------------------------------------------------------------
