@@ -1,7 +1,8 @@
 """Packaging, as a user meets it: a wheel built with the oldest setuptools pyproject.toml
 declares (its metadata, py.typed, the example configs), ``pip install .`` into a fresh venv
-without torch, and the installed ``cubefs-fuse`` mounting a volume from its own example
-config.  pip's download cache is kept (~/.cache/pip), so a repeated run is quick.
+without torch, the installed ``cubefs-fuse`` mounting a volume from its own example
+config, and the cube-torch distribution (distributions/cube-torch) installed alone where
+nothing can be compiled.  pip's download cache is kept (~/.cache/pip), so a repeated run is quick.
 """
 
 from __future__ import annotations
