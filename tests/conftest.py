@@ -24,6 +24,7 @@ import glob
 import json
 import os
 import secrets
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -154,12 +155,17 @@ def _this_runs_volumes(base: Path) -> tuple[set[str], set[str]]:
     for directory, dirs, files in os.walk(base):
         dirs[:] = [d for d in dirs if os.path.join(directory, d) not in mounted]
         for name in files:
-            if name.endswith(".json"):
-                config = _json(os.path.join(directory, name))
-                if isinstance(config.get("volName"), str) and "mountPoint" in config:
-                    volumes.add(config["volName"])
-                    if isinstance(config.get("controlSocket"), str):
-                        sockets.add(config["controlSocket"])
+            path = os.path.join(directory, name)
+            try:
+                if not name.endswith(".json") or not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block
+                    continue
+            except OSError:
+                continue
+            config = _json(path)
+            if isinstance(config.get("volName"), str) and "mountPoint" in config:
+                volumes.add(config["volName"])
+                if isinstance(config.get("controlSocket"), str):
+                    sockets.add(config["controlSocket"])
     return volumes, sockets
 
 
