@@ -18,7 +18,7 @@ from typing import Any
 from importlib import resources
 
 from cubefs_fuse import __version__, mounts, opscli
-from cubefs_fuse.config import ClientConfig, check_environment, load_config
+from cubefs_fuse.config import ClientConfig, check_environment, check_fuse_access, load_config, user_allow_other
 from cubefs_fuse.control import volfile
 from cubefs_fuse.errors import ConfigError
 
@@ -110,11 +110,33 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ---------------------------------------------------------------------------
 
 
-def _load_and_check(path: str) -> ClientConfig:
+def _load_and_check(path: str, *, warn: bool = True) -> ClientConfig:
+    """The config, checked against the machine; a mistake raises ConfigError.  The checks
+    that only read (a live daemon of the volume above all) come before check_environment,
+    which creates the cache and log directories: a refused mount writes nothing."""
     config = load_config(path)
     mounts.prepare_mount_point(config.mount_point)
+    _refuse_a_second_daemon(config)
     check_environment(config)
+    check_fuse_access()
+    if warn and os.geteuid() != 0 and not user_allow_other():
+        print(f"{PROG}: warning: mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
+              f"only uid {os.geteuid()} can read {config.mount_point}", file=sys.stderr)
     return config
+
+
+def _refuse_a_second_daemon(config: ClientConfig) -> None:
+    """A volume is served by one daemon: a second one would take over its control socket
+    and, detached, write its failure into the live daemon's log file (<logDir>/<volName>.log)."""
+    live = mounts.serving(config.vol_name)
+    if live is not None:
+        raise ConfigError(f"key 'volName': volume {config.vol_name!r} is already served by daemon pid "
+                          f"{live['pid']} on {live['mountPoint']} (unmount it first: {PROG} umount {live['mountPoint']})")
+    socket_path = mounts.control_socket_path(config.vol_name, config.control_socket)
+    if mounts.socket_in_use(socket_path):
+        key = "controlSocket" if config.control_socket else "volName"
+        raise ConfigError(f"key {key!r}: the control socket {socket_path} is in use by a running process "
+                          f"(another daemon of volume {config.vol_name!r}?)")
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -252,7 +274,8 @@ def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
                 os.close(fd)
 
     try:
-        config = _load_and_check(config_path)
+        # Detached, the parent checked and warned already: the warning is said once.
+        config = _load_and_check(config_path, warn=ready_fd is None)
         _setup_logging(config, detached=ready_fd is not None)
         trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda: report("ok")))
     except Exception as exc:  # report why the mount failed instead of a silent exit
@@ -315,17 +338,24 @@ def _alive(info: dict[str, Any]) -> bool:
 
 
 def _remove_leftovers(mount_point: str, info: dict[str, Any]) -> bool:
-    """Remove what a dead daemon left (its registry entry, control socket, volume file);
-    only what is provably its own: a socket, a volume file naming its pid.  True if the
+    """Remove what a dead daemon left (its registry entry, control and data sockets, token
+    file, volume file); only what is provably its own: a socket nobody listens on, a
+    regular file in our runtime directory, a volume file naming its pid.  True if the
     registry entry was there to remove."""
     pid = info.get("pid")
     if not isinstance(pid, int) or mounts.pid_alive(pid):
         return False
-    socket_path = info.get("controlSocket")
-    if isinstance(socket_path, str) and socket_path:
+    control = info.get("controlSocket")
+    sockets = [control, mounts.data_socket_path(control)] if isinstance(control, str) and control else []
+    for path in sockets:  # entries of older versions name no dataSocket: it is derived
         with contextlib.suppress(OSError):
-            if stat.S_ISSOCK(os.lstat(socket_path).st_mode):
-                os.unlink(socket_path)
+            if stat.S_ISSOCK(os.lstat(path).st_mode) and not mounts.socket_in_use(path):
+                os.unlink(path)
+    token = info.get("tokenFile")
+    if isinstance(token, str) and os.path.dirname(token) == mounts.runtime_dir():
+        with contextlib.suppress(OSError):
+            if stat.S_ISREG(os.lstat(token).st_mode):
+                os.unlink(token)
     vol, config_dir = info.get("volName"), info.get("configDir")
     if isinstance(vol, str) and isinstance(config_dir, str) and config_dir:
         volfile.remove(vol, config_dir, pid)

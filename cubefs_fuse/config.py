@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Mapping
@@ -448,6 +449,57 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
         except OSError as exc:
             raise ConfigError(f"key 'logDir': cannot create {config.log_dir!r}: {exc.strerror}") from None
         _check_writable("logDir", config.log_dir)
+
+
+FUSE_DEVICE = "/dev/fuse"
+FUSE_CONF = "/etc/fuse.conf"
+
+
+def user_allow_other(fuse_conf: str = FUSE_CONF) -> bool:
+    """True if ``user_allow_other`` is set in /etc/fuse.conf: a user other than root may then
+    mount with allow_other, which the training jobs of other users need to read the mount."""
+    try:
+        with open(fuse_conf) as f:
+            return any(line.strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False
+
+
+def check_fuse_access(device: str = FUSE_DEVICE, fuse_conf: str = FUSE_CONF) -> None:
+    """Check that this user can mount a FUSE filesystem at all; a ConfigError says, in one
+    line, what is missing: the device, access to it, fusermount3 (which mounts for a user
+    other than root), and ``user_allow_other`` where that is missing too.
+
+    Opening the device and closing it again has no effect: a connection exists only once
+    a mount names the descriptor.  Kept apart from :func:`check_environment`, whose
+    checks need no FUSE at all.
+    """
+    uid = os.geteuid()
+    also = "" if uid == 0 or user_allow_other(fuse_conf) else (
+        f"; and add user_allow_other to {fuse_conf}, or only uid {uid} can read the mount")
+    try:
+        os.close(os.open(device, os.O_RDWR | os.O_CLOEXEC))
+    except FileNotFoundError:
+        raise ConfigError(f"cannot mount: {device} does not exist: load the fuse kernel module (modprobe fuse); "
+                          f"a container needs the device passed in (--device {device})") from None
+    except PermissionError as exc:
+        if uid == 0:  # root is refused by a device cgroup or a security module: a container
+            raise ConfigError(f"cannot mount: {device}: {exc.strerror}: a container needs the device "
+                              f"(--device {device}) and CAP_SYS_ADMIN") from None
+        try:
+            st = os.stat(device)
+            how = f" is {stat.filemode(st.st_mode)} uid {st.st_uid} gid {st.st_gid},"
+        except OSError:
+            how = ""
+        raise ConfigError(f"cannot mount as uid {uid} (not root): {device}{how} not readable and writable "
+                          f"by this user: run the daemon as root, or give its user access to {device} "
+                          f"(mode 0666 is the usual default){also}") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot mount: {device}: {exc.strerror}") from None
+    # libfuse runs fusermount3 from its build's directory (/usr/bin on Debian) or from PATH.
+    if uid != 0 and shutil.which("fusermount3", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"])) is None:
+        raise ConfigError(f"cannot mount as uid {uid} (not root): fusermount3, which mounts for other users than "
+                          f"root, is not installed (Debian: apt-get install fuse3){also}")
 
 
 def _inside(inner: str, outer: str) -> bool:

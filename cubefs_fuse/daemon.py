@@ -22,7 +22,7 @@ from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig, record_block_size
+from cubefs_fuse.config import ClientConfig, record_block_size, user_allow_other
 from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
@@ -79,20 +79,12 @@ class Daemon:
 def mount_options(config: ClientConfig) -> set[str]:
     options = {"default_permissions",  # the kernel checks modes: no ACCESS request reaches us
                "ro", "noatime", f"fsname=cubefs-fuse:{config.vol_name}", f"subtype={mounts.FUSE_SUBTYPE}"}
-    if os.geteuid() == 0 or _user_allow_other():
+    if os.geteuid() == 0 or user_allow_other():
         options.add("allow_other")  # training jobs run as other users than the daemon
     else:
         log.info("mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
                  "only uid %d can read the mount", os.geteuid())
     return options
-
-
-def _user_allow_other() -> bool:
-    try:
-        with open("/etc/fuse.conf") as f:
-            return any(line.strip() == "user_allow_other" for line in f)
-    except OSError:
-        return False
 
 
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
@@ -171,11 +163,16 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         if config.exporter_port:
             collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
+        ai_prefetch = config.profile == "ai_prefetch"
+        # The entry names every file the daemon has in shared places (the data socket is the
+        # control socket's name + ".data"): `umount` removes them after a daemon that could
+        # not (SIGKILL, a crash).
         mounts.register(config.mount_point, {"volName": config.vol_name, "source": config.source,
                                              "config": os.path.abspath(config_path), "version": __version__,
                                              "controlSocket": control_socket_path(config),
+                                             "tokenFile": token_file_path(config) if config.prof_port else "",
                                              "profile": config.profile,
-                                             "configDir": config.config_dir if config.profile == "ai_prefetch" else ""})
+                                             "configDir": config.config_dir if ai_prefetch else ""})
         if config.profile == "ai_prefetch":
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
@@ -221,12 +218,12 @@ async def _tune_connection(mount_point: str) -> None:
 
 
 def control_socket_path(config: ClientConfig) -> str:
-    return config.control_socket or os.path.join(mounts.runtime_dir(), f"{config.vol_name}.sock")
+    return mounts.control_socket_path(config.vol_name, config.control_socket)
 
 
 def data_socket_path(config: ClientConfig) -> str:
     """The fast path's socket (control/dataplane.py), beside the control socket."""
-    return control_socket_path(config) + ".data"
+    return mounts.data_socket_path(control_socket_path(config))
 
 
 def sample_dir(config: ClientConfig) -> str:
@@ -235,7 +232,7 @@ def sample_dir(config: ClientConfig) -> str:
 
 
 def token_file_path(config: ClientConfig) -> str:
-    return os.path.join(mounts.runtime_dir(), f"{config.vol_name}.token")
+    return mounts.token_file_path(config.vol_name)
 
 
 def _write_token(path: str, token: str) -> None:

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -39,6 +40,42 @@ def runtime_dir() -> str:
         return SYSTEM_RUNTIME_DIR
     base = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/cubefs-fuse-{os.geteuid()}"
     return os.path.join(base, "cubefs-fuse") if "XDG_RUNTIME_DIR" in os.environ else base
+
+
+def control_socket_path(vol_name: str, configured: str = "") -> str:
+    """A daemon's control socket: ``controlSocket`` if configured, else <runtime dir>/<volName>.sock."""
+    return configured or os.path.join(runtime_dir(), f"{vol_name}.sock")
+
+
+def data_socket_path(control_socket: str) -> str:
+    """The fast path's data socket (ai_prefetch), beside the control socket."""
+    return control_socket + ".data"
+
+
+def token_file_path(vol_name: str) -> str:
+    """The bearer token of the loopback control port (profPort)."""
+    return os.path.join(runtime_dir(), f"{vol_name}.token")
+
+
+# How long a check waits for a Unix socket's listener to take a connection: a live daemon's
+# kernel queue accepts at once (no round trip through its event loop); a full queue, which
+# makes connect() wait, is a live daemon too.
+SOCKET_PROBE_SECONDS = 1.0
+
+
+def socket_in_use(path: str) -> bool:
+    """True if a process listens on the Unix socket at ``path``; a socket file left by a
+    dead process refuses the connection (ECONNREFUSED), a missing one is ENOENT.  A
+    listener of another type (the SOCK_SEQPACKET data socket) answers EPROTOTYPE."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as probe:
+        probe.settimeout(SOCKET_PROBE_SECONDS)
+        try:
+            probe.connect(path)
+        except (TimeoutError, BlockingIOError):
+            return True
+        except OSError as exc:
+            return exc.errno == errno.EPROTOTYPE
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,6 +234,15 @@ def _entries() -> Iterator[dict[str, Any]]:
                 info = _read_entry(os.path.join(directory, name))
                 if info is not None and isinstance(info.get("mountPoint"), str):
                     yield info
+
+
+def serving(vol_name: str) -> dict[str, Any] | None:
+    """The registry entry of a live daemon (not this process) serving volume ``vol_name``."""
+    for info in _entries():
+        pid = info.get("pid")
+        if info.get("volName") == vol_name and isinstance(pid, int) and pid != os.getpid() and pid_alive(pid):
+            return info
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -94,12 +94,13 @@ FOREGROUND = pytest.mark.parametrize("foreground", [False, True], ids=["detached
 
 
 def leftovers(config: dict[str, Any]) -> list[str]:
-    """What a daemon for ``config`` leaves in shared places: its control socket, token file,
-    per-volume config file and runtime registry entry (none may outlive a failed start)."""
+    """What a daemon for ``config`` leaves in shared places: its control and data sockets,
+    token file, per-volume config file and runtime registry entry (none may outlive a failed
+    start, nor a daemon killed and unmounted with `umount --lazy`)."""
     vol = config["volName"]
     runtime = mounts.runtime_dir()
-    candidates = [config.get("controlSocket") or os.path.join(runtime, f"{vol}.sock"),
-                  os.path.join(runtime, f"{vol}.token"),
+    control = config.get("controlSocket") or os.path.join(runtime, f"{vol}.sock")
+    candidates = [control, mounts.data_socket_path(control), os.path.join(runtime, f"{vol}.token"),
                   os.path.join(config.get("configDir", "/tmp"), f"cube_torch.config.{vol}")]
     found = [p for p in candidates if os.path.lexists(p)]
     if mounts.registered(config["mountPoint"]) is not None:

@@ -20,13 +20,18 @@ same reason.  Where root and /dev/fuse are there the variable changes nothing.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
+import secrets
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from cubefs_fuse import mounts
 from tests.cli_checks import Env
 from tests.helpers import Mount, SlowMount, force_unmount, free_port
 
@@ -83,6 +88,133 @@ def _only_in_mounting_tiers(request: pytest.FixtureRequest, fixture: str) -> Non
     if tier not in NEEDS_ROOT_AND_FUSE:
         pytest.fail(f"{fixture} mounts, but this test is in the {tier} tier: move it to "
                     f"tests/{' or tests/'.join(NEEDS_ROOT_AND_FUSE)}", pytrace=False)
+
+
+# -- nothing left behind ------------------------------------------------------------------
+
+# Set in this process's environment before any test runs, so every daemon a test starts
+# carries it: a live daemon is this run's if its environment has this run's value.
+RUN_MARK = "CUBEFS_FUSE_TEST_RUN"
+VOLUME_FILES = "/tmp/cube_torch.config.*"
+# Client configs are small; a larger .json under the run's directory is a dataset's file.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ.setdefault(RUN_MARK, secrets.token_hex(8))
+
+
+def _ours(pid: object) -> bool:
+    """True if ``pid`` is a live process of this run."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return f"{RUN_MARK}={os.environ[RUN_MARK]}".encode() in environ
+
+
+def _json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            data = json.loads(f.read(MAX_CONFIG_BYTES))
+    except (OSError, ValueError, RecursionError):  # the config tests' broken files among them
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _shared_state() -> dict[str, dict[str, Any]]:
+    """What daemons leave in shared places, by name, with what it says of its daemon: the
+    runtime directories' entries (control and data sockets, token files, registry entries),
+    the per-volume files in /tmp, and the mounts `cubefs-fuse status` lists (mounts.survey
+    is what it prints)."""
+    found: dict[str, dict[str, Any]] = {}
+    for directory in dict.fromkeys([mounts.SYSTEM_RUNTIME_DIR, mounts.runtime_dir()]):
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith(".tmp"):  # a write in progress (renamed into place at once)
+                path = os.path.join(directory, name)
+                found[path] = _json(path) if name.startswith("mount-") else {}
+    for path in glob.glob(VOLUME_FILES):
+        data = _json(path)
+        found[path] = {"mountPoint": data.get("mount_point"), "pid": data.get("pid")}
+    for state in mounts.survey():
+        found[f"status: {state.mount_point} ({state.state})"] = {**(state.info or {}),
+                                                                "mountPoint": state.mount_point}
+    return found
+
+
+def _this_runs_volumes(base: Path) -> tuple[set[str], set[str]]:
+    """The volume names and control sockets of the client configs under this run's
+    temporary directory (every test writes its configs there), mounts skipped."""
+    mounted = {e.mount_point for e in mounts.mount_table()}
+    volumes: set[str] = set()
+    sockets: set[str] = set()
+    for directory, dirs, files in os.walk(base):
+        dirs[:] = [d for d in dirs if os.path.join(directory, d) not in mounted]
+        for name in files:
+            path = os.path.join(directory, name)
+            try:
+                if not name.endswith(".json") or not stat.S_ISREG(os.lstat(path).st_mode):  # a FIFO would block
+                    continue
+            except OSError:
+                continue
+            config = _json(path)
+            if isinstance(config.get("volName"), str) and "mountPoint" in config:
+                volumes.add(config["volName"])
+                if isinstance(config.get("controlSocket"), str):
+                    sockets.add(config["controlSocket"])
+    return volumes, sockets
+
+
+def _made_by_this_run(name: str, what: dict[str, Any], base: Path, volumes: set[str], sockets: set[str]) -> bool:
+    """True if ``name`` names a mount point under ``base`` or a volume of this run's configs."""
+    mount_point = what.get("mountPoint")
+    if isinstance(mount_point, str) and Path(mount_point).is_relative_to(base):
+        return True
+    if what.get("volName") in volumes:  # a registry entry, a line of status
+        return True
+    directory, file = os.path.split(name)
+    if directory == "/tmp" and file.removeprefix("cube_torch.config.") in volumes:
+        return True
+    if any(file.endswith(suffix) and file.removesuffix(suffix) in volumes for suffix in (".sock.data", ".sock", ".token")):
+        return True
+    return name in sockets or name.removesuffix(".data") in sockets
+
+
+def _held_by_another_run(name: str, what: dict[str, Any], live: dict[str, object]) -> bool:
+    """True if a live daemon that is not this run's holds ``name`` (another run on the
+    machine may use the same volume name)."""
+    pid = what.get("pid", live.get(name))
+    return isinstance(pid, int) and mounts.pid_alive(pid) and not _ours(pid)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Fail the run if it leaves a socket, token file, registry entry or volume file, or a
+    mount in `status`, behind (docs/operations.md, "Leftovers").  Only what this run made
+    counts: what was there when it started is ignored, and of what appeared meanwhile only
+    what names a volume or a mount point of a client config under this run's temporary
+    directory (other runs on the machine, with their own daemons, are not blamed)."""
+    before = set(_shared_state())
+    yield
+    base = tmp_path_factory.getbasetemp().resolve()
+    volumes, sockets = _this_runs_volumes(base)
+    live: dict[str, object] = {}  # socket or token path -> pid of the live daemon that holds it
+    for state in mounts.survey():
+        info = state.info or {}
+        if state.state == "live" and isinstance(info.get("controlSocket"), str):
+            for path in (info["controlSocket"], mounts.data_socket_path(info["controlSocket"]), info.get("tokenFile")):
+                if isinstance(path, str) and path:
+                    live[path] = info.get("pid")
+    left = sorted(name for name, what in _shared_state().items()
+                  if name not in before and _made_by_this_run(name, what, base, volumes, sockets)
+                  and not _held_by_another_run(name, what, live))
+    if left:
+        pytest.fail(f"the tests left {len(left)} thing(s) behind (a daemon killed without 'cubefs-fuse umount', "
+                    f"or a cleanup path that misses a file): " + "; ".join(left), pytrace=False)
 
 
 # -- fixtures -----------------------------------------------------------------------------

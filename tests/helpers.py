@@ -115,16 +115,21 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 
 
 def force_unmount(m: Mount) -> None:
-    """Detach ``m`` and kill its daemon if it is still mounted (teardown after a failure)."""
-    if mounts.find_mount(str(m.mount_point)) is None:
-        return
+    """Kill ``m``'s daemon and detach its mount if it is still there (teardown after a
+    failure); `cubefs-fuse umount --lazy` then removes the files the killed daemon left
+    (sockets, token, registry entry, volume file: tests/conftest.py fails a run that leaves any)."""
     info = mounts.registered(str(m.mount_point))
-    subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
+    if mounts.find_mount(str(m.mount_point)) is None and info is None:
+        return
     if info:
         try:
             os.kill(int(info["pid"]), 9)
         except ProcessLookupError:
             pass
+        mounts.wait_for_exit(int(info["pid"]), timeout=10)
+    result = cli("umount", "--lazy", str(m.mount_point))
+    if result.returncode != 0 and mounts.find_mount(str(m.mount_point)) is not None:
+        subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
     m.mounted = False
 
 

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import sysconfig
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from cubefs_fuse import mounts
+from cubefs_fuse.config import user_allow_other
 from tests.cli_checks import ERROR, FOREGROUND, Env, assert_one_line_error, daemons_using, leftovers, readonly_tmpfs
 from tests.helpers import REPO, Mount, cli, free_port
 
@@ -71,6 +79,32 @@ def test_second_mount_on_a_mounted_mount_point(make_mount: Callable[..., Mount])
     assert daemons_using(m.config_path) == [pid]  # the helper the failure checks rely on sees daemons
     assert m.path("f.txt").read_text() == "live"
     assert [e.mount_point for e in mounts.mount_table()].count(str(m.mount_point)) == 1
+    m.umount()
+
+
+def test_second_daemon_of_a_live_volume_is_refused_before_it_writes(make_mount: Callable[..., Mount],
+                                                                     tmp_path: Path) -> None:
+    m = make_mount()
+    (m.source / "f.txt").write_text("live")
+    m.mount()
+    pid, vol = m.pid(), m.config()["volName"]
+    log_file = m.base / "log" / f"{vol}.log"
+    log_before = log_file.read_bytes()
+    # The same volume on another mount point, cache dir and port, logging into the same
+    # directory: its log file would be the live daemon's.
+    other = Env(tmp_path / "other")
+    other.config.update(volName=vol, logDir=str(m.base / "log"))
+    other.write()
+    message = other.fails()
+    assert message == (f"key 'volName': volume {vol!r} is already served by daemon pid {pid} on {m.mount_point} "
+                       f"(unmount it first: cubefs-fuse umount {m.mount_point})")
+    # Refused before writing anything: no line in the live daemon's log, no cache dir made.
+    assert log_file.read_bytes() == log_before
+    assert not (other.base / "cache").exists()
+    # The live daemon keeps its control socket (a second daemon would have replaced it).
+    status = cli("status", str(m.mount_point), "--json")
+    assert status.returncode == 0 and json.loads(status.stdout)[0]["control_api"], status.stderr
+    assert m.path("f.txt").read_text() == "live"
     m.umount()
 
 
@@ -150,7 +184,8 @@ def test_a_start_that_fails_after_the_control_api_opened_leaves_nothing(env: Env
     assert result.returncode == 0, result.stderr
     try:
         token_file = Path(mounts.runtime_dir()) / f"{vol}.token"
-        assert token_file.exists() and len(leftovers(config)) == 4  # socket, token, volume file, registry
+        # The control and data sockets, the token, the volume file and the registry entry.
+        assert token_file.exists() and len(leftovers(config)) == 5, leftovers(config)
         log_file = env.base / "log" / f"{vol}.log"
         assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
     finally:
@@ -171,3 +206,77 @@ def test_an_old_world_readable_log_file_is_made_private(env: Env) -> None:
         assert log_file.read_text().startswith("old lines\n")  # appended to, not replaced
     finally:
         assert cli("umount", str(env.mount_point)).returncode == 0
+
+
+def test_umount_lazy_after_kill_9_leaves_nothing(env: Env) -> None:
+    # Every file a daemon has in shared places (ai_prefetch with profPort has them all).
+    cfg = env.base / "cfg"
+    cfg.mkdir()
+    vol = f"killed{os.getpid()}"
+    env.write(profile="ai_prefetch", volName=vol, configDir=str(cfg), profPort=free_port())
+    config = json.loads(env.config_path.read_text())
+    assert cli("mount", "-c", str(env.config_path)).returncode == 0
+    info = mounts.registered(str(env.mount_point))
+    assert info is not None and len(leftovers(config)) == 5, leftovers(config)
+    os.kill(info["pid"], 9)
+    assert mounts.wait_for_exit(info["pid"], timeout=30)
+    result = cli("umount", "--lazy", str(env.mount_point))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"cubefs-fuse: unmounted {env.mount_point}\n"
+    assert leftovers(config) == []
+    assert mounts.find_mount(str(env.mount_point)) is None
+    assert str(env.mount_point) not in cli("status").stdout
+
+
+# -- as a user who is not root -------------------------------------------------------------
+
+NOBODY = 65534  # the unprivileged uid and gid every Debian system has (nobody, nogroup)
+
+
+def _as_nobody(*argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``argv`` run as uid and gid NOBODY without supplementary groups, with ``env`` added."""
+    return subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "env",
+                           *(f"{k}={v}" for k, v in env.items()), *argv],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+
+
+def _python_for_nobody() -> str:
+    """An interpreter of this Python version that uid NOBODY may run: this one, unless it
+    lives in a directory closed to others (a pyenv under /root), then the system's."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (sys.executable, f"/usr/bin/python{version}"):
+        probe = _as_nobody(python, "-c", "import sys; print(f'{sys.version_info.major}.{sys.version_info.minor}')")
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return python
+    raise AssertionError(f"no Python {version} that uid {NOBODY} can run (tried {sys.executable})")
+
+
+def test_mount_as_a_user_without_fuse_access_says_what_is_missing() -> None:
+    device = os.stat("/dev/fuse")
+    if device.st_mode & 0o006 == 0o006:
+        pytest.skip("/dev/fuse is readable and writable by every user here: nothing is missing")
+    # pytest's tmp_path is private to root: the user's files go in a directory of their own.
+    base = Path(tempfile.mkdtemp(prefix="cubefs-nonroot-"))
+    try:
+        (base / "source").mkdir()
+        (base / "mnt").mkdir()
+        (base / "source" / "f.txt").write_text("data")
+        config = {"mountPoint": str(base / "mnt"), "volName": f"nonroot{os.getpid()}", "source": str(base / "source"),
+                  "diskCacheDir": str(base / "cache"), "logDir": str(base / "log")}
+        (base / "client.json").write_text(json.dumps(config))
+        for path in (base, *base.rglob("*")):
+            os.chown(path, NOBODY, NOBODY)
+        site = sysconfig.get_paths()["purelib"]  # the test environment's packages, readable by all
+        result = _as_nobody(_python_for_nobody(), "-m", "cubefs_fuse", "mount", "-c", str(base / "client.json"),
+                            HOME=str(base), PYTHONPATH=f"{REPO}:{site}")
+        message = assert_one_line_error(result, base / "mnt", base / "client.json")
+        missing_other = "" if user_allow_other() else (
+            f"; and add user_allow_other to /etc/fuse.conf, or only uid {NOBODY} can read the mount")
+        assert message == (
+            f"cannot mount as uid {NOBODY} (not root): /dev/fuse is {stat.filemode(device.st_mode)} uid "
+            f"{device.st_uid} gid {device.st_gid}, not readable and writable by this user: run the daemon as root, "
+            f"or give its user access to /dev/fuse (mode 0666 is the usual default){missing_other}")
+        # Found before the daemon started: no log file, so no traceback anywhere.
+        assert list((base / "log").glob("*")) == []
+    finally:
+        shutil.rmtree(base)

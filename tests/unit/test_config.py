@@ -616,3 +616,56 @@ def test_environment_config_dir_must_exist_for_ai_prefetch(tmp_path: Path) -> No
                                    [1000], ["99999999999:a"]])
 def test_sample_cache_shared_names_an_owner_uid_and_a_cache(value: Any) -> None:
     assert "sampleCacheShared" in error_of({**BASE, "sampleCacheShared": value})
+
+
+# -- check_fuse_access: what a user who cannot mount is missing ---------------------------
+
+
+def fuse_error(device: Path, fuse_conf: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        config.check_fuse_access(str(device), str(fuse_conf))
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def refuse_open(monkeypatch: pytest.MonkeyPatch, device: Path) -> None:
+    """The device as a user without access sees it (root opens any file)."""
+    real_open = os.open
+
+    def opener(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if str(path) == str(device):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", opener)
+
+
+@pytest.mark.parametrize("allow_other", [False, True])
+def test_fuse_access_of_a_user_names_the_device_and_user_allow_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, allow_other: bool) -> None:
+    device, conf = tmp_path / "fuse", tmp_path / "fuse.conf"
+    device.write_text("")
+    os.chmod(device, 0o600)
+    conf.write_text("# comment\nuser_allow_other\n" if allow_other else "#user_allow_other\n")
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    config.check_fuse_access(str(device), str(conf))  # openable: nothing missing
+    refuse_open(monkeypatch, device)
+    st = device.stat()
+    expected = (f"cannot mount as uid 1000 (not root): {device} is -rw------- uid {st.st_uid} gid {st.st_gid}, not "
+                f"readable and writable by this user: run the daemon as root, or give its user access to {device} "
+                "(mode 0666 is the usual default)")
+    if not allow_other:
+        expected += f"; and add user_allow_other to {conf}, or only uid 1000 can read the mount"
+    assert fuse_error(device, conf) == expected
+
+
+def test_fuse_access_without_the_device_or_as_root_in_a_container(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device, conf = tmp_path / "fuse", tmp_path / "fuse.conf"
+    assert fuse_error(device, conf) == (f"cannot mount: {device} does not exist: load the fuse kernel module "
+                                        f"(modprobe fuse); a container needs the device passed in (--device {device})")
+    device.write_text("")
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    refuse_open(monkeypatch, device)
+    assert fuse_error(device, conf) == (f"cannot mount: {device}: Permission denied: a container needs the device "
+                                        f"(--device {device}) and CAP_SYS_ADMIN")

@@ -165,3 +165,29 @@ def test_function_level_and_relative_imports_are_read() -> None:
     source = "def f():\n    import trio\n    from . import sibling\n    from .keys import block_key\n"
     found = imports_of(source, "cubefs_fuse.cache.disk", modules=frozenset({"cubefs_fuse.cache.sibling"}))
     assert found == {"trio", "cubefs_fuse.cache.sibling", "cubefs_fuse.cache.keys"}
+
+
+def test_the_cube_torch_distribution_ships_what_cube_torch_imports() -> None:
+    """distributions/cube-torch links the modules of cubefs_fuse that cube_torch imports,
+    at any depth, with their packages: no fewer (an ImportError in a training image), no
+    more (native code, a compiler)."""
+    edges = graph()
+    needed: set[str] = set()
+    todo = [name for module, imported in edges.items() if module.startswith("cube_torch")
+            for name in imported if name.startswith("cubefs_fuse.")]
+    while todo:
+        module = todo.pop()
+        if module in needed or module not in edges:
+            continue
+        needed.add(module)
+        todo.extend(name for name in edges[module] if name.startswith("cubefs_fuse"))
+    packages = {".".join(m.split(".")[:i]) for m in needed for i in range(1, len(m.split(".")))}
+    expected = sorted({*needed, *packages})
+    dist = REPO / "distributions" / "cube-torch"
+    linked = sorted(module_name(dist / p.relative_to(dist)).removeprefix("distributions.cube-torch.")
+                    for p in (dist / "cubefs_fuse").rglob("*.py"))
+    assert linked == expected
+    for path in (dist / "cubefs_fuse").rglob("*"):
+        if path.is_symlink():
+            assert path.resolve() == REPO / path.relative_to(dist), f"{path} links elsewhere"
+    assert (dist / "cube_torch").resolve() == REPO / "cube_torch"

@@ -1,0 +1,1 @@
+../../../cubefs_fuse/__init__.py

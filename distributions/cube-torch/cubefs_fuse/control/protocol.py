@@ -1,0 +1,1 @@
+../../../../cubefs_fuse/control/protocol.py

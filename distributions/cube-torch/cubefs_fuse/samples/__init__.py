@@ -1,0 +1,1 @@
+../../../../cubefs_fuse/samples/__init__.py
