@@ -124,6 +124,7 @@ typedef struct {
 /* libfuse reports mount failures through its log; the last message goes into the
  * exception Python sees (e.g. "fuse: device not found, try 'modprobe fuse' first"). */
 static char last_log[512];
+static pthread_mutex_t last_log_lock = PTHREAD_MUTEX_INITIALIZER;  /* readers log too */
 
 static void session_log(enum fuse_log_level level, const char *fmt, va_list ap)
 {
@@ -132,8 +133,11 @@ static void session_log(enum fuse_log_level level, const char *fmt, va_list ap)
     size_t n = strlen(line);
     while (n && line[n - 1] == '\n')
         line[--n] = '\0';
-    if (level <= FUSE_LOG_ERR)
+    if (level <= FUSE_LOG_ERR) {
+        pthread_mutex_lock(&last_log_lock);
         memcpy(last_log, line, n + 1);
+        pthread_mutex_unlock(&last_log_lock);
+    }
     fprintf(stderr, "%s\n", line);
 }
 
@@ -682,8 +686,12 @@ static struct pending *claim(Session *s, unsigned long long id)
 
 static PyObject *raise_errno(int err, const char *what)
 {
-    if (last_log[0])
-        PyErr_Format(PyExc_OSError, "%s: %s (%s)", what, strerror(err), last_log);
+    char why[sizeof last_log];
+    pthread_mutex_lock(&last_log_lock);
+    memcpy(why, last_log, sizeof why);
+    pthread_mutex_unlock(&last_log_lock);
+    if (why[0])
+        PyErr_Format(PyExc_OSError, "%s: %s (%s)", what, strerror(err), why);
     else
         PyErr_Format(PyExc_OSError, "%s: %s", what, strerror(err));
     return NULL;
@@ -806,7 +814,9 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     }
     char *argv[] = {"cubefs-fuse", "-o", (char *)options, NULL};
     struct fuse_args fargs = FUSE_ARGS_INIT(3, argv);
+    pthread_mutex_lock(&last_log_lock);
     last_log[0] = '\0';
+    pthread_mutex_unlock(&last_log_lock);
     fuse_set_log_func(session_log);
     s->se = fuse_session_new(&fargs, &operations, sizeof operations, s);
     if (!s->se) {
@@ -1056,11 +1066,14 @@ static PyObject *Session_reply_open(Session *s, PyObject *args)
     if (!p)
         goto bad;
     if (h) {
-        /* In the table before the answer: the first READ may follow it at once. */
+        /* In the table before the answer: the first READ may follow it at once.  The GIL
+         * is let go while the lock waits for readers busy on NVMe reads. */
+        Py_BEGIN_ALLOW_THREADS
         pthread_rwlock_wrlock(&s->hlock);
         h->next = s->handles[fh % HANDLE_BUCKETS];
         s->handles[fh % HANDLE_BUCKETS] = h;
         pthread_rwlock_unlock(&s->hlock);
+        Py_END_ALLOW_THREADS
     }
     struct fuse_file_info fi;
     memset(&fi, 0, sizeof fi);
@@ -1073,8 +1086,13 @@ static PyObject *Session_reply_open(Session *s, PyObject *args)
     Py_END_ALLOW_THREADS
     free(p);
     if (rc == -ENOENT) {
-        if (h && (h = detach_handle(s, fh)) != NULL)
-            free_handle(h);
+        if (h) {
+            Py_BEGIN_ALLOW_THREADS
+            h = detach_handle(s, fh);
+            Py_END_ALLOW_THREADS
+            if (h)
+                free_handle(h);
+        }
         Py_RETURN_FALSE;
     }
     Py_RETURN_TRUE;
