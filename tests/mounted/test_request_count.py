@@ -5,7 +5,7 @@ Once a file's pages and its dentry and attributes are cached, an open/read/close
 the daemon as exactly one OPEN and one RELEASE: no LOOKUP or GETATTR (entry and attribute
 timeouts), no READ (``keep_cache``), no FLUSH (answered ``ENOSYS`` once, which the kernel
 remembers for the connection), no GETXATTR.  Python's ``open()`` adds one IOCTL (its
-``isatty`` check, ``TCGETS``), which libfuse answers without the daemon's handlers; the
+``isatty`` check, ``TCGETS``), which the C session answers ``ENOTTY`` without Python; the
 kernel forwards every ioctl of a FUSE file, so that one is the reader's, not avoidable here.
 
 The counts come from the kernel's ``fuse:fuse_request_send`` tracepoint in a private
