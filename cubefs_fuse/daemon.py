@@ -42,6 +42,12 @@ from cubefs_fuse.stats import AppReads, app_reads
 
 log = logging.getLogger(__name__)
 
+# A request Python has not answered after this many backendTimeouts is answered EIO by the
+# C session: one request may legitimately wait on a few backend operations in turn (a
+# lookup's stat, then its small-file read; a read's block behind a fetch slot), each cut
+# at backendTimeout by DeadlineBackend, but past four the trio thread is stalled, and the
+# mount's readers must not hang with it.
+STALLED_AFTER_TIMEOUTS = 4
 # How long shutdown waits for queued NVMe writes before giving up on them (the next
 # start then rescans the directory instead of reading the index).
 DRAIN_SECONDS = 10.0
@@ -155,6 +161,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
     try:
         session = kernel.mount(daemon.fs, config.mount_point, mount_options(config),
                                entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
+                               request_timeout=STALLED_AFTER_TIMEOUTS * config.backend_timeout,
                                on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point))
     except OSError as exc:
         raise ConfigError(f"cannot mount {config.mount_point}: {exc}") from None

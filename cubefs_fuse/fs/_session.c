@@ -20,7 +20,9 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
+#include <time.h>
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
@@ -93,6 +95,7 @@ struct pending {
     uint64_t fh;
     uint64_t off;
     uint64_t size;         /* READ/READDIR: bytes wanted; FORGET: nlookup */
+    uint64_t queued_ns;    /* CLOCK_MONOTONIC when it was queued (the watchdog's deadline) */
     pid_t pid;
     uid_t uid;
     gid_t gid;
@@ -109,6 +112,10 @@ typedef struct {
     int nthreads;
     int started;
     double entry_timeout, attr_timeout;
+    uint64_t deadline_ns;  /* a forwarded request older than this gets EIO from C; 0: never */
+    _Atomic uint64_t expired;  /* requests the watchdog answered */
+    pthread_t watchdog;
+    int watching;
     atomic_int init_posted;
     atomic_int exit_posted;
     pthread_rwlock_t hlock;  /* the handles: READs read them, OPEN and RELEASE change them */
@@ -141,6 +148,9 @@ static void session_log(enum fuse_log_level level, const char *fmt, va_list ap)
     fprintf(stderr, "%s\n", line);
 }
 
+/* A reply to a request that waits for none: answered at its deadline, or never given. */
+static PyObject *Gone;
+
 /* ---- the queue (reader threads, no GIL) ---- */
 
 static void wake(Session *s)
@@ -171,6 +181,13 @@ static void push(Session *s, struct pending *p)
         wake(s);
 }
 
+static uint64_t now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ULL + (uint64_t)t.tv_nsec;
+}
+
 static struct pending *new_pending(fuse_req_t req, int op, fuse_ino_t ino, const char *name)
 {
     size_t len = name ? strlen(name) : 0;
@@ -180,6 +197,7 @@ static struct pending *new_pending(fuse_req_t req, int op, fuse_ino_t ino, const
     p->req = req;
     p->op = op;
     p->ino = ino;
+    p->queued_ns = now_ns();
     if (name)
         memcpy(p->name, name, len + 1);
     if (req) {
@@ -628,6 +646,71 @@ out:
     return NULL;
 }
 
+/* ---- the watchdog: no forwarded request waits forever ---- */
+
+/* Requests whose answer carries data, which a stalled Python would leave the caller
+ * waiting for; RELEASE and RELEASEDIR are not cut: Python must see them to free the handle. */
+static int expires(int op)
+{
+    return op != OP_RELEASE && op != OP_RELEASEDIR;
+}
+
+static void *watchdog(void *arg)
+{
+    Session *s = arg;
+    /* Ticks of a quarter of the deadline (at least 100 ms): a request is answered at most
+     * 25 % past it, and an idle daemon wakes four times per deadline. */
+    int tick_ms = (int)(s->deadline_ns / 4000000ULL);
+    struct pollfd stop = {.fd = s->stopfd, .events = POLLIN};
+    if (tick_ms < 100)
+        tick_ms = 100;
+    for (;;) {
+        int r = poll(&stop, 1, tick_ms);
+        if (r > 0 || (r < 0 && errno != EINTR))
+            break;  /* told to stop (or cannot wait: then no deadline is kept) */
+        if (r < 0)
+            continue;
+        uint64_t now = now_ns();
+        if (now < s->deadline_ns)
+            continue;  /* nothing can be that old yet (the clock counts from boot) */
+        uint64_t oldest = now - s->deadline_ns;
+        struct pending *late = NULL;
+        pthread_mutex_lock(&s->lock);
+        for (size_t i = 0; i < s->nslots; i++) {  /* taken by Python, not answered */
+            struct pending *p = s->slots[i];
+            if (p && expires(p->op) && p->queued_ns < oldest) {
+                s->slots[i] = NULL;
+                s->gens[i] = s->gens[i] + 1 ? s->gens[i] + 1 : 1;
+                s->free_slots[s->nfree++] = (uint32_t)i;
+                p->next = late;
+                late = p;
+            }
+        }
+        struct pending **link = &s->head, *tail = NULL;  /* queued, not taken yet */
+        while (*link) {
+            struct pending *p = *link;
+            if (p->req && expires(p->op) && p->queued_ns < oldest) {
+                *link = p->next;
+                p->next = late;
+                late = p;
+            } else {
+                tail = p;
+                link = &p->next;
+            }
+        }
+        s->tail = tail;
+        pthread_mutex_unlock(&s->lock);
+        while (late) {
+            struct pending *next = late->next;
+            atomic_fetch_add(&s->expired, 1);
+            fuse_reply_err(late->req, EIO);
+            free(late);
+            late = next;
+        }
+    }
+    return NULL;
+}
+
 /* ---- slots: requests handed to Python ---- */
 
 /* Under s->lock.  Returns 0, or -1 with a Python exception set (GIL held by the caller). */
@@ -678,7 +761,7 @@ static struct pending *claim(Session *s, unsigned long long id)
     }
     pthread_mutex_unlock(&s->lock);
     if (!p)
-        PyErr_Format(PyExc_KeyError, "no request %llu waits for a reply", id);
+        PyErr_Format(Gone, "no request %llu waits for a reply (answered at its deadline, or never given)", id);
     return p;
 }
 
@@ -707,8 +790,10 @@ static void stop_readers(Session *s)
     Py_BEGIN_ALLOW_THREADS
     for (int i = 0; i < s->nthreads; i++)
         pthread_join(s->threads[i], NULL);
+    if (s->watching)
+        pthread_join(s->watchdog, NULL);
     Py_END_ALLOW_THREADS
-    s->started = 0;
+    s->started = s->watching = 0;
 }
 
 /* Requests nobody will answer any more (the session is closing): EIO, then freed. */
@@ -781,13 +866,16 @@ static void Session_dealloc(Session *s)
 
 static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"mountpoint", "options", "threads", "entry_timeout", "attr_timeout", NULL};
+    static char *kwlist[] = {"mountpoint", "options", "threads", "entry_timeout", "attr_timeout",
+                             "request_timeout", NULL};
     const char *mountpoint, *options;
     int threads = 4;
-    double entry_timeout = 1.0, attr_timeout = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|idd", kwlist, &mountpoint, &options, &threads,
-                                     &entry_timeout, &attr_timeout))
+    double entry_timeout = 1.0, attr_timeout = 1.0, request_timeout = 0.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|iddd", kwlist, &mountpoint, &options, &threads,
+                                     &entry_timeout, &attr_timeout, &request_timeout))
         return NULL;
+    if (!(request_timeout >= 0.0 && request_timeout < 1e6))
+        return PyErr_Format(PyExc_ValueError, "request_timeout must be 0 (none) or seconds below 1e6");
     /* More readers than this only contend for one descriptor; the kernel queue is the buffer. */
     if (threads < 1 || threads > 64)
         return PyErr_Format(PyExc_ValueError, "threads must be 1..64, not %d", threads);
@@ -799,6 +887,7 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     pthread_rwlock_init(&s->hlock, NULL);
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
+    s->deadline_ns = (uint64_t)(request_timeout * 1e9);
     s->nthreads = threads;
     s->threads = calloc((size_t)threads, sizeof *s->threads);
     s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -855,6 +944,12 @@ static PyObject *Session_start(Session *s, PyObject *unused)
         }
     }
     s->started = 1;
+    if (s->deadline_ns) {
+        int err = pthread_create(&s->watchdog, NULL, watchdog, s);
+        if (err)
+            return raise_errno(err, "pthread_create");
+        s->watching = 1;
+    }
     Py_RETURN_NONE;
 }
 
@@ -1221,6 +1316,12 @@ static PyObject *Session_close(Session *s, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_expired(Session *s, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(atomic_load(&s->expired));
+}
+
 static PyObject *Session_exited(Session *s, void *closure)
 {
     (void)closure;
@@ -1250,6 +1351,7 @@ static PyMethodDef Session_methods[] = {
 
 static PyGetSetDef Session_getset[] = {
     {"exited", (getter)Session_exited, NULL, "True once the session has ended", NULL},
+    {"expired", (getter)Session_expired, NULL, "requests answered EIO at their deadline, Python too late", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1259,8 +1361,9 @@ static PyTypeObject SessionType = {
     .tp_basicsize = sizeof(Session),
     .tp_dealloc = (destructor)Session_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Session(mountpoint, options, threads=4, entry_timeout=1.0, attr_timeout=1.0): "
-              "mounts and owns a FUSE connection",
+    .tp_doc = "Session(mountpoint, options, threads=4, entry_timeout=1.0, attr_timeout=1.0, request_timeout=0): "
+              "mounts and owns a FUSE connection; a forwarded request older than request_timeout seconds "
+              "(0: none) is answered EIO by C",
     .tp_methods = Session_methods,
     .tp_getset = Session_getset,
     .tp_new = Session_new,
@@ -1278,6 +1381,13 @@ PyMODINIT_FUNC PyInit__session(void)
     PyObject *m = PyModule_Create(&module);
     if (!m)
         return NULL;
+    Gone = PyErr_NewExceptionWithDoc("cubefs_fuse.fs._session.Gone",
+                                     "The request was answered already (EIO at its deadline) or never given.",
+                                     PyExc_LookupError, NULL);
+    if (!Gone || PyModule_AddObject(m, "Gone", Py_NewRef(Gone)) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     Py_INCREF(&SessionType);
     if (PyModule_AddObject(m, "Session", (PyObject *)&SessionType) < 0) {
         Py_DECREF(&SessionType);

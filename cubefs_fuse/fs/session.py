@@ -129,10 +129,15 @@ class Native(Protocol):
 
 
 def mount(ops: Operations, mount_point: str, options: set[str], *, entry_timeout: float, attr_timeout: float,
-          on_init: Callable[[], object] | None = None, threads: int = READER_THREADS) -> KernelSession:
+          request_timeout: float = 0.0, on_init: Callable[[], object] | None = None,
+          threads: int = READER_THREADS) -> KernelSession:
     """Mount ``mount_point`` (OSError, with libfuse's reason, if it cannot) and return the
-    session that serves it with ``ops``: run ``serve()``, then always ``close()``."""
-    native = _session.Session(mount_point, ",".join(sorted(options)), threads, entry_timeout, attr_timeout)
+    session that serves it with ``ops``: run ``serve()``, then always ``close()``.
+
+    ``request_timeout``: a request Python has not answered after that many seconds is
+    answered EIO by C (0: never), so a stalled trio thread cannot hang the mount's readers."""
+    native = _session.Session(mount_point, ",".join(sorted(options)), threads, entry_timeout, attr_timeout,
+                              request_timeout)
     return KernelSession(ops, native, on_init=on_init)
 
 
@@ -144,6 +149,13 @@ class KernelSession:
         self.ops = ops
         self.on_init = on_init
         self._native = native
+        self.late_replies = 0  # answers that came after C's deadline had answered EIO
+
+    def _late(self, r: Request) -> None:
+        self.late_replies += 1
+        if self.late_replies == 1:
+            log.warning("request %d answered after the session's deadline (the reader got EIO): the daemon "
+                        "was stalled; later ones are counted, not logged", r[1])
 
     async def serve(self) -> None:
         native = self._native
@@ -198,7 +210,11 @@ class KernelSession:
         except Exception as exc:  # noqa: BLE001 - every failure is an errno for the kernel
             self._fail(r, exc)
             return
-        taken = self._native.reply_readdir(rid, entries)
+        try:
+            taken = self._native.reply_readdir(rid, entries)
+        except _session.Gone:
+            self._late(r)
+            taken = 0
         for _, attr_t, _ in entries[taken:]:
             ops.forget(attr_t[0], 1)  # the kernel did not take this entry
 
@@ -208,7 +224,7 @@ class KernelSession:
         except Exception as exc:  # noqa: BLE001
             self._fail(r, exc)
             return
-        self._native.reply_err(r[0], 0)
+        self._native.reply_err(r[0], 0)  # RELEASE and RELEASEDIR have no deadline in C
 
     _sync: dict[int, Callable[[KernelSession, Request], None]] = {
         _session.OP_FORGET: _forget,
@@ -223,6 +239,7 @@ class KernelSession:
     async def _answer(self, r: Request) -> None:
         rid, op, ino, fh, offset, size, flags, pid = r[:8]
         native, ops = self._native, self.ops
+        opened: int | None = None  # an OPEN's handle, to release if its answer comes too late
         try:
             if op == _session.OP_READ:
                 native.reply_buf(rid, await ops.read(fh, offset, size))
@@ -233,7 +250,7 @@ class KernelSession:
                 entry = await ops.getattr(ino)
                 native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
             elif op == _session.OP_OPEN:
-                fh = await ops.open(ino, flags, pid)
+                opened = fh = await ops.open(ino, flags, pid)
                 lent = ops.lend_blocks(fh)
                 took = native.reply_open(rid, fh, ops.keep_cache, ops.direct_io) if lent is None else \
                     native.reply_open(rid, fh, ops.keep_cache, ops.direct_io, lent.size, lent.block_size, lent.blocks)
@@ -241,7 +258,12 @@ class KernelSession:
                     ops.release(fh)
             elif op == _session.OP_OPENDIR:
                 dh = await ops.opendir(ino)
-                if not native.reply_open(rid, dh, False, False):  # interrupted: no RELEASEDIR will come
+                try:
+                    took = native.reply_open(rid, dh, False, False)
+                except _session.Gone:
+                    took = False
+                    self._late(r)
+                if not took:  # interrupted, or too late: no RELEASEDIR will come
                     ops.releasedir(dh)
             elif op == _session.OP_READLINK:
                 native.reply_readlink(rid, os.fsencode(await ops.readlink(ino)))
@@ -252,6 +274,10 @@ class KernelSession:
                                           st.name_max))
             else:
                 raise FsError(errno.ENOSYS, f"request {op} is not served")
+        except _session.Gone:
+            self._late(r)
+            if opened is not None:  # the kernel never saw this handle: no RELEASE will come
+                ops.release(opened)
         except Exception as exc:  # noqa: BLE001
             self._fail(r, exc)
 
@@ -259,5 +285,8 @@ class KernelSession:
         if not isinstance(exc, (OSError, FsError)) and type(exc) not in _logged_bugs:
             _logged_bugs.add(type(exc))
             log.error("unexpected error in request %d (reported as EIO)", r[1], exc_info=exc)
-        self._native.reply_err(r[0], errno_of(exc))
+        try:
+            self._native.reply_err(r[0], errno_of(exc))
+        except _session.Gone:
+            self._late(r)
 

@@ -107,6 +107,7 @@ class FakeNative:
         self.replies: dict[int, tuple[Any, ...]] = {}
         self.readdir_room = readdir_room
         self.take_opens = take_opens
+        self.gone = False
         self.started = self.closed = False
         self.next_id = 1
 
@@ -135,6 +136,8 @@ class FakeNative:
     def _reply(self, rid: int, *what: Any) -> None:
         assert rid not in self.replies, "a request answered twice"
         self.replies[rid] = what
+        if self.gone:  # C answered it at its deadline already: recorded, then refused
+            raise c.Gone(rid)
 
     def reply_err(self, id: int, err: int, /) -> None:
         self._reply(id, "err", err)
@@ -284,3 +287,19 @@ async def test_an_open_the_kernel_did_not_take_is_released_at_once() -> None:
     native, core = FakeNative(take_opens=False), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
     assert opened == ("open", 9, True, False) and core.calls[-1] == ("release", 9)
+
+
+async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_released() -> None:
+    native, core = FakeNative(), FakeCore()
+    native.gone = True
+    s = KernelSession(core, native)
+    ids = [native.push(c.OP_OPEN, ino=5), native.push(c.OP_GETATTR), native.push(c.OP_READDIR, fh=3, size=4096)]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.serve)
+        with trio.fail_after(10):
+            while not all(i in native.replies for i in ids):
+                await trio.sleep(0.001)
+        s.terminate()
+    assert s.late_replies == 3
+    assert ("release", 9) in core.calls  # the kernel never saw handle 9: no RELEASE will come
+    assert sorted(core.forgotten) == [(101, 1), (102, 1), (103, 1)]  # nor will FORGETs of the listing
