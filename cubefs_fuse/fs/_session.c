@@ -291,15 +291,21 @@ static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     forward(p);
 }
 
-static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+/* A READ or READDIRPLUS for Python: a handle, an offset and a size. */
+static void forward_range(fuse_req_t req, int op, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
-    struct pending *p = request(req, OP_READDIR, ino, NULL);
+    struct pending *p = request(req, op, ino, NULL);
     if (p) {
         p->fh = fi->fh;
         p->off = (uint64_t)off;
         p->size = size;
     }
     forward(p);
+}
+
+static void op_readdirplus(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
+{
+    forward_range(req, OP_READDIR, ino, size, off, fi);
 }
 
 static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -487,15 +493,8 @@ static struct disk_block *disk_block_of(PyObject *t)
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
-    if (serve_lent(of(req), req, fi->fh, size, off))
-        return;
-    struct pending *p = request(req, OP_READ, ino, NULL);
-    if (p) {
-        p->fh = fi->fh;
-        p->off = (uint64_t)off;
-        p->size = size;
-    }
-    forward(p);
+    if (!serve_lent(of(req), req, fi->fh, size, off))
+        forward_range(req, OP_READ, ino, size, off, fi);
 }
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
@@ -796,6 +795,20 @@ static void stop_readers(Session *s)
     s->started = s->watching = 0;
 }
 
+/* A list of requests that will not be answered: EIO to each, then freed (with the GIL). */
+static void fail_all(struct pending *q)
+{
+    while (q) {
+        struct pending *next = q->next;
+        if (q->req)
+            fuse_reply_err(q->req, EIO);
+        if (q->handle)
+            free_handle(q->handle);
+        free(q);
+        q = next;
+    }
+}
+
 /* Requests nobody will answer any more (the session is closing): EIO, then freed. */
 static void fail_outstanding(Session *s)
 {
@@ -814,15 +827,7 @@ static void fail_outstanding(Session *s)
     for (size_t i = 0; i < s->nslots; i++)
         s->free_slots[s->nfree++] = (uint32_t)(s->nslots - 1 - i);
     pthread_mutex_unlock(&s->lock);
-    while (q) {
-        struct pending *next = q->next;
-        if (q->req)
-            fuse_reply_err(q->req, EIO);
-        if (q->handle)
-            free_handle(q->handle);
-        free(q);
-        q = next;
-    }
+    fail_all(q);
     for (size_t i = 0; i < HANDLE_BUCKETS; i++) {
         while (s->handles[i]) {
             struct handle *h = s->handles[i];
@@ -1014,15 +1019,7 @@ static PyObject *Session_take(Session *s, PyObject *unused)
     return out;
 fail:
     /* Whatever could not be handed over is answered EIO rather than left hanging. */
-    while (q) {
-        struct pending *next = q->next;
-        if (q->req)
-            fuse_reply_err(q->req, EIO);
-        if (q->handle)
-            free_handle(q->handle);
-        free(q);
-        q = next;
-    }
+    fail_all(q);
     Py_XDECREF(out);
     return NULL;
 }
@@ -1069,6 +1066,8 @@ static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat
  * interrupted, the connection is gone) fails there and is dropped: nothing to do. */
 #define CLAIM(s, id) struct pending *p = claim((s), (id)); if (!p) return NULL
 #define ANSWER(call) do { Py_BEGIN_ALLOW_THREADS (void)(call); Py_END_ALLOW_THREADS } while (0)
+/* Answer the claimed request p, free it, return None to Python. */
+#define REPLY(call) do { ANSWER(call); free(p); Py_RETURN_NONE; } while (0)
 
 static PyObject *Session_reply_err(Session *s, PyObject *args)
 {
@@ -1077,9 +1076,7 @@ static PyObject *Session_reply_err(Session *s, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ki", &id, &err))
         return NULL;
     CLAIM(s, id);
-    ANSWER(fuse_reply_err(p->req, err));
-    free(p);
-    Py_RETURN_NONE;
+    REPLY(fuse_reply_err(p->req, err));
 }
 
 static PyObject *Session_reply_entry(Session *s, PyObject *args)
@@ -1092,9 +1089,7 @@ static PyObject *Session_reply_entry(Session *s, PyObject *args)
         return NULL;
     CLAIM(s, id);
     fill_entry(s, &e, &st);
-    ANSWER(fuse_reply_entry(p->req, &e));
-    free(p);
-    Py_RETURN_NONE;
+    REPLY(fuse_reply_entry(p->req, &e));
 }
 
 static PyObject *Session_reply_attr(Session *s, PyObject *args)
@@ -1105,9 +1100,7 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
     if (!PyArg_ParseTuple(args, "KO!", &id, &PyTuple_Type, &attr) || fill_stat(attr, &st) < 0)
         return NULL;
     CLAIM(s, id);
-    ANSWER(fuse_reply_attr(p->req, &st, s->attr_timeout));
-    free(p);
-    Py_RETURN_NONE;
+    REPLY(fuse_reply_attr(p->req, &st, s->attr_timeout));
 }
 
 /* reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> bool:
@@ -1223,9 +1216,7 @@ static PyObject *Session_reply_readlink(Session *s, PyObject *args)
     if (!PyArg_ParseTuple(args, "Ky", &id, &target))
         return NULL;
     CLAIM(s, id);
-    ANSWER(fuse_reply_readlink(p->req, target));
-    free(p);
-    Py_RETURN_NONE;
+    REPLY(fuse_reply_readlink(p->req, target));
 }
 
 static PyObject *Session_reply_statfs(Session *s, PyObject *args)
@@ -1246,9 +1237,7 @@ static PyObject *Session_reply_statfs(Session *s, PyObject *args)
     st.f_ffree = ffree;
     st.f_favail = favail;
     st.f_namemax = namemax;
-    ANSWER(fuse_reply_statfs(p->req, &st));
-    free(p);
-    Py_RETURN_NONE;
+    REPLY(fuse_reply_statfs(p->req, &st));
 }
 
 /* entries: a sequence of (name: bytes, attr: tuple, next_offset: int).  Packs as many as

@@ -1,4 +1,6 @@
-# Type stub of the C extension (fs/_session.c).
+# Type stub of the C extension (fs/_session.c).  Its request and reply methods are also
+# fs/session.py's Native protocol, which the tests' fake implements: a Protocol's methods
+# are abstract, so this class declares them again rather than inherit them.
 from collections.abc import Sequence
 
 from cubefs_fuse.fs.filesystem import DiskBlock

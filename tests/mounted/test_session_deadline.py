@@ -25,22 +25,26 @@ from cubefs_fuse.attrs import Attr
 DEADLINE = 0.5  # seconds; the watchdog ticks every 100 ms at this deadline
 
 
-def _stat_in_child(path: Path) -> tuple[int, float]:
-    """(errno of a stat of ``path`` in another process, or 0; seconds it took)."""
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c",
-                           f"import os, sys\ntry:\n    os.stat({str(path)!r})\nexcept OSError as e:\n    sys.exit(e.errno)"],
-                          capture_output=True, timeout=60)
-    return proc.returncode, time.monotonic() - started
+def _stat_in_child(path: Path) -> subprocess.Popen[bytes]:
+    """A process that stats ``path`` and exits with the errno it got (0: none)."""
+    return subprocess.Popen([sys.executable, "-c", f"import os, sys\ntry:\n    os.stat({str(path)!r})\n"
+                             "except OSError as e:\n    sys.exit(e.errno)"])
 
 
-def test_a_request_nobody_answers_gets_eio_at_the_deadline(tmp_path: Path) -> None:
+def _session_on(tmp_path: Path) -> _session.Session:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     native = _session.Session(str(mnt), "ro,default_permissions,fsname=deadline-test", 1, 1.0, 1.0, DEADLINE)
+    native.start()
+    return native
+
+
+def test_a_request_nobody_answers_gets_eio_at_the_deadline(tmp_path: Path) -> None:
+    native = _session_on(tmp_path)
     try:
-        native.start()
-        code, seconds = _stat_in_child(mnt / "name")
+        started = time.monotonic()
+        code = _stat_in_child(tmp_path / "mnt" / "name").wait(timeout=60)
+        seconds = time.monotonic() - started
         assert code == errno.EIO, f"the stat ended with errno {code}"
         assert DEADLINE * 0.9 <= seconds < DEADLINE + 10, seconds
         assert native.expired >= 1
@@ -49,13 +53,9 @@ def test_a_request_nobody_answers_gets_eio_at_the_deadline(tmp_path: Path) -> No
 
 
 def test_an_answer_after_the_deadline_finds_the_request_gone(tmp_path: Path) -> None:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    native = _session.Session(str(mnt), "ro,default_permissions,fsname=deadline-test", 1, 1.0, 1.0, DEADLINE)
+    native = _session_on(tmp_path)
     try:
-        native.start()
-        child = subprocess.Popen([sys.executable, "-c", f"import os\ntry:\n    os.stat({str(mnt / 'late')!r})\n"
-                                  "except OSError as e:\n    raise SystemExit(e.errno)"])
+        child = _stat_in_child(tmp_path / "mnt" / "late")
         request = None
         deadline = time.monotonic() + 20
         while request is None and time.monotonic() < deadline:
@@ -71,4 +71,4 @@ def test_an_answer_after_the_deadline_finds_the_request_gone(tmp_path: Path) -> 
             native.reply_err(12345, 0)
     finally:
         native.close()
-    assert not os.path.ismount(mnt)
+    assert not os.path.ismount(tmp_path / "mnt")

@@ -183,9 +183,10 @@ async def served(native: FakeNative, core: FakeCore, inits: list[int] | None = N
         await s.serve()
 
 
-async def answer(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[str, Any]]) -> list[tuple[Any, ...]]:
+async def answer(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[str, Any]],
+                 session: KernelSession | None = None) -> list[tuple[Any, ...]]:
     """Queue the requests, serve until each is answered, return the replies in order."""
-    s = KernelSession(core, native)
+    s = session or KernelSession(core, native)
     ids = [native.push(op, **kw) for op, kw in pushes]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.serve)
@@ -293,13 +294,8 @@ async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_release
     native, core = FakeNative(), FakeCore()
     native.gone = True
     s = KernelSession(core, native)
-    ids = [native.push(c.OP_OPEN, ino=5), native.push(c.OP_GETATTR), native.push(c.OP_READDIR, fh=3, size=4096)]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(s.serve)
-        with trio.fail_after(10):
-            while not all(i in native.replies for i in ids):
-                await trio.sleep(0.001)
-        s.terminate()
+    await answer(native, core, (c.OP_OPEN, {"ino": 5}), (c.OP_GETATTR, {}), (c.OP_READDIR, {"fh": 3, "size": 4096}),
+                 session=s)
     assert s.late_replies == 3
     assert ("release", 9) in core.calls  # the kernel never saw handle 9: no RELEASE will come
     assert sorted(core.forgotten) == [(101, 1), (102, 1), (103, 1)]  # nor will FORGETs of the listing
