@@ -336,6 +336,7 @@ def _fake_daemon(path: str, behaviour: str, ready: threading.Event) -> None:
         conn.send(json.dumps({"files": [[4000, 500]]}).encode())  # beyond the ring
     elif behaviour == "hangs":
         conn.recv(4096)  # until the client gives up and closes
+    conn.close()
     os.close(fd)
     listener.close()
 

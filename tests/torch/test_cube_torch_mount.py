@@ -63,8 +63,6 @@ from tests.torch_datasets import LINE, ListDataset, RepeatingBatchSampler, canon
 
 SEED = 20240607
 
-# 3 workers on a 2-core test machine is the point (more workers than cores); not a problem here.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 WORLD = 2  # DistributedSampler world size
 
 

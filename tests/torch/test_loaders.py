@@ -58,8 +58,6 @@ VAL_BATCH = 4
 RAM = 2 * 1024 * 1024  # memCacheSize: below one epoch of any test's loaders (>= 3 MB)
 SEED = 20261124
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 
 def write_domain(root: Path, classes: int, per_class: int, seed: int) -> int:
     """An ImageFolder tree of noise JPEGs (incompressible); its total bytes."""

@@ -38,8 +38,6 @@ from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
 from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 from tools.harness import drop_page_cache
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, str]]:

@@ -36,8 +36,6 @@ from tests.helpers import REPO, free_port, owned_by_another_user, write_volume_c
 from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
                                   populate, wrap)
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 
 # -- torchvision on CPU torch --------------------------------------------------------------
 
