@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cubefs_fuse import mounts
 from cubefs_fuse.config import load_config
+from tests import daemon_logs
 from tests.helpers import REPO, free_port
 from tests.systemd_units import next_notification, notify_socket, parse_unit, unit_command
 
@@ -110,6 +111,7 @@ def _edit_config(config_path: Path, root: Path) -> None:
     (Path(config["source"]) / "train.txt").write_text("walkthrough\n")
     config.update(exporterPort=free_port(), volName=f"walk-{uuid.uuid4().hex[:8]}")
     config_path.write_text(json.dumps(config))
+    daemon_logs.watch(Path(config["logDir"]))
 
 
 def _verify_unit(root: Path) -> None:
