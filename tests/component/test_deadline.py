@@ -24,8 +24,8 @@ import trio.testing
 from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.localdir import LocalDirBackend
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.component.stack import BLOCK, open_stack
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, open_stack
 
 TIMEOUT = 30.0
 PROBE = 1.0

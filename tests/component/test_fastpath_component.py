@@ -31,9 +31,9 @@ from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.control.protocol import ProtocolError
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.prefetch.batches import BatchResolver, Caller
-from tests.component.stack import BLOCK, open_stack, stack_config
 from tests.fakes import FakeBackend
 from tests.helpers import damage_block
+from tests.stack import BLOCK, open_stack, stack_config
 
 LATENCY = 0.002
 PID = os.getpid()

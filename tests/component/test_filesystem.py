@@ -17,8 +17,8 @@ import pytest
 from cubefs_fuse.errors import FsError, StaleVersion, errno_of
 from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.component.stack import BLOCK, open_stack, stack_config
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, open_stack, stack_config
 
 
 @asynccontextmanager

@@ -17,8 +17,8 @@ import trio.testing
 
 from cubefs_fuse.prefetch import service as service_module
 from cubefs_fuse.prefetch.service import PrefetchService
-from tests.component.stack import BLOCK, open_stack, stack_config
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, open_stack, stack_config
 
 IDLE = 600.0
 

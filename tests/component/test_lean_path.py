@@ -24,9 +24,9 @@ from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.component.stack import BLOCK, open_stack, stack_config
 from tests.fakes import FakeBackend
 from tests.helpers import damage_block
+from tests.stack import BLOCK, open_stack, stack_config
 
 LATENCY = 0.01
 

@@ -29,8 +29,8 @@ from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.limits import MAX_LOADERS
 from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
 from cubefs_fuse.prefetch.service import FIRST_WAIT
-from tests.component.stack import BLOCK, Stack, open_stack, stack_config
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, Stack, open_stack, stack_config
 
 LATENCY = 0.002  # 2 ms per remote operation: object-storage-like (docs/benchmarks.md)
 JOB = "train"
