@@ -400,11 +400,11 @@ def test_systemd_syscall_filter_allows_what_the_daemon_calls(make_mount: Callabl
             subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
             daemon.kill()
             daemon.wait()
-    def names(path: Path) -> set[str]:
+    def traced(path: Path) -> set[str]:
         return {line.split()[-1] for line in path.read_text().splitlines()
                 if line.strip() and not line.startswith(("-", "syscall")) and line.split()[-1] != "total"}
 
-    called, stopping = names(trace), names(tmp_path / "stop.out")
+    called, stopping = traced(trace), traced(tmp_path / "stop.out")
     # The traces themselves worked (this test cannot pass on an empty trace).
     assert {"mount", "read", "openat"} <= called and len(called) > 30, sorted(called)
     assert {"umount2", "execve"} <= stopping, sorted(stopping)  # fusermount3 unmounted

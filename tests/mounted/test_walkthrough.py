@@ -62,9 +62,10 @@ def test_the_debian12_walkthrough_runs_as_written(tmp_path: Path) -> None:
     checkout = root / CHECKOUT.lstrip("/")
     checkout.mkdir(parents=True)
     for name in CHECKOUT_FILES:
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, checkout / name, **({"ignore": shutil.ignore_patterns("__pycache__")}
-                                              if (REPO / name).is_dir() else {}))
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO / name, checkout / name)
 
     def rooted(line: str) -> str:
         return re.sub(r"(?<![\w./-])(" + "|".join(map(re.escape, ROOTS + (CHECKOUT,))) + ")",

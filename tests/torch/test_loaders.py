@@ -36,7 +36,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
 from benchmarks.suite.remote import SlowFSCProcess, slowfs_c_binary

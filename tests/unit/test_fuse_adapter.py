@@ -149,7 +149,7 @@ async def test_open_passes_the_pid_keeps_the_page_cache_and_sends_no_invalidatio
     assert (exc.value.errno, notices) == (errno.ESTALE, [])
     core.fail = None
     await fuse.release(9)
-    assert core.calls[-1] == ("release", 9)
+    assert core.calls[-1:] == [("release", 9)]
 
 
 async def test_readdir_forgets_the_entry_the_kernel_did_not_take(ops: tuple[FuseOperations, FakeCore],
