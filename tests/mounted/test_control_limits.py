@@ -128,6 +128,8 @@ def test_a_connection_flood_and_idle_connections_stop_no_reader(make_mount: Call
                 f.stdin.close()
             for f in floods:
                 f.wait(60)
+                if f.stdout is not None:
+                    f.stdout.close()
         for s in idle:
             s.close()
         print(f"{checks} read/metrics/API rounds during the flood, daemon fds {baseline} -> peak {peak[0]}")

@@ -331,6 +331,8 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
                 subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
                 daemon.kill()
                 daemon.wait()
+            if daemon.stderr is not None:
+                daemon.stderr.close()  # read by next_notification only if the daemon died
 
 
 def _syscall_group(analyze: str, name: str, seen: dict[str, set[str]]) -> set[str]:
@@ -400,6 +402,9 @@ def test_systemd_syscall_filter_allows_what_the_daemon_calls(make_mount: Callabl
             subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
             daemon.kill()
             daemon.wait()
+        if daemon.stderr is not None:
+            daemon.stderr.close()  # read by next_notification only if the daemon died
+
     def traced(path: Path) -> set[str]:
         return {line.split()[-1] for line in path.read_text().splitlines()
                 if line.strip() and not line.startswith(("-", "syscall")) and line.split()[-1] != "total"}

@@ -159,4 +159,6 @@ def _start_and_stop(root: Path, instance_unit: str, config_path: Path) -> None:
             subprocess.run(["fusermount3", "-u", "-z", config.mount_point], capture_output=True)
             daemon.kill()
             daemon.wait()
+        if daemon.stderr is not None:
+            daemon.stderr.close()  # read by next_notification only if the daemon died
     assert mounts.find_mount(config.mount_point) is None
