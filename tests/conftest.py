@@ -16,6 +16,11 @@ Without root or /dev/fuse the mounted and torch tests FAIL, each with a one-line
 so that no run (CI's included) can pass without them.  Only when asked, with
 ``CUBEFS_FUSE_SKIP_MOUNTED=1`` in the environment, they are skipped instead, with the
 same reason.  Where root and /dev/fuse are there the variable changes nothing.
+
+A mounted or torch test also fails when a daemon it ran logged an ERROR record or a
+traceback it did not declare with ``@pytest.mark.expected_daemon_errors(REGEX, ...)``
+(the ``daemon_log_check`` fixtures below, tests/daemon_logs.py); and in every tier a
+warning is an error (pyproject.toml's ``filterwarnings``).
 """
 
 from __future__ import annotations
