@@ -14,6 +14,7 @@ fixture) is checked after each of them, and once more after the module's teardow
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,36 +26,51 @@ BAD_LEVELS = frozenset({"ERROR", "CRITICAL"})
 # (an uncaught exception, a thread's, an unraisable one) or a warning (warnings.showwarning).
 BAD_RAW = re.compile(r"^Traceback \(most recent call last\):|^Exception ignored in|^\S+:\d+: \w*Warning: ", re.M)
 
-_watched: list[Path] = []  # log directories, in the order they were registered
-_checked: dict[Path, int] = {}  # log file -> bytes already checked
 
+class Logs:
+    """Log directories to check, and how far each of their files has been checked."""
 
-def watch(log_dir: Path) -> None:
-    """Check the ``*.log`` files of ``log_dir`` (a daemon's ``logDir``) after each test."""
-    if log_dir not in _watched:
-        _watched.append(log_dir)
+    def __init__(self) -> None:
+        self.directories: list[Path] = []  # in the order they were registered
+        self.checked: dict[Path, tuple[int, int]] = {}  # log file -> (inode, bytes checked)
 
+    def watch(self, log_dir: Path) -> None:
+        """Check the ``*.log`` files of ``log_dir`` (a daemon's ``logDir``) from now on."""
+        if log_dir not in self.directories:
+            self.directories.append(log_dir)
 
-def _new_text() -> list[tuple[Path, str]]:
-    """What each watched log gained since the last call (whole lines only)."""
-    gained = []
-    for directory in _watched:
-        for path in sorted(directory.glob("*.log")) if directory.is_dir() else []:
-            start = _checked.get(path, 0)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(start)
-                    data = f.read()
-            except FileNotFoundError:  # rotated away between the glob and the open
-                continue
-            if path.stat().st_size < start:  # truncated or replaced: read it from its start
-                _checked[path] = 0
-                continue
-            end = data.rfind(b"\n") + 1  # a line still being written is read next time
-            if end:
-                _checked[path] = start + end
-                gained.append((path, data[:end].decode(errors="replace")))
-    return gained
+    def new_text(self) -> list[tuple[Path, str]]:
+        """What each watched log gained since the last call (whole lines only; a file
+        replaced by another, as logrotate does, is read from its start)."""
+        gained = []
+        for directory in self.directories:
+            for path in sorted(directory.glob("*.log")) if directory.is_dir() else []:
+                try:
+                    with open(path, "rb") as f:
+                        st = os.fstat(f.fileno())
+                        inode, size = st.st_ino, st.st_size
+                        known, start = self.checked.get(path, (inode, 0))
+                        start = start if known == inode and start <= size else 0
+                        f.seek(start)
+                        data = f.read()
+                except FileNotFoundError:  # rotated away between the glob and the open
+                    continue
+                end = data.rfind(b"\n") + 1  # a line still being written is read next time
+                self.checked[path] = (inode, start + end)
+                if end:
+                    gained.append((path, data[:end].decode(errors="replace")))
+        return gained
+
+    def unexpected(self, expected: Iterable[str]) -> list[str]:
+        """The records the watched logs gained since the last call that say something went
+        wrong and match none of the ``expected`` regexes, each prefixed with its file."""
+        patterns = [re.compile(p) for p in expected]
+        found = []
+        for path, text in self.new_text():
+            for record in records(text):
+                if is_bad(record) and not any(p.search(record) for p in patterns):
+                    found.append(f"{path}:\n{record}")
+        return found
 
 
 def records(text: str) -> list[str]:
@@ -75,13 +91,7 @@ def is_bad(record: str) -> bool:
     return (head is not None and head.group(1) in BAD_LEVELS) or BAD_RAW.search(record) is not None
 
 
-def unexpected(expected: Iterable[str]) -> list[str]:
-    """The records each watched log gained since the last call that say something went
-    wrong and match none of the ``expected`` regexes, each prefixed with its file."""
-    patterns = [re.compile(p) for p in expected]
-    found = []
-    for path, text in _new_text():
-        for record in records(text):
-            if is_bad(record) and not any(p.search(record) for p in patterns):
-                found.append(f"{path}:\n{record}")
-    return found
+# The tests' one set (tests/conftest.py checks it; Mount, Env and a few tests register).
+LOGS = Logs()
+watch = LOGS.watch
+unexpected = LOGS.unexpected
