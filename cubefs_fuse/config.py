@@ -426,8 +426,9 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
         if not os.path.isdir(mount_point):
             raise ConfigError(f"key 'mountPoint': {mount_point!r} does not exist or is not a directory")
         try:
-            if any(os.scandir(mount_point)):
-                raise ConfigError(f"key 'mountPoint': {mount_point!r} is not empty")
+            with os.scandir(mount_point) as entries:
+                if any(entries):
+                    raise ConfigError(f"key 'mountPoint': {mount_point!r} is not empty")
         except PermissionError:
             raise ConfigError(f"key 'mountPoint': {mount_point!r} is not readable") from None
     if config.control_socket:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cubefs_fuse import mounts
+from tests import daemon_logs
 from tests.helpers import cli, free_port
 
 ERROR = "cubefs-fuse: error: "
@@ -58,6 +59,8 @@ class Env:
     def write(self, **changes: Any) -> Path:
         """Write the config with ``changes`` applied (a value of None removes the key)."""
         config = {**self.config, **changes}
+        if isinstance(config.get("logDir"), str):
+            daemon_logs.watch(Path(config["logDir"]))
         self.config_path.write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
         return self.config_path
 

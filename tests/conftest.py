@@ -16,6 +16,11 @@ Without root or /dev/fuse the mounted and torch tests FAIL, each with a one-line
 so that no run (CI's included) can pass without them.  Only when asked, with
 ``CUBEFS_FUSE_SKIP_MOUNTED=1`` in the environment, they are skipped instead, with the
 same reason.  Where root and /dev/fuse are there the variable changes nothing.
+
+A mounted or torch test also fails when a daemon it ran logged an ERROR record or a
+traceback it did not declare with ``@pytest.mark.expected_daemon_errors(REGEX, ...)``
+(the ``daemon_log_check`` fixtures below, tests/daemon_logs.py); and in every tier a
+warning is an error (pyproject.toml's ``filterwarnings``).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 import pytest
 
 from cubefs_fuse import mounts
+from tests import daemon_logs
 from tests.cli_checks import Env
 from tests.helpers import Mount, SlowMount, force_unmount, free_port
 
@@ -218,6 +224,34 @@ def nothing_left_behind(tmp_path_factory: pytest.TempPathFactory) -> Iterator[No
 
 
 # -- fixtures -----------------------------------------------------------------------------
+
+
+def _fail_on_daemon_errors(node: pytest.Item | pytest.Collector, when: str) -> None:
+    """Fail if a daemon's log gained an ERROR record or a traceback that ``node`` (or its
+    module) did not declare with ``@pytest.mark.expected_daemon_errors(REGEX, ...)``."""
+    expected = [p for mark in node.iter_markers("expected_daemon_errors") for p in mark.args]
+    found = daemon_logs.unexpected(expected)
+    if found:
+        pytest.fail(f"a daemon logged {len(found)} unexpected error(s) {when} (declare one a test provokes on "
+                    f"purpose with @pytest.mark.expected_daemon_errors(REGEX)):\n\n" + "\n\n".join(found),
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def daemon_log_check_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a module's teardown (its module-scoped daemons unmounted): their last records."""
+    yield
+    if tier_of(request.node.path) in NEEDS_ROOT_AND_FUSE:
+        _fail_on_daemon_errors(request.node, "while the module's fixtures were torn down")
+
+
+@pytest.fixture(autouse=True)
+def daemon_log_check(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each mounted and torch test (its own daemons gone, a module's still running):
+    what the daemons logged since the last check (tests/daemon_logs.py)."""
+    yield
+    if tier_of(request.node.path) in NEEDS_ROOT_AND_FUSE:
+        _fail_on_daemon_errors(request.node, "during this test")
 
 
 @pytest.fixture

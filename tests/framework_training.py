@@ -145,8 +145,8 @@ def make_loader(spec: dict[str, Any], multiprocessing_context: str | None = None
 
 def accelerate_training(spec: dict[str, Any]) -> None:
     """Accelerate's documented loop: everything through ``Accelerator.prepare``."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate import Accelerator  # type: ignore[import-untyped]
+    from accelerate.utils import set_seed  # type: ignore[import-untyped]
 
     accelerator = Accelerator(cpu=True)
     set_seed(SEED)
@@ -179,8 +179,8 @@ def deepspeed_training(spec: dict[str, Any]) -> None:
     """``deepspeed.initialize(training_data=...)``: DeepSpeed builds the loader (its own
     DeepSpeedDataLoader over a DistributedSampler); run under torchrun."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.comm.torch
+    import deepspeed  # type: ignore[import-untyped]
+    import deepspeed.comm.torch  # type: ignore[import-untyped]
 
     # DeepSpeed compiles a shared-memory all-reduce for CPU ranks on first use (80 s of
     # g++ on a fresh machine); it speeds up gradients, not data loading: gloo does instead.

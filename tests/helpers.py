@@ -20,6 +20,7 @@ import pytest
 
 from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
+from tests import daemon_logs
 from tools import harness
 from tools.harness import free_port as free_port  # re-exported for the tests
 
@@ -63,7 +64,10 @@ class Mount:
     mounted: bool = False
 
     def config(self) -> dict[str, Any]:
-        return {
+        """The client config; whatever starts a daemon from it (mount(), a test's own
+        ``cubefs-fuse mount --foreground``, a systemd unit) has its log checked after the
+        test (tests/daemon_logs.py)."""
+        config = {
             "mountPoint": str(self.mount_point),
             "volName": f"test{self.port}",
             "source": str(self.source),
@@ -77,6 +81,8 @@ class Mount:
             "diskFreeRatio": 0,
             **self.overrides,
         }
+        daemon_logs.watch(Path(config["logDir"]))
+        return config
 
     def mount(self) -> None:
         self.config_path.write_text(json.dumps(self.config()))

@@ -24,7 +24,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, DistributedSampler
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 from cube_torch import fastpath
 from tests.helpers import Mount, force_unmount, free_port, wait_until
@@ -137,8 +137,12 @@ def two_ranks_share(root: Path, tmp_path: Path, cached: Callable[[Path, str], An
     pipeline's; in epoch 1 every sample is a hit, half of them the other rank's; every
     sample was computed once.  ``after_epoch_0(name)`` runs between the epochs (a store
     whose writes must be in first).  Returns the cache's name."""
-    samplers = [DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
-    want = [reference(root, 2, DistributedSampler(range(FILES), num_replicas=2, rank=r, shuffle=True, seed=SEED))
+    # A DistributedSampler takes only len() of its dataset: a range stands for it (its
+    # annotation asks for a Dataset).
+    indices: Any = range(FILES)
+    samplers: list[DistributedSampler[Any]] = [
+        DistributedSampler(indices, num_replicas=2, rank=r, shuffle=True, seed=SEED) for r in (0, 1)]
+    want = [reference(root, 2, DistributedSampler(indices, num_replicas=2, rank=r, shuffle=True, seed=SEED))
             for r in (0, 1)]
     counts = [tmp_path / "rank0", tmp_path / "rank1"]
     name = f"ranks-{time.monotonic_ns()}"

@@ -18,7 +18,7 @@ from PIL import Image
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 IMAGE = 8  # JPEG side in pixels: tiny, collatable, still decoded by PIL
 
@@ -133,7 +133,7 @@ class PilTorchDataset(PairDataset):
     """``train_data_list()`` of (image, caption): images opened by PIL from their path,
     captions by ``torch.load`` from theirs (the loading code a fast path must serve)."""
 
-    def __getitem__(self, i: int) -> Any:  # type: ignore[override]
+    def __getitem__(self, i: int) -> Any:
         import torch
         from PIL import Image
 
@@ -159,15 +159,20 @@ class CLevelDataset(ListDataset):
 
 def make_dataset(kind: str, root: Path) -> Dataset[Any]:
     to_tensor = transforms.PILToTensor()
+    vision: Dataset[Any]  # torchvision's datasets (untyped)
     if kind == "imagefolder":
-        return datasets.ImageFolder(str(root / "imagefolder"), transform=to_tensor)
+        vision = datasets.ImageFolder(str(root / "imagefolder"), transform=to_tensor)
+        return vision
     if kind == "datasetfolder":
-        return datasets.DatasetFolder(str(root / "datasetfolder"), loader=read_bytes, extensions=(".bin",))
+        vision = datasets.DatasetFolder(str(root / "datasetfolder"), loader=read_bytes, extensions=(".bin",))
+        return vision
     if kind == "voc":
-        return datasets.VOCDetection(str(root / "voc"), year="2012", image_set="train", transform=to_tensor)
+        vision = datasets.VOCDetection(str(root / "voc"), year="2012", image_set="train", transform=to_tensor)
+        return vision
     if kind == "coco":
-        return datasets.CocoDetection(str(root / "coco" / "images"), str(root / "coco" / "annotations.json"),
-                                      transform=to_tensor)
+        vision = datasets.CocoDetection(str(root / "coco" / "images"), str(root / "coco" / "annotations.json"),
+                                        transform=to_tensor)
+        return vision
     if kind == "list1d":
         return ListDataset(sorted(str(p) for p in (root / "list1d").iterdir()))
     if kind == "pilpt":

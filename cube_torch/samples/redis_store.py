@@ -131,7 +131,7 @@ class _RedisBase(ABC):
         except _errors() as exc:
             raise _store_error(self.url, exc) from None
 
-    def put_many(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+    def put_many(self, name: str, items: Sequence[tuple[int, bytes | bytearray]]) -> None:
         if not items:
             return
         try:
@@ -176,7 +176,7 @@ class _RedisBase(ABC):
                 self._free.setdefault(len(entry), []).append(entry)
                 self._free_bytes += len(entry)
 
-    def _put(self, client: Any, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+    def _put(self, client: Any, name: str, items: Sequence[tuple[int, bytes | bytearray]]) -> None:
         pipe = client.pipeline(transaction=False)  # a cluster's pipelines never are
         for key, entry in items:
             pipe.set(key_of(name, key), entry)
@@ -264,7 +264,7 @@ class RedisStore(_RedisBase):
         except (ValueError, *_errors()) as exc:  # type: ignore[misc]
             raise _store_error(self.url, exc) from None
 
-    def _put(self, client: Any, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+    def _put(self, client: Any, name: str, items: Sequence[tuple[int, bytes | bytearray]]) -> None:
         if self._sets is None:
             self._sets = SetWriter(client.connection_pool)
         self._sets.send(name, items)
@@ -306,9 +306,9 @@ class SetWriter:
         self.connection: Any = None
         self.unread = 0
 
-    def send(self, name: str, items: Sequence[tuple[int, bytes]]) -> None:
+    def send(self, name: str, items: Sequence[tuple[int, bytes | bytearray]]) -> None:
         self.settle()
-        buffers: list[bytes | memoryview] = []
+        buffers: list[bytes | bytearray | memoryview] = []
         crlf = b""
         for key, entry in items:
             k = key_of(name, key).encode()
@@ -380,7 +380,7 @@ class SetWriter:
             self.connection.disconnect()
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[bytes | memoryview]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: list[bytes | bytearray | memoryview]) -> None:
     """Send every byte of ``buffers``, at most IOV_MAX of them per ``sendmsg`` (which may
     send part of them: the rest goes in the next call)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]

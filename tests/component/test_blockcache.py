@@ -14,6 +14,7 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -417,13 +418,12 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
     """N blocks fetched at once reach NVMe in at most ceil(N / DISK_BATCH_BLOCKS) worker
     thread calls (plus the first, which starts before the rest are queued), each with one
     statvfs; every block lands, checksummed, and the limit is held."""
-    import cubefs_fuse.cache.disk as disk_module
     from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS
 
     hops: list[str] = []
     statvfs_calls = 0
     real_run_sync = trio.to_thread.run_sync
-    real_statvfs = disk_module.os.statvfs
+    real_statvfs = os.statvfs
 
     async def counting_run_sync(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
         hops.append(getattr(fn, "__name__", "?"))
@@ -439,8 +439,8 @@ async def test_nvme_write_behind_is_batched_one_thread_hop_per_batch(
     n = 3 * DISK_BATCH_BLOCKS + 5
     blocks.file("f", n)
     disk = await DiskTier.open(str(tmp_path), 64 << 20, 0.0)
-    monkeypatch.setattr(disk_module.trio.to_thread, "run_sync", counting_run_sync)
-    monkeypatch.setattr(disk_module.os, "statvfs", counting_statvfs)
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting_run_sync)  # the trio and os modules disk.py uses
+    monkeypatch.setattr(os, "statvfs", counting_statvfs)
     try:
         async with open_cache(disk=disk, ram_bytes=4 * n * BLOCK) as cache:
             async with trio.open_nursery() as nursery:
@@ -608,9 +608,9 @@ async def test_dropping_the_cache_yields_to_other_tasks_between_shards(tmp_path:
             seen: set[int] = set()
             drop = disk._drop_entry
 
-            def counted_drop(key: bytes, emptied: list[str]) -> int:
+            def counted_drop(key: bytes, ops: Any) -> int:
                 seen.add(ticks)
-                return drop(key, emptied)
+                return drop(key, ops)
 
             disk._drop_entry = counted_drop  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:

@@ -23,16 +23,12 @@ import trio.testing
 
 from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.localdir import LocalDirBackend
-from cubefs_fuse.cache.blockcache import BlockCache
-from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from cubefs_fuse.fs.metadata import MetadataCache
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, open_stack
 
 TIMEOUT = 30.0
 PROBE = 1.0
-BLOCK = 4096
 
 
 @asynccontextmanager
@@ -149,10 +145,8 @@ async def test_abort_ends_operations_in_flight_at_once(autojump_clock: trio.test
 async def test_cached_data_and_metadata_are_served_while_the_remote_hangs(
         autojump_clock: trio.testing.MockClock) -> None:
     fake = fake_with({"d/cached": b"c" * 3000, "d/other": b"o" * 3000})
-    async with supervised(fake) as backend, trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(64 * BLOCK), None, fetch_slots=4, prefetch_slots=2)
-        meta = MetadataCache(backend, attr_ttl=3600, lookup_ttl=3600, max_entries=1000)
-        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
+    async with supervised(fake) as backend, open_stack(backend) as stack:
+        fs = stack.fs
         d = await fs.lookup(ROOT_INODE, "d")
         await fs.opendir(d.inode)  # the listing caches both files' attributes
         cached = await fs.lookup(d.inode, "cached")
@@ -174,7 +168,6 @@ async def test_cached_data_and_metadata_are_served_while_the_remote_hangs(
         assert trio.current_time() - start == pytest.approx(TIMEOUT)
         assert await fs.read(fh, 0, 10) == b"c" * 10  # and the cached file is still served
         fake.unhang()
-        nursery.cancel_scope.cancel()
 
 
 async def until(predicate: Callable[[], bool], what: str) -> None:

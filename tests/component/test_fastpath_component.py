@@ -26,21 +26,15 @@ import trio.testing
 
 from cube_torch import fastpath
 from cube_torch.fastpath import Channel
-from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
-from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.control.protocol import ProtocolError
-from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch.batches import BatchResolver, Caller
-from cubefs_fuse.prefetch.service import PrefetchService
 from tests.fakes import FakeBackend
 from tests.helpers import damage_block
+from tests.stack import BLOCK, open_stack, stack_config
 
-BLOCK = 4096
 LATENCY = 0.002
 PID = os.getpid()
 ME = Caller(PID, os.geteuid(), os.getegid())
@@ -52,18 +46,11 @@ async def open_resolver(backend: FakeBackend, *, wait: float = 2.0, disk: DiskTi
                         mem_cache_size: int = 1 << 24) -> AsyncIterator[BatchResolver]:
     """``mem_cache_size``: what the daemon is told (plans' windows get half of it); the
     RAM tier itself holds 16 MiB either way."""
-    async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(1 << 24), disk, fetch_slots=8, prefetch_slots=4)
-        meta = MetadataCache(backend, attr_ttl=ATTR_TTL, lookup_ttl=ATTR_TTL, max_entries=10_000)
-        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
-        config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
-                              job_idle_timeout=1e9, mem_cache_size=mem_cache_size, block_size=BLOCK,
-                              prefetch_threads=4, backend_threads=8)
-        service = PrefetchService(nursery, fs, config)
-        fs.observer = service
-        service.jobs.register("train", 0, PID)
-        yield BatchResolver(service, allow_other=True, wait=wait)
-        nursery.cancel_scope.cancel()
+    config = stack_config(mem_cache_size=mem_cache_size, backend_threads=8, prefetch_threads=4, attr_valid=ATTR_TTL,
+                          lookup_valid=ATTR_TTL, meta_cache_entries=10_000)
+    async with open_stack(backend, config, disk=disk, ram=1 << 24, service=True) as stack:
+        stack.service.jobs.register("train", 0, PID)
+        yield BatchResolver(stack.service, allow_other=True, wait=wait)
 
 
 def served(results: list) -> list[bytes | None]:  # type: ignore[type-arg]
@@ -336,6 +323,7 @@ def _fake_daemon(path: str, behaviour: str, ready: threading.Event) -> None:
         conn.send(json.dumps({"files": [[4000, 500]]}).encode())  # beyond the ring
     elif behaviour == "hangs":
         conn.recv(4096)  # until the client gives up and closes
+    conn.close()
     os.close(fd)
     listener.close()
 

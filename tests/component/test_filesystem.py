@@ -13,26 +13,18 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
-import trio
 
-from cubefs_fuse.cache.blockcache import BlockCache
-from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.errors import FsError, StaleVersion, errno_of
 from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from cubefs_fuse.fs.metadata import MetadataCache
 from tests.fakes import FakeBackend
-
-BLOCK = 4096
+from tests.stack import BLOCK, open_stack, stack_config
 
 
 @asynccontextmanager
 async def filesystem(backend: FakeBackend, *, attr_ttl: float = 3600.0) -> AsyncIterator[Filesystem]:
-    async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(64 * BLOCK), None, fetch_slots=4, prefetch_slots=2)
-        meta = MetadataCache(backend, attr_ttl=attr_ttl, lookup_ttl=attr_ttl, max_entries=1000)
-        yield Filesystem(meta, cache, backend, block_size=BLOCK)
-        nursery.cancel_scope.cancel()
+    async with open_stack(backend, stack_config(attr_valid=attr_ttl, lookup_valid=attr_ttl)) as stack:
+        yield stack.fs
 
 
 async def read_all(fs: Filesystem, fh: int, size: int, chunk: int = 1000) -> bytes:

@@ -15,31 +15,18 @@ import numpy as np
 import trio
 import trio.testing
 
-from cubefs_fuse.cache.blockcache import BlockCache
-from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig
-from cubefs_fuse.fs.filesystem import Filesystem
-from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.prefetch import service as service_module
 from cubefs_fuse.prefetch.service import PrefetchService
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, open_stack, stack_config
 
-BLOCK = 4096
 IDLE = 600.0
 
 
 @asynccontextmanager
 async def open_service(backend: FakeBackend) -> AsyncIterator[PrefetchService]:
-    async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(1 << 20), None, fetch_slots=4, prefetch_slots=2)
-        meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1000)
-        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
-        config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
-                              mem_cache_size=1 << 20, block_size=BLOCK, job_idle_timeout=IDLE)
-        service = PrefetchService(nursery, fs, config)
-        fs.observer = service
-        yield service
-        nursery.cancel_scope.cancel()
+    async with open_stack(backend, stack_config(mem_cache_size=1 << 20, job_idle_timeout=IDLE), service=True) as stack:
+        yield stack.service
 
 
 async def plan_for(service: PrefetchService, job: str, paths: list[str]) -> str:

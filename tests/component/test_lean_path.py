@@ -18,29 +18,24 @@ import trio
 
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.backends.localdir import LocalDirBackend
-from cubefs_fuse.cache.blockcache import BlockCache, Source
+from cubefs_fuse.cache.blockcache import Source
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
-from cubefs_fuse.cache.memory import MemoryTier
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from cubefs_fuse.fs.metadata import MetadataCache
 from tests.fakes import FakeBackend
 from tests.helpers import damage_block
+from tests.stack import BLOCK, open_stack, stack_config
 
-BLOCK = 4096
 LATENCY = 0.01
 
 
 @asynccontextmanager
 async def filesystem(backend: FakeBackend, *, fetch_slots: int = 4,
                      disk: DiskTier | None = None) -> AsyncIterator[Filesystem]:
-    async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(64 * BLOCK), disk, fetch_slots=fetch_slots, prefetch_slots=2)
-        meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1000)
-        yield Filesystem(meta, cache, backend, block_size=BLOCK)
-        nursery.cancel_scope.cancel()
+    async with open_stack(backend, stack_config(backend_threads=fetch_slots), disk=disk) as stack:
+        yield stack.fs
 
 
 async def read_file(fs: Filesystem, path: str) -> bytes:

@@ -15,7 +15,6 @@ import random
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,55 +22,36 @@ import pytest
 import trio
 import trio.testing
 
-from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
-from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.limits import MAX_LOADERS
 from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
-from cubefs_fuse.prefetch.service import FIRST_WAIT, PrefetchService
+from cubefs_fuse.prefetch.service import FIRST_WAIT
 from tests.fakes import FakeBackend
+from tests.stack import BLOCK, Stack, open_stack, stack_config
 
-BLOCK = 4096  # one block per file: a file is either resident or not
 LATENCY = 0.002  # 2 ms per remote operation: object-storage-like (docs/benchmarks.md)
 JOB = "train"
 PID = os.getpid()  # the registered "trainer": this process
 
 
-@dataclass
-class System:
-    backend: FakeBackend
-    fs: Filesystem
-    cache: BlockCache
-    service: PrefetchService
+System = Stack[FakeBackend]  # what open_system yields: the stack, the FakeBackend's hooks included
 
 
 @asynccontextmanager
 async def open_system(backend: FakeBackend, *, ram: int, fetch_slots: int = 16,
                       prefetch_slots: int = 12, disk: DiskTier | None = None) -> AsyncIterator[System]:
-    async with trio.open_nursery() as nursery:
-        cache = BlockCache(nursery, MemoryTier(ram), disk, fetch_slots=fetch_slots, prefetch_slots=prefetch_slots)
-        # TTLs far longer than any test: metadata is fetched once.
-        meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=1_000_000)
-        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
-        # Jobs here are registered without a watched process; an autojump clock leaps while a
-        # worker thread runs, which would age them past any realistic idle timeout.
-        config = ClientConfig(mount_point="/mnt/test", vol_name="test", source="/src", profile="ai_prefetch",
-                              job_idle_timeout=1e9,
-                              mem_cache_size=ram, block_size=BLOCK, prefetch_threads=prefetch_slots,
-                              backend_threads=fetch_slots)
-        service = PrefetchService(nursery, fs, config)
-        fs.observer = service
-        yield System(backend, fs, cache, service)
-        nursery.cancel_scope.cancel()
+    config = stack_config(mem_cache_size=ram, backend_threads=fetch_slots, prefetch_threads=prefetch_slots,
+                          meta_cache_entries=1_000_000)
+    async with open_stack(backend, config, disk=disk, service=True) as s:
+        yield s
 
 
 def make_dataset(backend: FakeBackend, files: int, *, per_dir: int = 50, size: int = BLOCK) -> list[str]:
-    """ImageNet-like: ``per_dir`` files per class directory."""
+    """ImageNet-like: ``per_dir`` files per class directory, one block each by default (a
+    file is either resident or not)."""
     paths = [f"class{i // per_dir:03d}/img{i:05d}.jpg" for i in range(files)]
     for i, path in enumerate(paths):
         backend.write(path, bytes([i % 251]) * size)

@@ -61,7 +61,7 @@ class Watch:
 
     def events(self) -> list[tuple[int, str]]:
         """(mask, name) of every event since the last call ('' names the directory itself)."""
-        out = []
+        out: list[tuple[int, str]] = []
         while True:
             try:
                 data = os.read(self.fd, 65536)

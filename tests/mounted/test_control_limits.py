@@ -106,7 +106,8 @@ def test_a_connection_flood_and_idle_connections_stop_no_reader(make_mount: Call
                   for _ in range(FLOOD_PROCESSES)]
         try:
             checks = 0
-            while not all(select.select([f.stdout], [], [], 0)[0] for f in floods):  # while under way
+            outputs = [f.stdout for f in floods if f.stdout is not None]  # all of them: stdout=PIPE
+            while not all(select.select([out], [], [], 0)[0] for out in outputs):  # while under way
                 still_serving()
                 checks += 1
                 assert all(f.poll() is None for f in floods), "a flood process exited early"
@@ -127,6 +128,8 @@ def test_a_connection_flood_and_idle_connections_stop_no_reader(make_mount: Call
                 f.stdin.close()
             for f in floods:
                 f.wait(60)
+                if f.stdout is not None:
+                    f.stdout.close()
         for s in idle:
             s.close()
         print(f"{checks} read/metrics/API rounds during the flood, daemon fds {baseline} -> peak {peak[0]}")

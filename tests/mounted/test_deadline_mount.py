@@ -85,6 +85,7 @@ def prepared(make_slow_mount: Callable[..., SlowMount]) -> tuple[SlowMount, dict
     return s, files
 
 
+@pytest.mark.expected_daemon_errors(r"backend down: read of 'd/a\.bin' got no answer within 2 s")
 def test_hung_remote_gives_eio_within_the_deadline_fails_fast_and_recovers(
         make_slow_mount: Callable[..., SlowMount]) -> None:
     s, files = prepared(make_slow_mount)
@@ -131,6 +132,7 @@ def test_cached_file_is_served_within_its_ttl_while_the_remote_hangs(
     m.umount()
 
 
+@pytest.mark.expected_daemon_errors(r"backend down: read of 'd/a\.bin' got no answer within 2 s")
 @pytest.mark.parametrize("how", ["cubefs-fuse umount", "fusermount3 -u", "cubefs-fuse umount --lazy, reader waiting",
                                  "SIGTERM, reader waiting"])
 def test_umount_works_with_a_hung_remote_and_the_daemon_exits(
@@ -171,6 +173,7 @@ def test_umount_works_with_a_hung_remote_and_the_daemon_exits(
         s.slowfs.resume()
 
 
+@pytest.mark.expected_daemon_errors(r"backend down: ")  # the first operation to find the remote gone, or the probe
 def test_remote_that_comes_back_at_the_same_path_is_reopened(make_slow_mount: Callable[..., SlowMount]) -> None:
     s, files = prepared(make_slow_mount)
     m = s.mount

@@ -351,6 +351,8 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
                 subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
                 daemon.kill()
                 daemon.wait()
+            if daemon.stderr is not None:
+                daemon.stderr.close()  # read by next_notification only if the daemon died
 
 
 def _syscall_group(analyze: str, name: str, seen: dict[str, set[str]]) -> set[str]:
@@ -420,11 +422,14 @@ def test_systemd_syscall_filter_allows_what_the_daemon_calls(make_mount: Callabl
             subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
             daemon.kill()
             daemon.wait()
-    def names(path: Path) -> set[str]:
+        if daemon.stderr is not None:
+            daemon.stderr.close()  # read by next_notification only if the daemon died
+
+    def traced(path: Path) -> set[str]:
         return {line.split()[-1] for line in path.read_text().splitlines()
                 if line.strip() and not line.startswith(("-", "syscall")) and line.split()[-1] != "total"}
 
-    called, stopping = names(trace), names(tmp_path / "stop.out")
+    called, stopping = traced(trace), traced(tmp_path / "stop.out")
     # The traces themselves worked (this test cannot pass on an empty trace).
     assert {"mount", "read", "openat"} <= called and len(called) > 30, sorted(called)
     assert {"umount2", "execve"} <= stopping, sorted(stopping)  # fusermount3 unmounted

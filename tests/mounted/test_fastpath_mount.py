@@ -174,7 +174,9 @@ def test_a_user_without_control_access_gets_no_shared_memory(make_mount: Callabl
         assert answer["fds"] == 0
         assert "not allowed" in json.loads(answer["message"])["error"]
         # The daemon's own uid (root here) is served.
-        assert Channel(data_socket).batch(["a.bin"]) == [b"x" * 1000]
+        channel = Channel(data_socket)
+        assert channel.batch(["a.bin"]) == [b"x" * 1000]
+        channel.close()
     finally:
         m.umount()
         shutil.rmtree(run, ignore_errors=True)
@@ -198,7 +200,9 @@ def test_a_daemon_that_stops_answering_costs_one_bounded_wait(make_mount: Callab
         finally:
             os.kill(pid, signal.SIGCONT)
         channel.close()
-        assert Channel(data_socket).batch(["a.bin"]) == [b"y" * 1000]
+        channel = Channel(data_socket)
+        assert channel.batch(["a.bin"]) == [b"y" * 1000]
+        channel.close()
     finally:
         m.umount()
 

@@ -55,7 +55,8 @@ def rss(pid: int) -> int:
 def status_json(m: Mount) -> dict[str, Any]:
     result = cli("status", str(m.mount_point), "--json", check=True)
     data = json.loads(result.stdout)
-    return data[0] if isinstance(data, list) else data
+    status: dict[str, Any] = data[0] if isinstance(data, list) else data
+    return status
 
 
 def test_jobs_of_100_runs_end_with_their_processes(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
@@ -70,7 +71,7 @@ def test_jobs_of_100_runs_end_with_their_processes(make_mount: Callable[..., Mou
 
     def settled(runs: int) -> bool:
         status = client.status()
-        return status["jobs"] == [] and status["plans"] == [] and status["jobs_ended"] == runs
+        return bool(status["jobs"] == [] and status["plans"] == [] and status["jobs_ended"] == runs)
 
     training_run(socket_path, m.mount_point, "run0", paths)
     wait_until(lambda: settled(1), what="the first run's job to end")

@@ -22,6 +22,7 @@ from email.parser import HeaderParser
 from pathlib import Path
 
 from cubefs_fuse import __version__, mounts
+from tests import daemon_logs
 from tests.helpers import REPO, Mount, wait_until
 
 # What goes into a distribution (the same list as .dockerignore).
@@ -125,6 +126,7 @@ def test_pip_install_into_a_fresh_venv_and_mount(tmp_path: Path) -> None:
     config.update(mountPoint=str(mount_point), source=str(source), volName=f"pkg-{uuid.uuid4().hex[:8]}",
                   diskCacheDir=str(tmp_path / "cache"), logDir=str(tmp_path / "log"))
     (config_path := tmp_path / "client.json").write_text(json.dumps(config))
+    daemon_logs.watch(tmp_path / "log")
     try:
         _run(cli, "mount", "-c", config_path, timeout=120)
         assert (mount_point / "hello.txt").read_text() == "installed\n"

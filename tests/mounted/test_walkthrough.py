@@ -20,6 +20,7 @@ from pathlib import Path
 
 from cubefs_fuse import mounts
 from cubefs_fuse.config import load_config
+from tests import daemon_logs
 from tests.helpers import REPO, free_port
 from tests.systemd_units import next_notification, notify_socket, parse_unit, unit_command
 
@@ -61,9 +62,10 @@ def test_the_debian12_walkthrough_runs_as_written(tmp_path: Path) -> None:
     checkout = root / CHECKOUT.lstrip("/")
     checkout.mkdir(parents=True)
     for name in CHECKOUT_FILES:
-        copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy2
-        copy(REPO / name, checkout / name, **({"ignore": shutil.ignore_patterns("__pycache__", "*.so")}
-                                              if (REPO / name).is_dir() else {}))
+        if (REPO / name).is_dir():
+            shutil.copytree(REPO / name, checkout / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+        else:
+            shutil.copy2(REPO / name, checkout / name)
 
     def rooted(line: str) -> str:
         return re.sub(r"(?<![\w./-])(" + "|".join(map(re.escape, ROOTS + (CHECKOUT,))) + ")",
@@ -110,6 +112,7 @@ def _edit_config(config_path: Path, root: Path) -> None:
     (Path(config["source"]) / "train.txt").write_text("walkthrough\n")
     config.update(exporterPort=free_port(), volName=f"walk-{uuid.uuid4().hex[:8]}")
     config_path.write_text(json.dumps(config))
+    daemon_logs.watch(Path(config["logDir"]))
 
 
 def _verify_unit(root: Path) -> None:
@@ -157,4 +160,6 @@ def _start_and_stop(root: Path, instance_unit: str, config_path: Path) -> None:
             subprocess.run(["fusermount3", "-u", "-z", config.mount_point], capture_output=True)
             daemon.kill()
             daemon.wait()
+        if daemon.stderr is not None:
+            daemon.stderr.close()  # read by next_notification only if the daemon died
     assert mounts.find_mount(config.mount_point) is None

@@ -33,8 +33,6 @@ LATENCY_US = 1000
 EPOCH0_BAR = 95.0  # percent of the epoch's opens
 LATER_BAR = 99.0
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 
 @pytest.mark.parametrize("case", ["coco", "voc", "imagefolder"])
 def test_epoch_0_is_hot_from_a_cold_daemon(case: str, tmp_path: Path) -> None:

@@ -35,8 +35,6 @@ from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
 from tests.helpers import Mount, wait_until
 from tests.torch_datasets import ListDataset, keep
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 SEED = 77
 EPOCHS = 3
 FILES = 20

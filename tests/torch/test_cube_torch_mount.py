@@ -48,7 +48,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler, get_worker_info
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets  # noqa: E402
+from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
@@ -63,8 +63,6 @@ from tests.torch_datasets import LINE, ListDataset, RepeatingBatchSampler, canon
 
 SEED = 20240607
 
-# 3 workers on a 2-core test machine is the point (more workers than cores); not a problem here.
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 WORLD = 2  # DistributedSampler world size
 
 
@@ -269,7 +267,7 @@ def build_loader(case: Case, dataset: Dataset[Any]) -> tuple[DataLoader[Any], Ca
         return DataLoader(dataset, batch_size=4, shuffle=True, **common), lambda epoch: None
     if case.sampler == "generator":
         generator = torch.Generator().manual_seed(SEED)
-        sampler = RandomSampler(dataset, generator=generator)
+        sampler = RandomSampler(dataset, generator=generator)  # type: ignore[arg-type]
         return DataLoader(dataset, batch_size=3, sampler=sampler, **common), lambda epoch: None
     if case.sampler == "none":
         return DataLoader(dataset, batch_size=None, shuffle=True, **common), lambda epoch: None
@@ -318,7 +316,7 @@ def fast_asks(volume: Volume) -> float:
 
 
 def daemon_plan(volume: Volume, job: str, rank: int) -> dict[str, Any]:
-    plans = [p for p in volume.client().status()["plans"] if (p["job"], p["rank"]) == (job, rank)]
+    plans: list[dict[str, Any]] = [p for p in volume.client().status()["plans"] if (p["job"], p["rank"]) == (job, rank)]
     assert len(plans) == 1, f"daemon plans for {job}/{rank}: {plans}"
     return plans[0]
 

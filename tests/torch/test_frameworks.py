@@ -149,6 +149,7 @@ def check_samples(case: Case, volume: Volume, reference: list[dict[str, Any]], p
 
 def check_one_job(case: Case, volume: Volume, planned: list[dict[str, Any]]) -> str:
     """Every rank ran as one job; rank 0's `cubefs-fuse status` shows its ranks and their plans."""
+    job: str
     [job] = {record["job"] for record in planned}
     for rank, record in enumerate(planned):
         stats = record["stats"]

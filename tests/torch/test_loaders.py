@@ -36,7 +36,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
 from benchmarks.suite.remote import SlowFSCProcess, slowfs_c_binary
@@ -57,8 +57,6 @@ VAL = 200  # files of the val set: 50 batches of VAL_BATCH, one every 2 of a tra
 VAL_BATCH = 4
 RAM = 2 * 1024 * 1024  # memCacheSize: below one epoch of any test's loaders (>= 3 MB)
 SEED = 20261124
-
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
 def write_domain(root: Path, classes: int, per_class: int, seed: int) -> int:

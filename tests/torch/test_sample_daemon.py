@@ -27,7 +27,7 @@ from PIL import Image
 from torch.utils.data import ConcatDataset, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
@@ -37,8 +37,6 @@ from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
 )
 from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 from tools.harness import drop_page_cache
-
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +262,7 @@ def test_a_concat_dataset_of_cached_datasets_plans_each_and_reads_no_file_of_its
     picked = list(range(0, FILES, 3))
     a = cached(root, counts_a, f"concat-a-{stamp}")
     b = cached(root, counts_b, f"concat-b-{stamp}")
-    concat = ConcatDataset([a, Subset(b, picked)])
+    concat: ConcatDataset[Any] = ConcatDataset([a, Subset(b, picked)])
     plain = datasets.ImageFolder(str(root), transform=transforms.Compose([DECODE_RESIZE, AUGMENT]))
     want = epochs(loader(ConcatDataset([plain, Subset(plain, picked)]), persistent=True), 2)
     dl = loader(concat, persistent=True)

@@ -33,8 +33,6 @@ from tests.helpers import Mount, free_port
 from tools.harness import drop_page_cache
 from tests.redis_servers import RedisCluster, RedisServer, make_redis, redis_cluster, redis_server  # noqa: F401
 
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
-
 
 @pytest.fixture(scope="module")
 def volume(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Mount, str]]:

@@ -140,7 +140,8 @@ def test_fuse_path_training_bar_takes_every_latency() -> None:
     def bar(at_300: list[float], at_2000: list[float]) -> bool | None:
         runs = _with_locals(_run("training", "cubefs", at_300, latency_us=300),
                             _run("training", "cubefs", at_2000, latency_us=2000))
-        return _bar(report.evaluate_bars(runs), starts)["passed"]
+        passed: bool | None = _bar(report.evaluate_bars(runs), starts)["passed"]
+        return passed
 
     assert bar([0.3, 0.95, 1.0], [0.2, 0.96, 0.97]) is True
     assert bar([0.3, 0.95, 1.0], [0.2, 0.96, 0.94]) is False

@@ -24,7 +24,7 @@ from torch.utils.data import (ConcatDataset, DataLoader, Dataset, DistributedSam
                               RandomSampler, Sampler)
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
-from torchvision import datasets, transforms  # noqa: E402
+from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
 from cube_torch import client as ct_client
@@ -35,8 +35,6 @@ from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, read_v
 from tests.helpers import REPO, free_port, owned_by_another_user, write_volume_config
 from tests.torch_datasets import (LINE, ListDataset, PairDataset, RepeatingBatchSampler, canon, keep, make_dataset,
                                   populate, wrap)
-
-pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
 
 # -- torchvision on CPU torch --------------------------------------------------------------
@@ -81,7 +79,7 @@ class Indices(Dataset[int]):
 def plans(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[PlanRequest]]:
     """Plans cube_torch would send (the daemon is not involved here)."""
     captured: list[PlanRequest] = []
-    monkeypatch.setattr(patch.submitter, "submit", captured.append)
+    monkeypatch.setattr(ct_client.submitter, "submit", captured.append)  # the one patch.py imported
     monkeypatch.setattr(reporter, "ensure_running", lambda still_needed: None)
     monkeypatch.setattr(ct_client, "_warned", set())
     monkeypatch.setenv("VOL_NAME", "unit-test-volume")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+from collections.abc import Sized
 from pathlib import Path
 
 import numpy as np
@@ -503,7 +504,7 @@ async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path
     assert len(gc.get_objects()) - before < count // 100  # a few containers, nothing per entry
     cache = store._caches[(ME, "big")]
     assert len(cache.entries) == len(cache.ram) == store.ram_entries == count
-    shards = [*cache.entries.shards, *cache.ram.shards, *store.ram_policy._size,
+    shards: list[Sized] = [*cache.entries.shards, *cache.ram.shards, *store.ram_policy._size,
               *store.ram_policy._next, *store.ram_policy._prev]
     assert not any(gc.is_tracked(shard) for shard in shards)
     assert max(len(shard) for shard in shards) <= count // 100

@@ -101,14 +101,15 @@ def test_a_slot_written_for_its_key_carries_the_entrys_checksum(store: RingStore
     channel = store.channels[-1]
     assert store.write_entry([b"ab"], 2, name="c", key=1).digest is None  # type: ignore[union-attr]  # no uid said
     channel.uid = 1234
-    slots = [store.write_entry([entry(k, 50)], 50, name=name, key=k)
-             for k, name in ((2, "c"), (3, "c"), (4, "c"), (5, "~7/c"))]
-    assert all(slot is not None for slot in slots)
-    assert slots[0].digest == entry_digest(1234, b"c", 2, entry(2, 50))  # type: ignore[union-attr]
-    assert slots[3].digest is None  # type: ignore[union-attr]  # another user's cache: never put anyway
+    written = [store.write_entry([entry(k, 50)], 50, name=name, key=k)
+               for k, name in ((2, "c"), (3, "c"), (4, "c"), (5, "~7/c"))]
+    slots = [slot for slot in written if slot is not None]
+    assert len(slots) == len(written)
+    assert slots[0].digest == entry_digest(1234, b"c", 2, entry(2, 50))
+    assert slots[3].digest is None  # another user's cache: never put anyway
     store.put_many("c", [(2, slots[0]), (30, slots[1])])
     store.put_many("d", [(4, slots[2])])
-    assert [item[3:] for item in store.log[-2]["items"]] == [[slots[0].digest], []]  # type: ignore[union-attr]
+    assert [item[3:] for item in store.log[-2]["items"]] == [[slots[0].digest], []]
     assert store.log[-1]["items"][0][3:] == []
     assert store.stored[30] == entry(3, 50)
 

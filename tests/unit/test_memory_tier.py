@@ -103,8 +103,8 @@ def test_lent_blocks_stay_counted_until_given_back_and_the_limit_holds() -> None
         assert resident <= tier.used_bytes <= min(limit, resident + sum(size for _, size in lent))
     for k, _ in lent:
         tier.give_back(k)
-    resident = {kk: v for kk, v in shadow.items() if kk in tier}
-    assert tier.used_bytes == sum(resident.values())  # every loan back: nothing counted twice or lost
+    # Every loan back: nothing counted twice or lost.
+    assert tier.used_bytes == sum(v for kk, v in shadow.items() if kk in tier)
 
 
 def test_a_lent_block_evicted_frees_its_bytes_only_when_given_back() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -67,7 +68,7 @@ def test_get_returns_what_compute_returns_then_the_stored_copy() -> None:
     value = (torch.arange(4), "x")
     assert c.get(7, lambda: value) is value
     c.flush(5)
-    again = c.get(7, lambda: pytest.fail("computed twice"))
+    again: Any = c.get(7, lambda: pytest.fail("computed twice"))
     assert again is not value and torch.equal(again[0], value[0]) and again[1] == "x"
 
 
@@ -134,7 +135,7 @@ def test_writes_never_block_beyond_the_buffer() -> None:
     c = SampleCache("slow", store, max_pending_entries=4)
     started = time.monotonic()
     for key in range(20):
-        c.get(key, lambda key=key: compute(key))
+        c.get(key, functools.partial(compute, key))
     # A store object shared by reader and writer: each read waits SHARED_STORE_WAIT at most
     # for the stalled write, then computes; never the write's own stall (10 s here).
     assert time.monotonic() - started < 20 * cache_module.SHARED_STORE_WAIT + 2.0
@@ -293,8 +294,8 @@ def test_a_concat_dataset_sends_each_cached_part_its_keys() -> None:
     store_a, store_b = HoldingStore(), MemoryStore()
     a = CachedDataset([torch.tensor(i) for i in range(6)], name="a", store=store_a)
     b = CachedDataset([torch.tensor(100 + i) for i in range(5)], name="b", store=store_b)
-    plain = [torch.tensor(-1)] * 3
-    concat = ConcatDataset([a, Subset(b, [4, 2, 0]), plain, ConcatDataset([Subset(a, [5, 4])])])
+    plain: Any = [torch.tensor(-1)] * 3  # a list is a dataset to torch (not to its annotations)
+    concat: ConcatDataset[Any] = ConcatDataset([a, Subset(b, [4, 2, 0]), plain, ConcatDataset([Subset(a, [5, 4])])])
     # concat's index -> (cache, key): what each of its samples reads
     where = [("a", k) for k in range(6)] + [("b", 4), ("b", 2), ("b", 0)] + [None] * 3 + [("a", 5), ("a", 4)]
     outer = Subset(concat, list(range(len(concat)))[::-1])  # 14 samples, read back to front
@@ -359,7 +360,7 @@ def test_a_stalled_write_never_delays_reads_of_a_store_opened_by_url(monkeypatch
     c, compute = SampleCache("url", "redis://127.0.0.1:1/0"), Counting()
     started = time.monotonic()
     for key in range(20):
-        c.get(key, lambda key=key: compute(key))
+        c.get(key, functools.partial(compute, key))
     assert time.monotonic() - started < 2.0  # no read waited for the hung write
     deadline = time.monotonic() + 10
     while len(opened) < 2 and time.monotonic() < deadline:  # the writer thread opens its own
@@ -483,7 +484,8 @@ def test_the_writer_connects_while_the_first_misses_are_computed(monkeypatch: py
     assert len(opened) == 2 and opened[1].slots == 6  # the writer's store: every entry in its buffer
     assert c.flush(10) and len(entries) == 6
     reader = SampleCache("prepared", "redis://127.0.0.1:1/0")
-    assert [int(v[0]) for v in reader.get_many(list(range(6)), lambda k: pytest.fail("computed"))] == list(range(6))
+    got: list[Any] = reader.get_many(list(range(6)), lambda k: pytest.fail("computed"))
+    assert [int(v[0]) for v in got] == list(range(6))
     state = reader._here()  # hits only: no writer started, no store opened for it
     assert len(opened) == 3 and not state.prepared and state.writer is None and state.write_store is None
 
@@ -515,7 +517,9 @@ def test_a_store_that_answers_later_is_settled_before_a_flush_returns(monkeypatc
     assert c.flush(5) and settled.is_set()
     assert c.statistics().failures == 0
     settled.clear()
-    opened[-1].fail_settle = True
+    failing = opened[-1]
+    assert isinstance(failing, Answering)
+    failing.fail_settle = True
     c.get(2, lambda: torch.zeros(2))
     assert c.flush(5) and settled.is_set()
     assert c.statistics().failures == 1 and not c._here().writable()

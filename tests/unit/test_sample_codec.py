@@ -33,20 +33,21 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, complex):
         return bits(a.real) == bits(b.real) and bits(a.imag) == bits(b.imag)
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return bool(len(a) == len(b) and all(same(x, y) for x, y in zip(a, b)))
     if isinstance(a, dict):
-        return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+        return bool(list(a) == list(b) and all(same(a[k], b[k]) for k in a))
     if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+        return bool(a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes())
     if isinstance(a, np.generic):
-        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        return bool(a.dtype == b.dtype and a.tobytes() == b.tobytes())
     if isinstance(a, torch.Tensor):
-        return (a.dtype == b.dtype and a.shape == b.shape
-                and a.contiguous().reshape(-1).view(torch.uint8).tolist() == b.reshape(-1).view(torch.uint8).tolist()
-                if a.numel() else a.dtype == b.dtype and a.shape == b.shape)
+        return bool(a.dtype == b.dtype and a.shape == b.shape
+                    and (a.contiguous().reshape(-1).view(torch.uint8).tolist()
+                         == b.reshape(-1).view(torch.uint8).tolist())
+                    if a.numel() else a.dtype == b.dtype and a.shape == b.shape)
     if isinstance(a, Image.Image):
-        return (a.mode == b.mode and a.size == b.size and a.tobytes() == b.tobytes()
-                and a.getpalette() == b.getpalette())
+        return bool(a.mode == b.mode and a.size == b.size and a.tobytes() == b.tobytes()
+                    and a.getpalette() == b.getpalette())
     return bool(a == b)
 
 
@@ -73,7 +74,7 @@ def test_numpy_arrays_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(1)
     raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
     if np.dtype(dtype).kind == "b":
-        raw = raw & 1
+        raw &= 1
     array = np.frombuffer(raw.tobytes(), dtype=dtype).reshape(shape)  # any bits: NaN payloads too
     out = decode(encode(array))
     assert same(out, array)
@@ -164,10 +165,11 @@ def test_a_permuted_dense_value_is_stored_as_its_memory_lies() -> None:
     for value in values:
         parts = codec.encode_parts(value, b"head")
         assert not any(isinstance(part, np.ndarray) for part in parts), value  # nothing to reorder
-        memory = (value.permute(*sorted(range(value.dim()), key=lambda d: -value.stride(d))).contiguous()
-                  if isinstance(value, torch.Tensor) else value.T.copy())
-        raw = (memory.reshape(-1).view(torch.uint8).numpy().tobytes() if isinstance(value, torch.Tensor)
-               else memory.tobytes())
+        if isinstance(value, torch.Tensor):
+            memory = value.permute(*sorted(range(value.dim()), key=lambda d: -value.stride()[d])).contiguous()
+            raw = memory.reshape(-1).view(torch.uint8).numpy().tobytes()
+        else:
+            raw = value.T.copy().tobytes()
         encoded = bytes(codec.join(parts))
         assert encoded.endswith(raw) and encoded[4:5] in (b"q", b"A")  # the block as it lies
         out = decode(encoded[4:])
@@ -210,7 +212,7 @@ def test_containers_round_trip() -> None:
         "nested": [[[[[(1,)]]]]], "point": Point(1, 2), "ordered": OrderedDict(b=1, a=2),
     }
     out = decode(encode(sample))
-    expected = dict(sample, point=(1, 2), ordered={"b": 1, "a": 2})
+    expected = {**sample, "point": (1, 2), "ordered": {"b": 1, "a": 2}}
     assert same(out, expected)
     assert list(out["ordered"]) == ["b", "a"]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from cubefs_fuse.samples import files
+from cubefs_fuse.samples import checksum, files
 from tests.helpers import resident_pages
 
 UID = 1000
@@ -135,7 +135,7 @@ def test_entries_of_the_previous_format_are_scanned_read_and_freed(tmp_path: Pat
     offsets = {}
     for key, payload in payloads.items():
         offsets[key] = len(blob)
-        h = files.entry_digest(UID, name, key, payload)
+        h = checksum.entry_digest(UID, name, key, payload)
         head = struct.pack("<4sHHIqQQ", b"CFSM", 2, len(name), UID, key, len(payload), h) + name
         raw = head + payload
         blob += raw + bytes(-len(raw) % files.ALIGN)
