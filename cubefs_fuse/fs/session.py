@@ -184,7 +184,10 @@ class KernelSession:
     # -- requests answered on the spot (no await) ---------------------------------------
 
     def _forget(self, r: Request) -> None:
-        self.ops.forget(r[2], r[5])
+        try:
+            self.ops.forget(r[2], r[5])
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the session; FORGET has no reply
+            _log_bug(r, exc)
 
     def _init(self, _: Request) -> None:
         if self.on_init is not None:
@@ -195,9 +198,13 @@ class KernelSession:
 
     def _release(self, r: Request) -> None:
         served = r[11]
-        if served is not None:  # C read some of the handle's lent blocks itself
-            self.ops.served(r[3], *served)
-        self._replying(r, self.ops.release, r[3])
+
+        def release(fh: int) -> None:
+            if served is not None:  # C read some of the handle's lent blocks itself
+                self.ops.served(fh, *served)
+            self.ops.release(fh)
+
+        self._replying(r, release, r[3])
 
     def _readdir(self, r: Request) -> None:
         rid, _, _, fh, offset, size = r[:6]
@@ -282,11 +289,16 @@ class KernelSession:
             self._fail(r, exc)
 
     def _fail(self, r: Request, exc: Exception) -> None:
-        if not isinstance(exc, (OSError, FsError)) and type(exc) not in _logged_bugs:
-            _logged_bugs.add(type(exc))
-            log.error("unexpected error in request %d (reported as EIO)", r[1], exc_info=exc)
+        if not isinstance(exc, (OSError, FsError)):
+            _log_bug(r, exc)
         try:
             self._native.reply_err(r[0], errno_of(exc))
         except _session.Gone:
             self._late(r)
 
+
+def _log_bug(r: Request, exc: Exception) -> None:
+    """An unexpected exception (a bug), logged with its traceback once per exception type."""
+    if type(exc) not in _logged_bugs:
+        _logged_bugs.add(type(exc))
+        log.error("unexpected error in request %d (reported as EIO)", r[1], exc_info=exc)

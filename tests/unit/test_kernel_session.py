@@ -299,3 +299,20 @@ async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_release
     assert s.late_replies == 3
     assert ("release", 9) in core.calls  # the kernel never saw handle 9: no RELEASE will come
     assert sorted(core.forgotten) == [(101, 1), (102, 1), (103, 1)]  # nor will FORGETs of the listing
+
+
+class FailingCore(FakeCore):
+    def forget(self, inode: int, n: int) -> None:
+        raise RuntimeError("a bug in forget")
+
+    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
+               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+        raise FsError(errno.EBADF)
+
+
+async def test_a_failing_sync_request_is_answered_and_the_session_goes_on() -> None:
+    native, core = FakeNative(), FailingCore()
+    native.push(c.OP_FORGET, 12, size=1)
+    released, attr = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (1, 1, 1, 1, 0, 0, 0)}),
+                                  (c.OP_GETATTR, {"ino": 7}))
+    assert released == ("err", errno.EBADF) and attr == ("attr", attr_of(7))
