@@ -70,19 +70,21 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert second["requests"] == 20 and second["hit_rate"] == 1.0 and second["remote_reads"] == 0
     # Every file's block from a tier (cube_torch's prefetch may lift NVMe blocks into RAM first).
     assert second["ram_block_hits"] + second["disk_block_hits"] >= 20
-    # The daemon's CPU per file: cold, page-cache hit (no FUSE read), NVMe-tier hit (no miss).
+    # The daemon's CPU per file: cold, page-cache hit (no FUSE read), NVMe-tier hit (no miss),
+    # RAM-tier hit (every block from RAM).
     cpu = results["daemon_cpu"]
     assert cpu["error"] is None and cpu["readers"] == 1 and cpu["clock_tick_us"] > 0
     figures = {f["kind"]: f for f in cpu["passes"]}
-    assert list(figures) == ["cold", "page_cache", "nvme"]
+    assert list(figures) == ["cold", "page_cache", "nvme", "ram"]
     assert figures["cold"]["misses"] >= 20 and figures["cold"]["page_cache_dropped"]
     assert figures["page_cache"]["fuse_reads"] == 0 and not figures["page_cache"]["page_cache_dropped"]
     assert figures["page_cache"]["files"] == figures["page_cache"]["passes"] * 20
     assert figures["nvme"]["misses"] == 0 and figures["nvme"]["disk_hits"] >= 20
+    assert figures["ram"]["misses"] == 0 and figures["ram"]["ram_hits"] >= 20 and figures["ram"]["page_cache_dropped"]
     assert all(f["files_per_s"] > 0 and f["cpu_us_per_file"] >= 0 for f in figures.values())
     bars = {b["bar"]: b for b in results["bars"]}
     assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("daemon CPU per")), bars
-    assert sum(text.startswith("daemon CPU per") for text in bars) == 3
+    assert sum(text.startswith("daemon CPU per") for text in bars) == 4
     assert next(b for text, b in bars.items() if text.startswith("NVMe regime"))["passed"] is not None
     markdown = (out / "results.md").read_text()
     assert "| 0.3 ms, 1 w | cubefs+ct |" in markdown and "## Bars" in markdown

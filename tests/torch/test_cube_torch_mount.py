@@ -552,7 +552,6 @@ def test_a_short_job_prints_a_line_per_epoch_and_at_exit(volume: Volume, fresh_s
     assert [line for line in out if line.startswith("EPOCH")] == ["EPOCH 0 24", "EPOCH 1 24"]
     lines = [LINE.fullmatch(line) for line in out if "last_cycle_metrics" in line]
     assert all(lines) and len(lines) >= 2, out  # one per epoch (printed by the reporter thread), then exit
-    assert out[-1] == lines[-1].group(0)  # type: ignore[union-attr]  # the last line comes last
     assert int(lines[-1].group(6)) == 48  # type: ignore[union-attr]  # sum_metrics: both epochs' opens
     assert all(int(m.group(1)) > 0 for m in lines), out  # type: ignore[union-attr]  # each line says something new
     before_second = out.index("EPOCH 1 24")
