@@ -34,7 +34,6 @@ from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs import session as kernel
-from cubefs_fuse.fs.session import KernelSession
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
@@ -180,7 +179,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
                                              "tokenFile": token_file_path(config) if config.prof_port else "",
                                              "profile": config.profile,
                                              "configDir": config.config_dir if ai_prefetch else ""})
-        if config.profile == "ai_prefetch":
+        if ai_prefetch:
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
                 local_ip=volfile.local_ip(), control_socket=control_socket_path(config), pid=os.getpid(),
@@ -205,7 +204,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         sdnotify.stopping(f"unmounting {config.mount_point}")
         session.close()
         mounts.unregister(config.mount_point)
-        if config.profile == "ai_prefetch":
+        if ai_prefetch:
             volfile.remove(config.vol_name, config.config_dir)
         if stop_exporter is not None:
             await trio.to_thread.run_sync(stop_exporter)
@@ -297,7 +296,7 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
     return data_plane
 
 
-async def _terminate_on_signal(backend: DeadlineBackend, session: KernelSession, *,
+async def _terminate_on_signal(backend: DeadlineBackend, session: kernel.KernelSession, *,
                                task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         task_status.started()

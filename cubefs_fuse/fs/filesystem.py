@@ -312,15 +312,13 @@ class Filesystem:
             # that brought it); the bytes and lookups are shared out over the blocks read.
             counted = [self.cache.served(block_key(f.path, f.version, i), source, f.tag)
                        for i in range(mask.bit_length()) if mask >> i & 1]
-            for actual, stall in counted:
-                c.blocks_by_source[actual.value] += lookups // len(counted)
-                c.bytes_by_source[actual.value] += nbytes // len(counted)
+            n = len(counted)
+            for i, (actual, stall) in enumerate(counted):
+                c.blocks_by_source[actual.value] += lookups // n + (i < lookups % n)
+                c.bytes_by_source[actual.value] += nbytes // n + (i < nbytes % n)
                 if actual is Source.BACKEND:
                     f.waited = True
                     f.stall += stall
-            if counted:  # what integer division left over
-                c.blocks_by_source[counted[0][0].value] += lookups % len(counted)
-                c.bytes_by_source[counted[0][0].value] += nbytes % len(counted)
 
     def release(self, fh: int) -> None:
         f = self._files.pop(fh, None)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from cubefs_fuse.fs import _session
-from cubefs_fuse.fs.session import attr_tuple
 from cubefs_fuse.attrs import Attr
+from cubefs_fuse.fs import _session
+from cubefs_fuse.fs.session import Request, attr_tuple
+from tests.helpers import wait_until
 
 DEADLINE = 0.5  # seconds; the watchdog ticks every 100 ms at this deadline
 
@@ -56,12 +57,14 @@ def test_an_answer_after_the_deadline_finds_the_request_gone(tmp_path: Path) -> 
     native = _session_on(tmp_path)
     try:
         child = _stat_in_child(tmp_path / "mnt" / "late")
-        request = None
-        deadline = time.monotonic() + 20
-        while request is None and time.monotonic() < deadline:
-            request = next((r for r in native.take() if r[1] in (_session.OP_LOOKUP, _session.OP_GETATTR)), None)
-            time.sleep(0.01)
-        assert request is not None, "no LOOKUP or GETATTR reached the session"
+        taken: list[Request] = []
+
+        def asked() -> bool:
+            taken.extend(r for r in native.take() if r[1] in (_session.OP_LOOKUP, _session.OP_GETATTR))
+            return bool(taken)
+
+        wait_until(asked, timeout=20, what="a LOOKUP or GETATTR reaching the session")
+        request = taken[0]
         assert child.wait(timeout=30) == errno.EIO
         now = time.time_ns()
         attr = Attr(stat.S_IFREG | 0o444, 1, 0, 0, 0, 5, 1, 4096, now, now, now, 99)
