@@ -165,11 +165,11 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
     except OSError as exc:
         raise ConfigError(f"cannot mount {config.mount_point}: {exc}") from None
     stop_exporter: Callable[[], None] | None = None
+    ai_prefetch = config.profile == "ai_prefetch"
     try:
         if config.exporter_port:
             collector = DaemonCollector(daemon.snapshot, trio.lowlevel.current_trio_token())
             stop_exporter = start_exporter(config.exporter_addr, config.exporter_port, collector)
-        ai_prefetch = config.profile == "ai_prefetch"
         # The entry names every file the daemon has in shared places (the data socket is the
         # control socket's name + ".data"): `umount` removes them after a daemon that could
         # not (SIGKILL, a crash).
