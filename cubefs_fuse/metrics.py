@@ -60,9 +60,11 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_reads_total", "counter", "Read requests through the mount that reached the daemon (FUSE READs)."),
         MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications through the mount (FUSE READs)."),
         MetricSpec("cubefs_fuse_native_reads_total", "counter",
-                   "Read requests the C FUSE session served from RAM blocks lent to it, without Python (part of reads_total)."),
+                   "Read requests the C FUSE session served from blocks lent to it (RAM, or NVMe for one-block files), without Python (part of reads_total)."),
         MetricSpec("cubefs_fuse_opens_total", "counter",
                    "Files opened through the mount (the fast path and the sample cache open none: see app_requests_total)."),
+        MetricSpec("cubefs_fuse_native_opens_total", "counter",
+                   "Opens the C FUSE session answered from an inode Python published, without Python (part of opens_total)."),
         MetricSpec("cubefs_fuse_open_files", "gauge", "File handles currently open."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
         MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
@@ -226,6 +228,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
     f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
     f.add("cubefs_fuse_opens_total", s.fs.opens)
+    f.add("cubefs_fuse_native_opens_total", s.fs.native_opens)
     f.add("cubefs_fuse_open_files", s.fs.open_files)
     f.add("cubefs_fuse_inodes", s.fs.inodes)
     f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)

@@ -85,7 +85,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -96,7 +96,7 @@ import trio
 from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs import session as kernel
-from cubefs_fuse.fs.filesystem import Lent
+from cubefs_fuse.fs.filesystem import Borrower
 
 log = logging.getLogger("slowfs")
 T = TypeVar("T")
@@ -532,8 +532,18 @@ class SlowFS:
         self._c.bytes_read += len(data)
         return data
 
-    def lend_blocks(self, fh: int) -> Lent | None:
-        return None  # nothing cached here: every read is a remote one
+    # Nothing is cached here, so nothing is published: every open and read is a remote one.
+    def lend_to(self, borrower: Borrower) -> None:
+        pass
+
+    def publish(self, inode: int) -> bool:
+        return False
+
+    def freed(self, publication: int) -> None:
+        raise AssertionError("slowfs publishes nothing")
+
+    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
+        raise AssertionError("slowfs publishes nothing")
 
     def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
                disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:

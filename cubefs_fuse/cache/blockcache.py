@@ -353,7 +353,7 @@ class BlockCache:
             self._misses += 1
             return Source.BACKEND, stall
         self._hits_ram += 1
-        self.memory.count_hit()
+        self.memory.count_hit(key)
         if self._unused_prefetched.pop(key, None) is not None:
             self._prefetch_used += 1
         return Source.RAM, 0.0

@@ -43,6 +43,8 @@ class MemoryTier:
         # since its bytes stay in memory until then: the limit holds for what is lent too.
         self._loans: dict[bytes, int] = {}
         self._ghosts: dict[bytes, tuple[int, int]] = {}
+        # Told when a lent block leaves the tier, so the borrower can be asked to let go.
+        self.on_recall: Callable[[bytes], None] | None = None
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
@@ -57,10 +59,11 @@ class MemoryTier:
         return data
 
     def lend(self, key: bytes) -> bytes | None:
-        """The block, lent until :meth:`give_back` (touched, not counted as a hit); None if absent."""
+        """The block, lent until :meth:`give_back`; None if absent.  Neither touched nor
+        counted: lending is no read (a listing lends every file it names), the borrower's
+        reads are counted and touched by :meth:`count_hit`."""
         data = self._blocks.get(key)
         if data is not None:
-            self.policy.touch(key)
             self._loans[key] = self._loans.get(key, 0) + 1
         return data
 
@@ -78,9 +81,11 @@ class MemoryTier:
         else:
             self.used_bytes -= size
 
-    def count_hit(self) -> None:
-        """A read of a lent block, served by the borrower."""
+    def count_hit(self, key: bytes) -> None:
+        """A read of a lent block, served by the borrower (touched if still in the tier)."""
         self._hits += 1
+        if key in self._blocks:
+            self.policy.touch(key)
 
     def _leave(self, key: bytes, size: int) -> None:
         """``key``'s block left the tier: its bytes stop counting unless they are lent."""
@@ -90,6 +95,8 @@ class MemoryTier:
             return
         _, earlier = self._ghosts.get(key, (size, 0))
         self._ghosts[key] = (size, earlier + loans)
+        if self.on_recall is not None:
+            self.on_recall(key)  # may give loans back at once (the ghost is in place for that)
 
     def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it); False if not stored."""

@@ -9,6 +9,11 @@
  * /dev/fuse.  A request is named to Python by a slot id that carries a generation, so a
  * reply to a request already answered, or a made-up id, raises instead of touching freed
  * memory.
+ *
+ * Python also publishes inodes (publish()): how long it vouches for the inode's version and
+ * which of its blocks it lends.  An OPEN of a published inode is answered here, with a
+ * handle of C's own, and Python is told afterwards (OP_OPENED) to count it; a READ of a
+ * lent block is answered here; every RELEASE is answered here and reported (OP_RELEASE).
  */
 #define PY_SSIZE_T_CLEAN
 #define FUSE_USE_VERSION 35
@@ -44,11 +49,12 @@ enum {
     OP_RELEASEDIR,
     OP_OPEN,
     OP_READ,
-    OP_RELEASE,
+    OP_RELEASE,     /* no reply: C answered it; served counters and a freed publication */
     OP_STATFS,
     OP_FORGET,      /* no reply: ino, nlookup in size */
     OP_INIT,        /* no reply: the kernel has the answer to its INIT */
     OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
+    OP_OPENED,      /* no reply: C answered an OPEN from a publication (fh is C's handle) */
 };
 
 /* A block lent as its place in the NVMe tier: an entry of a segment file (cache/disk.py):
@@ -62,31 +68,54 @@ struct disk_block {
 };
 /* Lent blocks per handle are reported as 64-bit masks (Filesystem.MAX_LENT_BLOCKS). */
 #define MAX_LENT_BLOCKS 64
-/* Handle numbers are Python's, counted up from 1: consecutive numbers fill the buckets
- * evenly, and 1024 chains stay short for the few thousand files open at once. */
+/* Handle numbers are consecutive (Python's from 1, C's from NATIVE_HANDLES), and so are
+ * inode numbers: both fill their buckets evenly, and the chains stay short for the few
+ * thousand files open at once and the ~10^5-10^6 inodes a node's kernel holds. */
 #define HANDLE_BUCKETS 1024
+#define PUB_BUCKETS 65536
+/* C's own handle numbers (opens answered from a publication) count up from here, far
+ * above Python's (which count up from 1 and would need 2^62 opens to meet them). */
+#define NATIVE_HANDLES (1ULL << 62)
 #define ENTRY_HEADER 40
 #define ENTRY_FORMAT 2
 #define ALLOCATION_UNIT 4096
 
-/* An open file whose cached blocks Python lent (reply_open): READs that fall on them are
- * served here without Python, from the bytes objects of RAM blocks, or from NVMe entries
- * checked like Python checks them (a failed check leaves the READ to Python).  Python keeps
- * RAM blocks counted against its limit until the handle's RELEASE reaches it. */
-struct handle {
-    struct handle *next;  /* the bucket's chain */
-    uint64_t fh;
-    uint64_t size;        /* the file's size at the version the handle reads */
+/* An inode Python published (publish()): until valid_until it vouches that the inode still
+ * serves its version (the metadata cache's TTL), so an OPEN needs no decision; and it lends
+ * the cached blocks of that version: READs that fall on them are served here without
+ * Python, from the bytes objects of RAM blocks, or from NVMe entries checked like Python
+ * checks them (a failed check leaves the READ to Python).  Python keeps lent RAM blocks
+ * counted against its limit until the publication is freed: withdrawn or replaced, and no
+ * handle reading it any more. */
+struct pub {
+    struct pub *next;     /* the bucket's chain */
+    fuse_ino_t ino;
+    uint64_t id;          /* Python's name for it (never 0) */
+    uint64_t valid_until_ns;
+    uint64_t epoch;       /* the session's epoch when published (invalidate_all() ends it) */
+    int keep_cache, direct_io;
+    int complete;         /* every block is lent (or none can be): OPENs are answered here */
+    int linked;           /* in the table: new opens may use it */
+    uint32_t refs;        /* under hlock: 1 while linked, +1 per handle reading it */
+    uint64_t size;        /* the file's size at the version published */
     uint64_t block_size;
     uint32_t nblocks;
-    /* served here, by tier; a mask's bit i: block i */
-    _Atomic uint64_t reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask;
     struct disk_block **disk;  /* per block, NULL where not lent from NVMe */
     PyObject *blocks[];   /* per block, a reference to a lent RAM block (bytes), or NULL */
 };
+
+/* An open file handle that reads a publication (opened here, or by Python with attach). */
+struct handle {
+    struct handle *next;  /* the bucket's chain */
+    uint64_t fh;
+    struct pub *pub;      /* what it reads; NULL once released */
+    struct pub *freed;    /* released: its publication, if this was the last use, for Python to free */
+    /* served here, by tier; a mask's bit i: block i */
+    _Atomic uint64_t reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask;
+};
 struct pending {
     struct pending *next;  /* the queue's link */
-    struct handle *handle; /* RELEASE: the handle's lent blocks, detached, for Python to free */
+    struct handle *handle; /* RELEASE: the detached handle (counters, a publication to free) */
     fuse_req_t req;        /* NULL for the messages that take no reply */
     uint64_t id;           /* slot | generation << 32; 0 for messages */
     int op;
@@ -118,8 +147,12 @@ typedef struct {
     int watching;
     atomic_int init_posted;
     atomic_int exit_posted;
-    pthread_rwlock_t hlock;  /* the handles: READs read them, OPEN and RELEASE change them */
+    pthread_rwlock_t hlock;  /* handles and publications: READs read them, the rest change them */
     struct handle *handles[HANDLE_BUCKETS];
+    struct pub *pubs[PUB_BUCKETS];
+    _Atomic uint64_t next_fh;
+    _Atomic uint64_t epoch;
+    _Atomic uint64_t native_opens;  /* OPENs answered here */
     pthread_mutex_t lock;  /* the queue and the slots */
     struct pending *head, *tail;
     struct pending **slots;  /* requests given to Python and not yet answered */
@@ -316,14 +349,6 @@ static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info 
     forward(p);
 }
 
-static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
-{
-    struct pending *p = request(req, OP_OPEN, ino, NULL);
-    if (p)
-        p->flags = fi->flags;
-    forward(p);
-}
-
 /* Under hlock (either mode). */
 static struct handle *find_handle(Session *s, uint64_t fh)
 {
@@ -331,6 +356,147 @@ static struct handle *find_handle(Session *s, uint64_t fh)
     while (h && h->fh != fh)
         h = h->next;
     return h;
+}
+
+/* Under hlock (either mode). */
+static struct pub *find_pub(Session *s, fuse_ino_t ino)
+{
+    struct pub *pub = s->pubs[ino % PUB_BUCKETS];
+    while (pub && pub->ino != ino)
+        pub = pub->next;
+    return pub;
+}
+
+/* Under hlock (write).  Takes the inode's publication out of the table; returns it if
+ * nothing reads it any more (the caller frees it, with the GIL), else NULL (the last
+ * handle's release hands it to Python). */
+static struct pub *unlink_pub(Session *s, fuse_ino_t ino)
+{
+    struct pub **link = &s->pubs[ino % PUB_BUCKETS];
+    while (*link && (*link)->ino != ino)
+        link = &(*link)->next;
+    struct pub *pub = *link;
+    if (!pub)
+        return NULL;
+    *link = pub->next;
+    pub->next = NULL;
+    pub->linked = 0;
+    return --pub->refs == 0 ? pub : NULL;
+}
+
+/* With the GIL. */
+static void free_pub(struct pub *pub)
+{
+    for (uint32_t i = 0; i < pub->nblocks; i++) {
+        Py_XDECREF(pub->blocks[i]);
+        if (pub->disk && pub->disk[i]) {
+            free(pub->disk[i]->path);
+            free(pub->disk[i]);
+        }
+    }
+    free(pub->disk);
+    free(pub);
+}
+
+/* Under hlock (write). */
+static void insert_handle(Session *s, struct handle *h)
+{
+    h->next = s->handles[h->fh % HANDLE_BUCKETS];
+    s->handles[h->fh % HANDLE_BUCKETS] = h;
+}
+
+/* Takes a handle out of the table (NULL if it has none: an open Python answered without
+ * a publication) and drops its use of its publication: if that was the last use of one
+ * withdrawn already, h->freed names it for Python to free. */
+static struct handle *detach_handle(Session *s, uint64_t fh)
+{
+    pthread_rwlock_wrlock(&s->hlock);
+    struct handle **link = &s->handles[fh % HANDLE_BUCKETS];
+    while (*link && (*link)->fh != fh)
+        link = &(*link)->next;
+    struct handle *h = *link;
+    if (h) {
+        *link = h->next;
+        if (h->pub && --h->pub->refs == 0)
+            h->freed = h->pub;
+        h->pub = NULL;
+    }
+    pthread_rwlock_unlock(&s->hlock);
+    return h;
+}
+
+/* The handle fh is closed (the kernel's RELEASE, or an OPEN answer the kernel did not
+ * take): Python is told, with what C served for it.  Without the GIL. */
+static void release_handle(Session *s, uint64_t fh, fuse_ino_t ino)
+{
+    struct handle *h = detach_handle(s, fh);
+    struct pending *m = new_pending(NULL, OP_RELEASE, ino, NULL);
+    if (!m) {
+        /* Not freed here (no GIL): a publication this handle was the last user of is
+         * leaked, and so are its blocks' references; the process is out of memory anyway. */
+        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: out of memory reporting a release\n");
+        return;
+    }
+    m->fh = fh;
+    m->handle = h;
+    push(s, m);
+}
+
+static void forward_open(fuse_req_t req, fuse_ino_t ino, int flags)
+{
+    struct pending *p = request(req, OP_OPEN, ino, NULL);
+    if (p)
+        p->flags = flags;
+    forward(p);
+}
+
+/* An OPEN of an inode Python vouches for (published, within its validity, not ended by
+ * invalidate_all, every block lent) is answered here with a handle of C's own, and Python
+ * is told; any other OPEN goes to Python, which checks the version and publishes what it
+ * holds now (so a file cached since its last publication is lent whole again). */
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
+{
+    Session *s = of(req);
+    if (fi->flags & (O_WRONLY | O_RDWR | O_TRUNC | O_APPEND | O_CREAT)) {
+        fuse_reply_err(req, EROFS);
+        return;
+    }
+    /* The message's caller (pid, uid, gid) is the OPEN's; it needs no answer itself. */
+    struct pending *m = new_pending(req, OP_OPENED, ino, NULL);
+    struct handle *h = calloc(1, sizeof *h);
+    if (!m || !h) {
+        free(m);
+        free(h);
+        forward_open(req, ino, fi->flags);
+        return;
+    }
+    m->req = NULL;
+    uint64_t now = now_ns();
+    pthread_rwlock_wrlock(&s->hlock);
+    struct pub *pub = find_pub(s, ino);
+    if (!pub || !pub->complete || now >= pub->valid_until_ns || pub->epoch != atomic_load(&s->epoch)) {
+        pthread_rwlock_unlock(&s->hlock);
+        free(m);
+        free(h);
+        forward_open(req, ino, fi->flags);
+        return;
+    }
+    h->fh = atomic_fetch_add(&s->next_fh, 1);
+    h->pub = pub;
+    pub->refs++;
+    fi->fh = h->fh;
+    fi->keep_cache = pub->keep_cache ? 1 : 0;
+    fi->direct_io = pub->direct_io ? 1 : 0;
+    insert_handle(s, h);
+    pthread_rwlock_unlock(&s->hlock);
+    m->fh = fi->fh;
+    m->flags = fi->flags;
+    /* Queued before the answer: Python learns of the handle before any READ of it that
+     * it may be forwarded (the queue is taken in order). */
+    push(s, m);
+    atomic_fetch_add(&s->native_opens, 1);
+    if (fuse_reply_open(req, fi) == -ENOENT)
+        release_handle(s, fi->fh, ino);  /* the open was interrupted: no RELEASE will come */
 }
 
 /* The payload of a lent NVMe entry, checked; NULL if it is not (any more) what was lent:
@@ -370,9 +536,9 @@ out:
     return payload;
 }
 
-/* Serve a READ from the handle's lent blocks; 0 (nothing sent) if any byte of the range
- * is on a block that was not lent, or an NVMe entry fails its check: then Python serves
- * the whole request. */
+/* Serve a READ from the lent blocks of the handle's publication; 0 (nothing sent) if any
+ * byte of the range is on a block that was not lent, or an NVMe entry fails its check:
+ * then Python serves the whole request. */
 static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_t off)
 {
     struct iovec iov[MAX_LENT_BLOCKS];
@@ -381,17 +547,18 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
     uint64_t ram_mask = 0, ram_bytes = 0, ram_n = 0, disk_mask = 0, disk_bytes = 0, disk_n = 0;
     pthread_rwlock_rdlock(&s->hlock);
     struct handle *h = find_handle(s, fh);
-    if (!h || off < 0)
+    struct pub *pub = h ? h->pub : NULL;
+    if (!pub || !pub->nblocks || off < 0)
         goto out;
-    uint64_t start = (uint64_t)off, end = start + size < h->size ? start + size : h->size;
+    uint64_t start = (uint64_t)off, end = start + size < pub->size ? start + size : pub->size;
     if (start < end) {
-        uint64_t bs = h->block_size, first = start / bs, last = (end - 1) / bs;
-        if (last >= h->nblocks)
+        uint64_t bs = pub->block_size, first = start / bs, last = (end - 1) / bs;
+        if (last >= pub->nblocks)
             goto out;
         for (uint64_t i = first; i <= last; i++) {
             uint64_t from = (start > i * bs ? start : i * bs) - i * bs;
             uint64_t to = (end < (i + 1) * bs ? end : (i + 1) * bs) - i * bs;
-            PyObject *block = h->blocks[i];
+            PyObject *block = pub->blocks[i];
             payloads[n] = NULL;
             if (block) {
                 /* PyBytes_AS_STRING and _GET_SIZE only read the object's fields: no GIL
@@ -402,9 +569,9 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
                 ram_mask |= 1ULL << i;
                 ram_bytes += to - from;
                 ram_n++;
-            } else if (h->disk && h->disk[i]) {
+            } else if (pub->disk && pub->disk[i]) {
                 uint64_t length = 0;
-                unsigned char *payload = read_entry(h->disk[i], &length);
+                unsigned char *payload = read_entry(pub->disk[i], &length);
                 if (!payload || length < to) {
                     free(payload);
                     goto out;
@@ -421,7 +588,7 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
             n++;
         }
     }
-    /* The reply is written under the read lock, so RELEASE cannot free the blocks under it;
+    /* The reply is written under the read lock, so nothing can free the blocks under it;
      * the kernel sends RELEASE only after the handle's reads anyway. */
     fuse_reply_iov(req, iov, n);
     atomic_fetch_add(&h->reads, 1);
@@ -437,33 +604,6 @@ out:
     for (int i = 0; i < n; i++)
         free(payloads[i]);
     return served;
-}
-
-static struct handle *detach_handle(Session *s, uint64_t fh)
-{
-    pthread_rwlock_wrlock(&s->hlock);
-    struct handle **link = &s->handles[fh % HANDLE_BUCKETS];
-    while (*link && (*link)->fh != fh)
-        link = &(*link)->next;
-    struct handle *h = *link;
-    if (h)
-        *link = h->next;
-    pthread_rwlock_unlock(&s->hlock);
-    return h;
-}
-
-/* With the GIL. */
-static void free_handle(struct handle *h)
-{
-    for (uint32_t i = 0; i < h->nblocks; i++) {
-        Py_XDECREF(h->blocks[i]);
-        if (h->disk && h->disk[i]) {
-            free(h->disk[i]->path);
-            free(h->disk[i]);
-        }
-    }
-    free(h->disk);
-    free(h);
 }
 
 /* A lent NVMe block from Python's (path: bytes, offset, allocated bytes, key: 16 bytes);
@@ -497,19 +637,13 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
         forward_range(req, OP_READ, ino, size, off, fi);
 }
 
+/* Answered here: nothing about a read-only handle's end can fail.  Python is told after. */
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     Session *s = of(req);
-    struct handle *h = detach_handle(s, fi->fh);
-    struct pending *p = request(req, OP_RELEASE, ino, NULL);
-    if (!p) {
-        /* Not freed here (no GIL): a handle that cannot be handed back is leaked, and
-         * so are its blocks' references; the process is out of memory anyway. */
-        return;
-    }
-    p->fh = fi->fh;
-    p->handle = h;
-    forward(p);
+    uint64_t fh = fi->fh;
+    fuse_reply_err(req, 0);
+    release_handle(s, fh, ino);
 }
 
 static void op_statfs(fuse_req_t req, fuse_ino_t ino)
@@ -648,10 +782,10 @@ out:
 /* ---- the watchdog: no forwarded request waits forever ---- */
 
 /* Requests whose answer carries data, which a stalled Python would leave the caller
- * waiting for; RELEASE and RELEASEDIR are not cut: Python must see them to free the handle. */
+ * waiting for; RELEASEDIR is not cut: Python must see it to free the handle. */
 static int expires(int op)
 {
-    return op != OP_RELEASE && op != OP_RELEASEDIR;
+    return op != OP_RELEASEDIR;
 }
 
 static void *watchdog(void *arg)
@@ -795,6 +929,19 @@ static void stop_readers(Session *s)
     s->started = s->watching = 0;
 }
 
+/* A released handle, with the GIL: its publication too if it was the last use of it;
+ * that publication's id, or 0. */
+static uint64_t free_released(struct handle *h)
+{
+    uint64_t id = 0;
+    if (h->freed) {
+        id = h->freed->id;
+        free_pub(h->freed);
+    }
+    free(h);
+    return id;
+}
+
 /* A list of requests that will not be answered: EIO to each, then freed (with the GIL). */
 static void fail_all(struct pending *q)
 {
@@ -803,7 +950,7 @@ static void fail_all(struct pending *q)
         if (q->req)
             fuse_reply_err(q->req, EIO);
         if (q->handle)
-            free_handle(q->handle);
+            (void)free_released(q->handle);
         free(q);
         q = next;
     }
@@ -828,11 +975,21 @@ static void fail_outstanding(Session *s)
         s->free_slots[s->nfree++] = (uint32_t)(s->nslots - 1 - i);
     pthread_mutex_unlock(&s->lock);
     fail_all(q);
+    /* The readers have stopped: no lock is needed, and every publication goes whatever uses it. */
     for (size_t i = 0; i < HANDLE_BUCKETS; i++) {
         while (s->handles[i]) {
             struct handle *h = s->handles[i];
             s->handles[i] = h->next;
-            free_handle(h);
+            if (h->pub && --h->pub->refs == 0)  /* withdrawn, and this handle its last use */
+                free_pub(h->pub);
+            free(h);
+        }
+    }
+    for (size_t i = 0; i < PUB_BUCKETS; i++) {
+        while (s->pubs[i]) {
+            struct pub *pub = s->pubs[i];
+            s->pubs[i] = pub->next;
+            free_pub(pub);
         }
     }
 }
@@ -893,6 +1050,7 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
     s->deadline_ns = (uint64_t)(request_timeout * 1e9);
+    atomic_store(&s->next_fh, NATIVE_HANDLES);
     s->nthreads = threads;
     s->threads = calloc((size_t)threads, sizeof *s->threads);
     s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -987,24 +1145,27 @@ static PyObject *Session_take(Session *s, PyObject *unused)
                 goto fail;
         }
         PyObject *served;
-        if (p->handle) {
-            struct handle *h = p->handle;
+        uint64_t freed = 0;
+        struct handle *h = p->handle;
+        if (h && h->reads) {
             served = Py_BuildValue("(KKKKKKK)", (unsigned long long)h->reads, (unsigned long long)h->ram_bytes,
                                    (unsigned long long)h->ram_lookups, (unsigned long long)h->ram_mask,
                                    (unsigned long long)h->disk_bytes, (unsigned long long)h->disk_lookups,
                                    (unsigned long long)h->disk_mask);
             if (!served)
                 goto fail;
-            p->handle = NULL;
-            free_handle(h);
         } else {
             served = Py_NewRef(Py_None);
         }
-        PyObject *t = Py_BuildValue("(KiKKKKiiIIyN)", (unsigned long long)p->id, p->op,
+        if (h) {
+            p->handle = NULL;
+            freed = free_released(h);
+        }
+        PyObject *t = Py_BuildValue("(KiKKKKiiIIyNK)", (unsigned long long)p->id, p->op,
                                     (unsigned long long)p->ino, (unsigned long long)p->fh,
                                     (unsigned long long)p->off, (unsigned long long)p->size,
                                     p->flags, (int)p->pid, (unsigned)p->uid, (unsigned)p->gid, p->name,
-                                    served);
+                                    served, (unsigned long long)freed);
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             if (p->req)
@@ -1103,66 +1264,22 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
     REPLY(fuse_reply_attr(p->req, &st, s->attr_timeout));
 }
 
-/* reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> bool:
- * blocks (one per block of the file: bytes from RAM, a (path, offset, size, key) tuple of
- * an NVMe entry, or None) are lent until RELEASE.
- * False if the kernel did not take the answer (the open was interrupted): then no RELEASE
- * will come, the blocks are given back at once and the caller releases the handle. */
+/* reply_open(id, fh, keep_cache, direct_io, attach): answer an OPEN with Python's handle
+ * fh.  attach: the handle reads the inode's publication (which the caller has just made),
+ * so READs of its lent blocks are served here.  If the kernel does not take the answer
+ * (the open was interrupted), a RELEASE of fh is reported as if the kernel had sent it. */
 static PyObject *Session_reply_open(Session *s, PyObject *args)
 {
-    unsigned long long id, fh, size = 0, block_size = 0;
-    int keep_cache, direct_io;
-    PyObject *blocks = Py_None, *seq = NULL;
-    struct handle *h = NULL;
-    if (!PyArg_ParseTuple(args, "KKpp|KKO", &id, &fh, &keep_cache, &direct_io, &size, &block_size, &blocks))
+    unsigned long long id, fh;
+    int keep_cache, direct_io, attach;
+    if (!PyArg_ParseTuple(args, "KKppp", &id, &fh, &keep_cache, &direct_io, &attach))
         return NULL;
-    if (blocks != Py_None) {
-        if (!(seq = PySequence_Fast(blocks, "blocks must be a sequence")))
-            return NULL;
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        if (n > MAX_LENT_BLOCKS || block_size == 0 || (unsigned long long)n * block_size < size) {
-            PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes", n, block_size, size);
-            goto bad;
-        }
-        if (!(h = calloc(1, sizeof *h + (size_t)n * sizeof(PyObject *)))) {
-            PyErr_NoMemory();
-            goto bad;
-        }
-        h->fh = fh;
-        h->size = size;
-        h->block_size = block_size;
-        h->nblocks = (uint32_t)n;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
-            if (PyBytes_Check(b)) {
-                h->blocks[i] = Py_NewRef(b);
-            } else if (PyTuple_Check(b)) {
-                if (!h->disk && !(h->disk = calloc((size_t)n, sizeof *h->disk))) {
-                    PyErr_NoMemory();
-                    goto bad;
-                }
-                if (!(h->disk[i] = disk_block_of(b)))
-                    goto bad;
-            } else if (b != Py_None) {
-                PyErr_Format(PyExc_TypeError, "a lent block is bytes, a (path, offset, size, key) tuple or None");
-                goto bad;
-            }
-        }
-        Py_CLEAR(seq);
-    }
-    struct pending *p = claim(s, id);
-    if (!p)
-        goto bad;
-    if (h) {
-        /* In the table before the answer: the first READ may follow it at once.  The GIL
-         * is let go while the lock waits for readers busy on NVMe reads. */
-        Py_BEGIN_ALLOW_THREADS
-        pthread_rwlock_wrlock(&s->hlock);
-        h->next = s->handles[fh % HANDLE_BUCKETS];
-        s->handles[fh % HANDLE_BUCKETS] = h;
-        pthread_rwlock_unlock(&s->hlock);
-        Py_END_ALLOW_THREADS
-    }
+    if (fh >= NATIVE_HANDLES)
+        return PyErr_Format(PyExc_ValueError, "handle %llu is in the session's own range", fh);
+    CLAIM(s, id);
+    /* Without memory for the handle, the open is answered without its lent blocks. */
+    struct handle *h = attach ? calloc(1, sizeof *h) : NULL;
+    fuse_ino_t ino = p->ino;
     struct fuse_file_info fi;
     memset(&fi, 0, sizeof fi);
     fi.fh = fh;
@@ -1170,26 +1287,156 @@ static PyObject *Session_reply_open(Session *s, PyObject *args)
     fi.direct_io = direct_io ? 1 : 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
+    if (h) {
+        /* In the table before the answer: the first READ may follow it at once. */
+        pthread_rwlock_wrlock(&s->hlock);
+        struct pub *pub = find_pub(s, ino);
+        if (pub) {
+            h->fh = fh;
+            h->pub = pub;
+            pub->refs++;
+            insert_handle(s, h);
+        } else {
+            free(h);
+        }
+        pthread_rwlock_unlock(&s->hlock);
+    }
+    rc = fuse_reply_open(p->req, &fi);
+    if (rc == -ENOENT)
+        release_handle(s, fh, ino);
+    Py_END_ALLOW_THREADS
+    free(p);
+    Py_RETURN_NONE;
+}
+
+/* reply_opendir(id, dh) -> bool: False if the kernel did not take the answer (the open was
+ * interrupted): then no RELEASEDIR will come, and the caller frees dh itself. */
+static PyObject *Session_reply_opendir(Session *s, PyObject *args)
+{
+    unsigned long long id, dh;
+    if (!PyArg_ParseTuple(args, "KK", &id, &dh))
+        return NULL;
+    CLAIM(s, id);
+    struct fuse_file_info fi;
+    memset(&fi, 0, sizeof fi);
+    fi.fh = dh;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
     rc = fuse_reply_open(p->req, &fi);
     Py_END_ALLOW_THREADS
     free(p);
-    if (rc == -ENOENT) {
-        if (h) {
-            Py_BEGIN_ALLOW_THREADS
-            h = detach_handle(s, fh);
-            Py_END_ALLOW_THREADS
-            if (h)
-                free_handle(h);
-        }
-        Py_RETURN_FALSE;
+    return PyBool_FromLong(rc != -ENOENT);
+}
+
+/* Takes the GIL back after waiting for hlock without it; frees what came out of the table. */
+static PyObject *freed_id(struct pub *freed)
+{
+    uint64_t id = 0;
+    if (freed) {
+        id = freed->id;
+        free_pub(freed);
     }
-    Py_RETURN_TRUE;
+    return PyLong_FromUnsignedLongLong(id);
+}
+
+/* publish(ino, id, valid_for, keep_cache, direct_io, size, block_size, blocks) -> int:
+ * until valid_for seconds from now, READs of ino's lent blocks (one per block of the file:
+ * bytes from RAM, a (path, offset, size, key) tuple of an NVMe entry, or None; an empty
+ * sequence when none can be lent) are served here, and so are its OPENs if no block is
+ * None.  Replaces the
+ * inode's earlier publication: returns that one's id if it was freed now (no handle reads
+ * it), else 0 (the last handle's RELEASE reports it). */
+static PyObject *Session_publish(Session *s, PyObject *args)
+{
+    unsigned long long ino, id, size, block_size;
+    double valid_for;
+    int keep_cache, direct_io;
+    PyObject *blocks, *seq;
+    if (!PyArg_ParseTuple(args, "KKdppKKO", &ino, &id, &valid_for, &keep_cache, &direct_io, &size,
+                          &block_size, &blocks))
+        return NULL;
+    if (id == 0 || !(valid_for > 0.0 && valid_for < 1e6))
+        return PyErr_Format(PyExc_ValueError, "a publication needs an id and 0 < valid_for < 1e6 seconds");
+    if (!(seq = PySequence_Fast(blocks, "blocks must be a sequence")))
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n > MAX_LENT_BLOCKS || (n && (block_size == 0 || (unsigned long long)n * block_size < size))) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes", n, block_size, size);
+    }
+    struct pub *pub = calloc(1, sizeof *pub + (size_t)n * sizeof(PyObject *));
+    if (!pub) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    pub->ino = ino;
+    pub->id = id;
+    pub->keep_cache = keep_cache;
+    pub->direct_io = direct_io;
+    pub->size = size;
+    pub->block_size = block_size;
+    pub->nblocks = (uint32_t)n;
+    pub->refs = 1;
+    pub->linked = 1;
+    pub->complete = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
+        pub->complete &= b != Py_None;
+        if (PyBytes_Check(b)) {
+            pub->blocks[i] = Py_NewRef(b);
+        } else if (PyTuple_Check(b)) {
+            if (!pub->disk && !(pub->disk = calloc((size_t)n, sizeof *pub->disk))) {
+                PyErr_NoMemory();
+                goto bad;
+            }
+            if (!(pub->disk[i] = disk_block_of(b)))
+                goto bad;
+        } else if (b != Py_None) {
+            PyErr_Format(PyExc_TypeError, "a lent block is bytes, a (path, offset, size, key) tuple or None");
+            goto bad;
+        }
+    }
+    Py_DECREF(seq);
+    pub->valid_until_ns = now_ns() + (uint64_t)(valid_for * 1e9);
+    pub->epoch = atomic_load(&s->epoch);
+    struct pub *freed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&s->hlock);
+    freed = unlink_pub(s, ino);
+    pub->next = s->pubs[ino % PUB_BUCKETS];
+    s->pubs[ino % PUB_BUCKETS] = pub;
+    pthread_rwlock_unlock(&s->hlock);
+    Py_END_ALLOW_THREADS
+    return freed_id(freed);
 bad:
-    /* A malformed call leaves the request in its slot: the caller's error path answers it. */
-    Py_XDECREF(seq);
-    if (h)
-        free_handle(h);
+    Py_DECREF(seq);
+    free_pub(pub);
     return NULL;
+}
+
+/* withdraw(ino) -> int: OPENs of ino go to Python again, and its lent blocks are served
+ * to no new handle.  The publication's id if it was freed now, else 0 (as publish). */
+static PyObject *Session_withdraw(Session *s, PyObject *args)
+{
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    struct pub *freed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&s->hlock);
+    freed = unlink_pub(s, ino);
+    pthread_rwlock_unlock(&s->hlock);
+    Py_END_ALLOW_THREADS
+    return freed_id(freed);
+}
+
+/* invalidate_all(): no publication made before this call answers an OPEN any more (the
+ * metadata cache was emptied); they stay in the table until replaced or withdrawn. */
+static PyObject *Session_invalidate_all(Session *s, PyObject *unused)
+{
+    (void)unused;
+    atomic_fetch_add(&s->epoch, 1);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Session_reply_buf(Session *s, PyObject *args)
@@ -1311,6 +1558,12 @@ static PyObject *Session_expired(Session *s, void *closure)
     return PyLong_FromUnsignedLongLong(atomic_load(&s->expired));
 }
 
+static PyObject *Session_native_opens(Session *s, void *closure)
+{
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(atomic_load(&s->native_opens));
+}
+
 static PyObject *Session_exited(Session *s, void *closure)
 {
     (void)closure;
@@ -1321,12 +1574,20 @@ static PyMethodDef Session_methods[] = {
     {"start", (PyCFunction)Session_start, METH_NOARGS, "Start the reader threads."},
     {"fileno", (PyCFunction)Session_fileno, METH_NOARGS, "The eventfd that is readable while requests wait."},
     {"take", (PyCFunction)Session_take, METH_NOARGS,
-     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served) tuples."},
+     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served, freed) tuples."},
     {"reply_err", (PyCFunction)Session_reply_err, METH_VARARGS, "reply_err(id, errno)"},
     {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS, "reply_entry(id, attr)"},
     {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS, "reply_attr(id, attr)"},
     {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS,
-     "reply_open(id, fh, keep_cache, direct_io, size=0, block_size=0, blocks=None) -> whether the kernel took it"},
+     "reply_open(id, fh, keep_cache, direct_io, attach): an answer not taken is reported as a RELEASE"},
+    {"reply_opendir", (PyCFunction)Session_reply_opendir, METH_VARARGS,
+     "reply_opendir(id, dh) -> whether the kernel took it"},
+    {"publish", (PyCFunction)Session_publish, METH_VARARGS,
+     "publish(ino, id, valid_for, keep_cache, direct_io, size, block_size, blocks) -> id of a publication freed now, or 0"},
+    {"withdraw", (PyCFunction)Session_withdraw, METH_VARARGS,
+     "withdraw(ino) -> id of the publication freed now, or 0"},
+    {"invalidate_all", (PyCFunction)Session_invalidate_all, METH_NOARGS,
+     "No earlier publication answers an OPEN any more."},
     {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
     {"reply_readlink", (PyCFunction)Session_reply_readlink, METH_VARARGS, "reply_readlink(id, target)"},
     {"reply_statfs", (PyCFunction)Session_reply_statfs, METH_VARARGS, "reply_statfs(id, fields)"},
@@ -1341,6 +1602,7 @@ static PyMethodDef Session_methods[] = {
 static PyGetSetDef Session_getset[] = {
     {"exited", (getter)Session_exited, NULL, "True once the session has ended", NULL},
     {"expired", (getter)Session_expired, NULL, "requests answered EIO at their deadline, Python too late", NULL},
+    {"native_opens", (getter)Session_native_opens, NULL, "OPENs answered from a publication", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1388,6 +1650,7 @@ PyMODINIT_FUNC PyInit__session(void)
         {"OP_OPENDIR", OP_OPENDIR}, {"OP_READDIR", OP_READDIR}, {"OP_RELEASEDIR", OP_RELEASEDIR},
         {"OP_OPEN", OP_OPEN}, {"OP_READ", OP_READ}, {"OP_RELEASE", OP_RELEASE},
         {"OP_STATFS", OP_STATFS}, {"OP_FORGET", OP_FORGET}, {"OP_INIT", OP_INIT}, {"OP_EXIT", OP_EXIT},
+        {"OP_OPENED", OP_OPENED},
     };
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++)
         if (PyModule_AddIntConstant(m, ops[i].name, ops[i].value) < 0) {

@@ -1,16 +1,18 @@
 """The filesystem core without FUSE: names, handles, reads assembled from cached blocks,
-testable without a kernel (``fs.adapter`` only translates). The volume is read-only, so
+testable without a kernel (``fs.session`` only translates). The volume is read-only, so
 every write fails with EROFS, and failures are raised as exceptions for ``errors.errno_of``
-to map."""
+to map. A borrower (the FUSE session in C) may answer opens and reads of inodes the core
+publishes to it: the core vouches for an inode's version while its metadata is trusted and
+lends the cached blocks of that version, and withdraws both when either stops being true."""
 
 from __future__ import annotations
 
 import errno
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 from itertools import count
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
@@ -26,9 +28,9 @@ from cubefs_fuse.fs.metadata import MetadataCache
 # flight while the reader consumes the next, which hides one remote round trip per
 # block without spending the cache on blocks a random reader never asks for.
 READAHEAD_BLOCKS = 2
-# The largest file (in blocks) whose blocks are lent to the FUSE session at open: the
-# session reports which blocks it served as 64-bit masks.  Larger files are read in large
-# requests, where the per-request cost the session saves matters least.
+# The largest file (in blocks) whose blocks are lent to the borrower: it reports which
+# blocks it served as 64-bit masks.  Larger files are read in large requests, where the
+# per-request cost the borrower saves matters least.
 MAX_LENT_BLOCKS = 64
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
@@ -49,21 +51,29 @@ class OpenFile:
     owner: object = None  # the observer's context for the opening process
     waited: bool = False  # a read of this handle waited on the backend
     stall: float = 0.0  # seconds reads of this handle waited on the backend
-    lent: list[bytes] = field(default_factory=list)  # keys of the RAM blocks lent for this handle
+    read_here: bool = False  # a READ of this handle was served here, not by the borrower
+    observed: bool = True  # the observer has seen the open (False while its owner is looked up)
+    released: bool = False  # released before the observer saw the open
 
 
 # An NVMe entry lent by its place: (segment path, offset, allocated bytes, block key).
 DiskBlock = tuple[bytes, int, int, bytes]
+# A lent block: a RAM block's bytes, an NVMe entry's place, or None where it is not held.
+LentBlock = bytes | DiskBlock | None
 
 
-@dataclass(frozen=True, slots=True)
-class Lent:
-    """The blocks of one open file's version lent to the FUSE session: a RAM block's
-    bytes, an NVMe entry's place, or None where the block is not held."""
+class Borrower(Protocol):
+    """A reader that answers opens and reads of published inodes itself (the FUSE session
+    in C, fs/_session.c).  ``publish`` and ``withdraw`` return the id of an earlier
+    publication freed by the call (no handle reads it any more), or 0; the others are
+    reported freed later (``Filesystem.freed``)."""
 
-    size: int
-    block_size: int
-    blocks: list[bytes | DiskBlock | None]
+    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> int: ...
+
+    def withdraw(self, inode: int, /) -> int: ...
+
+    def invalidate_all(self) -> None: ...
 
 
 class AccessObserver(Protocol):
@@ -78,6 +88,7 @@ class AccessObserver(Protocol):
 class FilesystemStatistics:
     lookups: int
     opens: int
+    native_opens: int  # of those, answered by the borrower from a publication (counted when reported)
     open_files: int
     open_dirs: int
     reads: int
@@ -100,6 +111,7 @@ class FilesystemStatistics:
 class _Counters:
     lookups: int = 0
     opens: int = 0
+    native_opens: int = 0
     reads: int = 0
     read_bytes: int = 0
     native_reads: int = 0
@@ -131,6 +143,14 @@ class Filesystem:
         self._handles = count(1)
         self._c = _Counters()
         self.observer: AccessObserver | None = None
+        self.borrower: Borrower | None = None
+        self._published: dict[int, int] = {}  # inode -> the id of its publication
+        self._incomplete: set[int] = set()  # published inodes with a block not lent (not held then)
+        # Publications that lend RAM blocks: id -> (inode, the keys lent), and each lent
+        # key's publications, so that a block leaving the RAM tier withdraws them.
+        self._loans: dict[int, tuple[int, list[bytes]]] = {}
+        self._lenders: dict[bytes, list[int]] = {}
+        self._publication_ids = count(1)
         # Lookups and getattrs that miss the metadata cache bring small files whole
         # (see _stat_fetching); off: they only stat, as operator tools do.
         self.lookup_fetch = True
@@ -196,7 +216,8 @@ class Filesystem:
         return Entry(self.inodes.remember(path, attr), attr)
 
     def forget(self, inode: int, n: int) -> None:
-        self.inodes.forget(inode, n)
+        if self.inodes.forget(inode, n):
+            self._withdraw(inode)
 
     async def getattr(self, inode: int) -> Entry:
         """The inode's attributes: its path's current ones, or, for an inode whose file has
@@ -273,29 +294,127 @@ class Filesystem:
         self._c.opens += 1
         return fh
 
-    def lend_blocks(self, fh: int) -> Lent | None:
-        """The cached blocks of an open file, lent to a reader that serves them itself
-        until the handle is released: RAM blocks as their bytes, and for a file of one
-        block its NVMe entry's place; None if no block is held (or the file is too large)."""
-        f = self.open_file(fh)
-        count = self.blocks.count(f.version.size)
-        if not 0 < count <= MAX_LENT_BLOCKS:
+    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
+        """An open the borrower answered itself from the inode's publication, with its own
+        handle ``fh``: counted as :meth:`open` counts one.  Returns what is left to do (the
+        observer's part, which may wait), to run in a task; None if nothing is."""
+        node = self.inodes.node(inode)
+        assert node.attr is not None  # published inodes are regular files with attributes
+        f = OpenFile(inode, node.path, node.attr.version, tag=path_tag(node.path))
+        self._files[fh] = f
+        self.inodes.opened(inode)
+        self._c.opens += 1
+        self._c.native_opens += 1
+        if self.observer is None:
             return None
-        blocks: list[bytes | DiskBlock | None] = []
-        for index in range(count):
-            key = block_key(f.path, f.version, index)
-            data = self.cache.lend(key)
-            if data is not None:
-                f.lent.append(key)
-                blocks.append(data)
-                continue
-            # NVMe entries only for one-block files: the reader checks a whole entry per
-            # READ, which a file of many blocks would pay once per READ of each block.
-            place = self.cache.locate_on_disk(key) if count == 1 else None
-            blocks.append((os.fsencode(place[0]), place[1], place[2], key) if place else None)
-        if not any(b is not None for b in blocks):
-            return None
-        return Lent(f.version.size, self.block_size, blocks)
+        f.observed = False
+        return self._observe(f, pid)
+
+    async def _observe(self, f: OpenFile, pid: int) -> None:
+        assert self.observer is not None
+        f.owner = await self.observer.opened(pid, f.path)
+        f.observed = True
+        if f.released:
+            self.observer.released(f)
+
+    # -- publications ----------------------------------------------------------------
+
+    def lend_to(self, borrower: Borrower) -> None:
+        """From now on, publish inodes to ``borrower`` and withdraw them when their version,
+        their metadata or a lent block stops being good."""
+        self.borrower = borrower
+        self.cache.memory.on_recall = self._recall
+        self.meta.on_forget = self._meta_forgotten
+        self.inodes.on_retire = self._withdraw
+
+    def publish(self, inode: int) -> bool:
+        """Vouch for ``inode`` to the borrower for as long as its path's attributes are
+        trusted (``attrValid``), and lend the blocks of its version that are held: RAM
+        blocks as their bytes, and for a file of one block its NVMe entry's place.  The
+        borrower answers opens only of an inode with every block lent (or too large for
+        any to be): the open of one that is not comes here and publishes it again.  False
+        if it is not published (no borrower, not a current regular file, nothing trusted)."""
+        borrower = self.borrower
+        if borrower is None:
+            return False
+        try:
+            node = self.inodes.node(inode)
+        except FsError:  # forgotten meanwhile
+            return False
+        attr = self.meta.peek(node.path)
+        valid_for = self.meta.valid_for(node.path)
+        if attr is None or valid_for <= 0 or not attr.is_file or not self.inodes.serves(inode, attr):
+            return False
+        size = attr.version.size
+        n = self.blocks.count(size)
+        blocks: list[LentBlock] = []
+        keys: list[bytes] = []
+        if 0 < n <= MAX_LENT_BLOCKS:
+            for index in range(n):
+                key = block_key(node.path, attr.version, index)
+                data = self.cache.lend(key)
+                if data is not None:
+                    keys.append(key)
+                    blocks.append(data)
+                    continue
+                # NVMe entries only for one-block files: the reader checks a whole entry per
+                # READ, which a file of many blocks would pay once per READ of each block.
+                place = self.cache.locate_on_disk(key) if n == 1 else None
+                blocks.append((os.fsencode(place[0]), place[1], place[2], key) if place else None)
+        publication = next(self._publication_ids)
+        self._published[inode] = publication
+        if None in blocks:
+            self._incomplete.add(inode)
+        else:
+            self._incomplete.discard(inode)
+        if keys:
+            self._loans[publication] = (inode, keys)
+            for key in keys:
+                self._lenders.setdefault(key, []).append(publication)
+        freed = borrower.publish(inode, publication, valid_for, self.keep_cache, self.direct_io, size,
+                                 self.block_size, blocks)
+        if freed:
+            self.freed(freed)
+        return True
+
+    def freed(self, publication: int) -> None:
+        """The borrower let go of a publication: its lent blocks are given back."""
+        loans = self._loans.pop(publication, None)
+        if loans is None:
+            return
+        for key in loans[1]:
+            self.cache.give_back(key)
+            lenders = self._lenders.get(key)
+            if lenders is not None:
+                lenders.remove(publication)
+                if not lenders:
+                    del self._lenders[key]
+
+    def _withdraw(self, inode: int) -> None:
+        self._incomplete.discard(inode)
+        publication = self._published.pop(inode, None)
+        if publication is not None and self.borrower is not None:
+            freed = self.borrower.withdraw(inode)
+            if freed:
+                self.freed(freed)
+
+    def _recall(self, key: bytes) -> None:
+        """A lent RAM block left the tier: the publications lending it are withdrawn, so no
+        new handle reads it and its bytes are given back once the open ones are released."""
+        for publication in list(self._lenders.get(key, ())):
+            loans = self._loans.get(publication)
+            if loans is not None and self._published.get(loans[0]) == publication:
+                self._withdraw(loans[0])
+
+    def _meta_forgotten(self, path: str | None) -> None:
+        """The metadata cache stopped trusting ``path``'s attributes (None: everyone's)."""
+        if path is None:
+            if self.borrower is not None:
+                self.borrower.invalidate_all()
+            return
+        inode = self.inodes.current(path)
+        if inode is not None:
+            self._withdraw(inode)
 
     def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
                disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
@@ -324,15 +443,21 @@ class Filesystem:
         f = self._files.pop(fh, None)
         if f is None:
             return
-        for key in f.lent:
-            self.cache.give_back(key)
         self.inodes.released(f.inode)
+        if f.inode in self._published and (f.inode in self._incomplete or (
+                f.read_here and self.blocks.count(f.version.size) <= MAX_LENT_BLOCKS)):
+            # Its reads may have brought blocks the publication lacked, or found a lent NVMe
+            # entry gone (the borrower's check failed): lend what is held now.
+            self.publish(f.inode)
         self._c.file_requests += 1
         if f.waited:
             self._c.file_misses += 1
             self._c.stall_seconds += f.stall
         if self.observer is not None:
-            self.observer.released(f)
+            if f.observed:
+                self.observer.released(f)
+            else:
+                f.released = True  # _observe reports it once the owner is known
 
     def open_file(self, fh: int) -> OpenFile:
         try:
@@ -344,6 +469,7 @@ class Filesystem:
         f = self.open_file(fh)
         end = min(offset + size, f.version.size)
         self._c.reads += 1
+        f.read_here = True
         if offset >= end:
             return b""
         bs = self.block_size
@@ -392,7 +518,7 @@ class Filesystem:
 
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()
-        return FilesystemStatistics(c.lookups, c.opens, len(self._files), len(self._dirs), c.reads,
+        return FilesystemStatistics(c.lookups, c.opens, c.native_opens, len(self._files), len(self._dirs), c.reads,
                                     c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
                                     c.stale_reads, c.stale_opens, i.inodes, i.retired,
                                     i.changes_with_handles, i.changes_without_handles,

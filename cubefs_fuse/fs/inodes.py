@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 
@@ -54,9 +55,14 @@ class InodeTable:
         self._retired = 0
         self._changes_with_handles = 0
         self._changes_without_handles = 0
+        self.on_retire: Callable[[int], None] | None = None  # told the inode number retired
 
     def __len__(self) -> int:
         return len(self._nodes)
+
+    def current(self, path: str) -> int | None:
+        """The inode serving ``path`` now, if the kernel holds one."""
+        return self._by_path.get(path)
 
     def node(self, inode: int) -> Node:
         try:
@@ -103,6 +109,8 @@ class InodeTable:
             self._changes_with_handles += 1
         else:
             self._changes_without_handles += 1
+        if self.on_retire is not None:
+            self.on_retire(inode)
 
     def opened(self, inode: int) -> None:
         self.node(inode).handles += 1
@@ -112,17 +120,20 @@ class InodeTable:
         if node is not None and node.handles:
             node.handles -= 1
 
-    def forget(self, inode: int, n: int) -> None:
+    def forget(self, inode: int, n: int) -> bool:
+        """Lower the kernel's lookup count; True if that freed the inode."""
         node = self._nodes.get(inode)
         if node is None or inode == ROOT_INODE:
-            return
+            return False
         node.lookups -= n
-        if node.lookups <= 0:
-            del self._nodes[inode]
-            if node.retired:
-                self._retired -= 1
-            elif self._by_path.get(node.path) == inode:
-                del self._by_path[node.path]
+        if node.lookups > 0:
+            return False
+        del self._nodes[inode]
+        if node.retired:
+            self._retired -= 1
+        elif self._by_path.get(node.path) == inode:
+            del self._by_path[node.path]
+        return True
 
     def statistics(self) -> InodeStatistics:
         return InodeStatistics(len(self._nodes), self._retired, self._changes_with_handles,

@@ -39,6 +39,9 @@ class MetadataCache:
         self._listing_names = 0
         self._attr_hits = self._attr_misses = self._negative_hits = 0
         self._listing_hits = self._listing_misses = 0
+        # Told when attributes stop being trusted before their TTL (None: all of them), so
+        # whoever was promised them for that long (the FUSE session's publications) is not.
+        self.on_forget: Callable[[str | None], None] | None = None
 
     async def stat(self, path: str) -> Attr:
         """Attributes of ``path``; FsError(ENOENT) if it does not exist."""
@@ -119,9 +122,16 @@ class MetadataCache:
             return None
         return cached[1]
 
+    def valid_for(self, path: str) -> float:
+        """Seconds ``path``'s cached attributes stay trusted (0 if none are)."""
+        cached = self._attrs.get(path)
+        if cached is None or cached[1] is None:
+            return 0.0
+        return max(0.0, cached[0] - trio.current_time())
+
     async def fresh_stat(self, path: str) -> Attr:
         """Attributes straight from the backend (and cached for the next caller)."""
-        self._attrs.pop(path, None)
+        self.invalidate(path)
         return await self.stat(path)
 
     async def listdir(self, path: str) -> list[tuple[str, Attr]]:
@@ -149,11 +159,15 @@ class MetadataCache:
 
     def invalidate(self, path: str) -> None:
         self._attrs.pop(path, None)
+        if self.on_forget is not None:
+            self.on_forget(path)
 
     def clear(self) -> None:
         self._attrs.clear()
         self._listings.clear()
         self._listing_names = 0
+        if self.on_forget is not None:
+            self.on_forget(None)
 
     def _remember(self, path: str, attr: Attr | None, expires: float) -> None:
         if not expires:

@@ -1,11 +1,12 @@
 """The kernel's requests that reach Python, answered by the filesystem core.
 
 The FUSE connection is the C extension's (``fs/_session.c``): its reader threads answer
-what needs no decision and queue the rest; this module takes the queue when its eventfd
-is readable and turns each request into one call of the core (``fs.filesystem``) and one
-reply.  No logic lives here beyond type conversion: every exception becomes an errno
-through ``errors.errno_of`` (one place), and an unexpected one (a bug) is also logged
-with its traceback, once per exception type.
+what needs no decision (and the opens and reads of inodes the core published to it) and
+queue the rest; this module takes the queue when its eventfd is readable and turns each
+request into one call of the core (``fs.filesystem``) and one reply, and each report of
+what C answered (an open, a release) into one call.  No logic lives here beyond type
+conversion: every exception becomes an errno through ``errors.errno_of`` (one place), and
+an unexpected one (a bug) is also logged with its traceback, once per exception type.
 """
 
 from __future__ import annotations
@@ -14,22 +15,23 @@ import errno
 import itertools
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+import stat
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from typing import Any, Protocol
 
 import trio
 
 from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError, errno_of
-from cubefs_fuse.fs.filesystem import DiskBlock, Lent
+from cubefs_fuse.fs.filesystem import Borrower, LentBlock
 from cubefs_fuse.fs import _session
 
 log = logging.getLogger(__name__)
 
-# Reader threads of the connection.  Today they only queue requests for the trio thread,
-# so a few suffice to keep the kernel's queue drained while one thread writes a reply; the
-# kernel's own queue (max_background 64, plus one synchronous request per blocked reader)
-# holds the rest.
+# Reader threads of the connection.  They answer hits themselves (an NVMe entry's read
+# blocks one of them) and queue the rest for the trio thread, so a few keep the kernel's
+# queue drained; the kernel's own queue (max_background 64, plus one synchronous request
+# per blocked reader) holds the rest.
 READER_THREADS = 4
 # The smallest READDIRPLUS entry: fuse_direntplus's 128-byte entry_out and 24-byte dirent
 # header plus a name padded to 8 bytes.  A reply of ``size`` bytes holds at most
@@ -43,8 +45,9 @@ AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
 # What C served from an open file's lent blocks, given with its RELEASE: (reads, then bytes,
 # block lookups and a mask of the blocks read from RAM, then the same from NVMe).
 Served = tuple[int, int, int, int, int, int, int]
-# A request C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served).
-Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None]
+# A request or report C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name,
+# served, freed); freed: a publication this RELEASE was the last use of (0: none).
+Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None, int]
 
 
 class Entry(Protocol):
@@ -84,7 +87,13 @@ class Operations(Protocol):
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview: ...
 
-    def lend_blocks(self, fh: int) -> Lent | None: ...
+    def lend_to(self, borrower: Borrower) -> None: ...
+
+    def publish(self, inode: int) -> bool: ...
+
+    def freed(self, publication: int) -> None: ...
+
+    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None: ...
 
     def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
                disk_bytes: int, disk_lookups: int, disk_mask: int) -> None: ...
@@ -112,8 +121,16 @@ class Native(Protocol):
 
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None: ...
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = ...,
-                   block_size: int = ..., blocks: Sequence[bytes | DiskBlock | None] | None = ..., /) -> bool: ...
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, attach: bool, /) -> None: ...
+
+    def reply_opendir(self, id: int, dh: int, /) -> bool: ...
+
+    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> int: ...
+
+    def withdraw(self, inode: int, /) -> int: ...
+
+    def invalidate_all(self) -> None: ...
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None: ...
 
@@ -150,6 +167,8 @@ class KernelSession:
         self.on_init = on_init
         self._native = native
         self.late_replies = 0  # answers that came after C's deadline had answered EIO
+        self._nursery: trio.Nursery | None = None
+        ops.lend_to(native)
 
     def _late(self, r: Request) -> None:
         self.late_replies += 1
@@ -161,6 +180,7 @@ class KernelSession:
         native = self._native
         native.start()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             while True:
                 await trio.lowlevel.wait_readable(native.fileno())
                 for request in native.take():
@@ -197,14 +217,27 @@ class KernelSession:
         self._replying(r, self.ops.releasedir, r[3])
 
     def _release(self, r: Request) -> None:
-        served = r[11]
-
-        def release(fh: int) -> None:
+        # C has answered the kernel: this is the report (no reply).
+        fh, served, freed = r[3], r[11], r[12]
+        try:
             if served is not None:  # C read some of the handle's lent blocks itself
                 self.ops.served(fh, *served)
             self.ops.release(fh)
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the session
+            _log_bug(r, exc)
+        if freed:
+            self.ops.freed(freed)
 
-        self._replying(r, release, r[3])
+    def _opened(self, r: Request) -> None:
+        # C answered an OPEN from the inode's publication: the core counts it.
+        try:
+            rest = self.ops.open_served(r[2], r[3], r[7])
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the session
+            _log_bug(r, exc)
+            return
+        if rest is not None:
+            assert self._nursery is not None  # reports come only while serve() runs
+            self._nursery.start_soon(_run, rest)
 
     def _readdir(self, r: Request) -> None:
         rid, _, _, fh, offset, size = r[:6]
@@ -224,6 +257,9 @@ class KernelSession:
             taken = 0
         for _, attr_t, _ in entries[taken:]:
             ops.forget(attr_t[0], 1)  # the kernel did not take this entry
+        for _, attr_t, _ in entries[:taken]:
+            if stat.S_ISREG(attr_t[1]):
+                ops.publish(attr_t[0])  # the kernel may open it without a LOOKUP: let C answer
 
     def _replying(self, r: Request, call: Callable[[int], None], arg: int) -> None:
         try:
@@ -238,6 +274,7 @@ class KernelSession:
         _session.OP_INIT: _init,
         _session.OP_RELEASEDIR: _releasedir,
         _session.OP_RELEASE: _release,
+        _session.OP_OPENED: _opened,
         _session.OP_READDIR: _readdir,
     }
 
@@ -252,21 +289,21 @@ class KernelSession:
                 native.reply_buf(rid, await ops.read(fh, offset, size))
             elif op == _session.OP_LOOKUP:
                 entry = await ops.lookup(ino, os.fsdecode(r[10]))
+                if entry.attr.is_file:
+                    ops.publish(entry.inode)  # before the answer: the OPEN that follows is C's
                 native.reply_entry(rid, attr_tuple(entry.inode, entry.attr))
             elif op == _session.OP_GETATTR:
                 entry = await ops.getattr(ino)
                 native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
             elif op == _session.OP_OPEN:
                 opened = fh = await ops.open(ino, flags, pid)
-                lent = ops.lend_blocks(fh)
-                took = native.reply_open(rid, fh, ops.keep_cache, ops.direct_io) if lent is None else \
-                    native.reply_open(rid, fh, ops.keep_cache, ops.direct_io, lent.size, lent.block_size, lent.blocks)
-                if not took:  # the open was interrupted: no RELEASE will come for fh
-                    ops.release(fh)
+                # A RELEASE of fh comes from now on (C reports one if the kernel does not take the answer).
+                native.reply_open(rid, fh, ops.keep_cache, ops.direct_io, ops.publish(ino))
+                opened = None
             elif op == _session.OP_OPENDIR:
                 dh = await ops.opendir(ino)
                 try:
-                    took = native.reply_open(rid, dh, False, False)
+                    took = native.reply_opendir(rid, dh)
                 except _session.Gone:
                     took = False
                     self._late(r)
@@ -286,6 +323,8 @@ class KernelSession:
             if opened is not None:  # the kernel never saw this handle: no RELEASE will come
                 ops.release(opened)
         except Exception as exc:  # noqa: BLE001
+            if opened is not None:  # not answered with the handle: no RELEASE will come
+                ops.release(opened)
             self._fail(r, exc)
 
     def _fail(self, r: Request, exc: Exception) -> None:
@@ -295,6 +334,10 @@ class KernelSession:
             self._native.reply_err(r[0], errno_of(exc))
         except _session.Gone:
             self._late(r)
+
+
+async def _run(work: Coroutine[Any, Any, None]) -> None:
+    await work
 
 
 def _log_bug(r: Request, exc: Exception) -> None:

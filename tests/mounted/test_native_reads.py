@@ -1,8 +1,9 @@
-"""Mounted: READs of RAM-held blocks are served by the C FUSE session, never wrong bytes.
+"""Mounted: opens and READs of cached files are served by the C FUSE session, never wrong bytes.
 
-At open the daemon lends the file's RAM-held blocks to the session (fs/_session.c), which
-answers READs on them without Python; the handle's RELEASE brings back what it served
-(``cubefs_fuse_native_reads_total``).  The stress test runs many readers, with the kernel's
+The daemon publishes a file's inode to the session (fs/_session.c) with its held blocks
+lent: the session answers its OPENs while the file's attributes are trusted
+(``cubefs_fuse_native_opens_total``) and READs on the lent blocks, without Python; each
+RELEASE brings back what it served (``cubefs_fuse_native_reads_total``).  The stress test runs many readers, with the kernel's
 page cache dropped under them so that READs keep reaching the daemon, while the source
 files are rewritten and a small RAM tier evicts: every read sees one whole version.
 """
@@ -118,6 +119,31 @@ def test_many_readers_see_whole_versions_while_the_source_changes_and_the_cache_
     samples = m.scrape()
     assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "no READ went through the session"
     assert metric(samples, "cubefs_fuse_cache_evictions_total", tier="ram") > 0, "the RAM tier never evicted"
+    m.umount()
+
+
+def test_opens_are_answered_in_c_until_the_attributes_expire_then_a_change_is_seen(
+        make_mount: Callable[..., Mount]) -> None:
+    # lookupValid long: the kernel keeps its entry and opens without a LOOKUP; attrValid
+    # short: past it the session must leave the open to Python, which finds the change.
+    m = make_mount(attrValid=1, lookupValid=3600)
+    (m.source / "f").write_bytes(b"one" * 1000)
+    m.mount()
+    assert m.path("f").read_bytes() == b"one" * 1000
+    wait_released(m)
+    before = m.scrape()
+    for _ in range(3):
+        assert m.path("f").read_bytes() == b"one" * 1000
+    wait_released(m)
+    after = m.scrape()
+    opens = metric(after, "cubefs_fuse_opens_total") - metric(before, "cubefs_fuse_opens_total")
+    native = metric(after, "cubefs_fuse_native_opens_total") - metric(before, "cubefs_fuse_native_opens_total")
+    assert opens == native == 3, (opens, native)
+    (m.source / "f").write_bytes(b"two" * 2000)
+    time.sleep(1.5)
+    assert m.path("f").read_bytes() == b"two" * 2000  # never the old version's pages
+    wait_released(m)
+    assert metric(m.scrape(), "cubefs_fuse_stale_opens_total") == 1  # Python answered it: ESTALE, new inode
     m.umount()
 
 

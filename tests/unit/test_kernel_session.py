@@ -3,8 +3,9 @@
 No kernel: requests are queued on a recording stand-in for ``fs/_session.c`` and the real
 ``serve()`` loop answers them.  What it must do is translate: attributes into the tuple C
 packs, every exception into one errno (bugs to EIO, logged once), opens keeping the page
-cache, readdir entries the kernel did not take forgotten, FORGET and INIT passed on, and
-the end of the session ending ``serve()``.
+cache, readdir entries the kernel did not take forgotten, FORGET and INIT passed on,
+inodes published to C before the answers that let the kernel open them, the opens and
+releases C answered reported to the core, and the end of the session ending ``serve()``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import errno
 import logging
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -23,7 +24,7 @@ from cubefs_fuse.attrs import Attr, FsStats
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.fs import _session as c
 from cubefs_fuse.fs import session
-from cubefs_fuse.fs.filesystem import DiskBlock, Entry, Lent
+from cubefs_fuse.fs.filesystem import Borrower, Entry, LentBlock
 from cubefs_fuse.fs.session import AttrTuple, KernelSession, Request, Served
 
 FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
@@ -39,7 +40,9 @@ class FakeCore:
         self.calls: list[tuple[Any, ...]] = []
         self.fail: BaseException | None = None
         self.forgotten: list[tuple[int, int]] = []
-        self.lent: Lent | None = None
+        self.publishes = True  # what publish() answers
+        self.borrower: Borrower | None = None
+        self.observed: list[int] = []  # pids whose opens the observer's part saw
 
     def _maybe_fail(self) -> None:
         if self.fail is not None:
@@ -84,8 +87,24 @@ class FakeCore:
         self._maybe_fail()
         return b"d" * size
 
-    def lend_blocks(self, fh: int) -> Lent | None:
-        return self.lent
+    def lend_to(self, borrower: Borrower) -> None:
+        self.borrower = borrower
+
+    def publish(self, inode: int) -> bool:
+        self.calls.append(("publish", inode))
+        return self.publishes
+
+    def freed(self, publication: int) -> None:
+        self.calls.append(("freed", publication))
+
+    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
+        self.calls.append(("open_served", inode, fh, pid))
+
+        async def observe() -> None:
+            await trio.sleep(0)
+            self.observed.append(pid)
+
+        return observe() if pid else None
 
     def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
                disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
@@ -105,6 +124,7 @@ class FakeNative:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self.queue: list[Request] = []
         self.replies: dict[int, tuple[Any, ...]] = {}
+        self.published: list[tuple[Any, ...]] = []
         self.readdir_room = readdir_room
         self.take_opens = take_opens
         self.gone = False
@@ -112,10 +132,11 @@ class FakeNative:
         self.next_id = 1
 
     def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
-             pid: int = 4242, name: bytes = b"", served: Served | None = None) -> int:
-        rid = self.next_id if op not in (c.OP_FORGET, c.OP_INIT, c.OP_EXIT) else 0
+             pid: int = 4242, name: bytes = b"", served: Served | None = None, freed: int = 0) -> int:
+        reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_OPENED)
+        rid = self.next_id if op not in reports else 0
         self.next_id += 1
-        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served))
+        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served, freed))
         os.eventfd_write(self.fd, 1)
         return rid
 
@@ -148,10 +169,25 @@ class FakeNative:
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None:
         self._reply(id, "attr", attr)
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, size: int = 0,
-                   block_size: int = 0, blocks: Sequence[bytes | DiskBlock | None] | None = None, /) -> bool:
-        self._reply(id, "open", fh, keep_cache, direct_io, *((size, block_size, list(blocks)) if blocks else ()))
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, attach: bool, /) -> None:
+        self._reply(id, "open", fh, keep_cache, direct_io, attach)
+        if not self.take_opens:  # as C does: the handle is reported released
+            self.push(c.OP_RELEASE, fh=fh)
+
+    def reply_opendir(self, id: int, dh: int, /) -> bool:
+        self._reply(id, "opendir", dh)
         return self.take_opens
+
+    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> int:
+        self.published.append((inode, id))
+        return 0
+
+    def withdraw(self, inode: int, /) -> int:
+        return 0
+
+    def invalidate_all(self) -> None:
+        pass
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None:
         self._reply(id, "buf", bytes(data))
@@ -205,7 +241,8 @@ async def test_attributes_are_converted_for_c_to_pack() -> None:
     native, core = FakeNative(), FakeCore()
     entry, attr, statfs = await answer(native, core, (c.OP_LOOKUP, {"ino": 1, "name": b"name\xff"}),
                                        (c.OP_GETATTR, {"ino": 7}), (c.OP_STATFS, {}))
-    assert core.calls == [("lookup", 1, os.fsdecode(b"name\xff"))]
+    # The file is published before the entry is answered: the kernel's OPEN may follow at once.
+    assert core.calls == [("lookup", 1, os.fsdecode(b"name\xff")), ("publish", 5)]
     assert entry == ("entry", (5, FILE.mode, 1, 1000, 1000, 0, 1234, 4096, 8, 1, 2, 3))
     assert attr == ("attr", attr_of(7))
     assert statfs == ("statfs", (4096, 4096, 100, 50, 40, 1000, 900, 900, 255))
@@ -237,15 +274,49 @@ async def test_a_bug_is_logged_once_per_exception_type(caplog: pytest.LogCapture
     assert [r.getMessage() for r in caplog.records] == [f"unexpected error in request {c.OP_GETATTR} (reported as EIO)"]
 
 
-async def test_open_passes_flags_and_pid_and_keeps_the_page_cache() -> None:
+async def reported(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[str, Any]]) -> None:
+    """Queue reports (no reply), then the session's end; serve until it."""
+    for op, kw in pushes:
+        native.push(op, **kw)
+    await served(native, core)
+
+
+async def test_open_passes_flags_and_pid_keeps_the_page_cache_and_lends_what_it_published() -> None:
     native, core = FakeNative(), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5, "flags": os.O_RDONLY, "pid": 77}))
-    read, released = await answer(native, core, (c.OP_READ, {"fh": 9, "offset": 0, "size": 3}),
-                                  (c.OP_RELEASE, {"fh": 9}))
-    assert (opened, read, released) == (("open", 9, True, False), ("buf", b"ddd"), ("err", 0))
-    assert core.calls == [("open", 5, os.O_RDONLY, 77), ("release", 9)]
+    assert opened == ("open", 9, True, False, True)  # attach: the handle reads the publication
+    assert core.calls == [("open", 5, os.O_RDONLY, 77), ("publish", 5)]
+    core.publishes = False
+    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 6}))
+    assert opened == ("open", 9, True, False, False)
+    (read,) = await answer(native, core, (c.OP_READ, {"fh": 9, "offset": 0, "size": 3}))
+    assert read == ("buf", b"ddd")
     core.fail = FsError(errno.ESTALE)  # a retired inode: the kernel retries the lookup
     assert await answer(native, core, (c.OP_OPEN, {"ino": 5})) == [("err", errno.ESTALE)]
+
+
+async def test_a_release_c_answered_reports_what_c_served_and_the_publication_it_freed() -> None:
+    native, core = FakeNative(), FakeCore()
+    await reported(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101, 0, 0, 0), "freed": 31}),
+                   (c.OP_RELEASE, {"fh": 10}))
+    assert core.calls == [("served", 9, 2, 6, 2, 0b101, 0, 0, 0), ("release", 9), ("freed", 31), ("release", 10)]
+    assert native.replies == {}  # C answered the kernel already
+
+
+async def test_an_open_c_answered_is_counted_by_the_core_and_its_owner_looked_up_in_a_task() -> None:
+    native, core = FakeNative(), FakeCore()
+    s = KernelSession(core, native)
+    native.push(c.OP_OPENED, 5, fh=1 << 62, pid=77)
+    native.push(c.OP_OPENED, 6, fh=(1 << 62) + 1, pid=0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.serve)
+        with trio.fail_after(10):
+            while not core.observed:
+                await trio.sleep(0.001)
+        s.terminate()
+    assert core.calls == [("open_served", 5, 1 << 62, 77), ("open_served", 6, (1 << 62) + 1, 0)]
+    assert core.observed == [77]
+    assert isinstance(core.borrower, FakeNative)  # the session lent the core its C side
 
 
 async def test_readdir_forgets_the_entries_the_kernel_did_not_take() -> None:
@@ -274,20 +345,12 @@ async def test_forget_and_init_are_passed_on_and_the_end_ends_serving() -> None:
     assert inits == [1] and core.forgotten == [(12, 3), (13, 1)]
 
 
-async def test_an_open_lends_the_held_blocks_and_its_release_reports_what_c_served() -> None:
-    native, core = FakeNative(), FakeCore()
-    core.lent = Lent(10, 4, [b"abcd", None, b"ij"])
-    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
-    assert opened == ("open", 9, True, False, 10, 4, [b"abcd", None, b"ij"])
-    (released,) = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101, 0, 0, 0)}))
-    assert released == ("err", 0)
-    assert core.calls[-2:] == [("served", 9, 2, 6, 2, 0b101, 0, 0, 0), ("release", 9)]
-
-
-async def test_an_open_the_kernel_did_not_take_is_released_at_once() -> None:
+async def test_an_open_the_kernel_did_not_take_is_released_once_by_cs_report() -> None:
     native, core = FakeNative(take_opens=False), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
-    assert opened == ("open", 9, True, False) and core.calls[-1] == ("release", 9)
+    await served(native, core)
+    assert opened == ("open", 9, True, False, True)
+    assert core.calls.count(("release", 9)) == 1
 
 
 async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_released() -> None:
@@ -310,9 +373,13 @@ class FailingCore(FakeCore):
         raise FsError(errno.EBADF)
 
 
-async def test_a_failing_sync_request_is_answered_and_the_session_goes_on() -> None:
+async def test_a_failing_report_is_logged_and_the_session_goes_on(caplog: pytest.LogCaptureFixture,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(session, "_logged_bugs", set())
     native, core = FakeNative(), FailingCore()
     native.push(c.OP_FORGET, 12, size=1)
-    released, attr = await answer(native, core, (c.OP_RELEASE, {"fh": 9, "served": (1, 1, 1, 1, 0, 0, 0)}),
-                                  (c.OP_GETATTR, {"ino": 7}))
-    assert released == ("err", errno.EBADF) and attr == ("attr", attr_of(7))
+    native.push(c.OP_RELEASE, fh=9, served=(1, 1, 1, 1, 0, 0, 0))
+    with caplog.at_level(logging.ERROR, logger=session.__name__):
+        (attr,) = await answer(native, core, (c.OP_GETATTR, {"ino": 7}))
+    assert attr == ("attr", attr_of(7))
+    assert len(caplog.records) == 2  # one per exception type: the forget's and the release's
