@@ -12,8 +12,10 @@ import os
 import time
 from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 from itertools import count
+from typing import Any, Protocol
+
+import trio
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import Backend
@@ -76,10 +78,19 @@ class Borrower(Protocol):
     def invalidate_all(self) -> None: ...
 
 
+# What AccessObserver.opened_now answers when the opener's owner cannot be known without
+# waiting: then opened() is called.
+OWNER_UNKNOWN = object()
+
+
 class AccessObserver(Protocol):
     """Sees every application open and release (hit accounting, plan cursors)."""
 
     async def opened(self, pid: int, path: str) -> object: ...
+
+    def opened_now(self, pid: int, path: str) -> object:
+        """As :meth:`opened` when that needs no wait; else OWNER_UNKNOWN (nothing seen)."""
+        ...
 
     def released(self, f: OpenFile) -> None: ...
 
@@ -144,7 +155,8 @@ class Filesystem:
         self._c = _Counters()
         self.observer: AccessObserver | None = None
         self.borrower: Borrower | None = None
-        self._published: dict[int, int] = {}  # inode -> the id of its publication
+        # inode -> (the id of its publication, when its attributes stop being trusted)
+        self._published: dict[int, tuple[int, float]] = {}
         self._incomplete: set[int] = set()  # published inodes with a block not lent (not held then)
         # Publications that lend RAM blocks: id -> (inode, the keys lent), and each lent
         # key's publications, so that a block leaving the RAM tier withdraws them.
@@ -307,6 +319,10 @@ class Filesystem:
         self._c.native_opens += 1
         if self.observer is None:
             return None
+        owner = self.observer.opened_now(pid, node.path)
+        if owner is not OWNER_UNKNOWN:
+            f.owner = owner
+            return None
         f.observed = False
         return self._observe(f, pid)
 
@@ -327,13 +343,15 @@ class Filesystem:
         self.meta.on_forget = self._meta_forgotten
         self.inodes.on_retire = self._withdraw
 
-    def publish(self, inode: int) -> bool:
+    def publish(self, inode: int, *, again: bool = False) -> bool:
         """Vouch for ``inode`` to the borrower for as long as its path's attributes are
         trusted (``attrValid``), and lend the blocks of its version that are held: RAM
         blocks as their bytes, and for a file of one block its NVMe entry's place.  The
         borrower answers opens only of an inode with every block lent (or too large for
-        any to be): the open of one that is not comes here and publishes it again.  False
-        if it is not published (no borrower, not a current regular file, nothing trusted)."""
+        any to be): the open of one that is not comes here and publishes it again.  An
+        inode published whole until the same expiry is left as it is (a listing or lookup
+        of a published file costs no new publication) unless ``again``.  False if it is not
+        published (no borrower, not a current regular file, nothing trusted)."""
         borrower = self.borrower
         if borrower is None:
             return False
@@ -342,9 +360,13 @@ class Filesystem:
         except FsError:  # forgotten meanwhile
             return False
         attr = self.meta.peek(node.path)
-        valid_for = self.meta.valid_for(node.path)
+        until = self.meta.trusted_until(node.path)
+        valid_for = until - trio.current_time()
         if attr is None or valid_for <= 0 or not attr.is_file or not self.inodes.serves(inode, attr):
             return False
+        current = self._published.get(inode)
+        if not again and current is not None and current[1] == until and inode not in self._incomplete:
+            return True
         size = attr.version.size
         n = self.blocks.count(size)
         blocks: list[LentBlock] = []
@@ -362,7 +384,7 @@ class Filesystem:
                 place = self.cache.locate_on_disk(key) if n == 1 else None
                 blocks.append((os.fsencode(place[0]), place[1], place[2], key) if place else None)
         publication = next(self._publication_ids)
-        self._published[inode] = publication
+        self._published[inode] = (publication, until)
         if None in blocks:
             self._incomplete.add(inode)
         else:
@@ -392,8 +414,7 @@ class Filesystem:
 
     def _withdraw(self, inode: int) -> None:
         self._incomplete.discard(inode)
-        publication = self._published.pop(inode, None)
-        if publication is not None and self.borrower is not None:
+        if self._published.pop(inode, None) is not None and self.borrower is not None:
             freed = self.borrower.withdraw(inode)
             if freed:
                 self.freed(freed)
@@ -403,7 +424,7 @@ class Filesystem:
         new handle reads it and its bytes are given back once the open ones are released."""
         for publication in list(self._lenders.get(key, ())):
             loans = self._loans.get(publication)
-            if loans is not None and self._published.get(loans[0]) == publication:
+            if loans is not None and self._published.get(loans[0], (0, 0.0))[0] == publication:
                 self._withdraw(loans[0])
 
     def _meta_forgotten(self, path: str | None) -> None:
@@ -448,7 +469,7 @@ class Filesystem:
                 f.read_here and self.blocks.count(f.version.size) <= MAX_LENT_BLOCKS)):
             # Its reads may have brought blocks the publication lacked, or found a lent NVMe
             # entry gone (the borrower's check failed): lend what is held now.
-            self.publish(f.inode)
+            self.publish(f.inode, again=True)
         self._c.file_requests += 1
         if f.waited:
             self._c.file_misses += 1

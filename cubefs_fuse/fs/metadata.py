@@ -122,12 +122,10 @@ class MetadataCache:
             return None
         return cached[1]
 
-    def valid_for(self, path: str) -> float:
-        """Seconds ``path``'s cached attributes stay trusted (0 if none are)."""
+    def trusted_until(self, path: str) -> float:
+        """When ``path``'s cached attributes stop being trusted (trio's clock; 0 if none are)."""
         cached = self._attrs.get(path)
-        if cached is None or cached[1] is None:
-            return 0.0
-        return max(0.0, cached[0] - trio.current_time())
+        return 0.0 if cached is None or cached[1] is None else cached[0]
 
     async def fresh_stat(self, path: str) -> Attr:
         """Attributes straight from the backend (and cached for the next caller)."""

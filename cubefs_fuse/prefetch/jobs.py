@@ -137,26 +137,36 @@ class JobRegistry:
         self._resolved.clear()
         return job
 
-    async def resolve(self, pid: int) -> JobKey | None:
-        """The (job, rank) a thread/process belongs to, or None; /proc is read in a thread."""
+    def resolve_now(self, pid: int) -> tuple[bool, JobKey | None]:
+        """(True, what :meth:`resolve` answers) if that needs no /proc read; else (False, None)."""
         if pid == 0:
             # Requests from another pid namespace: the job registered from there, if any
             # (with several such jobs the latest registration wins; hostPID avoids that).
-            return self._by_pid.get(0)
-        now = time.monotonic()
+            return True, self._by_pid.get(0)
         cached = self._resolved.get(pid)
-        if cached is not None and cached[0] > now:
-            return cached[1]
+        if cached is not None and cached[0] > time.monotonic():
+            return True, cached[1]
         if pid in self._by_pid:
-            found: JobKey | None = self._by_pid[pid]
-        else:
-            registered = frozenset(self._by_pid)  # O(jobs): a handful
-            owner = await trio.to_thread.run_sync(_registered_ancestor, pid, registered)
-            found = self._by_pid.get(owner) if owner is not None else None
+            found = self._by_pid[pid]
+            self._remember(pid, found)
+            return True, found
+        return False, None
+
+    async def resolve(self, pid: int) -> JobKey | None:
+        """The (job, rank) a thread/process belongs to, or None; /proc is read in a thread."""
+        known, found = self.resolve_now(pid)
+        if known:
+            return found
+        registered = frozenset(self._by_pid)  # O(jobs): a handful
+        owner = await trio.to_thread.run_sync(_registered_ancestor, pid, registered)
+        found = self._by_pid.get(owner) if owner is not None else None
+        self._remember(pid, found)
+        return found
+
+    def _remember(self, pid: int, found: JobKey | None) -> None:
         if len(self._resolved) >= MAX_RESOLVED:
             self._resolved.clear()
-        self._resolved[pid] = (now + RESOLVE_TTL, found)
-        return found
+        self._resolved[pid] = (time.monotonic() + RESOLVE_TTL, found)
 
     def touch(self, key: JobKey) -> None:
         job = self.jobs.get(key)

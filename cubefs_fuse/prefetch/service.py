@@ -22,7 +22,7 @@ import trio
 
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, TooLarge
-from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
+from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, Filesystem, OpenFile
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
@@ -72,10 +72,20 @@ class PrefetchService:
 
     async def opened(self, pid: int, path: str) -> object:
         key = await self.jobs.resolve(pid)
+        self._observe_open(key, path)
+        return key
+
+    def opened_now(self, pid: int, path: str) -> object:
+        known, key = self.jobs.resolve_now(pid)
+        if not known:
+            return OWNER_UNKNOWN
+        self._observe_open(key, path)
+        return key
+
+    def _observe_open(self, key: JobKey | None, path: str) -> None:
         if key is not None:
             self.jobs.touch(key)
             self.scheduler.observe_open(key, path)
-        return key
 
     def released(self, f: OpenFile) -> None:
         key = f.owner if isinstance(f.owner, tuple) else None

@@ -218,6 +218,9 @@ async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
             seen.append(("open", (pid, path)))
             return f"job-of-{pid}"
 
+        def opened_now(self, pid: int, path: str) -> object:
+            raise AssertionError("only for opens the FUSE session answered")
+
         def released(self, f: OpenFile) -> None:
             seen.append(("release", (f.path, f.owner, f.waited)))
 

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from cubefs_fuse.fs.filesystem import LentBlock, OpenFile
+from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, LentBlock, OpenFile
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, Stack, open_stack, stack_config
@@ -74,8 +74,10 @@ async def test_a_file_is_published_with_its_held_blocks_for_as_long_as_its_attri
     backend.mkdir("d")
     async with lent_stack(backend) as (stack, borrower):
         inode = await published(stack, "f")  # the lookup brought the one-block file
-        _, valid_for, blocks = borrower.table[inode]
+        first, valid_for, blocks = borrower.table[inode]
         assert 3500 < valid_for <= 3600 and blocks == [b"a" * 100]
+        await stack.fs.lookup(ROOT_INODE, "f")
+        assert stack.fs.publish(inode) and borrower.table[inode][0] == first  # the same: nothing to redo
         directory = (await stack.fs.lookup(ROOT_INODE, "d")).inode
         assert not stack.fs.publish(directory)
     async with lent_stack(backend, attr_valid=0.0, lookup_valid=0.0) as (stack, borrower):
@@ -145,6 +147,12 @@ async def test_an_open_the_borrower_answered_is_counted_and_observed_even_if_rel
             seen.append(("open", (pid, path)))
             return f"job-of-{pid}"
 
+        def opened_now(self, pid: int, path: str) -> object:
+            if pid == 43:
+                return OWNER_UNKNOWN  # not known without waiting: opened() in a task
+            seen.append(("open now", (pid, path)))
+            return f"job-of-{pid}"
+
         def released(self, f: OpenFile) -> None:
             seen.append(("release", (f.path, f.owner)))
 
@@ -161,5 +169,8 @@ async def test_an_open_the_borrower_answered_is_counted_and_observed_even_if_rel
         assert seen == []
         await rest
         assert seen == [("open", (43, "f")), ("release", ("f", "job-of-43"))]
+        assert fs.open_served(inode, fh + 2, 44) is None  # the owner known at once: no task
+        fs.release(fh + 2)
+        assert seen[2:] == [("open now", (44, "f")), ("release", ("f", "job-of-44"))]
         stats = fs.statistics()
-        assert (stats.opens, stats.native_opens, stats.open_files, stats.file_requests) == (2, 2, 0, 2)
+        assert (stats.opens, stats.native_opens, stats.open_files, stats.file_requests) == (3, 3, 0, 3)
