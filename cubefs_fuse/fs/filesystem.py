@@ -420,12 +420,15 @@ class Filesystem:
                 self.freed(freed)
 
     def _recall(self, key: bytes) -> None:
-        """A lent RAM block left the tier: the publications lending it are withdrawn, so no
-        new handle reads it and its bytes are given back once the open ones are released."""
+        """A lent RAM block left the tier: the publications lending it are replaced by what
+        is held now (a one-block file's NVMe entry, where the block was written), or
+        withdrawn, so no new handle reads the block and its bytes are given back once the
+        open ones are released."""
         for publication in list(self._lenders.get(key, ())):
             loans = self._loans.get(publication)
             if loans is not None and self._published.get(loans[0], (0, 0.0))[0] == publication:
-                self._withdraw(loans[0])
+                if not self.publish(loans[0], again=True):
+                    self._withdraw(loans[0])
 
     def _meta_forgotten(self, path: str | None) -> None:
         """The metadata cache stopped trusting ``path``'s attributes (None: everyone's)."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import trio
 
+from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, LentBlock, OpenFile
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
@@ -48,8 +50,9 @@ class FakeBorrower:
 
 
 @asynccontextmanager
-async def lent_stack(backend: FakeBackend, **config: float) -> AsyncIterator[tuple[Stack[FakeBackend], FakeBorrower]]:
-    async with open_stack(backend, stack_config(**config)) as stack:
+async def lent_stack(backend: FakeBackend, disk: DiskTier | None = None,
+                     **config: float) -> AsyncIterator[tuple[Stack[FakeBackend], FakeBorrower]]:
+    async with open_stack(backend, stack_config(**config), disk=disk) as stack:
         borrower = FakeBorrower()
         stack.fs.lend_to(borrower)
         yield stack, borrower
@@ -85,7 +88,7 @@ async def test_a_file_is_published_with_its_held_blocks_for_as_long_as_its_attri
         assert not stack.fs.publish(inode) and borrower.table == {}  # nothing trusted: every open asks
 
 
-async def test_a_block_leaving_ram_withdraws_what_lends_it_and_comes_back_when_freed() -> None:
+async def test_a_block_leaving_ram_is_no_longer_lent_and_comes_back_when_freed() -> None:
     backend = FakeBackend()
     for i in range(4):
         backend.write(f"f{i}", bytes([i]) * BLOCK)
@@ -94,14 +97,36 @@ async def test_a_block_leaving_ram_withdraws_what_lends_it_and_comes_back_when_f
         reading = borrower.table[first][0]
         borrower.readers[reading] = 1  # a handle reads it: C frees it at that handle's release
         second = await published(stack, "f1")
-        # f2's block evicts f0's, which is withdrawn but still lent, so still counted: room
-        # is made by evicting f1's too, whose publication nothing reads (given back at once).
+        # f2's block evicts f0's, which is still lent, so still counted: room is made by
+        # evicting f1's too, whose publication nothing reads (given back at once).  Both
+        # are published again with what is held now: nothing (no NVMe tier here).
         third = await published(stack, "f2")
-        assert set(borrower.table) == {third}
+        assert borrower.table[first][2] == borrower.table[second][2] == [None]
+        assert borrower.table[first][0] != reading
         assert_ram_accounted(stack, ghost_bytes=BLOCK)
         stack.fs.freed(reading)  # the last handle's release freed it
         assert_ram_accounted(stack)
         assert second != third
+
+
+async def test_a_one_block_file_leaving_ram_stays_published_with_its_nvme_entry(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    backend.write("f0", b"0" * BLOCK)
+    backend.write("f1", b"1" * BLOCK)
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    try:
+        async with lent_stack(backend, disk, mem_cache_size=BLOCK) as (stack, borrower):  # RAM: one block
+            first = await published(stack, "f0")
+            fh = await stack.fs.open(first, os.O_RDONLY)  # read once (until then it counts as a miss)
+            assert bytes(await stack.fs.read(fh, 0, BLOCK)) == b"0" * BLOCK
+            stack.fs.release(fh)
+            await stack.cache.drain()  # f0's block written to NVMe too
+            await published(stack, "f1")  # evicts f0's block from RAM
+            (lent,) = borrower.table[first][2]
+            assert isinstance(lent, tuple) and lent[0].endswith(b".seg")  # a segment file's entry
+            assert_ram_accounted(stack)
+    finally:
+        await disk.close()
 
 
 async def test_a_changed_file_a_dropped_attribute_and_a_forgotten_inode_withdraw_the_publication() -> None:
