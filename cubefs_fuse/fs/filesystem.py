@@ -66,9 +66,10 @@ LentBlock = bytes | DiskBlock | None
 
 class Borrower(Protocol):
     """A reader that answers opens and reads of published inodes itself (the FUSE session
-    in C, fs/_session.c).  ``publish`` and ``withdraw`` return the id of an earlier
-    publication freed by the call (no handle reads it any more), or 0; the others are
-    reported freed later (``Filesystem.freed``)."""
+    in C, fs/_session.c) and reports them afterwards (``open_served``, ``release``).
+    ``publish`` and ``withdraw`` return the id of an earlier publication freed by the call
+    (no handle reads it any more), or 0; the others are reported freed later (``freed``).
+    ``report`` hands over, now, what it answered and has not reported yet."""
 
     def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
                 block_size: int, blocks: Sequence[LentBlock], /) -> int: ...
@@ -76,6 +77,8 @@ class Borrower(Protocol):
     def withdraw(self, inode: int, /) -> int: ...
 
     def invalidate_all(self) -> None: ...
+
+    def report(self) -> None: ...
 
 
 # What AccessObserver.opened_now answers when the opener's owner cannot be known without
@@ -334,6 +337,13 @@ class Filesystem:
             self.observer.released(f)
 
     # -- publications ----------------------------------------------------------------
+
+    def settle(self) -> None:
+        """Take in the opens and releases the borrower answered and has not reported yet:
+        before a decision that must see every open so far (a new plan replacing a loader's
+        last, whose cursor and consumed files they move)."""
+        if self.borrower is not None:
+            self.borrower.report()
 
     def lend_to(self, borrower: Borrower) -> None:
         """From now on, publish inodes to ``borrower`` and withdraw them when their version,

@@ -168,7 +168,8 @@ class KernelSession:
         self._native = native
         self.late_replies = 0  # answers that came after C's deadline had answered EIO
         self._nursery: trio.Nursery | None = None
-        ops.lend_to(native)
+        self._ended = False  # the session's end was taken from the queue
+        ops.lend_to(self)
 
     def _late(self, r: Request) -> None:
         self.late_replies += 1
@@ -181,18 +182,40 @@ class KernelSession:
         native.start()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            while True:
+            while not self._ended:
                 await trio.lowlevel.wait_readable(native.fileno())
-                for request in native.take():
-                    op = request[1]
-                    if op == _session.OP_EXIT:
-                        nursery.cancel_scope.cancel()
-                        return
-                    handler = self._sync.get(op)
-                    if handler is not None:
-                        handler(self, request)
-                    else:
-                        nursery.start_soon(self._answer, request)
+                self._dispatch()
+
+    def _dispatch(self) -> None:
+        """Take what C queued: reports and quick requests handled here, the rest in tasks."""
+        assert self._nursery is not None
+        for request in self._native.take():
+            op = request[1]
+            if op == _session.OP_EXIT:  # what is still queued is answered EIO by close()
+                self._ended = True
+                self._nursery.cancel_scope.cancel()
+                return
+            handler = self._sync.get(op)
+            if handler is not None:
+                handler(self, request)
+            else:
+                self._nursery.start_soon(self._answer, request)
+
+    # -- the core's borrower (filesystem.Borrower) -------------------------------------
+
+    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> int:
+        return self._native.publish(inode, id, valid_for, keep_cache, direct_io, size, block_size, blocks)
+
+    def withdraw(self, inode: int, /) -> int:
+        return self._native.withdraw(inode)
+
+    def invalidate_all(self) -> None:
+        self._native.invalidate_all()
+
+    def report(self) -> None:
+        if self._nursery is not None and not self._ended:
+            self._dispatch()
 
     def terminate(self) -> None:
         """End ``serve()``: requests still in flight are answered EIO by ``close()``."""

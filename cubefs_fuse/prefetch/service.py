@@ -269,6 +269,7 @@ class PrefetchService:
         waits (at most ``FIRST_WAIT``) until they are in the cache."""
         if dtype not in PLAN_DTYPES:
             raise BadRequest(f"dtype must be one of {', '.join(PLAN_DTYPES)}")
+        self.fs.settle()  # the last epoch's opens count for its plan, not this one
         dataset = self.datasets.get(dataset_ref)
         if dataset is None:
             raise NotFound("unknown dataset id: register the file list first (POST /v1/datasets)")

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import numpy as np
 import trio
 
 from cubefs_fuse.cache.disk import DiskTier
@@ -32,6 +33,7 @@ class FakeBorrower:
         self.table: dict[int, tuple[int, float, list[LentBlock]]] = {}
         self.readers: dict[int, int] = {}  # publication id -> handles reading it
         self.invalidations = 0
+        self.reports = 0
 
     def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
                 block_size: int, blocks: Sequence[LentBlock], /) -> int:
@@ -47,6 +49,9 @@ class FakeBorrower:
 
     def invalidate_all(self) -> None:
         self.invalidations += 1
+
+    def report(self) -> None:
+        self.reports += 1
 
 
 @asynccontextmanager
@@ -199,3 +204,16 @@ async def test_an_open_the_borrower_answered_is_counted_and_observed_even_if_rel
         assert seen[2:] == [("open now", (44, "f")), ("release", ("f", "job-of-44"))]
         stats = fs.statistics()
         assert (stats.opens, stats.native_opens, stats.open_files, stats.file_requests) == (3, 3, 0, 3)
+
+
+async def test_a_new_plan_first_takes_in_what_the_borrower_answered() -> None:
+    backend = FakeBackend()
+    backend.write("f", b"y" * 100)
+    async with open_stack(backend, stack_config(), service=True) as stack:
+        borrower = FakeBorrower()
+        stack.fs.lend_to(borrower)
+        stack.service.jobs.register("job", 0, os.getpid())
+        dataset, _ = await stack.service.register_dataset(b"f", 1)
+        await stack.service.submit_plan(("job", 0), 0, dataset.id, np.asarray([0], dtype="<u4").tobytes(), "<u4")
+        # The last epoch's opens, still queued in C, count for its plan, not for this one.
+        assert borrower.reports == 1

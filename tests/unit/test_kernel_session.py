@@ -132,12 +132,14 @@ class FakeNative:
         self.next_id = 1
 
     def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
-             pid: int = 4242, name: bytes = b"", served: Served | None = None, freed: int = 0) -> int:
+             pid: int = 4242, name: bytes = b"", served: Served | None = None, freed: int = 0,
+             signal: bool = True) -> int:
         reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_OPENED)
         rid = self.next_id if op not in reports else 0
         self.next_id += 1
         self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served, freed))
-        os.eventfd_write(self.fd, 1)
+        if signal:  # C signals reports late (REPORT_DELAY_NS)
+            os.eventfd_write(self.fd, 1)
         return rid
 
     def start(self) -> None:
@@ -316,7 +318,21 @@ async def test_an_open_c_answered_is_counted_by_the_core_and_its_owner_looked_up
         s.terminate()
     assert core.calls == [("open_served", 5, 1 << 62, 77), ("open_served", 6, (1 << 62) + 1, 0)]
     assert core.observed == [77]
-    assert isinstance(core.borrower, FakeNative)  # the session lent the core its C side
+    assert isinstance(core.borrower, KernelSession)  # the session is the core's borrower
+
+
+async def test_report_hands_the_core_what_c_answered_before_c_signals_it() -> None:
+    native, core = FakeNative(), FakeCore()
+    s = KernelSession(core, native)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.serve)
+        await trio.sleep(0.01)
+        native.push(c.OP_OPENED, 5, fh=1 << 62, pid=0, signal=False)
+        native.push(c.OP_RELEASE, 5, fh=1 << 62, signal=False)
+        assert core.calls == []
+        s.report()  # as the core asks before a new plan
+        assert core.calls == [("open_served", 5, 1 << 62, 0), ("release", 1 << 62)]
+        s.terminate()
 
 
 async def test_readdir_forgets_the_entries_the_kernel_did_not_take() -> None:
