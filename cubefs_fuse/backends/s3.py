@@ -18,7 +18,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -199,6 +199,8 @@ class S3Backend:
 
     def __init__(self, location: S3Location, threads: int, *, timeout: float = 30.0,
                  page_size: int = LIST_PAGE_SIZE, retries: int = MAX_RETRIES) -> None:
+        if location.prefix and not location.prefix.endswith("/"):
+            location = replace(location, prefix=location.prefix + "/")  # "a" is the directory "a/"
         self.location = location
         self._clients = Clients(location, threads=threads, timeout=timeout, retries=retries)
         self._page_size = page_size
@@ -385,3 +387,50 @@ class S3Backend:
 
     def statistics(self) -> BackendStatistics:
         return self._ops.statistics()
+
+
+# Attempts of the mount-time check: one retry, so that a wrong endpoint fails the mount
+# within seconds (CONNECT_TIMEOUT each) rather than after the daemon's MAX_RETRIES.
+CHECK_RETRIES = 1
+# S3 error codes that say the credentials were refused (a wrong key, a wrong secret, an
+# expired token, or a key without the right to list the bucket).
+_CREDENTIAL_CODES = frozenset({"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken",
+                               "InvalidToken", "InvalidClientTokenId", "AllAccessDisabled"})
+
+
+def check_location(location: S3Location, timeout: float) -> None:
+    """At mount time: list one key under the location's prefix; ConfigError with one line
+    naming the cause (no such profile, an endpoint that does not answer, no such bucket,
+    refused credentials, nothing under the prefix)."""
+    from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
+
+    from cubefs_fuse.errors import ConfigError
+
+    endpoint_key = "key 's3Endpoint'" if location.endpoint else "the S3 endpoint"
+    try:
+        clients = Clients(location, threads=1, timeout=min(timeout, CONNECT_TIMEOUT), retries=CHECK_RETRIES)
+    except ProfileNotFound:
+        raise ConfigError(f"key 's3Profile': no profile {location.profile!r} in the AWS config files") from None
+    except BotoCoreError as exc:
+        raise ConfigError(f"key 'source': cannot set up an S3 client for {location.url}: {exc}") from None
+    try:
+        answer = clients.boto.list_objects_v2(Bucket=location.bucket, Prefix=location.prefix, MaxKeys=1)
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if code == "NoSuchBucket":
+            raise ConfigError(f"key 'source': bucket {location.bucket!r} does not exist at {clients.endpoint}") from None
+        if code in _CREDENTIAL_CODES or status in (401, 403):
+            who = "anonymous access (no credentials found)" if clients.anonymous else "the credentials"
+            raise ConfigError(f"key 'source': {clients.endpoint} refused {who} for bucket {location.bucket!r} "
+                              f"({code or status}): check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE "
+                              "or 's3Profile'") from None
+        raise ConfigError(f"key 'source': cannot list {location.url} at {clients.endpoint}: "
+                          f"{code or status} {error.get('Message', '')}".rstrip()) from None
+    except BotoCoreError as exc:  # no answer: connection refused, unknown host, timeout
+        raise ConfigError(f"{endpoint_key}: {clients.endpoint} does not answer: {exc}") from None
+    finally:
+        clients.boto.close()
+    if location.prefix and not answer.get("KeyCount"):
+        raise ConfigError(f"key 'source': no object under {location.url}")
