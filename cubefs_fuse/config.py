@@ -19,13 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.limits import DIGITS_PATTERN, SAMPLE_NAME_PATTERN
-
-if TYPE_CHECKING:
-    from cubefs_fuse.backends.s3 import S3Location
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -486,8 +483,7 @@ def load_config(path: str) -> ClientConfig:
 
 def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = False) -> None:
     """Check that source, mount point and cache dir are usable; raises ConfigError.  An
-    ``s3://`` source is listed once (one key under its prefix): a missing bucket, refused
-    credentials or an endpoint that does not answer are one line saying which."""
+    ``s3://`` source is checked by ``sources.check_source`` (its bucket is listed once)."""
     source = config.source
     if config.s3_source is None:
         if not os.path.exists(source):
@@ -498,10 +494,6 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
             raise ConfigError(f"key 'source': {source!r} is not readable")
         if os.path.realpath(config.mount_point) == os.path.realpath(source):
             raise ConfigError("key 'mountPoint': must differ from 'source'")
-    else:
-        from cubefs_fuse.backends.s3 import check_location  # boto3 and obstore: only for an s3:// source
-
-        check_location(s3_location(config), config.backend_timeout)
     mount_point = config.mount_point
     _check_overlaps(config)
     if not mount_point_may_be_stale:
@@ -655,16 +647,6 @@ def _check_writable(key: str, directory: str) -> None:
             pass
     except OSError as exc:
         raise ConfigError(f"key {key!r}: {directory!r} is not writable: {exc.strerror}") from None
-
-
-def s3_location(config: ClientConfig) -> S3Location:
-    """Where an ``s3://`` source is and how to reach it (the ``s3*`` keys)."""
-    from cubefs_fuse.backends.s3 import S3Location
-
-    where = config.s3_source
-    assert where is not None, "s3_location of a directory source"
-    return S3Location(where[0], where[1], endpoint=config.s3_endpoint, region=config.s3_region,
-                      path_style=config.s3_path_style, profile=config.s3_profile)
 
 
 def to_json_dict(config: ClientConfig) -> dict[str, Any]:

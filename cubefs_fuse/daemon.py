@@ -17,13 +17,12 @@ from dataclasses import dataclass
 import trio
 
 from cubefs_fuse import __version__, mounts, sdnotify
-from cubefs_fuse.backends.base import ProbedBackend
 from cubefs_fuse.backends.deadline import DeadlineBackend
-from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
+from cubefs_fuse.backends.localdir import raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.config import ClientConfig, record_block_size, s3_location, user_allow_other
+from cubefs_fuse.config import ClientConfig, record_block_size, user_allow_other
 from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
@@ -38,6 +37,7 @@ from cubefs_fuse.fs import session as kernel
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
+from cubefs_fuse.sources import source_backend
 from cubefs_fuse.stats import AppReads, app_reads
 
 log = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
     raise_fd_limit()
     # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
-    backend = DeadlineBackend(_source_backend(config), config.backend_timeout)
+    backend = DeadlineBackend(source_backend(config), config.backend_timeout)
     try:
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
         record_block_size(config)
@@ -113,15 +113,6 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
             await _close_disk(disk, write_index)
     finally:
         backend.close()
-
-
-def _source_backend(config: ClientConfig) -> ProbedBackend:
-    """The S3 backend for an ``s3://`` source, the directory backend otherwise."""
-    if config.s3_source is not None:
-        from cubefs_fuse.backends.s3 import S3Backend  # boto3 and obstore: only for an s3:// source
-
-        return S3Backend(s3_location(config), config.backend_threads, timeout=config.backend_timeout)
-    return LocalDirBackend(config.source, config.backend_threads)
 
 
 async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Callable[[], None],

@@ -1,7 +1,8 @@
 """An s3:// source at mount time, against a real S3 server (tests/s3_servers.py): the
 check passes for a reachable bucket, and a missing bucket, refused credentials, an
 endpoint that does not answer, an unknown profile or an empty prefix each make
-``check_environment`` and ``cubefs-fuse mount`` fail with one line saying which."""
+``check_environment`` + ``check_source`` and ``cubefs-fuse mount`` fail with one line
+saying which."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from cubefs_fuse.config import ClientConfig, check_environment, parse_config
 from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.sources import check_source
 from tests.cli_checks import Env
 from tests.redis_servers import free_port
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
@@ -24,9 +26,15 @@ def s3_config(tmp_path: Path, server: SeaweedS3, source: str, **extra: Any) -> C
                          "diskCacheDir": str(tmp_path / "cache"), **extra})
 
 
+def check(cfg: ClientConfig) -> None:
+    """What `mount` checks of the config against the machine and the bucket."""
+    check_environment(cfg)
+    check_source(cfg)
+
+
 def env_error(cfg: ClientConfig) -> str:
     with pytest.raises(ConfigError) as info:
-        check_environment(cfg)
+        check(cfg)
     message = str(info.value)
     assert "\n" not in message, "config errors are one line"
     return message
@@ -35,8 +43,8 @@ def env_error(cfg: ClientConfig) -> str:
 def test_a_reachable_bucket_passes(tmp_path: Path, s3_env: SeaweedS3) -> None:  # noqa: F811
     bucket = s3_env.new_bucket()
     s3_env.client().put_object(Bucket=bucket, Key="train/a.jpg", Body=b"a")
-    check_environment(s3_config(tmp_path, s3_env, f"s3://{bucket}/train"))
-    check_environment(s3_config(tmp_path, s3_env, f"s3://{bucket}"))
+    check(s3_config(tmp_path, s3_env, f"s3://{bucket}/train"))
+    check(s3_config(tmp_path, s3_env, f"s3://{bucket}"))
     assert (tmp_path / "cache").is_dir()
 
 
@@ -72,9 +80,9 @@ def test_a_profile_of_the_shared_files_is_used(tmp_path: Path, s3_env: SeaweedS3
                            f"aws_secret_access_key = {environment['AWS_SECRET_ACCESS_KEY']}\n"
                            "[other]\naws_access_key_id = nobody\naws_secret_access_key = nothing\n")
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
-    check_environment(s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Profile="training"))
+    check(s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Profile="training"))
     monkeypatch.setenv("AWS_PROFILE", "training")
-    check_environment(s3_config(tmp_path, s3_env, f"s3://{bucket}"))
+    check(s3_config(tmp_path, s3_env, f"s3://{bucket}"))
     assert "refused the credentials" in env_error(s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Profile="other"))
 
 

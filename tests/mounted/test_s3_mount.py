@@ -1,0 +1,96 @@
+"""Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
+FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
+after attrValid while a handle opened before reads its own version or ESTALE, never a
+mix, and nothing but reads reaching the bucket's keys."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.helpers import Mount, metric, wait_until
+from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
+
+BS = 64 * 1024  # the mount's blockSize: small, so that multi-block objects stay cheap
+TTL = 1.0  # attrValid and lookupValid: how long a changed object may still look unchanged
+
+# key under the mounted prefix -> size: a block boundary, multi-block, one byte, empty.
+OBJECTS = {
+    "image 110k.jpg": 110_000,
+    "cls1/multi.bin": 3 * BS + 7,
+    "cls1/one": 1,
+    "cls2/deep/block.bin": BS,
+    "empty": 0,
+}
+
+
+def read_all(path: str | os.PathLike[str]) -> bytes:
+    with open(path, "rb", buffering=0) as f:
+        chunks = []
+        while chunk := f.read(BS // 2 + 1):  # reads straddle block boundaries
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_bucket_prefix_is_served_and_an_overwrite_seen_after_the_ttl(
+        make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(31)
+    contents = {key: rng.randbytes(size) for key, size in OBJECTS.items()}
+    for key, data in contents.items():
+        client.put_object(Bucket=bucket, Key=f"ds/{key}", Body=data)
+    client.put_object(Bucket=bucket, Key="elsewhere/x", Body=b"not under the prefix")
+    m = make_mount(source=f"s3://{bucket}/ds", s3Endpoint=s3_env.endpoint, blockSize="64KiB",
+                   memCacheSize="4MiB", diskCacheSize="16MiB", attrValid=TTL, lookupValid=TTL)
+    m.mount()
+    root = str(m.mount_point)
+
+    # The tree: prefixes are directories, keys files, nothing from outside the prefix.
+    seen = {os.path.relpath(os.path.join(d, f), root) for d, _, files in os.walk(root) for f in files}
+    assert seen == set(OBJECTS)
+    assert sorted(os.listdir(root)) == ["cls1", "cls2", "empty", "image 110k.jpg"]
+    for key, data in contents.items():
+        assert read_all(os.path.join(root, key)) == data, key
+        assert os.stat(os.path.join(root, key)).st_size == len(data)
+    with open(m.path("cls1/multi.bin"), "rb") as f:
+        for offset in (BS - 3, 2 * BS, 5, 3 * BS):
+            f.seek(offset)
+            assert f.read(100) == contents["cls1/multi.bin"][offset:offset + 100]
+    with pytest.raises(OSError) as info:
+        os.readlink(m.path("cls1/one"))
+    assert info.value.errno == errno.EINVAL
+    with pytest.raises(OSError) as info:
+        open(m.path("cls1/one"), "wb")
+    assert info.value.errno == errno.EROFS
+
+    # An overwrite (same size: only the ETag tells) while a handle of the old version is open.
+    old = contents["cls1/multi.bin"]
+    new = bytes(b ^ 0xFF for b in old)
+    handle = os.open(m.path("cls1/multi.bin"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.pread(handle, 4096, 0) == old[:4096]
+        os.posix_fadvise(handle, 0, 0, os.POSIX_FADV_DONTNEED)
+        client.put_object(Bucket=bucket, Key="ds/cls1/multi.bin", Body=new)
+        client.put_object(Bucket=bucket, Key="ds/cls2/added.txt", Body=b"added")
+        time.sleep(TTL * 1.5)
+        assert read_all(m.path("cls1/multi.bin")) == new  # a new open: the new version, whole
+        assert sorted(os.listdir(m.path("cls2"))) == ["added.txt", "deep"]
+        assert read_all(m.path("cls2/added.txt")) == b"added"
+        for offset in range(0, len(old), 4096):  # the old handle: its own bytes, or ESTALE
+            try:
+                chunk = os.pread(handle, 4096, offset)
+            except OSError as exc:
+                assert exc.errno == errno.ESTALE
+                continue
+            assert chunk == old[offset:offset + 4096], offset
+    finally:
+        os.close(handle)
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") > 0,
+               what="the backend's reads counted")
+    m.umount()
