@@ -163,8 +163,9 @@ class Clients:
         region = session.region_name or "us-east-1"  # the AWS CLI's fallback too
         # Where the chain says (endpoint_url of the profile, AWS_ENDPOINT_URL[_S3]) unless
         # the config names one: boto3 resolves it, obstore is given the result.
-        probe_client = session.client("s3", endpoint_url=location.endpoint or None, region_name=region)
-        endpoint: str = probe_client.meta.endpoint_url
+        resolver = session.client("s3", endpoint_url=location.endpoint or None, region_name=region)
+        endpoint: str = resolver.meta.endpoint_url
+        resolver.close()
         on_aws = (urlsplit(endpoint).hostname or "").endswith(".amazonaws.com")
         path_style = location.path_style if location.path_style is not None else not on_aws
         self.endpoint = endpoint

@@ -1,7 +1,8 @@
 """The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
 page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
 key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
-faulting proxy (tests/s3_proxy.py), probes, statistics, and nothing but reads."""
+faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, and a bucket
+that stops answering and comes back under DeadlineBackend."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import trio
 
+from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
 from tests.s3_proxy import FaultProxy
@@ -149,3 +152,34 @@ async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: Sea
     assert set(proxy.methods) <= {"GET", "HEAD"}  # nothing was ever written
     with pytest.raises(OSError):  # the proxy is gone: no answer
         await few.probe()
+
+
+async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """Under DeadlineBackend as the daemon runs it: EIO after the retries, a probe, down
+    (fail fast), and up again at the first answer, with no restart."""
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {"f": b"data"})
+    with FaultProxy(s3_env.s3_port) as proxy:
+        inner = make_backend(bucket, endpoint=proxy.endpoint, retries=1)
+        attr = await inner.stat("f")
+        backend = DeadlineBackend(inner, 10.0, probe_interval=0.05)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.supervise)
+            proxy.fail_next(1_000_000)  # every request throttled: the bucket is away
+            with pytest.raises(OSError) as info:
+                await backend.read_block("f", attr.version, 0, 4)
+            assert info.value.errno == errno.EIO
+            with trio.fail_after(10):
+                while not backend.down:
+                    await trio.sleep(0.02)
+            sent = len(proxy.methods)
+            with pytest.raises(OSError):
+                await backend.stat("f")
+            assert backend.statistics().failed_fast["stat"] == 1
+            proxy.fail_next(0)  # back
+            with trio.fail_after(10):
+                while backend.down:
+                    await trio.sleep(0.02)
+            assert len(proxy.methods) > sent  # probes, and nothing else, reached it meanwhile
+            assert await backend.read_block("f", attr.version, 0, 4) == b"data"
+            nursery.cancel_scope.cancel()
