@@ -10,7 +10,9 @@ thread), once per library: boto3 (one shared client) and obstore (one shared sto
 blocking API).  Reported per GET: this process's CPU (user + system of every thread,
 ``resource.getrusage``) and wall time; the server's own CPU is not counted.  Each library
 also does one ranged GET conditional on the ETag (If-Match), checked, so a library that
-cannot is seen to fail here.
+cannot is seen to fail here.  Then ``--list-keys`` one-byte keys in one prefix are listed
+with the delimiter ``/`` twice per library (boto3's paginator, obstore's
+``list_with_delimiter``): CPU and wall time per key listed.
 """
 
 from __future__ import annotations
@@ -96,11 +98,31 @@ def obstore_get(server: SeaweedS3, bucket: str, threads: int, boto3_credentials:
     return get, ranged
 
 
+def boto3_list(server: SeaweedS3, bucket: str) -> Callable[[], int]:
+    client = server.client()
+
+    def count() -> int:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="listed/", Delimiter="/")
+        return sum(len(page.get("Contents", ())) for page in pages)
+
+    return count
+
+
+def obstore_list(server: SeaweedS3, bucket: str) -> Callable[[], int]:
+    import obstore
+    from obstore.store import S3Store
+
+    store = S3Store(bucket, endpoint=server.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                    region=REGION, virtual_hosted_style_request=False, client_options={"allow_http": True})
+    return lambda: len(obstore.list_with_delimiter(store, "listed/")["objects"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--objects", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--list-keys", type=int, default=3000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedS3(Path(tmp)).start()
@@ -128,6 +150,18 @@ def main() -> None:
                 assert ranged(keys[0]) == payload[10:20], f"{name}: ranged conditional GET"
                 cpu, wall = _measure(get, keys, args.rounds, args.threads)
                 print(f"| {name} | {cpu * 1e6:.0f} | {wall * 1e6:.0f} |")
+            list_keys = [f"listed/img{i:06d}.jpg" for i in range(args.list_keys)]
+            with ThreadPoolExecutor(16) as pool:
+                list(pool.map(lambda key: client.put_object(Bucket=bucket, Key=key, Body=b"x"), list_keys))
+            print(f"\nListing {args.list_keys} keys of one prefix, twice per library:")
+            print("| library | CPU per key (us) | wall per key (us) |")
+            print("|---|---|---|")
+            for name, count in (("boto3 (paginator, 1,000 keys a page)", boto3_list(server, bucket)),
+                                ("obstore (list_with_delimiter)", obstore_list(server, bucket))) * 2:
+                cpu, wall = _cpu(), time.perf_counter()
+                assert count() == args.list_keys, name
+                print(f"| {name} | {(_cpu() - cpu) / args.list_keys * 1e6:.1f} | "
+                      f"{(time.perf_counter() - wall) / args.list_keys * 1e6:.1f} |")
         finally:
             server.stop()
 
