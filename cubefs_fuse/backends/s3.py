@@ -66,6 +66,11 @@ NAME_MAX = 255
 INO_MASK = (1 << 63) - 1
 
 
+# The owner of every file and directory: the daemon's user (objects have none), read once
+# rather than per key listed.
+_UID, _GID = os.geteuid(), os.getegid()
+
+
 @dataclass(frozen=True, slots=True)
 class S3Location:
     """Where the volume is and how to reach it (the config's ``source`` and ``s3*`` keys)."""
@@ -99,14 +104,14 @@ def object_attr(size: int, last_modified: datetime, etag: str) -> Attr:
     the same second): an overwrite changes the ETag (and mostly the others), so the cache
     sees a new version exactly as for a changed file of a directory source."""
     mtime = _seconds_ns(last_modified)
-    return Attr(stat.S_IFREG | 0o444, 1, os.geteuid(), os.getegid(), 0, size, (size + 511) // 512,
+    return Attr(stat.S_IFREG | 0o444, 1, _UID, _GID, 0, size, (size + 511) // 512,
                 BLKSIZE, mtime, mtime, mtime, etag_ino(etag))
 
 
 def prefix_attr(prefix: str, mtime_ns: int) -> Attr:
     """A prefix's attributes: a read-only directory; prefixes have no time of their own,
     so every one shows the time the backend started."""
-    return Attr(stat.S_IFDIR | 0o555, 2, os.geteuid(), os.getegid(), 0, 0, 0, BLKSIZE,
+    return Attr(stat.S_IFDIR | 0o555, 2, _UID, _GID, 0, 0, 0, BLKSIZE,
                 mtime_ns, mtime_ns, mtime_ns, xxhash.xxh64_intdigest(prefix.encode()) & INO_MASK)
 
 
