@@ -53,6 +53,7 @@ class FaultProxy:
                     if self.command != "HEAD":
                         self.wfile.write(SLOW_DOWN)
                     return
+                # 30 s: far beyond any answer of a loopback server; a test never waits on it.
                 upstream = http.client.HTTPConnection("127.0.0.1", proxy.target_port, timeout=30)
                 try:
                     upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)

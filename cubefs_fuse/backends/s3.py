@@ -139,7 +139,8 @@ def _status_of(exc: Exception) -> int | None:
 def os_error(exc: Exception, what: str) -> OSError:
     """The OSError for a failed request (the errno from cubefs_fuse.errors' table)."""
     code = errno_of_http(_status_of(exc))
-    # The libraries' messages run to many lines (a debug dump): the first says it all.
+    # The libraries' messages run to many lines (a debug dump): the first says it all, cut
+    # at 300 characters (a URL and an S3 error message fit) so that a log line stays one.
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return OSError(code, f"{os.strerror(code)}: {what}: {first[:300]}")
 
