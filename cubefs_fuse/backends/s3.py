@@ -110,8 +110,9 @@ def object_attr(size: int, last_modified: datetime, etag: str) -> Attr:
 
 def prefix_attr(prefix: str, mtime_ns: int) -> Attr:
     """A prefix's attributes: a read-only directory; prefixes have no time of their own,
-    so every one shows the time the backend started."""
-    return Attr(stat.S_IFDIR | 0o555, 2, _UID, _GID, 0, 0, 0, BLKSIZE,
+    so every one shows the time the backend started.  Its link count is 1, "not counted"
+    (as btrfs reports it): 2 would tell find(1) that it has no subdirectories."""
+    return Attr(stat.S_IFDIR | 0o555, 1, _UID, _GID, 0, 0, 0, BLKSIZE,
                 mtime_ns, mtime_ns, mtime_ns, xxhash.xxh64_intdigest(prefix.encode()) & INO_MASK)
 
 

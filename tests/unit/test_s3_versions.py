@@ -33,7 +33,7 @@ def test_files_and_directories_are_read_only() -> None:
     f = object_attr(1000, WHEN, '"e"')
     assert stat.S_ISREG(f.mode) and stat.S_IMODE(f.mode) == 0o444 and f.blocks == 2 and f.nlink == 1
     d = prefix_attr("train/", 10**18)
-    assert stat.S_ISDIR(d.mode) and stat.S_IMODE(d.mode) == 0o555 and d.mtime_ns == 10**18
+    assert stat.S_ISDIR(d.mode) and stat.S_IMODE(d.mode) == 0o555 and d.mtime_ns == 10**18 and d.nlink == 1
 
 
 def test_http_statuses_map_to_errno() -> None:
