@@ -11,8 +11,8 @@ blocking API).  Reported per GET: this process's CPU (user + system of every thr
 ``resource.getrusage``) and wall time; the server's own CPU is not counted.  Each library
 also does one ranged GET conditional on the ETag (If-Match), checked, so a library that
 cannot is seen to fail here.  Then ``--list-keys`` one-byte keys in one prefix are listed
-with the delimiter ``/`` twice per library (boto3's paginator, obstore's
-``list_with_delimiter``): CPU and wall time per key listed.
+with the delimiter ``/`` twice per library (boto3's paginator, plain and as the S3
+backend sets it up, and obstore's ``list_with_delimiter``): CPU and wall time per key.
 """
 
 from __future__ import annotations
@@ -108,6 +108,22 @@ def boto3_list(server: SeaweedS3, bucket: str) -> Callable[[], int]:
     return count
 
 
+def backend_list(server: SeaweedS3, bucket: str) -> Callable[[], int]:
+    """boto3 as the S3 backend configures it (its own timestamp parser)."""
+    import os
+
+    from cubefs_fuse.backends.s3 import Clients, S3Location
+
+    os.environ.update(server.environment())
+    client = Clients(S3Location(bucket, endpoint=server.endpoint), threads=1, timeout=30.0).boto
+
+    def count() -> int:
+        pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix="listed/", Delimiter="/")
+        return sum(len(page.get("Contents", ())) for page in pages)
+
+    return count
+
+
 def obstore_list(server: SeaweedS3, bucket: str) -> Callable[[], int]:
     import obstore
     from obstore.store import S3Store
@@ -157,6 +173,7 @@ def main() -> None:
             print("| library | CPU per key (us) | wall per key (us) |")
             print("|---|---|---|")
             for name, count in (("boto3 (paginator, 1,000 keys a page)", boto3_list(server, bucket)),
+                                ("boto3 as backends/s3.py sets it up", backend_list(server, bucket)),
                                 ("obstore (list_with_delimiter)", obstore_list(server, bucket))) * 2:
                 cpu, wall = _cpu(), time.perf_counter()
                 assert count() == args.list_keys, name

@@ -152,6 +152,19 @@ def _is_library_error(exc: Exception) -> bool:
     return isinstance(exc, (ObstoreError, FileNotFoundError, BotoCoreError, ClientError))
 
 
+def _timestamp(value: str) -> datetime:
+    """A time in an answer boto3 parses: ListObjectsV2's ISO 8601 by the standard library,
+    anything else by botocore's general parser (dateutil's, which took half of a listing's
+    CPU: 150-200 against 66-99 us per key, benchmarks/results/2026-11-29-s3-client.md)."""
+    from botocore.utils import parse_timestamp
+
+    try:
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        parsed: datetime = parse_timestamp(value)
+        return parsed
+
+
 class Clients:
     """The two clients of one location: boto3's (listings, probes; its session resolves
     credentials, region and endpoint as the AWS CLI does) and an obstore S3Store (HEAD,
@@ -160,12 +173,16 @@ class Clients:
 
     def __init__(self, location: S3Location, *, threads: int, timeout: float, retries: int = MAX_RETRIES) -> None:
         import boto3
+        import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
         from obstore.auth.boto3 import Boto3CredentialProvider
         from obstore.store import S3Store
 
-        session = boto3.Session(profile_name=location.profile or None, region_name=location.region or None)
+        core = botocore.session.Session()
+        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=_timestamp)
+        session = boto3.Session(botocore_session=core, profile_name=location.profile or None,
+                                region_name=location.region or None)
         credentials = session.get_credentials()
         region = session.region_name or "us-east-1"  # the AWS CLI's fallback too
         # Where the chain says (endpoint_url of the profile, AWS_ENDPOINT_URL[_S3]) unless
