@@ -32,7 +32,7 @@ READY_TIMEOUT = 120.0
 READY_PROGRESS_EVERY = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The example client configs installed with the package (cubefs_fuse/examples/NAME.json).
-EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible")
+EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible", "s3-dataset")
 
 
 class UserError(Exception):
