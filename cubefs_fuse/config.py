@@ -350,8 +350,7 @@ def _source(key: str, value: Any) -> str:
 
 def _endpoint_url(key: str, value: Any) -> str:
     text = _string(key, value)
-    parts = re.fullmatch(r"(https?)://[^/\s?#]+/?", text) if text else None
-    if text and parts is None:
+    if text and re.fullmatch(r"https?://[^/\s?#]+/?", text) is None:
         raise ConfigError(f"key {key!r}: {_shown(text)} is not an endpoint URL (http[s]://host[:port])")
     return text.rstrip("/")
 

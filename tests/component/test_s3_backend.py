@@ -1,12 +1,13 @@
 """The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
 page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
 key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
-faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, and a bucket
-that stops answering and comes back under DeadlineBackend."""
+faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, a bucket
+that stops answering and comes back under DeadlineBackend, and the cache's layers over it."""
 
 from __future__ import annotations
 
 import errno
+import os
 import random
 import stat
 from collections.abc import Callable, Iterator
@@ -19,8 +20,10 @@ import trio
 from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
+from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.s3_proxy import FaultProxy
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
+from tests.stack import BLOCK, open_stack, stack_config
 
 Make = Callable[..., S3Backend]
 
@@ -183,3 +186,33 @@ async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: Seawe
             assert len(proxy.methods) > sent  # probes, and nothing else, reached it meanwhile
             assert await backend.read_block("f", attr.version, 0, 4) == b"data"
             nursery.cancel_scope.cancel()
+
+
+async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """The daemon's layers (tests/stack.py) over the S3 backend: a small file comes with its
+    lookup (stat_read: a HEAD and one GET), a large one block by block, and a second read
+    of either is served from the cache without a request; after the TTL an overwrite is a
+    new inode with the new bytes."""
+    bucket = s3_env.new_bucket()
+    big = random.Random(7).randbytes(3 * BLOCK + 100)
+    put(s3_env, bucket, {"d/small": b"s" * 100, "d/big": big})
+    backend = make_backend(bucket)
+    async with open_stack(backend, stack_config(attr_valid=1.0, lookup_valid=1.0)) as stack:
+        fs = stack.fs
+        d = await fs.lookup(ROOT_INODE, "d")
+        small = await fs.lookup(d.inode, "small")
+        large = await fs.lookup(d.inode, "big")
+        for entry, data in ((small, b"s" * 100), (large, big)):
+            for _ in range(2):
+                fh = await fs.open(entry.inode, os.O_RDONLY, pid=1)
+                assert bytes(await fs.read(fh, 0, len(data) + 10)) == data
+                fs.release(fh)
+        ops = backend.statistics().operations
+        assert ops["read"] == 1 + 4  # the small file's GET in its lookup, the big one's 4 blocks
+        put(s3_env, bucket, {"d/small": b"S" * 50})
+        await trio.sleep(1.5)
+        fresh = await fs.lookup(d.inode, "small")
+        assert fresh.inode != small.inode and fresh.attr.size == 50
+        fh = await fs.open(fresh.inode, os.O_RDONLY, pid=1)
+        assert bytes(await fs.read(fh, 0, 100)) == b"S" * 50
+        fs.release(fh)
