@@ -245,6 +245,8 @@ class S3Backend:
         return self.location.prefix + path
 
     def _remember(self, attr: Attr, etag: str) -> Attr:
+        if not etag:
+            return attr  # a server that sends none: reads are checked by size and time alone
         quoted = etag if etag.startswith('"') else f'"{etag}"'
         with self._etags_lock:
             etags = self._etags
