@@ -42,9 +42,10 @@ if TYPE_CHECKING:
 # with millions of keys costs its entries, never its pages' XML.
 LIST_PAGE_SIZE = 1000
 # Retries of one request after a 5xx, a throttling answer (503 SlowDown) or a dropped
-# connection, with exponential backoff and jitter from 50 ms up to 2 s (each library's
-# own): ten cover a throttled bucket's usual few seconds, and backendTimeout
-# (backends/deadline.py) cuts whatever is left of them anyway.
+# connection, with exponential backoff and jitter (each library's own: obstore's from
+# 50 ms doubling up to 2 s, boto3's standard mode's up to 20 s): ten cover a throttled
+# bucket's usual few seconds, and backendTimeout (backends/deadline.py) cuts whatever is
+# left of them anyway.
 MAX_RETRIES = 10
 INITIAL_BACKOFF = timedelta(milliseconds=50)
 MAX_BACKOFF = timedelta(seconds=2)
