@@ -56,6 +56,10 @@ CONNECT_TIMEOUT = 5.0
 # version seen longer ago is checked by its answer's ETag alone, which guarantees the same
 # (one answer's headers and body are of one object version), only after the transfer.
 MAX_ETAGS = 100_000
+# How long obstore keeps credentials boto3 handed it before asking again: botocore renews
+# temporary ones (web identity, SSO, a role) when less than 10-15 minutes are left, so
+# asking every 5 minutes never signs with credentials about to expire.
+CREDENTIALS_TTL = timedelta(minutes=5)
 # What stat reports as the preferred I/O size: the default blockSize, the unit the cache
 # reads in, so stdio and Python's buffered files read a small file in one request.
 BLKSIZE = 1 << 20
@@ -218,7 +222,8 @@ class Clients:
             self.store: S3Store = S3Store(location.bucket, client_options=options, retry_config=retry, **kwargs)
         else:
             self.store = S3Store(location.bucket, client_options=options, retry_config=retry,
-                                 credential_provider=Boto3CredentialProvider(session), **kwargs)
+                                 credential_provider=Boto3CredentialProvider(session, ttl=CREDENTIALS_TTL),
+                                 **kwargs)
 
 
 class S3Backend:
