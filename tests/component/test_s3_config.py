@@ -13,7 +13,7 @@ import pytest
 
 from cubefs_fuse.config import ClientConfig, check_environment, parse_config
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.sources import check_source
+from cubefs_fuse.sources import check_source, source_backend
 from tests.cli_checks import Env
 from tests.redis_servers import free_port
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
@@ -89,3 +89,24 @@ def test_a_profile_of_the_shared_files_is_used(tmp_path: Path, s3_env: SeaweedS3
 def test_mount_of_a_missing_bucket_fails_with_one_line(env: Env, s3_env: SeaweedS3) -> None:  # noqa: F811
     env.write(source="s3://no-such-bucket-here/train", s3Endpoint=s3_env.endpoint)
     assert env.fails() == f"key 'source': bucket 'no-such-bucket-here' does not exist at {s3_env.endpoint}"
+
+
+async def test_the_endpoint_and_region_from_the_environment(tmp_path: Path, s3_env: SeaweedS3,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """No s3Endpoint: AWS_ENDPOINT_URL, as the AWS CLI reads it, and path style because it
+    is not AWS's."""
+    bucket = s3_env.new_bucket()
+    s3_env.client().put_object(Bucket=bucket, Key="k", Body=b"value")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    cfg = s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Endpoint="")
+    check(cfg)
+    backend = source_backend(cfg)
+    try:
+        attr = await backend.stat("k")
+        assert await backend.read_block("k", attr.version, 0, 5) == b"value"
+    finally:
+        backend.close()
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # the S3 one wins
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
+    assert "does not answer" in env_error(s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Endpoint=""))
