@@ -129,6 +129,9 @@ def s3_env(s3_server: SeaweedS3, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-aws-config"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-aws-credentials"))
+    # No instance-metadata lookups (a second of timeouts each off EC2) when a test removes
+    # the credentials on purpose.
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     for name, value in s3_server.environment().items():
         monkeypatch.setenv(name, value)
     return s3_server

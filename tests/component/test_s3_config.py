@@ -110,3 +110,13 @@ async def test_the_endpoint_and_region_from_the_environment(tmp_path: Path, s3_e
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")  # the S3 one wins
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_env.endpoint)
     assert "does not answer" in env_error(s3_config(tmp_path, s3_env, f"s3://{bucket}", s3Endpoint=""))
+
+
+def test_no_credentials_at_all_is_anonymous_access_refused(tmp_path: Path, s3_env: SeaweedS3,  # noqa: F811
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    bucket = s3_env.new_bucket()
+    s3_env.client().put_object(Bucket=bucket, Key="k", Body=b"k")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    assert env_error(s3_config(tmp_path, s3_env, f"s3://{bucket}")).startswith(
+        f"key 'source': {s3_env.endpoint} refused anonymous access (no credentials found) for bucket {bucket!r}")
