@@ -1,7 +1,7 @@
 """Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
 FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
 after attrValid while a handle opened before reads its own version or ESTALE, never a
-mix, and nothing but reads reaching the bucket's keys."""
+mix; and the NVMe cache's index across a restart, with no GET after it."""
 
 from __future__ import annotations
 
@@ -99,4 +99,31 @@ def test_a_bucket_prefix_is_served_and_an_overwrite_seen_after_the_ttl(
         os.close(handle)
     wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") > 0,
                what="the backend's reads counted")
+    m.umount()
+
+
+def test_after_a_restart_the_bucket_is_served_from_nvme_without_a_get(
+        make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    """The NVMe index across restarts over S3: a key's version (ETag hash, size, second)
+    is the same to the next daemon, so every block is found on NVMe and no GET is made."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(5)
+    contents = {f"c{i % 3}/img{i:03d}.jpg": rng.randbytes(rng.randrange(1, 3 * BS)) for i in range(30)}
+    for key, data in contents.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    m = make_mount(source=f"s3://{bucket}", s3Endpoint=s3_env.endpoint, blockSize="64KiB",
+                   memCacheSize="8MiB", diskCacheSize="8MiB")
+    m.mount()
+    for key, data in contents.items():
+        assert read_all(m.path(key)) == data
+    assert metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") > 0
+    m.umount()  # drains the NVMe writes and saves the index
+    m.mount()
+    for key, data in contents.items():
+        assert read_all(m.path(key)) == data
+    second = m.scrape()
+    assert metric(second, "cubefs_fuse_backend_operations_total", op="read") == 0
+    assert metric(second, "cubefs_fuse_cache_hits_total", tier="disk") > 0
+    assert metric(second, "cubefs_fuse_served_bytes_total", source="backend") == 0
     m.umount()
