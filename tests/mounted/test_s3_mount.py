@@ -1,11 +1,12 @@
 """Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
 FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
 after attrValid while a handle opened before reads its own version or ESTALE, never a
-mix; and the NVMe cache's index across a restart, with no GET after it."""
+mix; the NVMe cache's index across a restart, with no GET after it; warmup and status."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.helpers import Mount, metric, wait_until
+from tests.helpers import Mount, cli, metric, wait_until
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 
 BS = 64 * 1024  # the mount's blockSize: small, so that multi-block objects stay cheap
@@ -126,4 +127,31 @@ def test_after_a_restart_the_bucket_is_served_from_nvme_without_a_get(
     assert metric(second, "cubefs_fuse_backend_operations_total", op="read") == 0
     assert metric(second, "cubefs_fuse_cache_hits_total", tier="disk") > 0
     assert metric(second, "cubefs_fuse_served_bytes_total", source="backend") == 0
+    m.umount()
+
+
+def test_warmup_and_status_over_a_bucket(make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    """The operator commands over an s3:// source: warmup brings a subtree in, each object
+    fetched once, and reads are then served without a request; status names the source."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(9)
+    contents = {f"{d}/f{i}": rng.randbytes(rng.randrange(1, 2 * BS)) for d in ("a", "b") for i in range(5)}
+    for key, data in contents.items():
+        client.put_object(Bucket=bucket, Key=f"p/{key}", Body=data)
+    m = make_mount(source=f"s3://{bucket}/p", s3Endpoint=s3_env.endpoint, blockSize="64KiB",
+                   memCacheSize="8MiB", diskCacheSize="8MiB")
+    m.mount()
+    warm = cli("warmup", str(m.mount_point), "a", "--json")
+    assert warm.returncode == 0, warm.stderr
+    report = json.loads(warm.stdout)
+    sub = {k: v for k, v in contents.items() if k.startswith("a/")}
+    assert (report["files_total"], report["errors"], report["bytes_total"]) == (5, 0, sum(map(len, sub.values())))
+    fetched = metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total")
+    assert fetched == sum(map(len, sub.values()))  # each object once
+    for key, data in sub.items():
+        assert read_all(m.path(key)) == data
+    assert metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") == fetched  # served from the cache
+    status = cli("status", str(m.mount_point))
+    assert status.returncode == 0 and f"s3://{bucket}/p" in status.stdout, status.stdout + status.stderr
     m.umount()
