@@ -1,7 +1,8 @@
 """Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
 FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
 after attrValid while a handle opened before reads its own version or ESTALE, never a
-mix; the NVMe cache's index across a restart, with no GET after it; warmup and status."""
+mix; the NVMe cache's index across a restart, with no GET after it; warmup and status;
+an ai_prefetch plan prefetching the objects before they are read."""
 
 from __future__ import annotations
 
@@ -11,9 +12,11 @@ import os
 import random
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.helpers import Mount, cli, metric, wait_until
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 
@@ -154,4 +157,35 @@ def test_warmup_and_status_over_a_bucket(make_mount: Callable[..., Mount], s3_en
     assert metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") == fetched  # served from the cache
     status = cli("status", str(m.mount_point))
     assert status.returncode == 0 and f"s3://{bucket}/p" in status.stdout, status.stdout + status.stderr
+    m.umount()
+
+
+def test_an_ai_prefetch_plan_brings_a_bucket_in_before_it_is_read(
+        make_mount: Callable[..., Mount], s3_env: SeaweedS3, tmp_path: Path) -> None:  # noqa: F811
+    """ai_prefetch over an s3:// source: a job's plan (the file order cube_torch submits)
+    prefetches the planned objects, and the reads that follow make no request."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(11)
+    paths = [f"train/c{i % 4}/img{i:03d}.jpg" for i in range(24)]
+    contents = {p: rng.randbytes(rng.randrange(1, 2 * BS)) for p in paths}
+    for key, data in contents.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    config_dir = tmp_path / "cfg"
+    config_dir.mkdir()
+    m = make_mount(source=f"s3://{bucket}", s3Endpoint=s3_env.endpoint, blockSize="64KiB", memCacheSize="16MiB",
+                   diskCacheSize="16MiB", profile="ai_prefetch", configDir=str(config_dir))
+    m.mount()
+    control = ControlClient(read_volume_config(m.config()["volName"], str(config_dir)).control_socket)
+    dataset = control.register_dataset(paths)
+    control.register_job("s3job", 0, os.getpid())
+    order = list(range(len(paths)))
+    rng.shuffle(order)
+    control.submit_plan("s3job", 0, 1, dataset, b"".join(i.to_bytes(4, "little") for i in order), "<u4")
+    total = sum(map(len, contents.values()))
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") >= total, timeout=30,
+               what="the plan's objects to be prefetched")
+    for i in order:
+        assert read_all(m.path(paths[i])) == contents[paths[i]]
+    assert metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") == total  # each object once, before its read
     m.umount()
