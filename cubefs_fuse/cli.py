@@ -19,6 +19,7 @@ from importlib import resources
 
 from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, check_fuse_access, load_config, user_allow_other
+from cubefs_fuse.sources import check_source
 from cubefs_fuse.control import volfile
 from cubefs_fuse.errors import ConfigError
 
@@ -31,7 +32,7 @@ READY_TIMEOUT = 120.0
 READY_PROGRESS_EVERY = 10.0
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The example client configs installed with the package (cubefs_fuse/examples/NAME.json).
-EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible")
+EXAMPLES = ("minimal", "nfs-dataset", "cubefs-compatible", "s3-dataset")
 
 
 class UserError(Exception):
@@ -118,6 +119,7 @@ def _load_and_check(path: str, *, warn: bool = True) -> ClientConfig:
     mounts.prepare_mount_point(config.mount_point)
     _refuse_a_second_daemon(config)
     check_environment(config)
+    check_source(config)
     check_fuse_access()
     if warn and os.geteuid() != 0 and not user_allow_other():
         print(f"{PROG}: warning: mounting without allow_other (add user_allow_other to /etc/fuse.conf): "
@@ -255,6 +257,10 @@ def _setup_logging(config: ClientConfig, *, detached: bool) -> None:
     if config.log_dir and not detached:
         handlers.append(_PrivateLogHandler(os.path.join(config.log_dir, f"{config.vol_name}.log")))
     logging.basicConfig(level=level, format=LOG_FORMAT, handlers=handlers, force=True)
+    # The S3 backend's client libraries log every request at debug level (headers and
+    # signatures included): the daemon's debug log is about the daemon, their warnings stay.
+    for name in ("boto3", "botocore", "urllib3", "s3transfer"):
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
 def _mount_foreground(config_path: str, ready_fd: int | None) -> int:

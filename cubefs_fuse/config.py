@@ -109,7 +109,19 @@ class ClientConfig:
     sample_cache_mem_size: int = DEFAULT_SAMPLE_CACHE_MEM_SIZE
     sample_cache_disk_size: int = DEFAULT_SAMPLE_CACHE_DISK_SIZE
     sample_cache_shared: tuple[tuple[int, str], ...] = ()  # (owner uid, name) every allowed uid may read
+    # An s3:// source's client settings (docs/configuration.md, "An S3 bucket as the source");
+    # empty / None: what the AWS credential chain says.  Never credentials.
+    s3_endpoint: str = ""
+    s3_region: str = ""
+    s3_path_style: bool | None = None
+    s3_profile: str = ""
     unused_keys: tuple[str, ...] = ()
+
+    @property
+    def s3_source(self) -> tuple[str, str] | None:
+        """(bucket, prefix) of an ``s3://`` source, the prefix "" or ending in "/"; None
+        for a directory source."""
+        return split_s3_url(self.source) if self.source.startswith(S3_SCHEME) else None
 
     @property
     def cache_dir(self) -> str:
@@ -308,6 +320,47 @@ def _shared_samples(key: str, value: Any) -> tuple[tuple[int, str], ...]:
     raise ConfigError(f"key {key!r}: expected a list of \"<owner uid>:<sample cache name>\" strings, got {_shown(value)}")
 
 
+S3_SCHEME = "s3://"
+# Bucket names as S3 allows them: 3-63 lowercase letters, digits, '.' and '-', starting
+# and ending with a letter or digit.
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> ("bucket", "some/prefix/"); ConfigError naming
+    ``source`` if the bucket name is not one or a prefix component is empty, ``.`` or ``..``
+    (no key path could reach it through a directory tree)."""
+    bucket, _, prefix = url[len(S3_SCHEME):].partition("/")
+    if not _BUCKET.fullmatch(bucket):
+        raise ConfigError(f"key 'source': {bucket!r} in {url!r} is not a bucket name "
+                          "(3-63 lowercase letters, digits, '.', '-')")
+    prefix = prefix.rstrip("/")
+    if prefix and any(part in ("", ".", "..") for part in prefix.split("/")):
+        raise ConfigError(f"key 'source': the prefix {prefix!r} of {url!r} has an empty, '.' or '..' component")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def _source(key: str, value: Any) -> str:
+    """A directory (an absolute path, checked with the others below) or an ``s3://`` URL."""
+    text = _nonempty_string(key, value)
+    if text.startswith(S3_SCHEME):
+        split_s3_url(text)
+    return text
+
+
+def _endpoint_url(key: str, value: Any) -> str:
+    text = _string(key, value)
+    if text and re.fullmatch(r"https?://[^/\s?#]+/?", text) is None:
+        raise ConfigError(f"key {key!r}: {_shown(text)} is not an endpoint URL (http[s]://host[:port])")
+    return text.rstrip("/")
+
+
+def _bool_or_null(key: str, value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"key {key!r}: expected true, false or null, got {_type_name(value)} {_shown(value)}")
+    return value
+
+
 def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
     def parse(key: str, value: Any) -> str:
         text = _string(key, value)
@@ -322,7 +375,7 @@ def _choice(choices: tuple[str, ...]) -> Callable[[str, Any], str]:
 _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "mountPoint": ("mount_point", _nonempty_string),
     "volName": ("vol_name", _vol_name),
-    "source": ("source", _nonempty_string),
+    "source": ("source", _source),
     "owner": ("owner", _string),
     "logDir": ("log_dir", _string),
     "logLevel": ("log_level", _choice(LOG_LEVELS)),
@@ -349,7 +402,16 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "sampleCacheMemSize": ("sample_cache_mem_size", parse_size),
     "sampleCacheDiskSize": ("sample_cache_disk_size", parse_size),
     "sampleCacheShared": ("sample_cache_shared", _shared_samples),
+    "s3Endpoint": ("s3_endpoint", _endpoint_url),
+    "s3Region": ("s3_region", _string),
+    "s3PathStyle": ("s3_path_style", _bool_or_null),
+    "s3Profile": ("s3_profile", _string),
 }
+S3_KEYS = ("s3Endpoint", "s3Region", "s3PathStyle", "s3Profile")
+# CubeFS's credential keys: ignored with a directory source, refused with an s3:// one
+# (a secret in the config would be a secret in a world-readable file; the credential chain
+# has the credentials).
+_SECRET_KEYS = ("accessKey", "secretKey")
 REQUIRED_KEYS = ("mountPoint", "volName", "source")
 KNOWN_KEYS = frozenset(_KEYS)
 
@@ -378,10 +440,19 @@ def parse_config(raw: Mapping[str, Any]) -> ClientConfig:
         raise ConfigError(
             f"key 'blockSize': {block} bytes is not a multiple of 4KiB between 4KiB and 64MiB"
         )
+    s3 = values["source"].startswith(S3_SCHEME)
+    for key in S3_KEYS if not s3 else ():
+        if values.get(_KEYS[key][0]) not in (None, ""):
+            raise ConfigError(f"key {key!r}: only for an s3:// source (the source is a directory)")
+    for key in _SECRET_KEYS if s3 else ():
+        if key in raw:
+            raise ConfigError(f"key {key!r}: credentials are never read from the config: give them as the AWS CLI "
+                              "takes them (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE or 's3Profile', "
+                              "the shared credentials file, web identity)")
     # The daemon runs with cwd "/", so a relative path would mean something else there.
     for key in ("mountPoint", "source", "diskCacheDir", "logDir", "controlSocket", "configDir"):
         path = values.get(_KEYS[key][0], "")
-        if path and not os.path.isabs(path):
+        if path and not (key == "source" and s3) and not os.path.isabs(path):
             raise ConfigError(f"key {key!r}: {path!r} is not an absolute path")
     values["unused_keys"] = tuple(sorted(unused))
     return ClientConfig(**values)
@@ -410,17 +481,19 @@ def load_config(path: str) -> ClientConfig:
 
 
 def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = False) -> None:
-    """Check that source, mount point and cache dir are usable; raises ConfigError."""
+    """Check that source, mount point and cache dir are usable; raises ConfigError.  An
+    ``s3://`` source is checked by ``sources.check_source`` (its bucket is listed once)."""
     source = config.source
-    if not os.path.exists(source):
-        raise ConfigError(f"key 'source': {source!r} does not exist")
-    if not os.path.isdir(source):
-        raise ConfigError(f"key 'source': {source!r} is not a directory")
-    if not os.access(source, os.R_OK | os.X_OK):
-        raise ConfigError(f"key 'source': {source!r} is not readable")
+    if config.s3_source is None:
+        if not os.path.exists(source):
+            raise ConfigError(f"key 'source': {source!r} does not exist")
+        if not os.path.isdir(source):
+            raise ConfigError(f"key 'source': {source!r} is not a directory")
+        if not os.access(source, os.R_OK | os.X_OK):
+            raise ConfigError(f"key 'source': {source!r} is not readable")
+        if os.path.realpath(config.mount_point) == os.path.realpath(source):
+            raise ConfigError("key 'mountPoint': must differ from 'source'")
     mount_point = config.mount_point
-    if os.path.realpath(mount_point) == os.path.realpath(source):
-        raise ConfigError("key 'mountPoint': must differ from 'source'")
     _check_overlaps(config)
     if not mount_point_may_be_stale:
         if not os.path.isdir(mount_point):
@@ -513,8 +586,9 @@ def _check_overlaps(config: ClientConfig) -> None:
     resolving symlinks), nor the log dir inside the source or the mount point: the cache
     would write into the dataset, the mount would show itself inside itself, and so on."""
     # The key named first is the one blamed: the cache dir is the likeliest to be changed.
-    paths = {"diskCacheDir": os.path.realpath(config.cache_dir), "mountPoint": os.path.realpath(config.mount_point),
-             "source": os.path.realpath(config.source)}
+    paths = {"diskCacheDir": os.path.realpath(config.cache_dir), "mountPoint": os.path.realpath(config.mount_point)}
+    if config.s3_source is None:
+        paths["source"] = os.path.realpath(config.source)
     for key, path in paths.items():
         for other, other_path in paths.items():
             if key != other and _inside(path, other_path):
@@ -523,7 +597,7 @@ def _check_overlaps(config: ClientConfig) -> None:
     if config.log_dir:
         log_dir = os.path.realpath(config.log_dir)
         for other in ("source", "mountPoint"):
-            if _inside(log_dir, paths[other]):
+            if other in paths and _inside(log_dir, paths[other]):
                 raise ConfigError(f"key 'logDir': {log_dir!r} is inside {other!r} ({paths[other]!r})")
 
 

@@ -18,7 +18,7 @@ import trio
 
 from cubefs_fuse import __version__, mounts, sdnotify
 from cubefs_fuse.backends.deadline import DeadlineBackend
-from cubefs_fuse.backends.localdir import LocalDirBackend, raise_fd_limit
+from cubefs_fuse.backends.localdir import raise_fd_limit
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
@@ -37,6 +37,7 @@ from cubefs_fuse.fs import session as kernel
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
+from cubefs_fuse.sources import source_backend
 from cubefs_fuse.stats import AppReads, app_reads
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], 
     raise_fd_limit()
     # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
-    backend = DeadlineBackend(LocalDirBackend(config.source, config.backend_threads), config.backend_timeout)
+    backend = DeadlineBackend(source_backend(config), config.backend_timeout)
     try:
         disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
         record_block_size(config)

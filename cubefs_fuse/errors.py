@@ -64,6 +64,20 @@ class ConfigError(Exception):
     """
 
 
+# An object store's HTTP answers, as errno values (backends/s3.py raises OSError with them):
+# no such key is a missing file, a refused signature or permission is EACCES, a range
+# beyond the object is EINVAL (no read asks for one).  Anything else, and no answer at
+# all (connection refused or reset, a timeout, 5xx and throttling after the retries),
+# is EIO, which also asks backends/deadline.py for a probe of the bucket.
+_HTTP_ERRNO = {401: errno.EACCES, 403: errno.EACCES, 404: errno.ENOENT, 416: errno.EINVAL}
+
+
+def errno_of_http(status: int | None) -> int:
+    """The errno of an object store's failed request whose HTTP status was ``status``
+    (None: no answer)."""
+    return _HTTP_ERRNO.get(status, errno.EIO) if status is not None else errno.EIO
+
+
 def errno_of(exc: BaseException) -> int:
     """Map any exception raised below the FUSE adapter to the errno the kernel gets."""
     if isinstance(exc, FsError):

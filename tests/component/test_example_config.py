@@ -35,7 +35,7 @@ def test_unknown_name_is_one_line_and_exit_2() -> None:
     result = cli("example-config", "imagenet")
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr == ("cubefs-fuse: error: no example config 'imagenet'; "
-                             "choose one of: minimal, nfs-dataset, cubefs-compatible\n")
+                             "choose one of: minimal, nfs-dataset, cubefs-compatible, s3-dataset\n")
 
 
 def test_mount_help_points_at_it() -> None:

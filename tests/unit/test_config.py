@@ -45,7 +45,7 @@ def error_of(raw: Any) -> str:
 EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "mountPoint": ("/cfs/mnt", "mount_point", "/cfs/mnt"),
     "volName": ("imagenet-1k_v2.0", "vol_name", "imagenet-1k_v2.0"),
-    "source": ("/nfs/imagenet", "source", "/nfs/imagenet"),
+    "source": ("s3://imagenet/train", "source", "s3://imagenet/train"),
     "owner": ("ltptest", "owner", "ltptest"),
     "logDir": ("/var/log/x", "log_dir", "/var/log/x"),
     "logLevel": ("debug", "log_level", "debug"),
@@ -72,6 +72,10 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "sampleCacheMemSize": ("256MiB", "sample_cache_mem_size", 256 * MiB),
     "sampleCacheDiskSize": (0, "sample_cache_disk_size", 0),
     "sampleCacheShared": (["1000:imagenet-224"], "sample_cache_shared", ((1000, "imagenet-224"),)),
+    "s3Endpoint": ("https://s3.example.com:9000/", "s3_endpoint", "https://s3.example.com:9000"),
+    "s3Region": ("eu-west-1", "s3_region", "eu-west-1"),
+    "s3PathStyle": (True, "s3_path_style", True),
+    "s3Profile": ("training", "s3_profile", "training"),
 }
 
 
@@ -669,3 +673,43 @@ def test_fuse_access_without_the_device_or_as_root_in_a_container(
     refuse_open(monkeypatch, device)
     assert fuse_error(device, conf) == (f"cannot mount: {device}: Permission denied: a container needs the device "
                                         f"(--device {device}) and CAP_SYS_ADMIN")
+
+
+# -- an s3:// source -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("s3://imagenet", ("imagenet", "")),
+    ("s3://imagenet/", ("imagenet", "")),
+    ("s3://my.bucket-1/train", ("my.bucket-1", "train/")),
+    ("s3://abc/a/b/c//", ("abc", "a/b/c/")),
+])
+def test_s3_source_is_bucket_and_prefix(url: str, expected: tuple[str, str]) -> None:
+    cfg = parse(source=url)
+    assert cfg.s3_source == expected and cfg.source == url
+    assert (cfg.s3_endpoint, cfg.s3_region, cfg.s3_path_style, cfg.s3_profile) == ("", "", None, "")
+    assert parse().s3_source is None  # a directory
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"source": "s3://ab/x"}, "key 'source': 'ab' in 's3://ab/x' is not a bucket name (3-63 lowercase letters, digits, '.', '-')"),
+    ({"source": "s3://Bucket"}, "key 'source': 'Bucket' in 's3://Bucket' is not a bucket name"),
+    ({"source": "s3://"}, "key 'source': '' in 's3://' is not a bucket name"),
+    ({"source": "s3://bkt/a/../b"}, "key 'source': the prefix 'a/../b' of 's3://bkt/a/../b' has an empty, '.' or '..' component"),
+    ({"source": "s3://bkt/a//b"}, "key 'source': the prefix 'a//b' of 's3://bkt/a//b' has an empty"),
+    ({"source": "s3:/bkt"}, "key 'source': 's3:/bkt' is not an absolute path"),
+    ({"s3Endpoint": "http://minio:9000"}, "key 's3Endpoint': only for an s3:// source (the source is a directory)"),
+    ({"s3PathStyle": False}, "key 's3PathStyle': only for an s3:// source"),
+    ({"source": "s3://bkt", "s3Endpoint": "minio:9000"}, "key 's3Endpoint': 'minio:9000' is not an endpoint URL (http[s]://host[:port])"),
+    ({"source": "s3://bkt", "s3Endpoint": "http://minio:9000/path"}, "key 's3Endpoint': 'http://minio:9000/path' is not an endpoint URL"),
+    ({"source": "s3://bkt", "s3PathStyle": "yes"}, "key 's3PathStyle': expected true, false or null, got str 'yes'"),
+    ({"source": "s3://bkt", "s3Region": 1}, "key 's3Region': expected a string, got int 1"),
+    ({"source": "s3://bkt", "secretKey": "hunter2"}, "key 'secretKey': credentials are never read from the config"),
+])
+def test_s3_source_mistakes_are_one_line_naming_the_key(changes: dict[str, Any], expected: str) -> None:
+    assert error_of({**BASE, **changes}).startswith(expected)
+
+
+def test_cubefs_credential_keys_stay_ignored_with_a_directory_source() -> None:
+    assert parse(accessKey="AK", secretKey="SK").unused_keys == ("accessKey", "secretKey")
+    assert parse(s3Endpoint="", s3PathStyle=None).s3_source is None  # empty values are no setting

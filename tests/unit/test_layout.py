@@ -22,6 +22,10 @@ OWNERS: dict[str, tuple[str, ...]] = {
     "torch": ("cube_torch.",),
     "torchvision": ("cube_torch.",),
     "redis": ("cube_torch.samples.redis_store",),  # the processed-sample cache's Redis stores
+    # The S3 backend's clients (benchmarks/results/2026-11-29-s3-client.md).
+    "obstore": ("cubefs_fuse.backends.s3",),
+    "boto3": ("cubefs_fuse.backends.s3",),
+    "botocore": ("cubefs_fuse.backends.s3",),
 }
 
 # The floors of cubefs_fuse: a module imports only from floors below its own (or its own room).
@@ -30,7 +34,7 @@ FLOORS: dict[str, int] = {
     "cubefs_fuse.attrs": 0, "cubefs_fuse.errors": 0, "cubefs_fuse.limits": 0, "cubefs_fuse.stats": 0,
     "cubefs_fuse.sdnotify": 0,
     "cubefs_fuse.config": 1, "cubefs_fuse.mounts": 1, "cubefs_fuse.backends": 1,
-    "cubefs_fuse.cache": 2,
+    "cubefs_fuse.cache": 2, "cubefs_fuse.sources": 2,
     "cubefs_fuse.fs": 3,
     "cubefs_fuse.prefetch": 4, "cubefs_fuse.samples": 4,
     "cubefs_fuse.control": 5, "cubefs_fuse.metrics": 5,

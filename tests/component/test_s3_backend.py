@@ -1,0 +1,218 @@
+"""The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
+page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
+key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
+faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, a bucket
+that stops answering and comes back under DeadlineBackend, and the cache's layers over it."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import stat
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import trio
+
+from cubefs_fuse.backends.deadline import DeadlineBackend
+from cubefs_fuse.backends.s3 import S3Backend, S3Location
+from cubefs_fuse.errors import StaleVersion
+from cubefs_fuse.fs.inodes import ROOT_INODE
+from tests.s3_proxy import FaultProxy
+from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
+from tests.stack import BLOCK, open_stack, stack_config
+
+Make = Callable[..., S3Backend]
+
+
+@pytest.fixture
+def make_backend(s3_env: SeaweedS3) -> Iterator[Make]:
+    made: list[S3Backend] = []
+
+    def make(bucket: str, prefix: str = "", *, endpoint: str = "", **kwargs: Any) -> S3Backend:
+        backend = S3Backend(S3Location(bucket, prefix, endpoint=endpoint or s3_env.endpoint), 4, **kwargs)
+        made.append(backend)
+        return backend
+
+    yield make
+    for backend in made:
+        backend.close()
+
+
+def put(server: SeaweedS3, bucket: str, objects: dict[str, bytes]) -> None:
+    client = server.client()
+    with ThreadPoolExecutor(8) as pool:  # a thousand PUTs in a few seconds
+        list(pool.map(lambda item: client.put_object(Bucket=bucket, Key=item[0], Body=item[1]), objects.items()))
+
+
+async def test_listing_pages_through_more_keys_than_a_page(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    files = {f"data/big/f{i:04d}": b"%d" % i for i in range(1003)}
+    files.update({"data/big/sub/x": b"x", "data/big/zz/y": b"yy", "data/big/": b"", "outside/z": b"z"})
+    put(s3_env, bucket, files)
+    backend = make_backend(bucket, "data/", page_size=100)  # 11 pages
+    entries = dict(await backend.listdir("big"))
+    assert set(entries) == {f"f{i:04d}" for i in range(1003)} | {"sub", "zz"}  # the marker "big/" left out
+    assert entries["f0999"].size == 3 and entries["f0999"].is_file
+    assert entries["sub"].is_dir and entries["zz"].is_dir
+    assert [name for name, _ in await backend.listdir("")] == ["big"]  # the prefix is the root
+    assert backend.statistics().operations["listdir"] == 2
+
+
+async def test_stat_keys_prefixes_markers_and_missing(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {"a/file.bin": b"12345", "a/dir/inner": b"i", "a/marker/": b"", "a/both": b"key",
+                         "a/both/under": b"hidden"})
+    backend = make_backend(bucket, "a")
+    attr = await backend.stat("file.bin")
+    assert attr.is_file and attr.size == 5 and stat.S_IMODE(attr.mode) == 0o444
+    assert (await backend.stat("dir")).is_dir
+    assert (await backend.stat("")).is_dir
+    assert (await backend.stat("marker")).is_dir and await backend.listdir("marker") == []
+    assert (await backend.stat("both")).is_file  # a key and a prefix of one name: the key
+    assert dict(await backend.listdir(""))["both"].is_file
+    for missing in ("nope", "dir/nope", "file.bin/x"):
+        with pytest.raises(FileNotFoundError):
+            await backend.stat(missing)
+    assert backend.statistics().errors == {}  # a lookup of a missing name is no error
+    with pytest.raises(FileNotFoundError):
+        await backend.listdir("nope")  # a directory that vanished: counted, as the directory backend does
+    assert backend.statistics().errors == {("listdir", errno.ENOENT): 1}
+    # A listing's attributes and a HEAD's are one version (Last-Modified cut to seconds).
+    assert dict(await backend.listdir(""))["file.bin"].version == attr.version
+    with pytest.raises(OSError) as info:
+        await backend.readlink("file.bin")
+    assert info.value.errno == errno.EINVAL
+    assert (await backend.statfs()).name_max == 255
+
+
+async def test_ranged_reads_and_stat_read(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    data = random.Random(31).randbytes(3 * 65536 + 1234)
+    put(s3_env, bucket, {"big.bin": data, "small.txt": b"small file"})
+    backend = make_backend(bucket)
+    attr = await backend.stat("big.bin")
+    ranges = ((0, 65536), (65536, 65536), (3 * 65536, 1234), (100, 1), (5, 150_000))
+    for offset, size in ranges:
+        assert await backend.read_block("big.bin", attr.version, offset, size) == data[offset:offset + size]
+    with pytest.raises(StaleVersion):  # past the end of this version, as a short read of a file
+        await backend.read_block("big.bin", attr.version, 3 * 65536, 1235)
+    small, whole = await backend.stat_read("small.txt", 65536, lambda a: True)
+    assert whole == b"small file" and small.size == 10
+    big, none = await backend.stat_read("big.bin", 65536, lambda a: True)  # larger than max_size
+    assert none is None and big.version == attr.version
+    reads = backend.statistics().operations["read"]
+    _, unwanted = await backend.stat_read("small.txt", 65536, lambda a: False)
+    assert unwanted is None and backend.statistics().operations["read"] == reads  # no GET made
+    assert backend.statistics().bytes_read == sum(size for _, size in ranges) + len(b"small file")
+
+
+async def test_an_overwritten_key_is_a_new_version_and_old_reads_are_stale(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {"f": b"A" * 1000})
+    backend = make_backend(bucket)
+    old = await backend.stat("f")
+    assert await backend.read_block("f", old.version, 0, 10) == b"A" * 10
+    put(s3_env, bucket, {"f": b"B" * 1000})  # same size: only the ETag tells
+    with pytest.raises(StaleVersion):
+        await backend.read_block("f", old.version, 0, 10)  # If-Match: 412
+    # A backend that never saw the old ETag (If-Match impossible) checks the answer's ETag.
+    with pytest.raises(StaleVersion):
+        await make_backend(bucket).read_block("f", old.version, 0, 10)
+    new = await backend.stat("f")
+    assert new.version != old.version and new.size == old.size
+    assert await backend.read_block("f", new.version, 990, 10) == b"B" * 10
+    attr, data = await backend.stat_read("f", 4096, lambda a: True)
+    assert attr.version == new.version and data == b"B" * 1000
+
+
+async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {"d/f": b"payload"})
+    with FaultProxy(s3_env.s3_port) as proxy:
+        backend = make_backend(bucket, endpoint=proxy.endpoint)
+        proxy.fail_next(3)
+        attr = await backend.stat("d/f")  # a HEAD: obstore's retries
+        assert proxy.failed == 3
+        proxy.fail_next(3)
+        assert await backend.listdir("d") == [("f", attr)]  # a LIST: boto3's retries
+        assert proxy.failed == 6
+        proxy.fail_next(3)
+        assert await backend.read_block("d/f", attr.version, 0, 7) == b"payload"
+        assert proxy.failed == 9
+        # Bounded: a bucket that keeps throttling is an EIO after the retries.
+        few = make_backend(bucket, endpoint=proxy.endpoint, retries=2)
+        proxy.fail_next(100)
+        with pytest.raises(OSError) as info:
+            await few.read_block("d/f", attr.version, 0, 7)
+        assert info.value.errno == errno.EIO and proxy.failed == 12
+        assert few.statistics().errors == {("read", errno.EIO): 1}
+        proxy.fail_next(0)
+        assert await few.probe() is False
+    assert set(proxy.methods) <= {"GET", "HEAD"}  # nothing was ever written
+    with pytest.raises(OSError):  # the proxy is gone: no answer
+        await few.probe()
+
+
+async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """Under DeadlineBackend as the daemon runs it: EIO after the retries, a probe, down
+    (fail fast), and up again at the first answer, with no restart."""
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {"f": b"data"})
+    with FaultProxy(s3_env.s3_port) as proxy:
+        inner = make_backend(bucket, endpoint=proxy.endpoint, retries=1)
+        attr = await inner.stat("f")
+        backend = DeadlineBackend(inner, 10.0, probe_interval=0.05)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(backend.supervise)
+            proxy.fail_next(1_000_000)  # every request throttled: the bucket is away
+            with pytest.raises(OSError) as info:
+                await backend.read_block("f", attr.version, 0, 4)
+            assert info.value.errno == errno.EIO
+            with trio.fail_after(10):
+                while not backend.down:
+                    await trio.sleep(0.02)
+            sent = len(proxy.methods)
+            with pytest.raises(OSError):
+                await backend.stat("f")
+            assert backend.statistics().failed_fast["stat"] == 1
+            proxy.fail_next(0)  # back
+            with trio.fail_after(10):
+                while backend.down:
+                    await trio.sleep(0.02)
+            assert len(proxy.methods) > sent  # probes, and nothing else, reached it meanwhile
+            assert await backend.read_block("f", attr.version, 0, 4) == b"data"
+            nursery.cancel_scope.cancel()
+
+
+async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """The daemon's layers (tests/stack.py) over the S3 backend: a small file comes with its
+    lookup (stat_read: a HEAD and one GET), a large one block by block, and a second read
+    of either is served from the cache without a request; after the TTL an overwrite is a
+    new inode with the new bytes."""
+    bucket = s3_env.new_bucket()
+    big = random.Random(7).randbytes(3 * BLOCK + 100)
+    put(s3_env, bucket, {"d/small": b"s" * 100, "d/big": big})
+    backend = make_backend(bucket)
+    async with open_stack(backend, stack_config(attr_valid=1.0, lookup_valid=1.0)) as stack:
+        fs = stack.fs
+        d = await fs.lookup(ROOT_INODE, "d")
+        small = await fs.lookup(d.inode, "small")
+        large = await fs.lookup(d.inode, "big")
+        for entry, data in ((small, b"s" * 100), (large, big)):
+            for _ in range(2):
+                fh = await fs.open(entry.inode, os.O_RDONLY, pid=1)
+                assert bytes(await fs.read(fh, 0, len(data) + 10)) == data
+                fs.release(fh)
+        ops = backend.statistics().operations
+        assert ops["read"] == 1 + 4  # the small file's GET in its lookup, the big one's 4 blocks
+        put(s3_env, bucket, {"d/small": b"S" * 50})
+        await trio.sleep(1.5)
+        fresh = await fs.lookup(d.inode, "small")
+        assert fresh.inode != small.inode and fresh.attr.size == 50
+        fh = await fs.open(fresh.inode, os.O_RDONLY, pid=1)
+        assert bytes(await fs.read(fh, 0, 100)) == b"S" * 50
+        fs.release(fh)
