@@ -67,6 +67,7 @@ class Daemon:
 
     def snapshot(self) -> Snapshot:
         c, plane = self.config, self.data_plane
+        self.fs.settle()  # the opens and releases the FUSE session answered count too
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
                         self.meta.statistics(), self.service.job_samples() if self.service else (),
                         mount=MountInfo(c.vol_name, c.mount_point, c.source, c.profile),
@@ -78,6 +79,7 @@ class Daemon:
         """What applications read, every path this daemon serves (the metrics' snapshot
         counts the same figures)."""
         plane = self.data_plane
+        self.fs.settle()
         return app_reads(self.fs.statistics(), plane.resolver.statistics() if plane else None,
                          self.samples.statistics() if self.samples else None)
 

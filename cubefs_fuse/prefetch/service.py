@@ -105,6 +105,7 @@ class PrefetchService:
     # -- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
+        self.fs.settle()  # count the opens and releases the FUSE session answered
         cache = self.fs.cache.statistics()
         tiers = {"ram": {"used_bytes": cache.ram.used_bytes, "limit_bytes": cache.ram.limit_bytes,
                          "blocks": cache.ram.blocks}}
@@ -145,6 +146,7 @@ class PrefetchService:
 
     def stats(self, job: str | None) -> dict[str, Any]:
         """Hit counters per job (``since_last`` restarts at each call) and prefetch counters."""
+        self.fs.settle()  # count the opens and releases the FUSE session answered
         report = self.jobs.report(job)
         for entry in report["jobs"]:
             plans = [p.summary() for p in self.scheduler.plans_of((entry["job"], entry["rank"]))]

@@ -141,10 +141,12 @@ def test_writes_never_block_beyond_the_buffer() -> None:
     assert time.monotonic() - started < 20 * cache_module.SHARED_STORE_WAIT + 2.0
     assert not c.flush(0.2)  # bounded: gives up
     stats = c.statistics()
-    assert stats.dropped >= 20 - 4 - 1  # 4 buffered, 1 in the stalled put_many
+    # 4 buffered, and in the stalled put_many what was buffered when the writer woke: 1 if
+    # it woke at the first entry, up to the 4 of a full buffer on a busy machine.
+    assert stats.dropped >= 20 - 4 - 4
     store.stall.set()
     assert c.flush(5)
-    assert 1 <= len(store.entries) <= 5
+    assert 1 <= len(store.entries) == 20 - stats.dropped <= 8
 
 
 def test_a_corrupt_entry_is_recomputed_and_overwritten(caplog: pytest.LogCaptureFixture) -> None:
