@@ -77,9 +77,8 @@ class Daemon:
 
     def app_reads(self) -> AppReads:
         """What applications read, every path this daemon serves (the metrics' snapshot
-        counts the same figures)."""
+        counts the same figures).  Its callers (status) settle the session's reports first."""
         plane = self.data_plane
-        self.fs.settle()
         return app_reads(self.fs.statistics(), plane.resolver.statistics() if plane else None,
                          self.samples.statistics() if self.samples else None)
 
