@@ -2,9 +2,10 @@
 registers its main process per rank; a FUSE request's pid is attributed to a job by walking
 its ancestry in ``/proc/<pid>/status`` (in a worker thread, cached ``RESOLVE_TTL`` seconds
 so a reused pid is not credited for long), since DataLoader workers are its children. A
-request is one open of a regular file, a hit if none of its reads waited on the backend (a
-file re-read from the kernel page cache is a hit through its open); the daemon's own
-prefetch never counts, and when a job ends is the service's decision
+request is one read of a regular file from its start that reaches the daemon (or one file
+the fast path served), a hit if that read did not wait on the backend (a file the kernel's
+page cache serves whole reaches no daemon and is not counted); the daemon's own prefetch
+never counts, and when a job ends is the service's decision
 (prefetch/service.py)."""
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ class Job:
     rank: int
     pid: int
     registered_at: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=trio.current_time)  # last open or plan (trio clock)
+    last_active: float = field(default_factory=trio.current_time)  # last file request or plan (trio clock)
     counters: HitCounters = field(default_factory=HitCounters)
     last_reported: HitCounters = field(default_factory=HitCounters)
 

@@ -1,10 +1,10 @@
 """The ai_prefetch service: datasets, jobs, plans and warmups over the filesystem core,
 FUSE-free and HTTP-free (``control/routes.py`` turns requests into these calls and
 :class:`~cubefs_fuse.errors.RequestError` kinds into statuses), and the filesystem's
-AccessObserver, attributing every application open to a job and advancing its plan. Nothing
-leaks (docs/concurrency.md, "Jobs end"): a job whose process the daemon can watch ends when
-it exits, one it cannot watch (and a plan for a job never registered) after
-``jobIdleTimeout`` seconds without an open or a plan, and ending a job removes its loaders'
+AccessObserver, attributing every file request (a read from a file's start) to a job and
+advancing its plan. Nothing leaks (docs/concurrency.md, "Jobs end"): a job whose process the
+daemon can watch ends when it exits, one it cannot watch (and a plan for a job never
+registered) after ``jobIdleTimeout`` seconds without a file request or a plan, and ending a job removes its loaders'
 plans and its per-job metric series."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import trio
 
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, TooLarge
-from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, Filesystem, OpenFile
+from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, Filesystem
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
@@ -87,7 +87,7 @@ class PrefetchService:
             self.jobs.touch(key)
             self.scheduler.observe_open(key, path)
 
-    def released(self, f: OpenFile) -> None:
+    def released(self, f: FileRequest) -> None:
         key = f.owner if isinstance(f.owner, tuple) else None
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:

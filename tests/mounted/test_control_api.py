@@ -31,7 +31,7 @@ from cubefs_fuse.control.protocol import (
     ProtocolError,
     read_volume_config,
 )
-from tests.helpers import REPO, Mount, dead_pid, free_port, metric, wait_released, wait_until, write_tree
+from tests.helpers import REPO, Mount, dead_pid, free_port, metric, wait_until, write_tree
 
 FILES = [f"a/{i}.bin" for i in range(10)] + [f"w/sub/{i}.bin" for i in range(6)]
 SIZE = 20_000
@@ -347,7 +347,6 @@ def test_warmup_with_progress_check_mode_and_drop(make_mount: Callable[..., Moun
         before = client.status()["hits"]
         for rel in subtree:
             assert m.path(rel).read_bytes() == (m.source / rel).read_bytes()
-        wait_released(m)
         after = client.status()["hits"]
         assert after["requests"] - before["requests"] == len(subtree)
         assert after["hits"] - before["hits"] == len(subtree)

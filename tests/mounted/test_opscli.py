@@ -23,7 +23,7 @@ import numpy as np
 from cubefs_fuse import mounts
 from cubefs_fuse.cache.disk import DIR_SLACK
 from cubefs_fuse.control.protocol import ControlClient, config_file_path
-from tests.helpers import REPO, Mount, cli, metric, wait_released, wait_until, write_tree
+from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.
 AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}
@@ -105,7 +105,6 @@ def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> No
     client.submit_plan(job, 1, 3, dataset, np.arange(6, dtype="<u4").tobytes(), "<u4")
     for rel in planned + ["b/g0", "b/g1"]:  # planned files (warm, hits), then two cold ones (misses)
         assert m.path(rel).read_bytes() == files[rel]
-    wait_released(m)
 
     [report] = _json("status", str(m.mount_point), "--json")
     assert report["control_api"] is True
