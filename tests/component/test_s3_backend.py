@@ -1,7 +1,7 @@
 """The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
 page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
 key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
-faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, a bucket
+faulting proxy (tools/s3_proxy.py), probes, statistics, nothing but reads, a bucket
 that stops answering and comes back under DeadlineBackend, and the cache's layers over it."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.s3_proxy import FaultProxy
+from tools.s3_proxy import S3Proxy
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 from tests.stack import BLOCK, open_stack, stack_config
 
@@ -132,7 +132,7 @@ async def test_an_overwritten_key_is_a_new_version_and_old_reads_are_stale(s3_en
 async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: SeaweedS3, make_backend: Make) -> None:
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"d/f": b"payload"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         backend = make_backend(bucket, endpoint=proxy.endpoint)
         proxy.fail_next(3)
         attr = await backend.stat("d/f")  # a HEAD: obstore's retries
@@ -162,7 +162,7 @@ async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: Seawe
     (fail fast), and up again at the first answer, with no restart."""
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"f": b"data"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         inner = make_backend(bucket, endpoint=proxy.endpoint, retries=1)
         attr = await inner.stat("f")
         backend = DeadlineBackend(inner, 10.0, probe_interval=0.05)
