@@ -10,6 +10,7 @@ import errno
 import os
 import random
 import stat
+import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -60,6 +61,39 @@ async def test_listing_pages_through_more_keys_than_a_page(s3_env: SeaweedS3, ma
     assert entries["sub"].is_dir and entries["zz"].is_dir
     assert [name for name, _ in await backend.listdir("")] == ["big"]  # the prefix is the root
     assert backend.statistics().operations["listdir"] == 2
+
+
+# Keys of the bounded-memory listing test, and its page size: 20 pages, so that holding
+# them all would cost ~20 times one page.
+MANY_KEYS, SMALL_PAGE = 2000, 100
+# The listing's peak beyond its entries, in held pages: measured ~6 when it streams, ~25
+# when it holds every page (2026-11-29): 12 tells the two apart with room either way.
+PEAK_PAGES = 12
+
+
+async def test_a_long_listing_holds_one_page_at_a_time(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """Listing a prefix of MANY_KEYS keys page by page: at its peak the listing held its
+    entries and about one page of the answer, never all the pages (traced allocations of
+    every thread: the listing runs in a worker thread)."""
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {f"many/k{i:05d}": b"" for i in range(MANY_KEYS)})
+    backend = make_backend(bucket, page_size=SMALL_PAGE)
+    assert len(await backend.listdir("many")) == MANY_KEYS  # connections, imports and caches warm
+    tracemalloc.start()
+    try:
+        entries = await backend.listdir("many")
+        held, peak = tracemalloc.get_traced_memory()
+        pages = backend._pages("many/")
+        page = next(pages)  # one page of the answer, as the listing holds it
+        page_bytes = tracemalloc.get_traced_memory()[0] - held
+        del page, pages
+    finally:
+        tracemalloc.stop()
+    assert len(entries) == MANY_KEYS
+    # Beyond the entries it returns, the listing's peak is one page held while the next one
+    # is parsed (its XML text and parse tree: ~6 pages' worth measured, 25 with every page
+    # held), far below the MANY_KEYS / SMALL_PAGE pages of the whole answer.
+    assert peak - held < PEAK_PAGES * page_bytes, (peak - held, page_bytes, held)
 
 
 async def test_stat_keys_prefixes_markers_and_missing(s3_env: SeaweedS3, make_backend: Make) -> None:
