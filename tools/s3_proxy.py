@@ -150,3 +150,29 @@ class S3Proxy:
         self.server.shutdown()
         self.server.server_close()
         self._thread.join(10)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tools.s3_proxy --target-port PORT --delay-ms 10``: serve until SIGTERM,
+    after printing the port it listens on (one line), so that a benchmark runs the proxy
+    as a process of its own whose CPU it can count apart from its own."""
+    import argparse
+    import signal
+
+    parser = argparse.ArgumentParser(prog="python -m tools.s3_proxy", description=__doc__.splitlines()[0])
+    parser.add_argument("--target-port", type=int, required=True, help="the S3 server's port on 127.0.0.1")
+    parser.add_argument("--delay-ms", type=float, default=0.0, help="milliseconds added to every request")
+    args = parser.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    with S3Proxy(args.target_port, delay=args.delay_ms / 1000) as proxy:
+        print(proxy.port, flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
