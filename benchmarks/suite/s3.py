@@ -1,4 +1,4 @@
-"""The S3 workload (``--workloads s3``, not in the default set: ~10 minutes on 2 cores):
+"""The S3 workload (``--workloads s3``, not in the default set: ~5 minutes on 2 cores):
 the suite's dataset in a bucket of a local SeaweedFS (tests/s3_servers.py), read through
 the delaying proxy (tools/s3_proxy.py, its own process) at :data:`DELAY_MS` per request,
 a remote object store's order of latency.
