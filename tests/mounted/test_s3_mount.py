@@ -197,8 +197,9 @@ def test_an_ai_prefetch_plan_brings_a_bucket_in_before_it_is_read(
     m.umount()
 
 
-# backendTimeout of the throttling test: a throttled bucket's retries (10, backing off to
-# 2 s each: ~11 s) would outlast it, so the reader's EIO shows the deadline cutting them.
+# backendTimeout of the throttling test: short, so that the retries of a bucket that keeps
+# throttling (up to 10 per request, waits from 50 ms up to 2 s) are cut by it and the
+# reader's EIO comes within it.
 THROTTLED_TIMEOUT = 2.0
 # What a loaded 2-core machine may add to that deadline (a FUSE round trip, thread start).
 SLACK = 2.0
