@@ -1,7 +1,7 @@
 """The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
 page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
 key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
-faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, a bucket
+faulting proxy (tools/s3_proxy.py), probes, statistics, nothing but reads, a bucket
 that stops answering and comes back under DeadlineBackend, and the cache's layers over it."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import errno
 import os
 import random
 import stat
+import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,7 +22,7 @@ from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.s3_proxy import FaultProxy
+from tools.s3_proxy import S3Proxy
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 from tests.stack import BLOCK, open_stack, stack_config
 
@@ -60,6 +61,39 @@ async def test_listing_pages_through_more_keys_than_a_page(s3_env: SeaweedS3, ma
     assert entries["sub"].is_dir and entries["zz"].is_dir
     assert [name for name, _ in await backend.listdir("")] == ["big"]  # the prefix is the root
     assert backend.statistics().operations["listdir"] == 2
+
+
+# Keys of the bounded-memory listing test, and its page size: 20 pages, so that holding
+# them all would cost ~20 times one page.
+MANY_KEYS, SMALL_PAGE = 2000, 100
+# The listing's peak beyond its entries, in held pages: measured ~6 when it streams, ~25
+# when it holds every page (2026-11-29): 12 tells the two apart with room either way.
+PEAK_PAGES = 12
+
+
+async def test_a_long_listing_holds_one_page_at_a_time(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """Listing a prefix of MANY_KEYS keys page by page: at its peak the listing held its
+    entries and about one page of the answer, never all the pages (traced allocations of
+    every thread: the listing runs in a worker thread)."""
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {f"many/k{i:05d}": b"" for i in range(MANY_KEYS)})
+    backend = make_backend(bucket, page_size=SMALL_PAGE)
+    assert len(await backend.listdir("many")) == MANY_KEYS  # connections, imports and caches warm
+    tracemalloc.start()
+    try:
+        entries = await backend.listdir("many")
+        held, peak = tracemalloc.get_traced_memory()
+        pages = backend._pages("many/")
+        page = next(pages)  # one page of the answer, as the listing holds it
+        page_bytes = tracemalloc.get_traced_memory()[0] - held
+        del page, pages
+    finally:
+        tracemalloc.stop()
+    assert len(entries) == MANY_KEYS
+    # Beyond the entries it returns, the listing's peak is one page held while the next one
+    # is parsed (its XML text and parse tree: ~6 pages' worth measured, 25 with every page
+    # held), far below the MANY_KEYS / SMALL_PAGE pages of the whole answer.
+    assert peak - held < PEAK_PAGES * page_bytes, (peak - held, page_bytes, held)
 
 
 async def test_stat_keys_prefixes_markers_and_missing(s3_env: SeaweedS3, make_backend: Make) -> None:
@@ -132,7 +166,7 @@ async def test_an_overwritten_key_is_a_new_version_and_old_reads_are_stale(s3_en
 async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: SeaweedS3, make_backend: Make) -> None:
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"d/f": b"payload"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         backend = make_backend(bucket, endpoint=proxy.endpoint)
         proxy.fail_next(3)
         attr = await backend.stat("d/f")  # a HEAD: obstore's retries
@@ -162,7 +196,7 @@ async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: Seawe
     (fail fast), and up again at the first answer, with no restart."""
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"f": b"data"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         inner = make_backend(bucket, endpoint=proxy.endpoint, retries=1)
         attr = await inner.stat("f")
         backend = DeadlineBackend(inner, 10.0, probe_interval=0.05)
