@@ -5,11 +5,14 @@ prefetch core can validate against them without reaching up into the control API
 
 from __future__ import annotations
 
+import re
+
 # A decimal integer as a config value, a query string or a JSON string carries it: ASCII
 # digits only (str.isdigit() also says yes to "²" and "١٢٣", which int() refuses or reads
 # as other digits), at most 19 of them: 2^63 - 1, the largest number any key or parameter
 # takes, has 19, and int() then never meets Python's 4300-digit int-str limit.
 DIGITS_PATTERN = r"[0-9]{1,19}"
+DIGITS = re.compile(DIGITS_PATTERN)
 
 MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
 # A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.

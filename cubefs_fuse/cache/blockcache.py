@@ -19,9 +19,10 @@ from enum import Enum
 
 import trio
 
-from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DISK_THREADS, DiskStatistics, DiskTier
+from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DiskStatistics, DiskTier
 from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict
+from cubefs_fuse.cache.segments import DISK_THREADS
+from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
 from cubefs_fuse.errors import FsError
 
 log = logging.getLogger(__name__)
@@ -252,13 +253,13 @@ class BlockCache:
         # Prefetched blocks no application read yet (values unused).  This and
         # _admitted_unread can hold every block of the RAM tier: sharded dicts of bytes and
         # floats, which the garbage collector does not track (cache/shards.py).
-        self._unused_prefetched: ShardedDict[bool] = ShardedDict()
+        self._unused_prefetched: ShardedDict[bytes, bool] = ShardedDict(first_byte)
         self._disk_writes_skipped = 0
         # Blocks admitted for a reader (``admit``) that no application read yet -> the
         # seconds that reader waited for them (_FROM_DISK: it came from the NVMe tier).
         # Entries go with the block (read, evicted, cleared), so this never outgrows the
         # RAM tier's block count.
-        self._admitted_unread: ShardedDict[float] = ShardedDict()
+        self._admitted_unread: ShardedDict[bytes, float] = ShardedDict(first_byte)
         # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
         self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
         self._disk_writer = False
@@ -470,7 +471,7 @@ class BlockCache:
             self.disk.unplan(key)
 
     def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """Keys and path tags of the blocks of one shard (``tags.SHARDS``) in either tier
+        """Keys and path tags of the blocks of one shard (``shards.SHARDS``) in either tier
         (a block in both tiers may be listed twice; tag 0: unknown): a re-ranking walks the
         cache shard by shard."""
         keys, tags = self.memory.tagged_shard(shard)

@@ -8,8 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict
-from cubefs_fuse.cache.tags import TagIndex
+from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +31,8 @@ class MemoryTier:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
         # Sharded: a single dict of a million blocks would be resized in one 50-110 ms call.
-        self._blocks: ShardedDict[bytes] = ShardedDict()
-        self._tags = TagIndex()  # key -> tag (the file's path hash), for re-planning
+        self._blocks: ShardedDict[bytes, bytes] = ShardedDict(first_byte)
+        self._tags: ShardedDict[bytes, int] = ShardedDict(first_byte)  # key -> the file's path tag, for re-planning
         self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
         self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
@@ -115,7 +114,7 @@ class MemoryTier:
             self._rejected += 1
             return False
         self._blocks[key] = data
-        self._tags.set(key, tag)
+        self._tags[key] = tag
         self.policy.add(key, size, next_use)
         self.used_bytes += size
         self._inserts += 1
@@ -124,7 +123,7 @@ class MemoryTier:
     def _evict(self, key: bytes) -> None:
         self.policy.remove(key)
         self._leave(key, len(self._blocks.pop(key)))
-        self._tags.pop(key)
+        self._tags.pop(key, None)
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict(key)
@@ -133,7 +132,7 @@ class MemoryTier:
         data = self._blocks.pop(key, None)
         if data is not None:
             self.policy.remove(key)
-            self._tags.pop(key)
+            self._tags.pop(key, None)
             self._leave(key, len(data))
 
     def plan(self, key: bytes, next_use: int) -> None:
@@ -143,8 +142,8 @@ class MemoryTier:
         self.policy.unplan(key)
 
     def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """(key, tag) of the blocks in one shard of the tag index (``tags.SHARDS``)."""
-        return self._tags.shard(shard)
+        """(key, tag) of the blocks in one shard of the tag index (``shards.SHARDS``)."""
+        return self._tags.shard_lists(shard)
 
     def unplan_some(self, count: int) -> bool:
         """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
