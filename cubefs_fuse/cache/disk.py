@@ -1,5 +1,5 @@
-"""The NVMe tier: checksummed blocks packed into append-only segment files under a byte
-limit and a free-space floor. Offsets are handed out on the trio thread, an entry enters the
+"""The NVMe tier (a ``tier.Tier``): checksummed blocks packed into append-only segment files
+under a byte limit and a free-space floor. Offsets are handed out on the trio thread, an entry enters the
 block list only once its write returned, eviction punches its range and deletes a segment
 with its last block, and a read that meets a damaged or punched range is a miss, never
 bytes; start-up reads ``index.bin`` (written at clean shutdown) or scans the segments'
@@ -31,6 +31,7 @@ from cubefs_fuse.cache.keys import KEY_BYTES
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.segments import DISK_THREADS, Budget, Fields, LiveCounts, Release
 from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
+from cubefs_fuse.cache.tier import Tier
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class _Put:
     ops: Release  # what its worker frees before it writes
 
 
-class DiskTier:
+class DiskTier(Tier[DiskStatistics]):
     def __init__(self, directory: str, limit_bytes: int, free_ratio: float, lock_fd: int) -> None:
         self.directory = directory
         self.limit_bytes = limit_bytes
@@ -161,7 +162,7 @@ class DiskTier:
         # key -> packed location (LOCATION); sharded (cache/shards.py): no million-entry dict resize
         self._entries: ShardedDict[bytes, int] = ShardedDict(first_byte)
         # key -> path tag (absent: unknown, e.g. after a crash scan)
-        self._tags: ShardedDict[bytes, int] = ShardedDict(first_byte)
+        self.tags: ShardedDict[bytes, int] = ShardedDict(first_byte)
         # Per segment: blocks stored or being written there (at zero a sealed segment is
         # deleted; the active one is appended to, None: start one) and its slack (part of
         # used_bytes while the segment file may exist).
@@ -207,7 +208,7 @@ class DiskTier:
         for key, (location, tag) in entries.items():  # oldest first: the LRU order of the last run
             tier._entries[key] = location
             if tag:
-                tier._tags[key] = tag
+                tier.tags[key] = tag
             size = _size(location)
             stored += size
             live[_segment(location)] += 1
@@ -274,7 +275,7 @@ class DiskTier:
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
-        entries = [(key, location, self._tags.get(key, 0)) for key, location in self._lru_order()]
+        entries = [(key, location, self.tags.get(key, 0)) for key, location in self._lru_order()]
         try:
             await trio.to_thread.run_sync(_write_index, os.path.join(self.directory, "index.bin"), entries)
         except OSError as exc:
@@ -306,8 +307,8 @@ class DiskTier:
             self._misses += 1
             return None
         self.policy.touch(key)
-        if tag and key not in self._tags:
-            self._tags[key] = tag
+        if tag and key not in self.tags:
+            self.tags[key] = tag
         path = self._segment_path(_segment(location))
         try:
             data = await trio.to_thread.run_sync(_read_entry, path, location, key, limiter=self._limiter)
@@ -362,8 +363,8 @@ class DiskTier:
         self._hits += 1
         if key in self._entries:
             self.policy.touch(key)
-            if tag and key not in self._tags:
-                self._tags[key] = tag
+            if tag and key not in self.tags:
+                self.tags[key] = tag
 
     async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it), evicting by the
@@ -469,7 +470,7 @@ class DiskTier:
         self._entries[key] = put.location
         self.policy.add(key, put.need, next_use)
         if tag:
-            self._tags[key] = tag
+            self.tags[key] = tag
         self._inserted_bytes += put.need
         self._inserts += 1
         return True
@@ -480,7 +481,7 @@ class DiskTier:
         segment's slack if that segment goes too."""
         location = self._entries.pop(key)
         self.policy.remove(key)
-        self._tags.pop(key, None)
+        self.tags.pop(key, None)
         segment, size, offset = LOCATION.unpack(location)
         if self._segs.leave(segment, self._segment_path(segment), offset, size, ops):
             return size + self._drop_slack(segment)
@@ -533,20 +534,6 @@ class DiskTier:
             finally:
                 for borrower in acquired:
                     self._limiter.release_on_behalf_of(borrower)
-
-    def plan(self, key: bytes, next_use: int) -> None:
-        self.policy.plan(key, next_use)
-
-    def unplan(self, key: bytes) -> None:
-        self.policy.unplan(key)
-
-    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """(key, tag) of the blocks whose tag is known, in one shard (``shards.SHARDS``)."""
-        return self._tags.shard_lists(shard)
-
-    def unplan_some(self, count: int) -> bool:
-        """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
-        return self.policy.unplan_some(count)
 
     def _lru_order(self) -> list[tuple[bytes, int]]:
         """(key, location) in eviction order (for the index: the next run starts from it)."""

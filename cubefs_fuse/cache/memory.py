@@ -1,6 +1,6 @@
-"""The RAM tier: blocks in a sharded dict under a byte limit that holds after every call,
-evicted by ``policy.PlannedLru`` (plain LRU without plans; with plans, Belady by the
-position at which a plan reads each block)."""
+"""The RAM tier (a ``tier.Tier``): blocks in a sharded dict under a byte limit that holds
+after every call, evicted by ``policy.PlannedLru`` (plain LRU without plans; with plans,
+Belady by the position at which a plan reads each block)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
+from cubefs_fuse.cache.tier import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +25,7 @@ class TierStatistics:
     planned_bytes: int  # bytes of blocks an active plan will read
 
 
-class MemoryTier:
+class MemoryTier(Tier[TierStatistics]):
     """Blocks keyed by bytes; ``used_bytes <= limit_bytes`` after every call."""
 
     def __init__(self, limit_bytes: int, *, scratch_bytes: int | None = None) -> None:
@@ -32,7 +33,7 @@ class MemoryTier:
         self.used_bytes = 0
         # Sharded: a single dict of a million blocks would be resized in one 50-110 ms call.
         self._blocks: ShardedDict[bytes, bytes] = ShardedDict(first_byte)
-        self._tags: ShardedDict[bytes, int] = ShardedDict(first_byte)  # key -> the file's path tag, for re-planning
+        self.tags: ShardedDict[bytes, int] = ShardedDict(first_byte)  # key -> the file's path tag, for re-planning
         self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
         self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
@@ -114,7 +115,7 @@ class MemoryTier:
             self._rejected += 1
             return False
         self._blocks[key] = data
-        self._tags[key] = tag
+        self.tags[key] = tag
         self.policy.add(key, size, next_use)
         self.used_bytes += size
         self._inserts += 1
@@ -123,7 +124,7 @@ class MemoryTier:
     def _evict(self, key: bytes) -> None:
         self.policy.remove(key)
         self._leave(key, len(self._blocks.pop(key)))
-        self._tags.pop(key, None)
+        self.tags.pop(key, None)
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict(key)
@@ -132,22 +133,8 @@ class MemoryTier:
         data = self._blocks.pop(key, None)
         if data is not None:
             self.policy.remove(key)
-            self._tags.pop(key, None)
+            self.tags.pop(key, None)
             self._leave(key, len(data))
-
-    def plan(self, key: bytes, next_use: int) -> None:
-        self.policy.plan(key, next_use)
-
-    def unplan(self, key: bytes) -> None:
-        self.policy.unplan(key)
-
-    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """(key, tag) of the blocks in one shard of the tag index (``shards.SHARDS``)."""
-        return self._tags.shard_lists(shard)
-
-    def unplan_some(self, count: int) -> bool:
-        """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
-        return self.policy.unplan_some(count)
 
     def clear(self) -> None:
         for shard in range(SHARDS):
