@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.limits import DIGITS, DIGITS_PATTERN, SAMPLE_NAME_PATTERN
+from cubefs_fuse.control.protocol import is_sample_cache_name
+from cubefs_fuse.limits import DIGITS, DIGITS_PATTERN
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -310,7 +311,7 @@ def _shared_samples(key: str, value: Any) -> tuple[tuple[int, str], ...]:
         for item in value:
             uid, _, name = item.partition(":") if isinstance(item, str) else ("", "", "")
             if not (uid.isascii() and uid.isdigit() and len(uid) <= 10 and int(uid) <= _MAX_ID
-                    and re.fullmatch(SAMPLE_NAME_PATTERN, name) and name not in (".", "..")):
+                    and is_sample_cache_name(name)):
                 break
             out.append((int(uid), name))
         else:

@@ -65,9 +65,6 @@ MAX_SAMPLE_PLAN_KEYS = FAST_RING_BYTES // 8
 # so one user's churn cannot lock the others out.
 MAX_SAMPLE_CACHES = 256
 MAX_SAMPLE_CACHES_PER_UID = 64
-# A sample cache's name: the characters of job names (safe as one path component: the
-# NVMe tier keeps a cache's entries in a directory of that name; "." and ".." are refused).
-SAMPLE_NAME_PATTERN = r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME
 # Plan keys the sample store holds over all its caches: a plan costs 13 bytes per distinct
 # key (the sorted key, its position, a consumed flag), so 16 Mi keys bound plans to ~220 MB
 # whatever users send; past it, the least recently planned caches lose their plans (LRU).

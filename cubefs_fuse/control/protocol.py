@@ -4,13 +4,15 @@ the FUSE session or numpy): the per-volume config file ``<configDir>/cube_torch.
 (CubeFS's fields ``prof``, ``mount_point``, ``vol_name``, ``local_ip``, then ours), the
 control API client (HTTP/1.1 over a Unix socket, ``/v1`` paths, JSON errors; file lists
 NUL-separated, epoch orders little-endian integer arrays, never JSON lists), the request
-bounds and the sample entries' checksum (``entry_digest``)."""
+bounds, the rule of a sample cache's name and the sample entries' checksum
+(``entry_digest``)."""
 
 from __future__ import annotations
 
 import http.client
 import json
 import os
+import re
 import socket
 import stat
 import time
@@ -40,6 +42,32 @@ DEFAULT_CONFIG_DIR = "/tmp"
 # Where training processes look instead of DEFAULT_CONFIG_DIR (a pod that runs as a
 # non-root user and keeps its own /tmp); the daemon's configDir defaults to it too.
 CONFIG_DIR_ENV = "CUBE_TORCH_CONFIG_DIR"
+
+# A sample cache's name, the one rule of the daemon and cube_torch: the characters of job
+# names, at most MAX_NAME of them, since the daemon's NVMe store keeps a cache's entries in a
+# directory of that name (one safe path component: "." and ".." are refused); or ~UID/NAME
+# for another user's cache (the daemon decides whether the caller may read it).
+SAMPLE_NAME_RULE = (f"a sample cache name is 1-{MAX_NAME} of [A-Za-z0-9_.:@-] (not '.' or '..'), "
+                    "or ~UID/NAME for another user's shared cache")
+_SAMPLE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
+_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
+
+
+def is_sample_cache_name(name: Any) -> bool:
+    """Whether ``name`` is a sample cache's own name (not a ``~UID/NAME`` reference)."""
+    return isinstance(name, str) and _SAMPLE_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
+def sample_cache_reference(reference: Any) -> tuple[int | None, str]:
+    """(owner uid, None for the caller's own cache; name) of a sample cache reference, NAME
+    or ~UID/NAME; ValueError (:data:`SAMPLE_NAME_RULE`) for anything else."""
+    owner, name = None, reference
+    if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
+        owner, name = int(m.group(1)), m.group(2)
+    if not is_sample_cache_name(name):
+        raise ValueError(SAMPLE_NAME_RULE)
+    return owner, name
+
 
 CONTENT_JSON = "application/json"
 CONTENT_BINARY = "application/octet-stream"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import struct
 import time
 from collections import OrderedDict
@@ -27,9 +26,10 @@ import trio
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.segments import DISK_THREADS, Budget, LiveCounts, Release
 from cubefs_fuse.cache.shards import SHARD, ShardedDict, low_byte
+from cubefs_fuse.control.protocol import sample_cache_reference
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
-                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
+                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS)
 from cubefs_fuse.samples import files, index
 from cubefs_fuse.samples.index import FIELD, charge_of, offset_of, segment_of, size_of
 
@@ -49,8 +49,6 @@ RERANK_CHUNK = CHUNK // 4
 # hop (~100 us here) costs more than the reads it parallelises.
 READ_SHARE = 16
 
-_NAME = re.compile(SAMPLE_NAME_PATTERN)
-_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
 # (key, cache id): one policy key over every cache of the node.  The key comes first and
 # little-endian, so the policies' ShardedDicts (split by a key's first byte) spread one
 # cache's keys over all their shards; cache id first put a whole cache in one shard.
@@ -197,13 +195,6 @@ class _Cache:
         self.segments = LiveCounts()  # segment id -> its entries on NVMe (counted in disk_entries)
 
 
-def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
-        raise BadRequest("a sample cache name is 1-128 of [A-Za-z0-9_.:@-] (not '.' or '..'), "
-                         "or ~UID/NAME for another user's shared cache")
-    return name
-
-
 class SampleStore:
     def __init__(self, root: str, mem_limit: int, disk_limit: int, free_ratio: float, *,
                  shared: frozenset[tuple[int, str]] = frozenset(), admins: frozenset[int] | None = None) -> None:
@@ -257,10 +248,11 @@ class SampleStore:
 
     def resolve(self, caller: int, reference: Any, *, write: bool = False, drop: bool = False) -> tuple[int, str]:
         """(owner uid, name) of a cache reference, or Forbidden/BadRequest."""
-        if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
-            owner, name = int(m.group(1)), check_name(m.group(2))
-        else:
-            owner, name = caller, check_name(reference)
+        try:
+            foreign, name = sample_cache_reference(reference)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        owner = caller if foreign is None else foreign
         if owner == caller:
             return owner, name
         if write:
