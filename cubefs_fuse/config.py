@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.control.protocol import is_sample_cache_name
-from cubefs_fuse.limits import DIGITS, DIGITS_PATTERN
+from cubefs_fuse.limits import DIGITS, DIGITS_PATTERN, is_sample_cache_name
 
 KiB = 1024
 MiB = 1024 * KiB

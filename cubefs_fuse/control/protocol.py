@@ -12,7 +12,6 @@ from __future__ import annotations
 import http.client
 import json
 import os
-import re
 import socket
 import stat
 import time
@@ -20,7 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-# Request bounds, enforced by the daemon and known to clients (standard library only too).
+# Request bounds and the rule of a sample cache's name, enforced by the daemon and known to
+# clients (standard library only too; defined in limits.py, below the daemon's floors).
 from cubefs_fuse.limits import FAST_RING_BYTES as FAST_RING_BYTES
 from cubefs_fuse.limits import MAX_BATCH_FILES as MAX_BATCH_FILES
 from cubefs_fuse.limits import MAX_BATCH_MESSAGE as MAX_BATCH_MESSAGE
@@ -31,9 +31,12 @@ from cubefs_fuse.limits import MAX_NAME as MAX_NAME
 from cubefs_fuse.limits import MAX_PATH_BYTES as MAX_PATH_BYTES
 from cubefs_fuse.limits import MAX_PLAN_BODY as MAX_PLAN_BODY
 from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
+from cubefs_fuse.limits import SAMPLE_NAME_RULE as SAMPLE_NAME_RULE
 from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES as MAX_SAMPLE_ENTRY_BYTES
 from cubefs_fuse.limits import MAX_SAMPLE_KEYS as MAX_SAMPLE_KEYS
 from cubefs_fuse.limits import MAX_SAMPLE_PLAN_KEYS as MAX_SAMPLE_PLAN_KEYS
+from cubefs_fuse.limits import is_sample_cache_name as is_sample_cache_name
+from cubefs_fuse.limits import sample_cache_reference as sample_cache_reference
 from cubefs_fuse.samples.checksum import entry_digest as entry_digest
 
 PROTOCOL_VERSION = 1
@@ -42,32 +45,6 @@ DEFAULT_CONFIG_DIR = "/tmp"
 # Where training processes look instead of DEFAULT_CONFIG_DIR (a pod that runs as a
 # non-root user and keeps its own /tmp); the daemon's configDir defaults to it too.
 CONFIG_DIR_ENV = "CUBE_TORCH_CONFIG_DIR"
-
-# A sample cache's name, the one rule of the daemon and cube_torch: the characters of job
-# names, at most MAX_NAME of them, since the daemon's NVMe store keeps a cache's entries in a
-# directory of that name (one safe path component: "." and ".." are refused); or ~UID/NAME
-# for another user's cache (the daemon decides whether the caller may read it).
-SAMPLE_NAME_RULE = (f"a sample cache name is 1-{MAX_NAME} of [A-Za-z0-9_.:@-] (not '.' or '..'), "
-                    "or ~UID/NAME for another user's shared cache")
-_SAMPLE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
-_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
-
-
-def is_sample_cache_name(name: Any) -> bool:
-    """Whether ``name`` is a sample cache's own name (not a ``~UID/NAME`` reference)."""
-    return isinstance(name, str) and _SAMPLE_NAME.fullmatch(name) is not None and name not in (".", "..")
-
-
-def sample_cache_reference(reference: Any) -> tuple[int | None, str]:
-    """(owner uid, None for the caller's own cache; name) of a sample cache reference, NAME
-    or ~UID/NAME; ValueError (:data:`SAMPLE_NAME_RULE`) for anything else."""
-    owner, name = None, reference
-    if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
-        owner, name = int(m.group(1)), m.group(2)
-    if not is_sample_cache_name(name):
-        raise ValueError(SAMPLE_NAME_RULE)
-    return owner, name
-
 
 CONTENT_JSON = "application/json"
 CONTENT_BINARY = "application/octet-stream"

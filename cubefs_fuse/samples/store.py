@@ -26,10 +26,9 @@ import trio
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.segments import DISK_THREADS, Budget, LiveCounts, Release
 from cubefs_fuse.cache.shards import SHARD, ShardedDict, low_byte
-from cubefs_fuse.control.protocol import sample_cache_reference
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
-                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS)
+                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, sample_cache_reference)
 from cubefs_fuse.samples import files, index
 from cubefs_fuse.samples.index import FIELD, charge_of, offset_of, segment_of, size_of
 
