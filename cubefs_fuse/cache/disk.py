@@ -296,7 +296,8 @@ class DiskTier(Tier[DiskStatistics]):
         return self._limiter
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
+        # The shard read inline (first_byte): every read asks, and a method call costs ~40 ns more.
+        return key in self._entries.shards[key[0]]
 
     async def get(self, key: bytes, tag: int = 0) -> bytes | None:
         """The block, or None if absent or damaged (a damaged block is punched out).

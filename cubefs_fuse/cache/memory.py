@@ -46,11 +46,14 @@ class MemoryTier(Tier[TierStatistics]):
         # Told when a lent block leaves the tier, so the borrower can be asked to let go.
         self.on_recall: Callable[[bytes], None] | None = None
 
+    # The lookups below read the block map's shard themselves (its shard function,
+    # first_byte, inlined): they are the read path's, and a method call costs ~40 ns more.
+
     def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks
+        return key in self._blocks.shards[key[0]]
 
     def get(self, key: bytes) -> bytes | None:
-        data = self._blocks.get(key)
+        data = self._blocks.shards[key[0]].get(key)
         if data is None:
             self._misses += 1
             return None
@@ -62,7 +65,7 @@ class MemoryTier(Tier[TierStatistics]):
         """The block, lent until :meth:`give_back`; None if absent.  Neither touched nor
         counted: lending is no read (a listing lends every file it names), the borrower's
         reads are counted and touched by :meth:`count_hit`."""
-        data = self._blocks.get(key)
+        data = self._blocks.shards[key[0]].get(key)
         if data is not None:
             self._loans[key] = self._loans.get(key, 0) + 1
         return data
@@ -84,7 +87,7 @@ class MemoryTier(Tier[TierStatistics]):
     def count_hit(self, key: bytes) -> None:
         """A read of a lent block, served by the borrower (touched if still in the tier)."""
         self._hits += 1
-        if key in self._blocks:
+        if key in self._blocks.shards[key[0]]:
             self.policy.touch(key)
 
     def _leave(self, key: bytes, size: int) -> None:

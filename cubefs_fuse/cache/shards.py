@@ -32,18 +32,20 @@ _ABSENT: object = object()
 
 class ShardedDict(Generic[K, V]):
     """K -> V, as ``SHARDS`` plain dicts (``shards[shard_of(key)]``), behaving as one dict.
-    Insertion order is kept per shard only.  A hot path may index ``shards`` itself with
-    the same shard function; ``len`` sums the shards (~5 us: statistics, not hot paths), so
-    writes made that way stay counted."""
+    Insertion order is kept per shard only.  Change it through its methods: ``len`` is
+    counted as it changes (a hot path asks whether one is empty).  A hot path may read
+    ``shards`` itself with the same shard function inlined: a method call costs ~40 ns
+    more per lookup than a dict's own (measured on the daemon's VM)."""
 
-    __slots__ = ("shards", "shard_of")
+    __slots__ = ("shards", "shard_of", "_len")
 
     def __init__(self, shard_of: Callable[[K], int]) -> None:
         self.shards: list[dict[K, V]] = [{} for _ in range(SHARDS)]
         self.shard_of = shard_of
+        self._len = 0
 
     def __len__(self) -> int:
-        return sum(map(len, self.shards))
+        return self._len
 
     def __contains__(self, key: K) -> bool:
         return key in self.shards[self.shard_of(key)]
@@ -52,10 +54,14 @@ class ShardedDict(Generic[K, V]):
         return self.shards[self.shard_of(key)][key]
 
     def __setitem__(self, key: K, value: V) -> None:
-        self.shards[self.shard_of(key)][key] = value
+        shard = self.shards[self.shard_of(key)]
+        before = len(shard)
+        shard[key] = value
+        self._len += len(shard) - before
 
     def __delitem__(self, key: K) -> None:
         del self.shards[self.shard_of(key)][key]
+        self._len -= 1
 
     def __iter__(self) -> Iterator[K]:
         for shard in self.shards:
@@ -77,7 +83,10 @@ class ShardedDict(Generic[K, V]):
     def pop(self, key: K, default: object = _ABSENT) -> object:
         """Remove ``key`` and return its value; with ``default``, that when absent."""
         shard = self.shards[self.shard_of(key)]
-        return shard.pop(key) if default is _ABSENT else shard.pop(key, default)
+        before = len(shard)
+        value = shard.pop(key) if default is _ABSENT else shard.pop(key, default)
+        self._len -= before - len(shard)
+        return value
 
     def items(self) -> Iterator[tuple[K, V]]:
         for shard in self.shards:
@@ -96,7 +105,9 @@ class ShardedDict(Generic[K, V]):
     def clear(self) -> None:
         for shard in self.shards:
             shard.clear()
+        self._len = 0
 
     def clear_shard(self, index: int) -> None:
         """Empty one shard (callers clearing a large map in steps)."""
+        self._len -= len(self.shards[index])
         self.shards[index].clear()

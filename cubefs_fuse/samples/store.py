@@ -420,15 +420,14 @@ class SampleStore:
         for key, data in items:
             latest[key] = data
             size = len(data)  # <= MAX_SAMPLE_ENTRY_BYTES (the ring): fits its field
-            shard = entries.shards[key & SHARD]
-            word = shard.get(key)
+            word = entries.get(key)
             if word is None:
-                shard[key] = size
+                entries[key] = size
                 cache.bytes += size
             else:  # a new value: the old one leaves RAM (and NVMe, below)
                 self._forget_ram(cache, key)
                 cache.bytes += size - size_of(word)
-                shard[key] = index.resized(word, size)
+                entries[key] = index.resized(word, size)
             cache.stored += 1
         if self.disk_limit:
             kept, copies = await self._write(cache, latest, digests)
@@ -617,7 +616,7 @@ class SampleStore:
             if not charge_of(owner.entries[victim_key]) and victim_key not in owner.writing:
                 owner.evictions += 1
                 self._remove_entry(owner, victim_key)
-        cache.ram.shards[key & SHARD][key] = data
+        cache.ram[key] = data
         self.ram_policy.add(_PK.pack(key, cache.id), need, self._next_use(cache, key))
         self.ram_used += need
         self.ram_entries += 1
@@ -625,7 +624,7 @@ class SampleStore:
         return True
 
     def _forget_ram(self, cache: _Cache, key: int) -> None:
-        data = cache.ram.shards[key & SHARD].pop(key, None)
+        data = cache.ram.pop(key, None)
         if data is None:
             return
         self.ram_used -= self.ram_policy.remove(_PK.pack(key, cache.id))
@@ -657,7 +656,7 @@ class SampleStore:
 
     def _remove_entry(self, cache: _Cache, key: int) -> None:
         """Forget an entry held in neither tier (nor being written)."""
-        word = cache.entries.shards[key & SHARD].pop(key, None)
+        word = cache.entries.pop(key, None)
         if word is not None:
             cache.bytes -= size_of(word)
 

@@ -64,9 +64,14 @@ def test_it_behaves_as_a_dict(shard_of: Callable[[Any], int], make_key: Callable
     assert len(sharded) == 0 and list(sharded) == []
 
 
-def test_a_write_through_the_shards_is_counted() -> None:
-    # Hot paths index the shards themselves (samples/store.py): len() still sees it.
+def test_len_is_counted_as_it_changes() -> None:
+    # len() (and so truth) is asked on hot paths: counted, not summed over the shards.
     sharded: ShardedDict[int, int] = ShardedDict(low_byte)
+    assert not sharded
     for key in range(1000):
-        sharded.shards[low_byte(key)][key] = key
-    assert len(sharded) == 1000 and sharded[999] == 999
+        sharded[key] = key
+        sharded[key] = key + 1  # a rewrite adds nothing
+    assert len(sharded) == 1000 and sharded
+    assert sharded.pop(5) == 6 and sharded.pop(5, None) is None and len(sharded) == 999
+    sharded.clear_shard(low_byte(7))
+    assert len(sharded) == 999 - sum(1 for key in range(1000) if key != 5 and low_byte(key) == low_byte(7))
