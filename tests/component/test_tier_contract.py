@@ -163,9 +163,9 @@ async def test_a_block_larger_than_the_tier_is_rejected(kind: str, tmp_path: Pat
 
 # -- the sample store's two tiers -----------------------------------------------------------
 
-SAMPLE = 10_000
+SAMPLE = 10_000  # bytes of a sample: any size works, this one spans three allocation units
 SAMPLE_TIERS = ["ram", "nvme"]
-UID = 1000
+UID = 1000  # the caller: any uid, the store scopes names by it
 
 
 async def _open_store(kind: str, tmp_path: Path, nursery: trio.Nursery) -> SampleStore:
