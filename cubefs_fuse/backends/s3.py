@@ -285,7 +285,8 @@ class S3Backend:
         return self._remember(object_attr(meta["size"], meta["last_modified"], etag), etag)
 
     def _head(self, path: str) -> Attr:
-        return self._attr_of(self._call(f"HEAD {self._key(path)}", lambda: obstore.head(self._clients.store, self._key(path))))
+        key = self._key(path)
+        return self._attr_of(self._call(f"HEAD {key}", lambda: obstore.head(self._clients.store, key)))
 
     def _pages(self, prefix: str, *, max_keys: int | None = None) -> Iterator[dict[str, Any]]:
         """ListObjectsV2 pages of ``prefix`` with the delimiter ``/``, one at a time."""
@@ -387,15 +388,14 @@ class S3Backend:
 
         The body is read whole even when it is not kept (an object larger than
         ``max_size``, or one ``want`` declines): the Range header bounds it to ``max_size``
-        bytes, and dropping a half-read answer closes the pooled connection instead.  With
-        no size known before the request, the alternatives cost more (measured through the
-        10 ms proxy, 2026-11-29, 8 MiB object, max_size 1 MiB, obstore, the 2-core VM): a
-        HEAD first keeps a small object at two requests (HEAD+GET 28.1 ms, this GET 14.3 ms
-        for 110 KB); a large object's lookup is one request either way (HEAD 13.1 ms, this
-        GET read and discarded 18.9 ms, 2.8 ms CPU against 1.6) and it is looked up once
-        per TTL then read block by block; dropping the answer after its headers was no
-        cheaper (20.8 ms, 3.9 ms CPU, the server had sent the range anyway) and made the
-        next request open a new connection (a TLS handshake on a real endpoint)."""
+        bytes.  No size is known before the request, and the alternatives cost more
+        (benchmarks/results/2026-11-29-s3-lookup.md, 10 ms per request, 1 MiB max_size): a
+        HEAD first keeps every small object at two requests (27-29 ms against 14.2 for
+        110 KB), while a large object's lookup is one request either way (this GET read and
+        dropped 18.7-20.5 ms, a HEAD 13.3-13.5) and is followed by block reads that cost far
+        more; dropping the answer after its headers was no faster (the server had sent the
+        range anyway), cost more CPU and closed the pooled connection, so the next request
+        opened a new one (a TLS handshake on a real endpoint)."""
         if not path:
             return self._root, None
         key = self._key(path)
