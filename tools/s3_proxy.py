@@ -5,9 +5,9 @@ lets a test make the bucket throttle.
 Every request is forwarded as it came (method, path, headers with the Host the client
 signed, body) after ``delay`` seconds, except that the next ``fail_next(n)`` requests are
 answered ``503 SlowDown`` as a throttled bucket answers them.  Every request is recorded
-(method, path, when it arrived) so a test can check what reached the bucket: nothing but
-reads, in which order.  ``tc``'s netem would be the usual way to add latency, but this
-kernel has no netem qdisc.
+(method, path, when it arrived, its Range header, the bytes its answer carried) so a test
+can check what reached the bucket: nothing but reads, in which order, how much.  ``tc``'s
+netem would be the usual way to add latency, but this kernel has no netem qdisc.
 
 Cost, measured on the 2-core VM (2026-11-29, 110 KB GETs by obstore, one at a time,
 SeaweedFS answering in 2.2 ms median): the proxy adds 0.65 ms of latency and spends
@@ -22,7 +22,7 @@ from __future__ import annotations
 import http.client
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 
@@ -40,6 +40,8 @@ class Request:
     method: str
     path: str  # as sent: "/bucket/key?query" (path style)
     at: float  # time.monotonic() when it arrived
+    range: str = ""  # its Range header, "" if none
+    sent: int = 0  # bytes of the answer's body sent back (0 until it is answered)
 
 
 class S3Proxy:
@@ -86,7 +88,9 @@ class S3Proxy:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 with proxy.lock:
-                    proxy.requests.append(Request(self.command, self.path, time.monotonic()))
+                    index = len(proxy.requests)
+                    proxy.requests.append(Request(self.command, self.path, time.monotonic(),
+                                                  self.headers.get("Range") or ""))
                     fail = proxy.to_fail > 0
                     if fail:
                         proxy.to_fail -= 1
@@ -113,6 +117,8 @@ class S3Proxy:
                     self.send_header("Content-Length", length_header)
                 self.end_headers()
                 if self.command != "HEAD":
+                    with proxy.lock:
+                        proxy.requests[index] = replace(proxy.requests[index], sent=len(data))
                     self.wfile.write(data)
 
             def finish(self) -> None:

@@ -1,7 +1,8 @@
 """Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
 FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
 after attrValid while a handle opened before reads its own version or ESTALE, never a
-mix; the NVMe cache's index across a restart, with no GET after it; warmup and status;
+mix; the NVMe cache's index across a restart, with no read after it; a cold small
+object's lookup and read in one request; warmup and status;
 an ai_prefetch plan prefetching the objects before they are read; a bucket that throttles
 (503 SlowDown through tools/s3_proxy.py) or goes away and comes back, with nothing but
 reads ever reaching it, and the backend's metrics per operation kind."""
@@ -115,7 +116,9 @@ def test_a_bucket_prefix_is_served_and_an_overwrite_seen_after_the_ttl(
 def test_after_a_restart_the_bucket_is_served_from_nvme_without_a_get(
         make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
     """The NVMe index across restarts over S3: a key's version (ETag hash, size, second)
-    is the same to the next daemon, so every block is found on NVMe and no GET is made."""
+    is the same to the next daemon, so every block is found on NVMe and none is read from
+    the bucket (a cold lookup is still one ranged GET, whose bytes are dropped when the
+    block is on NVMe: no read counted, nothing served from the backend)."""
     bucket = s3_env.new_bucket()
     client = s3_env.client()
     rng = random.Random(5)
@@ -212,6 +215,33 @@ def read_errno(path: Path) -> int:
     except OSError as exc:
         return exc.errno or -1
     return 0
+
+
+def test_a_cold_small_object_is_one_request(make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    """Through the recording proxy: a cold small object's lookup, open and read are one
+    request (a GET of its first block, whose answer is also its attributes); a larger
+    object's lookup is one GET whose answer carried no more than a block, then one GET per
+    block it is read in."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(23)
+    small, large = rng.randbytes(BS // 2), rng.randbytes(3 * BS + 1)
+    client.put_object(Bucket=bucket, Key="d/small", Body=small)
+    client.put_object(Bucket=bucket, Key="d/large", Body=large)
+    with S3Proxy(s3_env.s3_port) as proxy:
+        m = make_mount(source=f"s3://{bucket}", s3Endpoint=proxy.endpoint, blockSize="64KiB", memCacheSize="4MiB",
+                       diskCacheSize="8MiB")
+        m.mount()
+        for _ in range(2):  # the second time from the cache: no request
+            assert read_all(m.path("d/small")) == small  # never listed: the kernel looks it up
+            assert read_all(m.path("d/large")) == large
+        with proxy.lock:
+            sent = [r for r in proxy.requests if r.path.split("?")[0].endswith(("/d/small", "/d/large"))]
+        m.umount()
+    assert [(r.method, r.path.rpartition("/")[2]) for r in sent if r.path.endswith("small")] == [("GET", "small")]
+    on_large = [r for r in sent if r.path.endswith("large")]
+    assert [r.method for r in on_large] == ["GET"] * (1 + 4), on_large  # the lookup, then 4 blocks
+    assert on_large[0].range == f"bytes=0-{BS - 1}" and on_large[0].sent <= BS, on_large[0]
 
 
 @pytest.mark.expected_daemon_errors(r"backend down: ")
