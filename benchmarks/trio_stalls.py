@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.fakes from
 from cubefs_fuse.cache.blockcache import BlockCache  # noqa: E402
 from cubefs_fuse.cache.keys import path_tag  # noqa: E402
 from cubefs_fuse.cache.memory import MemoryTier  # noqa: E402
-from cubefs_fuse.cache.tags import SHARDS  # noqa: E402
+from cubefs_fuse.cache.shards import SHARDS  # noqa: E402
 from cubefs_fuse.config import ClientConfig  # noqa: E402
 from cubefs_fuse.fs.filesystem import Filesystem  # noqa: E402
 from cubefs_fuse.fs.inodes import ROOT_INODE  # noqa: E402

@@ -304,6 +304,8 @@ class Submitter:
         self._state = threading.Lock()
 
     def submit(self, request: PlanRequest) -> None:
+        # Before the epoch's first sample is asked for: the job's sample-cache hits start here.
+        shared.job_started((request.vol_name, request.job, request.rank))
         try:
             self._queue.put_nowait(request)
         except queue.Full:

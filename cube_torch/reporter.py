@@ -99,8 +99,8 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
         return None
     for entry in report.get("jobs", []):
         if entry.get("rank") == last.rank:
-            cumulative = with_sample_hits(entry["cumulative"], shared.sample_hits())
             key = (last.vol_name, last.job, last.rank)
+            cumulative = with_sample_hits(entry["cumulative"], shared.job_sample_hits(key))
             with _previous_lock:
                 since = _since(_previous.get(key), cumulative)
                 _previous[key] = cumulative

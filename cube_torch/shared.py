@@ -6,7 +6,11 @@ worker inherits the mapping.  It holds:
 * **sample-cache hits**: the samples CachedDatasets served from their store, counted by
   whichever process served them.  No file is read for them, so the daemon never sees
   them; the hit-rate line adds them to the daemon's counts of the job (a sample served
-  from the cache is a hit of the job).
+  from the cache is a hit of the job).  The page holds one count for the tree; the main
+  process notes where each job's hits start (the count when it sends the job's first
+  plan, before any of its samples is asked for), so a training run after another one in
+  the same process counts only its own.  Jobs that read at the same time in one process
+  (two loaders with different job names) share the hits since the earlier one started.
 * **what was said**: the kinds of trouble some process of the tree has warned about, so
   one cause (a wrong ``VOL_NAME``, a daemon that is not running, a dataset outside the
   mount) is one warning per process tree, not one per worker and epoch.
@@ -97,6 +101,24 @@ def sample_hits() -> int:
         return hits
 
 
+# (volume, job, rank) -> the tree's sample-cache hits when this process sent that job's
+# first plan (main process only: that is where plans are sent and lines printed).
+_job_starts: dict[tuple[str, str, int], int] = {}
+
+
+def job_started(job: tuple[str, str, int]) -> None:
+    """A plan of ``job`` (volume, job, rank) is about to be sent; the job's first marks
+    where its sample-cache hits start (later epochs keep counting from there)."""
+    if job not in _job_starts:
+        _job_starts[job] = sample_hits()
+
+
+def job_sample_hits(job: tuple[str, str, int]) -> int:
+    """Samples served from sample caches by this process tree since ``job``'s first plan
+    (all of them for a job that sent none from this process)."""
+    return sample_hits() - _job_starts.get(job, 0)
+
+
 def first_in_tree(kind: str) -> bool:
     """True if no process of this tree has said ``kind`` yet; it now has."""
     if _page is None:
@@ -114,9 +136,10 @@ def first_in_tree(kind: str) -> bool:
 
 
 def forget() -> None:
-    """For tests: nothing said, no hits."""
+    """For tests: nothing said, no hits, no job started."""
     global _local_hits
     _local_hits = 0
+    _job_starts.clear()
     if _page is not None:
         with _Locked() as page:
             _HEADER.pack_into(page, 0, 0, 0)

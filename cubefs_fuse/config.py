@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.limits import DIGITS_PATTERN, SAMPLE_NAME_PATTERN
+from cubefs_fuse.limits import DIGITS, DIGITS_PATTERN, is_sample_cache_name
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -175,8 +175,6 @@ def _port(key: str, value: Any) -> int | None:
 # numpy's), so anything beyond is a mistake, and refusing it before int() or float() keeps
 # Python's 4300-digit int-str limit and float overflow from ever being reached.
 MAX_NUMBER = (1 << 63) - 1
-# An integer as CubeFS configs often write it, quoted ("exporterPort": "9500").
-_DIGITS = re.compile(DIGITS_PATTERN)
 # Seconds, quoted: ASCII decimal notation, at most 19 digits before and 9 after the point.
 _DECIMAL = re.compile(DIGITS_PATTERN + r"(\.[0-9]{1,9})?")
 
@@ -189,7 +187,7 @@ def _shown(value: Any) -> str:
 
 def _integer(key: str, value: Any) -> int:
     # CubeFS configs often quote numbers ("exporterPort": "9500"); accept digit strings.
-    if isinstance(value, str) and _DIGITS.fullmatch(value.strip()):
+    if isinstance(value, str) and DIGITS.fullmatch(value.strip()):
         value = int(value.strip())
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"key {key!r}: expected an integer, got {_type_name(value)} {_shown(value)}")
@@ -312,7 +310,7 @@ def _shared_samples(key: str, value: Any) -> tuple[tuple[int, str], ...]:
         for item in value:
             uid, _, name = item.partition(":") if isinstance(item, str) else ("", "", "")
             if not (uid.isascii() and uid.isdigit() and len(uid) <= 10 and int(uid) <= _MAX_ID
-                    and re.fullmatch(SAMPLE_NAME_PATTERN, name) and name not in (".", "..")):
+                    and is_sample_cache_name(name)):
                 break
             out.append((int(uid), name))
         else:

@@ -1,15 +1,20 @@
-"""Bounds on what a client may ask of the daemon, shared by the control API and ai_prefetch;
+"""Bounds on what a client may ask of the daemon (sizes, counts, the rule of a sample cache's
+name), shared by the control API, the sample store and ai_prefetch;
 standard library only and importing nothing of the package, so that the wire protocol
 (``control/protocol.py``, imported inside training processes) can re-export them and the
 prefetch core can validate against them without reaching up into the control API."""
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 # A decimal integer as a config value, a query string or a JSON string carries it: ASCII
 # digits only (str.isdigit() also says yes to "²" and "١٢٣", which int() refuses or reads
 # as other digits), at most 19 of them: 2^63 - 1, the largest number any key or parameter
 # takes, has 19, and int() then never meets Python's 4300-digit int-str limit.
 DIGITS_PATTERN = r"[0-9]{1,19}"
+DIGITS = re.compile(DIGITS_PATTERN)
 
 MAX_JSON_BODY = 1024 * 1024  # JSON requests are small control messages
 # A file list of 10 million ImageNet-style relative paths (~40 bytes each) is ~400 MB.
@@ -62,9 +67,6 @@ MAX_SAMPLE_PLAN_KEYS = FAST_RING_BYTES // 8
 # so one user's churn cannot lock the others out.
 MAX_SAMPLE_CACHES = 256
 MAX_SAMPLE_CACHES_PER_UID = 64
-# A sample cache's name: the characters of job names (safe as one path component: the
-# NVMe tier keeps a cache's entries in a directory of that name; "." and ".." are refused).
-SAMPLE_NAME_PATTERN = r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME
 # Plan keys the sample store holds over all its caches: a plan costs 13 bytes per distinct
 # key (the sorted key, its position, a consumed flag), so 16 Mi keys bound plans to ~220 MB
 # whatever users send; past it, the least recently planned caches lose their plans (LRU).
@@ -74,3 +76,30 @@ MAX_SAMPLE_PLANNED_KEYS = 4 * MAX_SAMPLE_PLAN_KEYS
 # of them, and each new plan checks each source is still alive (one kill(pid, 0) each).
 # Past it, the least recently planned source's plan is dropped.
 MAX_SAMPLE_PLAN_SOURCES = 64
+
+
+# A sample cache's name, the one rule of the daemon and cube_torch (which takes it from
+# control/protocol.py): the characters of job names, at most MAX_NAME of them, since the
+# daemon's NVMe store keeps a cache's entries in a directory of that name (one safe path
+# component: "." and ".." are refused); or ~UID/NAME for another user's cache (the daemon
+# decides whether the caller may read it).
+SAMPLE_NAME_RULE = (f"a sample cache name is 1-{MAX_NAME} of [A-Za-z0-9_.:@-] (not '.' or '..'), "
+                    "or ~UID/NAME for another user's shared cache")
+_SAMPLE_NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
+_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
+
+
+def is_sample_cache_name(name: Any) -> bool:
+    """Whether ``name`` is a sample cache's own name (not a ``~UID/NAME`` reference)."""
+    return isinstance(name, str) and _SAMPLE_NAME.fullmatch(name) is not None and name not in (".", "..")
+
+
+def sample_cache_reference(reference: Any) -> tuple[int | None, str]:
+    """(owner uid, None for the caller's own cache; name) of a sample cache reference, NAME
+    or ~UID/NAME; ValueError (:data:`SAMPLE_NAME_RULE`) for anything else."""
+    owner, name = None, reference
+    if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
+        owner, name = int(m.group(1)), m.group(2)
+    if not is_sample_cache_name(name):
+        raise ValueError(SAMPLE_NAME_RULE)
+    return owner, name

@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import re
 import sys
 import time
 from typing import Any
@@ -21,8 +20,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from rich.table import Table
 
 from cubefs_fuse import mounts
-from cubefs_fuse.control.protocol import ControlClient, ProtocolError
-from cubefs_fuse.limits import MAX_NAME, MAX_WARMUP_PATHS, SAMPLE_NAME_PATTERN
+from cubefs_fuse.control.protocol import ControlClient, ProtocolError, sample_cache_reference
+from cubefs_fuse.limits import MAX_WARMUP_PATHS
 
 # Seconds between progress polls of a warmup: smooth enough for a bar, cheap for the daemon.
 POLL_SECONDS = 0.25
@@ -419,14 +418,11 @@ def _samples_mount() -> str:
     raise UsageError(f"{len(live)} live cubefs-fuse mounts on this node: give the MOUNTPOINT (or set VOL_NAME)")
 
 
-# A sample cache's name as `drop-cache --samples` takes it: NAME (the caller's) or ~UID/NAME.
-_SAMPLE_NAME = re.compile(r"(?:~[0-9]{1,10}/)?" + SAMPLE_NAME_PATTERN)
-
-
 def _drop_samples(mount_point: str, name: str) -> int:
-    if not _SAMPLE_NAME.fullmatch(name) or name.rpartition("/")[2] in (".", ".."):
-        raise UsageError(f"--samples {name!r}: a sample cache's name is 1-{MAX_NAME} of [A-Za-z0-9_.:@-], "
-                         "or ~UID/NAME for another user's")
+    try:
+        sample_cache_reference(name)  # NAME (the caller's) or ~UID/NAME
+    except ValueError as exc:
+        raise UsageError(f"--samples {name!r}: {exc}") from None
     _, client = _client(mount_point)
     result = _call(client, "POST", "samples/drop", query={"name": name}, body=b"{}")
     print(f"dropped sample cache {name}: {result['dropped_entries']} entries, {_size(result['dropped_bytes'])} "

@@ -10,6 +10,8 @@ same pipeline without the cache gives the same tensors.
 from __future__ import annotations
 
 import builtins
+import io
+import json
 import logging
 import os
 import time
@@ -27,7 +29,7 @@ import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module
 from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 from cube_torch import fastpath
-from tests.helpers import Mount, force_unmount, free_port, wait_until
+from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 
 SEED = 1234
 FILES, CLASSES = 24, 3
@@ -70,8 +72,20 @@ def augment(sample: Any) -> Any:
     return AUGMENT(image), label
 
 
+def sample_images() -> dict[str, bytes]:
+    """The volume's files: FILES JPEGs of noise (of FILES different heights) in CLASSES class
+    folders under ``train/``, by path."""
+    rng = np.random.default_rng(7)
+    images = {}
+    for i in range(FILES):
+        out = io.BytesIO()
+        Image.fromarray(rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)).save(out, "JPEG", quality=90)
+        images[f"train/class{i % CLASSES}/img{i:03d}.jpg"] = out.getvalue()
+    return images
+
+
 def sample_volume(tmp_path_factory: pytest.TempPathFactory, config: dict[str, Any]) -> Iterator[tuple[Mount, str]]:
-    """A module's volume: FILES JPEGs in CLASSES class folders under ``train/``, mounted with
+    """A module's volume: :func:`sample_images`, mounted with
     ``"profile": "ai_prefetch"`` plus ``config``, ``VOL_NAME`` set while it is mounted."""
     base = tmp_path_factory.mktemp("sample_cache_volume")
     port = free_port()
@@ -80,12 +94,9 @@ def sample_volume(tmp_path_factory: pytest.TempPathFactory, config: dict[str, An
               {"profile": "ai_prefetch", "volName": name, "attrValid": TTL, "lookupValid": TTL, **config})
     for d in (m.source, m.mount_point):
         d.mkdir(parents=True)
-    rng = np.random.default_rng(7)
-    for i in range(FILES):
-        folder = m.source / "train" / f"class{i % CLASSES}"
-        folder.mkdir(parents=True, exist_ok=True)
-        pixels = rng.integers(0, 256, size=(48 + i, 56, 3), dtype=np.uint8)
-        Image.fromarray(pixels).save(folder / f"img{i:03d}.jpg", quality=90)
+    for path, data in sample_images().items():
+        (m.source / path).parent.mkdir(parents=True, exist_ok=True)
+        (m.source / path).write_bytes(data)
     os.environ["VOL_NAME"] = name
     try:
         m.mount()
@@ -94,6 +105,22 @@ def sample_volume(tmp_path_factory: pytest.TempPathFactory, config: dict[str, An
     finally:
         os.environ.pop("VOL_NAME", None)
         force_unmount(m)
+
+
+def status(mount: Mount) -> dict[str, Any]:
+    """The daemon's samples section of ``cubefs-fuse status --json``."""
+    result = cli("status", str(mount.mount_point), "--json")
+    assert result.returncode == 0, result.stderr
+    samples: dict[str, Any] = json.loads(result.stdout)[0]["samples"]
+    return samples
+
+
+def cache_counts(mount: Mount, name: str) -> dict[str, int]:
+    """Entries, hits and misses of one of this uid's sample caches, as the daemon counts them."""
+    for cache in status(mount)["caches"]:
+        if cache["name"] == name and cache["owner"] == os.geteuid():
+            return {k: int(cache[k]) for k in ("entries", "hits", "misses")}
+    return {"entries": 0, "hits": 0, "misses": 0}
 
 
 def loader(dataset: Any, *, sampler: Any = None, persistent: bool = False) -> DataLoader[Any]:

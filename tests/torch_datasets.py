@@ -1,4 +1,4 @@
-"""The datasets, samplers and file tree the cube_torch tests share (tests/unit/test_cube_torch_unit.py
+"""The datasets, samplers, file tree and control-traffic capture the cube_torch tests share (tests/unit/test_cube_torch_unit.py
 without a daemon, tests/torch/ over a real mount): every dataset kind cube_torch supports,
 built over a tree that :func:`populate` writes."""
 
@@ -8,17 +8,23 @@ import json
 import os
 import random
 import re
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
 import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
 from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
+
+from cube_torch.client import PlanRequest, submitter  # noqa: E402
+from cubefs_fuse.control.protocol import ControlClient  # noqa: E402
 
 IMAGE = 8  # JPEG side in pixels: tiny, collatable, still decoded by PIL
 
@@ -248,3 +254,62 @@ LINE = re.compile(
     r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)% \]\)  "
     r"sum_metrics:\(\[request_count:(\d+) hit_count:(\d+) miss_count:(\d+) "
     r"hit_rate:(\d+\.\d\d)% miss_rate:(\d+\.\d\d)%\]\)")
+
+
+# -- what cube_torch sends --------------------------------------------------------------------
+
+
+@dataclass
+class SentPlan:
+    job: str
+    rank: int
+    epoch: int
+    dataset: str
+    order: np.ndarray
+
+
+@dataclass
+class Wire:
+    """Every dataset list and plan cube_torch sent, as sent."""
+
+    datasets: dict[str, list[str]] = field(default_factory=dict)
+    registrations: int = 0
+    plans: list[SentPlan] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def paths(self, plan: SentPlan) -> list[str]:
+        listed = self.datasets[plan.dataset]
+        return [listed[i] for i in plan.order.tolist()]
+
+
+def capture_wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    """Wrap this process's ControlClient (where cube_torch's submitter thread runs) so that
+    every dataset list and plan it sends is captured, and make each submission complete
+    before the epoch's first sample is handed out (the daemon's counters are then exact)."""
+    captured = Wire()
+    register, submit_plan = ControlClient.register_dataset, ControlClient.submit_plan
+
+    def register_dataset(self: ControlClient, paths: list[str], columns: int = 1) -> str:
+        dataset_id = register(self, paths, columns)
+        with captured.lock:
+            captured.datasets[dataset_id] = list(paths)
+            captured.registrations += 1
+        return dataset_id
+
+    def plan(self: ControlClient, job: str, rank: int, epoch: int, dataset: str, order: bytes,
+             dtype: str, loader: str | None = None, first: int = 0) -> dict[str, Any]:
+        result = submit_plan(self, job, rank, epoch, dataset, order, dtype, loader, first)
+        with captured.lock:
+            captured.plans.append(SentPlan(job, rank, epoch, dataset, np.frombuffer(order, dtype=dtype).copy()))
+        return result
+
+    monkeypatch.setattr(ControlClient, "register_dataset", register_dataset)
+    monkeypatch.setattr(ControlClient, "submit_plan", plan)
+    asynchronous = submitter.submit
+
+    def synchronous(request: PlanRequest) -> None:
+        asynchronous(request)
+        assert submitter.wait_idle(30), "cube_torch's submitter did not finish"
+
+    monkeypatch.setattr(submitter, "submit", synchronous)
+    return captured

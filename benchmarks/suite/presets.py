@@ -9,8 +9,10 @@ from typing import Any
 
 # raw_io, training, cache: the foundation's (a)-(c); nvme and daemon_cpu: the fast path's NVMe regime
 # and the daemon's CPU per file (benchmarks/suite/daemon_cpu.py); samples: the processed-sample
-# cache on and off (benchmarks/sample_cache.py, a local redis-server, then the daemon store).
-WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu", "samples")
+# cache on and off (benchmarks/sample_cache.py, a local redis-server, then the daemon store);
+# s3: an S3 bucket as the source (benchmarks/suite/s3.py), only when asked for (~5 minutes).
+WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu", "samples", "s3")
+DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "s3")
 ALL_SYSTEMS = ("local", "remote", "cubefs", "cubefs+ct", "rclone", "juicefs")
 
 
@@ -46,7 +48,7 @@ class Preset:
     # back to "python" with a warning if it cannot be built) or "python" (tools/slowfs.py,
     # whose own ceiling of ~350-400 files/s on 2 cores caps every first epoch).
     emulator: str = "c"
-    workloads: tuple[str, ...] = WORKLOADS
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
     systems: tuple[str, ...] = ALL_SYSTEMS
 
     def latencies(self) -> list[int]:

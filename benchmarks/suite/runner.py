@@ -113,7 +113,7 @@ class Suite:
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
             "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "sample_cache_daemon": None,
-            "runs": [], "bars": [],
+            "s3": None, "runs": [], "bars": [],
         }
 
     def run(self) -> None:
@@ -156,6 +156,9 @@ class Suite:
 
         if "samples" in preset.workloads:
             self._sample_cache()
+
+        if "s3" in preset.workloads:
+            self._s3(ctx)
 
         remotes: dict[int, Remote] = {}
         if any(s.uses_remote for s in systems.values()):
@@ -275,6 +278,17 @@ class Suite:
             self.results[key] = figures
             self._write(partial=True)
 
+    def _s3(self, ctx: Context) -> None:
+        """The S3 workload (benchmarks/suite/s3.py): its own runs, bars and section."""
+        from benchmarks.suite import s3  # imports torch: after the quick checks
+
+        console.print(f"S3 source: the dataset in a SeaweedFS bucket behind a {s3.DELAY_MS:g} ms proxy ...")
+        self.results["s3"] = s3.run(ctx, epochs=self.preset.epochs, train_workers=self.preset.train_workers,
+                                    seed=SEED, log=console.print)
+        if self.results["s3"]["error"]:
+            console.print(f"[red]  S3 workload failed:[/] {self.results['s3']['error']}")
+        self._write(partial=True)
+
     def _write(self, *, partial: bool = False) -> None:
         self.results["finished"] = _now()
         self.results["duration_s"] = time.time() - self.started
@@ -289,7 +303,12 @@ class Suite:
         tmp.write_text(json.dumps(self.results, indent=1, ensure_ascii=False) + "\n")
         tmp.replace(self.out / "results.json")
         if not partial:
-            (self.out / "results.md").write_text(report.markdown(self.results))
+            text = report.markdown(self.results)
+            if self.results["s3"]:
+                from benchmarks.suite import s3
+
+                text += "\n" + s3.markdown(self.results["s3"])
+            (self.out / "results.md").write_text(text)
             self.results["plots"] = report.plot(self.results, self.out)
 
     def finish(self, *, interrupted: bool) -> None:

@@ -184,6 +184,11 @@ class System(ABC):
         """The daemon's own counters (our /metrics), None for the others."""
         return None
 
+    def raw_dataset(self, files: list[str]) -> Any:
+        """The raw I/O workload's dataset if this system reads other than through files
+        under its root (a torch Dataset of byte counts), else None."""
+        return None
+
 
 class Local(System):
     name, title, uses_remote = "local", "local copy", False
@@ -259,10 +264,10 @@ class _ChildMount(System):
         self.mount_point: Path | None = None
         self._release: Callable[[], None] | None = None
 
-    def _spawn(self, argv: list[str], mount_point: Path, log: Path) -> None:
+    def _spawn(self, argv: list[str], mount_point: Path, log: Path, env: dict[str, str] | None = None) -> None:
         mount_point.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env)
         self.proc, self.mount_point = proc, mount_point
 
         def cleanup() -> None:

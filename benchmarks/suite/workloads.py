@@ -269,7 +269,8 @@ def run_epochs(result: RunResult, system: System, root: Path, remote: Remote | N
         samples = len(dataset.samples)
         classes = len(dataset.classes)
     else:
-        dataset = FileBytes(root, files)
+        raw = system.raw_dataset(files)
+        dataset = raw if raw is not None else FileBytes(root, files)
         batch = RAW_BATCH
         samples = len(files)
         classes = 0

@@ -35,6 +35,7 @@ from cube_torch.client import once
 from cube_torch.samples import codec
 from cube_torch.samples.store import SampleStore, StoreError
 from cube_torch.samples.stores import check_spec, open_store, preload
+from cubefs_fuse.control.protocol import sample_cache_reference
 
 log = logging.getLogger("cube_torch")
 
@@ -75,14 +76,16 @@ SHARED_STORE_WAIT = 0.05
 SETTLE_AFTER = 0.010
 # The writer thread exits after this many idle seconds and starts again on demand.
 WRITER_IDLE_EXIT = 30.0
-# Cache names: what store keys and log lines can carry as they are.
-MAX_NAME = 200
-
-
 def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not name or len(name) > MAX_NAME or not name.isprintable() or " " in name:
-        raise ValueError(f"a sample cache name must be a non-empty string of at most {MAX_NAME} printable "
-                         f"characters without spaces, e.g. 'imagenet-train-decoded-224' (got {name!r})")
+    """``name`` if the daemon takes it as a sample cache's name (control/protocol.py's rule,
+    kept by every store, so a name works wherever the cache is moved); else one ValueError
+    line that states the rule, raised where the cache is made, not at its first use."""
+    try:
+        sample_cache_reference(name)
+    except ValueError as exc:
+        shown = repr(name) if len(repr(name)) <= 60 else repr(name)[:40] + "..."
+        raise ValueError(f"{exc}, e.g. 'imagenet-train-decoded-224' (got {shown})") from None
+    assert isinstance(name, str)
     return name
 
 

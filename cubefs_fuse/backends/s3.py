@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import obstore
 import xxhash
 from obstore.exceptions import BaseError as ObstoreError
+from obstore.exceptions import GenericError
 from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
@@ -34,7 +35,7 @@ from cubefs_fuse.backends.operations import Operations
 from cubefs_fuse.errors import StaleVersion, errno_of_http
 
 if TYPE_CHECKING:
-    from obstore import GetOptions
+    from obstore import GetOptions, ObjectMeta
     from obstore.store import ClientConfig, RetryConfig, S3Store
 
 # Keys per ListObjectsV2 page: 1,000 is S3's own maximum.  A listing holds one page of
@@ -277,9 +278,15 @@ class S3Backend:
                 raise os_error(exc, what) from None
             raise
 
+    def _attr_of(self, meta: ObjectMeta) -> Attr:
+        """The attributes of a HEAD's or a GET's answer (the object's total size, also for a
+        ranged GET), its ETag remembered for If-Match."""
+        etag = meta["e_tag"] or ""
+        return self._remember(object_attr(meta["size"], meta["last_modified"], etag), etag)
+
     def _head(self, path: str) -> Attr:
-        meta = self._call(f"HEAD {self._key(path)}", lambda: obstore.head(self._clients.store, self._key(path)))
-        return self._remember(object_attr(meta["size"], meta["last_modified"], meta["e_tag"] or ""), meta["e_tag"] or "")
+        key = self._key(path)
+        return self._attr_of(self._call(f"HEAD {key}", lambda: obstore.head(self._clients.store, key)))
 
     def _pages(self, prefix: str, *, max_keys: int | None = None) -> Iterator[dict[str, Any]]:
         """ListObjectsV2 pages of ``prefix`` with the delimiter ``/``, one at a time."""
@@ -358,8 +365,7 @@ class S3Backend:
             data = bytes(result.bytes())
         except PreconditionError:
             raise StaleVersion(path) from None  # 412: the key has another ETag now
-        meta = result.meta
-        if len(data) != end - start or object_attr(meta["size"], meta["last_modified"], meta["e_tag"] or "").version != version:
+        if len(data) != end - start or self._attr_of(result.meta).version != version:
             raise StaleVersion(path)
         return data
 
@@ -373,32 +379,62 @@ class S3Backend:
         return data
 
     async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
-        """Backend.stat_read: a HEAD and, for an object of 1 to ``max_size`` bytes that
-        ``want``, a GET of the whole object conditional on the HEAD's ETag, in one worker
-        thread call: never bytes of another version than ``attr``."""
+        """Backend.stat_read: one ranged GET of the object's first ``max_size`` bytes, whose
+        answer gives both the attributes (the total size from its Content-Range, the ETag,
+        Last-Modified) and, for an object of 1 to ``max_size`` bytes that ``want``, the
+        bytes: one answer's headers and body are of one version, so never bytes of another
+        version than ``attr``.  No key: a directory if it is a prefix (a LIST); an empty
+        object (a range of it is 416 Not Satisfiable): a HEAD.
+
+        The body is read whole even when it is not kept (an object larger than
+        ``max_size``, or one ``want`` declines): the Range header bounds it to ``max_size``
+        bytes.  No size is known before the request, and the alternatives cost more
+        (benchmarks/results/2026-11-29-s3-lookup.md, 10 ms per request, 1 MiB max_size): a
+        HEAD first keeps every small object at two requests (27-29 ms against 14.2 for
+        110 KB), while a large object's lookup is one request either way (this GET read and
+        dropped 18.7-20.5 ms, a HEAD 13.3-13.5) and is followed by block reads that cost far
+        more; dropping the answer after its headers was no faster (the server had sent the
+        range anyway), cost more CPU and closed the pooled connection, so the next request
+        opened a new one (a TLS handshake on a real endpoint)."""
         if not path:
             return self._root, None
+        key = self._key(path)
 
-        # (attributes, bytes, seconds the read part took or None if not attempted, its error)
+        # (attributes, bytes, seconds the read part took or None if none was kept, its error)
         Result = tuple[Attr, bytes | None, float | None, OSError | None]
+
+        def ranged_get() -> Any:
+            try:
+                return obstore.get(self._clients.store, key, options={"range": (0, max_size)})
+            except GenericError as exc:
+                # 416 Range Not Satisfiable: every range of an empty object is (obstore has no
+                # exception class for it; its message carries the status).
+                if "status code: 416" in str(exc):
+                    return None
+                raise
 
         def job() -> Result:
             try:
-                attr = self._head(path)
+                result = self._call(f"GET {key}", ranged_get)
             except FileNotFoundError:
                 if self._is_prefix(path):
-                    return prefix_attr(self._key(path) + "/", self._started_ns), None, None, None
+                    return prefix_attr(key + "/", self._started_ns), None, None, None
                 raise
-            if not (0 < attr.size <= max_size) or not want(attr):
-                return attr, None, None, None
+            if result is None:
+                return self._head(path), None, None, None  # an empty object: nothing to read
+            attr = self._attr_of(result.meta)
+            # The read part is the body's transfer after the headers (the request is the stat's).
             start = time.perf_counter()
             try:
-                data = self._get(path, attr.version, 0, attr.size)
-            except StaleVersion:
-                return attr, None, time.perf_counter() - start, None  # changed: the read path checks again
-            except OSError as exc:  # the read path meets it again and reports it to the reader
-                return attr, None, time.perf_counter() - start, exc
-            return attr, data, time.perf_counter() - start, None
+                data = bytes(result.bytes())
+            except ObstoreError as exc:  # the body broke off: the read path meets it again and reports it
+                return attr, None, time.perf_counter() - start, os_error(exc, f"GET {key}")
+            elapsed = time.perf_counter() - start
+            if not (0 < attr.size <= max_size) or not want(attr):
+                return attr, None, None, None  # not kept: no read part
+            if len(data) != attr.size:
+                return attr, None, elapsed, None  # a short body: the read path reads it again
+            return attr, data, elapsed, None
 
         attr, data, elapsed, error = await self._ops.run("stat", path, job, expected=(errno.ENOENT,))
         if elapsed is not None:

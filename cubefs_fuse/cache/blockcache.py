@@ -19,9 +19,11 @@ from enum import Enum
 
 import trio
 
-from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DISK_THREADS, DiskStatistics, DiskTier
+from cubefs_fuse.cache.disk import DISK_BATCH_BLOCKS, DiskStatistics, DiskTier
 from cubefs_fuse.cache.memory import MemoryTier, TierStatistics
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict
+from cubefs_fuse.cache.segments import DISK_THREADS
+from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
+from cubefs_fuse.cache.tier import Tier
 from cubefs_fuse.errors import FsError
 
 log = logging.getLogger(__name__)
@@ -241,10 +243,15 @@ class BlockCache:
         self._nursery = nursery
         self.memory = memory
         self.disk = disk
+        # The tiers, fastest first: what every tier is asked alike (plans, membership) is
+        # asked of each in turn; reads and stores, which differ by medium, go to each by name.
+        self.tiers: tuple[Tier[object], ...] = (memory,) if disk is None else (memory, disk)
         self.slots = PrioritySlots(fetch_slots, max(1, min(prefetch_slots, fetch_slots - 1)))
         self._flights: dict[bytes, _Flight] = {}
         self._max_pending_disk = max_pending_disk_bytes
         self._pending_disk = 0
+        self._drained = trio.Event()  # set while no NVMe write is pending (drain() waits on it)
+        self._drained.set()
         self._hits_ram = self._hits_disk = self._misses = self._joined = self._fetch_errors = 0
         self._prefetch_issued = self._prefetch_completed = self._prefetch_failed = 0
         self._prefetch_flights = 0
@@ -252,13 +259,13 @@ class BlockCache:
         # Prefetched blocks no application read yet (values unused).  This and
         # _admitted_unread can hold every block of the RAM tier: sharded dicts of bytes and
         # floats, which the garbage collector does not track (cache/shards.py).
-        self._unused_prefetched: ShardedDict[bool] = ShardedDict()
+        self._unused_prefetched: ShardedDict[bytes, bool] = ShardedDict(first_byte)
         self._disk_writes_skipped = 0
         # Blocks admitted for a reader (``admit``) that no application read yet -> the
         # seconds that reader waited for them (_FROM_DISK: it came from the NVMe tier).
         # Entries go with the block (read, evicted, cleared), so this never outgrows the
         # RAM tier's block count.
-        self._admitted_unread: ShardedDict[float] = ShardedDict()
+        self._admitted_unread: ShardedDict[bytes, float] = ShardedDict(first_byte)
         # NVMe write-behind: blocks waiting for the writer task, which runs while any are.
         self._disk_queue: deque[tuple[bytes, bytes, int | None, int]] = deque()
         self._disk_writer = False
@@ -358,15 +365,11 @@ class BlockCache:
             self._prefetch_used += 1
         return Source.RAM, 0.0
 
-    def in_memory(self, key: bytes) -> bool:
-        """Whether the block is in the RAM tier (nothing counted, nothing touched)."""
-        return key in self.memory
-
     def wanted(self, key: bytes) -> bool:
         """Whether ``key`` is in no tier and no flight.  Only reads dicts (one membership
         test each, atomic under the GIL), so a worker thread may ask it: an answer that is
         stale by the time it is used costs at most one redundant fetch or one skipped one."""
-        return not (key in self.memory or key in self._flights or (self.disk is not None and key in self.disk))
+        return not (key in self._flights or self.contains(key))
 
     def try_fetch_slot(self) -> object | None:
         """A foreground fetch slot if one is free now (for a fetch made outside a flight,
@@ -458,33 +461,32 @@ class BlockCache:
             self.slots.promote(flight.waiter)
 
     def plan(self, key: bytes, next_use: int) -> None:
-        """An active plan reads ``key`` at ``next_use`` (both tiers evict by it)."""
-        self.memory.plan(key, next_use)
-        if self.disk is not None:
-            self.disk.plan(key, next_use)
+        """An active plan reads ``key`` at ``next_use`` (every tier evicts by it)."""
+        for tier in self.tiers:
+            tier.plan(key, next_use)
 
     def unplan(self, key: bytes) -> None:
         """No active plan reads ``key`` any more."""
-        self.memory.unplan(key)
-        if self.disk is not None:
-            self.disk.unplan(key)
+        for tier in self.tiers:
+            tier.unplan(key)
 
     def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """Keys and path tags of the blocks of one shard (``tags.SHARDS``) in either tier
-        (a block in both tiers may be listed twice; tag 0: unknown): a re-ranking walks the
-        cache shard by shard."""
-        keys, tags = self.memory.tagged_shard(shard)
-        if self.disk is not None:
-            disk_keys, disk_tags = self.disk.tagged_shard(shard)
-            keys += disk_keys
-            tags += disk_tags
+        """Keys and path tags of the blocks of one shard (``shards.SHARDS``) in any tier
+        (a block in two tiers may be listed twice): a re-ranking walks the cache shard by
+        shard."""
+        keys: list[bytes] = []
+        tags: list[int] = []
+        for tier in self.tiers:
+            tier_keys, tier_tags = tier.tagged_shard(shard)
+            keys += tier_keys
+            tags += tier_tags
         return keys, tags
 
     def unplan_some(self, count: int) -> bool:
         """Make up to ``count`` planned blocks of each tier unplanned; True if some remain."""
-        more = self.memory.unplan_some(count)
-        if self.disk is not None:
-            more = self.disk.unplan_some(count) or more
+        more = False
+        for tier in self.tiers:
+            more = tier.unplan_some(count) or more
         return more
 
     def _evicted(self, key: bytes) -> None:
@@ -516,7 +518,11 @@ class BlockCache:
             await flight.done.wait()
 
     def contains(self, key: bytes) -> bool:
-        return key in self.memory or (self.disk is not None and key in self.disk)
+        """Whether a tier holds ``key`` (nothing counted, nothing touched)."""
+        for tier in self.tiers:
+            if key in tier:
+                return True
+        return False
 
     async def clear(self) -> None:
         """Drop every block of both tiers (``cubefs-fuse drop-cache``), a shard at a time
@@ -532,7 +538,7 @@ class BlockCache:
     async def drain(self) -> None:
         """Wait until every queued NVMe write has finished (used at shutdown)."""
         while self._pending_disk:
-            await trio.sleep(0.01)
+            await self._drained.wait()
 
     def _start(self, key: bytes, fetch: Fetcher, *, foreground: bool, prefetch: bool, next_use: int | None = None,
                tag: int = 0) -> _Flight:
@@ -629,6 +635,8 @@ class BlockCache:
         if self._pending_disk + len(data) > self._max_pending_disk:
             self._disk_writes_skipped += 1
             return
+        if self._drained.is_set():
+            self._drained = trio.Event()
         self._pending_disk += len(data)
         self._disk_queue.append((key, data, next_use, tag))
         if not self._disk_writer:
@@ -650,12 +658,18 @@ class BlockCache:
                 try:
                     await self.disk.put_many(batch)
                 finally:
-                    self._pending_disk -= sum(len(data) for _, data, _, _ in batch)
+                    self._written(batch)
         finally:
             self._disk_writer = False
             if queue:  # cancelled with blocks queued (shutdown): they are not written
-                self._pending_disk -= sum(len(data) for _, data, _, _ in queue)
+                self._written(list(queue))
                 queue.clear()
+
+    def _written(self, batch: list[tuple[bytes, bytes, int | None, int]]) -> None:
+        """The batch's NVMe writes ended (stored, failed or given up): no longer pending."""
+        self._pending_disk -= sum(len(data) for _, data, _, _ in batch)
+        if not self._pending_disk:
+            self._drained.set()
 
     def statistics(self) -> BlockCacheStatistics:
         return BlockCacheStatistics(

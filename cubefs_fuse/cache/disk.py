@@ -1,11 +1,12 @@
-"""The NVMe tier: checksummed blocks packed into append-only segment files under a byte
-limit and a free-space floor. Offsets are handed out on the trio thread, an entry enters the
+"""The NVMe tier (a ``tier.Tier``): checksummed blocks packed into append-only segment files
+under a byte limit and a free-space floor. Offsets are handed out on the trio thread, an entry enters the
 block list only once its write returned, eviction punches its range and deletes a segment
 with its last block, and a read that meets a damaged or punched range is a miss, never
 bytes; start-up reads ``index.bin`` (written at clean shutdown) or scans the segments'
 headers after a crash; accounting is in allocated bytes, each put reserving its space before
 its write, so the bytes on disk never exceed the limit. The formats and the accounting are
-in docs/on-disk.md."""
+in docs/on-disk.md; the segment files, the accounting rule, freeing and the scan are the
+engine's (``cache/segments.py``), the entry format and the block list this module's."""
 
 from __future__ import annotations
 
@@ -14,23 +15,23 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
 import struct
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import trio
 import xxhash
 
-from cubefs_fuse.cache import holes
+from cubefs_fuse.cache import holes, segments
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.cache.keys import KEY_BYTES
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict
-from cubefs_fuse.cache.tags import TagIndex
+from cubefs_fuse.cache.segments import DISK_THREADS, Budget, Fields, LiveCounts, Release
+from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
+from cubefs_fuse.cache.tier import Tier
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,6 @@ HEADER_BYTES = _HEADER.size
 _INDEX_HEADER = struct.Struct("<8sQQ")  # magic, entry count, xxh3-64 of the body
 # Body: the keys (16 bytes each), then the locations and the path tags (<u8 each), eviction order.
 _INDEX_MAGIC = b"CFIDX003"
-# Concurrent segment reads/writes.  NVMe queues are deep; 8 threads keep a drive busy
-# without starving the backend's threads of the GIL on a 2-core machine.
-DISK_THREADS = 8
 # Bytes a segment file takes before a new one is started.  16 MiB amortise a file's
 # creation (~50-100 us of ext4 inode and directory work) over ~140 blocks of ~110 KB or
 # 16 of 1 MiB, and keep the extent-tree bound per segment (segment_slack) at 0.3 %.
@@ -68,17 +66,20 @@ DISK_BATCH_BLOCKS = 32
 # damaged header claiming more is refused before anything of that size is allocated.
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 
-# A block's location, one int per block (no per-block tuple or object): segment id,
-# offset and allocated size, the last two in allocation units.  16 bits of units hold
-# 256 MiB, above the largest segment (one 64 MiB block); the id's 32 bits leave the
-# location within the index's u64 for 2^32 segments, 64 PiB written through one cache.
+# A block's location, one int per block (no per-block tuple or object), as index.bin
+# stores it: allocated size, offset and segment id, the first two in allocation units.
+# 16 bits of units hold 256 MiB, above the largest segment (one 64 MiB block); the id's
+# 32 bits leave the location within the index's u64 for 2^32 segments, 64 PiB written
+# through one cache.
 _UNIT_BITS = 16
-_UNIT_MASK = (1 << _UNIT_BITS) - 1
+LOCATION = Fields((_UNIT_BITS, ALLOCATION_UNIT), (_UNIT_BITS, ALLOCATION_UNIT))
+_size = LOCATION.field(0)
+_segment = LOCATION.segment
 
 
 def allocated_bytes(payload: int) -> int:
     """Bytes an entry of ``payload`` bytes occupies in its segment."""
-    return -(-(HEADER_BYTES + payload) // ALLOCATION_UNIT) * ALLOCATION_UNIT
+    return segments.up(HEADER_BYTES + payload)
 
 
 def segment_slack(length: int) -> int:
@@ -94,20 +95,6 @@ def segment_slack(length: int) -> int:
     leaves = -(-units // _EXTENTS_PER_BLOCK)
     index = 0 if leaves <= 4 else -(-leaves // _EXTENTS_PER_BLOCK)
     return (leaves + index) * ALLOCATION_UNIT
-
-
-def _pack(segment: int, offset: int, size: int) -> int:
-    return (segment << (2 * _UNIT_BITS)) | ((offset // ALLOCATION_UNIT) << _UNIT_BITS) | (size // ALLOCATION_UNIT)
-
-
-def _unpack(location: int) -> tuple[int, int, int]:
-    """(segment, offset, allocated size) of a packed location."""
-    return (location >> (2 * _UNIT_BITS), ((location >> _UNIT_BITS) & _UNIT_MASK) * ALLOCATION_UNIT,
-            (location & _UNIT_MASK) * ALLOCATION_UNIT)
-
-
-def _size(location: int) -> int:
-    return (location & _UNIT_MASK) * ALLOCATION_UNIT
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,20 +130,10 @@ class _Loaded:
     next_segment: int
 
 
-@dataclass(slots=True)
-class _Ops:
-    """Space a worker frees before it writes: ranges to punch, segments to delete."""
-
-    punches: list[tuple[int, int, int]] = field(default_factory=list)  # (segment, offset, size)
-    unlinks: list[int] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.punches or self.unlinks)
-
-
 @dataclass(frozen=True, slots=True)
 class _Write:
     segment: int
+    path: str
     offset: int
     key: bytes
     data: bytes
@@ -172,38 +149,35 @@ class _Put:
     slack: int  # what this put's range adds to its segment's slack
     reserved: int
     write: _Write | None  # None: no room, only the removals
-    ops: _Ops
+    ops: Release  # what its worker frees before it writes
 
 
-class DiskTier:
+class DiskTier(Tier[DiskStatistics]):
     def __init__(self, directory: str, limit_bytes: int, free_ratio: float, lock_fd: int) -> None:
         self.directory = directory
         self.limit_bytes = limit_bytes
         self.free_ratio = free_ratio
         self._lock_fd = lock_fd
         self._segments_dir = os.path.join(directory, "segments")
-        # key -> packed location (_pack); sharded (cache/shards.py): no million-entry dict resize
-        self._entries: ShardedDict[int] = ShardedDict()
-        self._tags = TagIndex()  # key -> path tag (absent: unknown, e.g. after a crash scan)
+        # key -> packed location (LOCATION); sharded (cache/shards.py): no million-entry dict resize
+        self._entries: ShardedDict[bytes, int] = ShardedDict(first_byte)
+        # key -> path tag (absent: unknown, e.g. after a crash scan)
+        self.tags: ShardedDict[bytes, int] = ShardedDict(first_byte)
         # Per segment: blocks stored or being written there (at zero a sealed segment is
-        # deleted) and its slack (part of used_bytes while the segment file may exist).
-        self._seg_live: dict[int, int] = {}
+        # deleted; the active one is appended to, None: start one) and its slack (part of
+        # used_bytes while the segment file may exist).
+        self._segs = LiveCounts()
         self._seg_slack: dict[int, int] = {}
         self._slack_total = 0  # sum of _seg_slack (statistics() reads it: no pass over segments)
-        self._active: int | None = None  # the segment being appended to (None: start one)
         self._tail = 0  # the active segment's next free offset
         self._next_segment = 0
         self._dir_bytes = 0  # segments/ as last measured (directories only grow while they exist)
         # Eviction order, as in the RAM tier: unplanned LRU first, then furthest next use.
         self.policy = PlannedLru(limit_bytes // SCRATCH_FRACTION)
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
-        # Allocated bytes of stored blocks, segment slack and the directory, plus
-        # reservations of writes in progress.  A put reserves max(its block, the ranges it
-        # frees) until its worker has punched the victims and written the block, so a
-        # concurrent put can never reuse space still allocated; dropped blocks likewise
-        # stay counted until punched.
-        self.used_bytes = 0
-        self._reserved = 0  # the in-flight part of used_bytes (writes and punches in progress)
+        # Allocated bytes of stored blocks, segment slack and the directory, plus the
+        # reservations of writes and frees in progress (segments.Budget's rule).
+        self._budget = Budget()
         self._inserted_bytes = 0  # cumulative bytes of blocks stored by put(), for _set_headroom
         self._headroom = limit_bytes  # used_bytes may grow to this before the free-space floor is hit
         self._limiter = trio.CapacityLimiter(DISK_THREADS)
@@ -228,22 +202,22 @@ class DiskTier:
             os.close(lock_fd)
             raise
         entries = loaded.entries
-        live = dict.fromkeys(loaded.segments, 0)
+        live = tier._segs.live
+        live.update(dict.fromkeys(loaded.segments, 0))
         stored = 0
         for key, (location, tag) in entries.items():  # oldest first: the LRU order of the last run
             tier._entries[key] = location
             if tag:
-                tier._tags.set(key, tag)
+                tier.tags[key] = tag
             size = _size(location)
             stored += size
-            live[location >> (2 * _UNIT_BITS)] += 1
+            live[_segment(location)] += 1
             tier.policy.add(key, size)
-        tier._seg_live = live
         tier._seg_slack = dict(loaded.segments)
         tier._slack_total = sum(tier._seg_slack.values())
         tier._next_segment = loaded.next_segment
         tier._dir_bytes = loaded.dir_bytes
-        tier.used_bytes = stored + tier._slack_total + tier._dir_bytes + DIR_SLACK
+        tier._budget.used = stored + tier._slack_total + tier._dir_bytes + DIR_SLACK
         tier.startup_source = loaded.source
         tier.startup_discarded = loaded.discarded
         if loaded.discarded:
@@ -259,7 +233,7 @@ class DiskTier:
         await tier._shrink_to_fit()
         tier.startup_seconds = time.perf_counter() - start
         log.info("disk cache %s: %d blocks in %d segments, %d bytes, loaded from %s in %.3f s", directory,
-                 len(entries), len(tier._seg_live), tier.used_bytes, loaded.source, tier.startup_seconds)
+                 len(entries), len(live), tier.used_bytes, loaded.source, tier.startup_seconds)
         return tier
 
     def _load(self) -> _Loaded:
@@ -267,45 +241,41 @@ class DiskTier:
         for old in ("blocks", "tmp"):  # the layout before segments: one file per block
             path = os.path.join(self.directory, old)
             if os.path.isdir(path):
-                discarded += sum(len(files) for _, _, files in os.walk(path))
-                shutil.rmtree(path, ignore_errors=True)
+                discarded += segments.remove_junk(path)
         os.makedirs(self._segments_dir, exist_ok=True)
         _check_hole_punching(self._segments_dir)
-        names = {}
-        for entry in os.scandir(self._segments_dir):
-            segment = _segment_id(entry.name)
-            if segment is None or not entry.is_file(follow_symlinks=False):
-                discarded += _remove_junk(entry.path)
-            else:
-                names[segment] = entry.path
+        names, junk = segments.list_segments(self._segments_dir, _segment_id)
+        discarded += junk
         index_path = os.path.join(self.directory, "index.bin")
         entries = _read_index(index_path)
         if entries is not None:
             # From here on the index is stale: only a clean shutdown writes a new one.
             os.unlink(index_path)
             source = "index"
-            missing = [key for key, (location, _) in entries.items() if location >> (2 * _UNIT_BITS) not in names]
+            missing = [key for key, (location, _) in entries.items() if _segment(location) not in names]
             for key in missing:
                 del entries[key]
             discarded += len(missing)
         else:
-            entries = OrderedDict()
-            for segment in sorted(names):
-                discarded += _scan_segment(names[segment], segment, entries)
+            scan = segments.scan_segments(names, _parse_at)
+            # Tags come back as blocks are read again.
+            entries = OrderedDict((key, (LOCATION.pack(f.segment, f.span, f.offset), 0))
+                                  for key, f in scan.entries.items())
+            discarded += scan.junk
             source = "scan"
-        used = {location >> (2 * _UNIT_BITS) for location, _ in entries.values()}
-        segments: dict[int, int] = {}
+        used = {_segment(location) for location, _ in entries.values()}
+        slack: dict[int, int] = {}
         for segment, path in names.items():
             if segment in used:
-                segments[segment] = segment_slack(os.stat(path).st_size)
+                slack[segment] = segment_slack(os.stat(path).st_size)
             else:  # nothing live in it: a segment emptied while its deletion was in flight
-                _unlink_quietly(path)
+                segments.unlink_quietly(path)
         dir_bytes = os.lstat(self._segments_dir).st_blocks * 512
-        return _Loaded(entries, source, discarded, segments, dir_bytes, max(names, default=-1) + 1)
+        return _Loaded(entries, source, discarded, slack, dir_bytes, max(names, default=-1) + 1)
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
-        entries = [(key, location, self._tags.get(key, 0)) for key, location in self._lru_order()]
+        entries = [(key, location, self.tags.get(key, 0)) for key, location in self._lru_order()]
         try:
             await trio.to_thread.run_sync(_write_index, os.path.join(self.directory, "index.bin"), entries)
         except OSError as exc:
@@ -326,7 +296,8 @@ class DiskTier:
         return self._limiter
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
+        # The shard read inline (first_byte): every read asks, and a method call costs ~40 ns more.
+        return key in self._entries.shards[key[0]]
 
     async def get(self, key: bytes, tag: int = 0) -> bytes | None:
         """The block, or None if absent or damaged (a damaged block is punched out).
@@ -337,9 +308,9 @@ class DiskTier:
             self._misses += 1
             return None
         self.policy.touch(key)
-        if tag and key not in self._tags:
-            self._tags.set(key, tag)
-        path = self._segment_path(location >> (2 * _UNIT_BITS))
+        if tag and key not in self.tags:
+            self.tags[key] = tag
+        path = self._segment_path(_segment(location))
         try:
             data = await trio.to_thread.run_sync(_read_entry, path, location, key, limiter=self._limiter)
         except FileNotFoundError:
@@ -373,7 +344,7 @@ class DiskTier:
         if location is None:
             return None
         try:
-            return _read_entry(self._segment_path(location >> (2 * _UNIT_BITS)), location, key)
+            return _read_entry(self._segment_path(_segment(location)), location, key)
         except (OSError, _Corrupt):
             return None
 
@@ -385,7 +356,7 @@ class DiskTier:
         location = self._entries.get(key)
         if location is None:
             return None
-        segment, offset, size = _unpack(location)
+        segment, size, offset = LOCATION.unpack(location)
         return self._segment_path(segment), offset, size
 
     def count_hit(self, key: bytes, tag: int = 0) -> None:
@@ -393,8 +364,8 @@ class DiskTier:
         self._hits += 1
         if key in self._entries:
             self.policy.touch(key)
-            if tag and key not in self._tags:
-                self._tags.set(key, tag)
+            if tag and key not in self.tags:
+                self.tags[key] = tag
 
     async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it), evicting by the
@@ -440,13 +411,14 @@ class DiskTier:
                 self.policy.plan(key, next_use)
             return None
         need = allocated_bytes(len(data))
-        new_segment = self._active is None or self._tail + need > SEGMENT_BYTES
+        segs = self._segs
+        new_segment = segs.active is None or self._tail + need > SEGMENT_BYTES
         tail = 0 if new_segment else self._tail
         slack = segment_slack(tail + need) - segment_slack(tail)  # the segment's extent-tree bound grows
         limit = self.effective_limit_bytes
         chosen = (self.policy.victims(need + slack, limit - self.used_bytes, next_use)
                   if need + slack <= limit else None)
-        ops = _Ops()
+        ops = Release()
         freed = sum(self._drop_entry(victim, ops) for victim in chosen or [])
         self._evictions += len(chosen or [])
         fits = chosen is not None and self.used_bytes - freed + need + slack <= limit
@@ -454,79 +426,74 @@ class DiskTier:
         write = None
         if fits:
             if new_segment:
-                old = self._active
-                self._active = self._next_segment
+                old = segs.active
+                segs.active = self._next_segment
                 self._next_segment += 1
                 self._tail = 0
-                self._seg_live[self._active] = 0
-                self._seg_slack[self._active] = 0
-                if old is not None and not self._seg_live[old]:
+                segs.live[segs.active] = 0
+                self._seg_slack[segs.active] = 0
+                if old is not None and not segs.live[old]:
                     freed += self._drop_segment(old, ops)
-            segment = self._active
+            segment = segs.active
             assert segment is not None
-            location = _pack(segment, self._tail, need)
-            write = _Write(segment, self._tail, key, data)
+            location = LOCATION.pack(segment, need, self._tail)
+            write = _Write(segment, self._segment_path(segment), self._tail, key, data)
             self._tail += need
-            self._seg_live[segment] += 1
+            segs.live[segment] += 1
             self._seg_slack[segment] += slack
             self._slack_total += slack
             self._writing[key] = need
         else:
             self._rejected += 1
             slack = 0
-        # The victims' ranges and the new entry (with the extent-tree growth its range may
-        # cause) are never on disk together (the worker frees first), so max() bounds what
-        # this put has on disk; the slack is part of the reservation until _settle, then
-        # counted with the segment.
-        reserved = max(need + slack, freed) if fits else freed
-        self.used_bytes += reserved - freed
-        self._reserved += reserved
+        # The new entry's reservation includes the extent-tree growth its range may cause:
+        # part of the reservation until _settle, then counted with the segment.
+        reserved = self._budget.reserve(need + slack if fits else 0, freed)
         return _Put(key, location, need if fits else 0, slack, reserved, write, ops)
 
     def _settle(self, put: _Put, error: OSError | None, next_use: int | None, tag: int) -> bool:
         """Account a reserved put whose worker returned ``error``; whether it was stored."""
         key = put.key
         self._writing.pop(key, None)
-        self._reserved -= put.reserved
-        self.used_bytes -= put.reserved
         write = put.write
         if write is None:
+            self._budget.settle(put.reserved, 0)
             return False
         # The segment's slack grew for this put's range, written or not: counted with the
         # segment from now on.
-        self.used_bytes += put.slack
         if error is not None:
+            self._budget.settle(put.reserved, put.slack)
             self._write_errors += 1
             log.warning("disk cache write failed: %s", error)
             self._unclaim(write.segment)
             return False
+        self._budget.settle(put.reserved, put.slack + put.need)
         self._entries[key] = put.location
-        self.used_bytes += put.need
         self.policy.add(key, put.need, next_use)
         if tag:
-            self._tags.set(key, tag)
+            self.tags[key] = tag
         self._inserted_bytes += put.need
         self._inserts += 1
         return True
 
-    def _drop_entry(self, key: bytes, ops: _Ops) -> int:
+    def _drop_entry(self, key: bytes, ops: Release) -> int:
         """Forget a stored block (its range is still allocated: the caller frees it with
         ``ops`` and keeps its bytes counted until then); the bytes freed, with its
         segment's slack if that segment goes too."""
         location = self._entries.pop(key)
         self.policy.remove(key)
-        self._tags.pop(key)
-        segment, offset, size = _unpack(location)
-        self._seg_live[segment] -= 1
-        if not self._seg_live[segment] and segment != self._active:
-            return size + self._drop_segment(segment, ops)
-        ops.punches.append((segment, offset, size))
+        self.tags.pop(key, None)
+        segment, size, offset = LOCATION.unpack(location)
+        if self._segs.leave(segment, self._segment_path(segment), offset, size, ops):
+            return size + self._drop_slack(segment)
         return size
 
-    def _drop_segment(self, segment: int, ops: _Ops) -> int:
+    def _drop_segment(self, segment: int, ops: Release) -> int:
         """A segment without blocks goes: ``ops`` deletes its file; its slack."""
-        del self._seg_live[segment]
-        ops.unlinks.append(segment)
+        self._segs.drop(segment, self._segment_path(segment), ops)
+        return self._drop_slack(segment)
+
+    def _drop_slack(self, segment: int) -> int:
         slack = self._seg_slack.pop(segment)
         self._slack_total -= slack
         return slack
@@ -536,30 +503,21 @@ class DiskTier:
         worker punched whatever of it reached the file).  A sealed segment left without
         blocks this way (its other writes failed too) stays, counted, until the next
         start deletes it: write errors are rare, and the file holds only holes."""
-        self._seg_live[segment] -= 1
+        self._segs.live[segment] -= 1
 
     def _keep_dir(self, size: int) -> None:
         """A worker measured segments/ at ``size`` allocated bytes (-1: not measured)."""
         # Directories only grow while they exist; measurements may arrive out of order.
         if size > self._dir_bytes:
-            self.used_bytes += size - self._dir_bytes
+            self._budget.used += size - self._dir_bytes
             self._dir_bytes = size
 
     async def _free(self, keys: Iterable[bytes]) -> None:
         """Drop ``keys`` (stored ones) and free their ranges; their bytes stay counted
         until a worker has punched them."""
-        ops = _Ops()
+        ops = Release()
         freed = sum(self._drop_entry(key, ops) for key in keys if key in self._entries)
-        await self._run_ops(ops, freed)
-
-    async def _run_ops(self, ops: _Ops, freed: int) -> None:
-        self._reserved += freed
-        try:
-            if ops:
-                await trio.to_thread.run_sync(_free_space, ops, self._segments_dir, limiter=self._limiter)
-        finally:
-            self._reserved -= freed
-            self.used_bytes -= freed
+        await self._budget.free(ops, freed, self._limiter)
 
     @contextlib.asynccontextmanager
     async def io_paused(self) -> AsyncIterator[None]:
@@ -578,20 +536,6 @@ class DiskTier:
                 for borrower in acquired:
                     self._limiter.release_on_behalf_of(borrower)
 
-    def plan(self, key: bytes, next_use: int) -> None:
-        self.policy.plan(key, next_use)
-
-    def unplan(self, key: bytes) -> None:
-        self.policy.unplan(key)
-
-    def tagged_shard(self, shard: int) -> tuple[list[bytes], list[int]]:
-        """(key, tag) of the blocks whose tag is known, in one shard (``tags.SHARDS``)."""
-        return self._tags.shard(shard)
-
-    def unplan_some(self, count: int) -> bool:
-        """Make up to ``count`` planned blocks unplanned; True if planned ones remain."""
-        return self.policy.unplan_some(count)
-
     def _lru_order(self) -> list[tuple[bytes, int]]:
         """(key, location) in eviction order (for the index: the next run starts from it)."""
         return [(key, self._entries[key]) for key in self.policy.order() if key in self._entries]
@@ -603,29 +547,32 @@ class DiskTier:
         at 10^6 blocks) with a checkpoint between shards, so FUSE requests are served
         while a large tier is dropped; a block stored meanwhile is newer than the drop
         and stays.  The active segment is sealed first, so every segment left without
-        blocks is deleted whole; each shard's bytes stay counted (``_reserved``) until
-        the worker has freed them."""
-        active, self._active = self._active, None  # the next put starts a new segment
-        ops = _Ops()
+        blocks is deleted whole; each shard's bytes stay counted (in flight, segments.Budget)
+        until the worker has freed them."""
+        segs, budget = self._segs, self._budget
+        active, segs.active = segs.active, None  # the next put starts a new segment
+        ops = Release()
         freed = 0
-        if active is not None and not self._seg_live[active]:  # no block left in it already
+        if active is not None and not segs.live[active]:  # no block left in it already
             freed = self._drop_segment(active, ops)
-            self._reserved += freed
+            budget.reserve(0, freed)
         try:
             for shard in range(SHARDS):
                 keys = list(self._entries.shards[shard])
                 dropped = sum(self._drop_entry(key, ops) for key in keys)
-                self._reserved += dropped  # counted until the space is freed
+                budget.reserve(0, dropped)  # counted until the space is freed
                 freed += dropped
                 await trio.lowlevel.checkpoint()
-            # Punches into segments deleted later in the drop are moot.
-            gone = set(ops.unlinks)
-            ops.punches = [p for p in ops.punches if p[0] not in gone]
-            if ops:
-                await trio.to_thread.run_sync(_free_space, ops, self._segments_dir, limiter=self._limiter)
+            if ops:  # (punches into segments deleted later in the drop are skipped)
+                await trio.to_thread.run_sync(segments.free, ops, limiter=self._limiter)
         finally:
-            self._reserved -= freed
-            self.used_bytes -= freed
+            budget.settle(freed, 0)
+
+    @property
+    def used_bytes(self) -> int:
+        """Allocated bytes counted against the limit (segments.Budget): stored blocks,
+        segment slack, the directory, and what writes and frees in progress hold."""
+        return self._budget.used
 
     @property
     def effective_limit_bytes(self) -> int:
@@ -641,7 +588,7 @@ class DiskTier:
             self._hits, self._misses, self._evictions, self._inserts, self._rejected,
             self._checksum_failures, self._write_errors, self._read_errors,
             self.startup_seconds, self.startup_source, self.startup_discarded,
-            self._dir_bytes + DIR_SLACK + self._slack_total, len(self._seg_live),
+            self._dir_bytes + DIR_SLACK + self._slack_total, len(self._segs.live),
         )
 
     # -- internals -------------------------------------------------------------------
@@ -660,7 +607,7 @@ class DiskTier:
         # filesystem (``available`` may or may not include them), and neither may blocks
         # stored while the worker ran.  Counting any of them lets concurrent writes
         # overshoot the floor.
-        self._headroom = self.used_bytes - self._reserved - stored_since + available - floor
+        self._headroom = self._budget.used - self._budget.in_flight - stored_since + available - floor
 
     async def _refresh_headroom(self) -> None:
         st = await trio.to_thread.run_sync(os.statvfs, self.directory)
@@ -671,14 +618,14 @@ class DiskTier:
         limit = self.effective_limit_bytes
         if self.used_bytes <= limit:
             return
-        ops = _Ops()
+        ops = Release()
         freed = 0
         for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
             if self.used_bytes - freed <= limit:
                 break
             freed += self._drop_entry(victim, ops)
             self._evictions += 1
-        await self._run_ops(ops, freed)
+        await self._budget.free(ops, freed, self._limiter)
 
 
 class _Corrupt(Exception):
@@ -731,7 +678,7 @@ def _parse_header(header: bytes) -> tuple[int, bytes, int] | None:
 def _read_entry(path: str, location: int, key: bytes) -> bytes:
     # Header and payload in two preads: the payload is read into its own bytes object
     # (no copy of a whole block out of a header+payload buffer).
-    _, offset, size = _unpack(location)
+    _, size, offset = LOCATION.unpack(location)
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         parsed = _parse_header(os.pread(fd, HEADER_BYTES, offset))
@@ -761,36 +708,7 @@ def _check_hole_punching(segments_dir: str) -> None:
                           "(fallocate PUNCH_HOLE), which the NVMe tier needs to free evicted blocks")
 
 
-def _free_space(ops: _Ops, segments_dir: str) -> None:
-    """Delete the segments of ``ops.unlinks``, punch its ranges (each range's segment
-    opened once); errors are logged, the space counted free (a range that could not be
-    punched is at worst a few KiB the accounting does not see until its segment goes)."""
-    for segment in ops.unlinks:
-        try:
-            _unlink_quietly(os.path.join(segments_dir, f"{segment:08x}.seg"))
-        except OSError as exc:
-            log.warning("disk cache: could not delete segment %x: %s", segment, exc)
-    by_segment: dict[int, list[tuple[int, int]]] = {}
-    for segment, offset, size in ops.punches:
-        by_segment.setdefault(segment, []).append((offset, size))
-    for segment, ranges in by_segment.items():
-        try:
-            fd = os.open(os.path.join(segments_dir, f"{segment:08x}.seg"), os.O_WRONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            continue  # deleted meanwhile: its ranges went with it
-        except OSError as exc:
-            log.warning("disk cache: could not open segment %x to free ranges: %s", segment, exc)
-            continue
-        try:
-            for offset, size in ranges:
-                holes.punch(fd, offset, size)
-        except OSError as exc:
-            log.warning("disk cache: could not free a range of segment %x: %s", segment, exc)
-        finally:
-            os.close(fd)
-
-
-def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
+def _run_jobs(jobs: list[tuple[Release, _Write | None]], segments_dir: str
               ) -> tuple[list[OSError | None], int, tuple[int, int] | None]:
     """The jobs in order, each freeing its space first (so the bytes on disk stay within
     the reservation at every instant) and then writing its entry, each reported on its
@@ -798,20 +716,20 @@ def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
     if unknown) and one ``statvfs`` of the cache filesystem (None if it failed).  Raises
     nothing of its own: a block written is always reported as written."""
     errors: list[OSError | None] = []
-    fds: dict[int, int] = {}
+    fds: dict[str, int] = {}
     dir_bytes = -1
     try:
         for ops, write in jobs:
             if ops:
-                _free_space(ops, segments_dir)
-                for segment in ops.unlinks:
-                    fd = fds.pop(segment, None)
+                segments.free(ops)
+                for path in ops.unlinks:
+                    fd = fds.pop(path, None)
                     if fd is not None:
                         os.close(fd)
             if write is None:
                 errors.append(None)
                 continue
-            errors.append(_write_entry(fds, segments_dir, write))
+            errors.append(_write_entry(fds, write))
         with contextlib.suppress(OSError):
             dir_bytes = os.lstat(segments_dir).st_blocks * 512
     finally:
@@ -824,15 +742,14 @@ def _run_jobs(jobs: list[tuple[_Ops, _Write | None]], segments_dir: str
     return errors, dir_bytes, (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
 
 
-def _write_entry(fds: dict[int, int], segments_dir: str, write: _Write) -> OSError | None:
+def _write_entry(fds: dict[str, int], write: _Write) -> OSError | None:
     """Write one entry (header and payload, one ``pwritev``); on an error, punch what of
     it reached the file."""
-    fd = fds.get(write.segment)
+    fd = fds.get(write.path)
     try:
         if fd is None:
-            fd = os.open(os.path.join(segments_dir, f"{write.segment:08x}.seg"),
-                         os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            fds[write.segment] = fd
+            fd = os.open(write.path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fds[write.path] = fd
         data = write.data
         written = os.pwritev(fd, [_header(write.key, data), data], write.offset)
         if written != HEADER_BYTES + len(data):
@@ -845,71 +762,14 @@ def _write_entry(fds: dict[int, int], segments_dir: str, write: _Write) -> OSErr
         return exc
 
 
-def _scan_segment(path: str, segment: int, entries: OrderedDict[bytes, tuple[int, int]]) -> int:
-    """Add the sound entries of one segment to ``entries`` (in write order, a later copy
-    of a key replacing an earlier one); punch what is neither entry nor hole (a damaged
-    header: a write cut short).  Returns the number of damaged ranges punched.  Only the
-    data ranges are walked: a hole (a punched entry, up to the end of the file when the
-    last one went) is neither entry nor junk."""
-    discarded = 0
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        end = os.fstat(fd).st_size
-        pos = 0
-        junk_start = -1
-        for data_at, hole_at in holes.data_ranges(fd):
-            if hole_at <= pos:
-                continue  # inside the entry just taken
-            if data_at > pos:  # a hole up to data_at: a junk run ends at it
-                if junk_start >= 0:
-                    holes.punch(fd, junk_start, pos - junk_start)
-                    junk_start = -1
-                pos = data_at // ALLOCATION_UNIT * ALLOCATION_UNIT
-            while pos < min(hole_at, end):
-                parsed = _parse_header(os.pread(fd, HEADER_BYTES, pos))
-                if parsed is not None and pos + HEADER_BYTES + parsed[0] <= end:
-                    if junk_start >= 0:
-                        holes.punch(fd, junk_start, pos - junk_start)
-                        junk_start = -1
-                    size = allocated_bytes(parsed[0])
-                    key = parsed[1]
-                    previous = entries.pop(key, None)
-                    if previous is not None:  # an evicted copy, left by a crash before its punch
-                        old_segment, offset, old_size = _unpack(previous[0])
-                        if old_segment == segment:
-                            holes.punch(fd, offset, old_size)
-                        else:
-                            _free_space(_Ops([(old_segment, offset, old_size)]), os.path.dirname(path))
-                    entries[key] = (_pack(segment, pos, size), 0)  # tags come back as blocks are read
-                    pos += size
-                else:
-                    if junk_start < 0:
-                        junk_start = pos
-                        discarded += 1
-                    pos += ALLOCATION_UNIT
-        if junk_start >= 0:
-            holes.punch(fd, junk_start, -(-end // ALLOCATION_UNIT) * ALLOCATION_UNIT - junk_start)
-    finally:
-        os.close(fd)
-    return discarded
-
-
-def _remove_junk(path: str) -> int:
-    """Delete a file or tree the tier does not know; how many files went."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        count = sum(len(files) for _, _, files in os.walk(path))
-        shutil.rmtree(path, ignore_errors=True)
-        return count
-    return _unlink_quietly(path)
-
-
-def _unlink_quietly(path: str) -> int:
-    """1 if ``path`` was unlinked, 0 if it was gone already."""
-    try:
-        os.unlink(path)
-        return 1
-    except FileNotFoundError:
-        return 0
+def _parse_at(fd: int, offset: int, size: int) -> tuple[bytes, int, None] | None:
+    """The start-up scan's parser (segments.scan_segments): (key, allocated bytes, None) of
+    the entry at ``offset`` of a segment of ``size`` bytes, if a sound header of an entry
+    that fits the file lies there.  Payloads are checked when read."""
+    parsed = _parse_header(os.pread(fd, HEADER_BYTES, offset))
+    if parsed is None or offset + HEADER_BYTES + parsed[0] > size:
+        return None
+    return parsed[1], allocated_bytes(parsed[0]), None
 
 
 def _read_index(path: str) -> OrderedDict[bytes, tuple[int, int]] | None:

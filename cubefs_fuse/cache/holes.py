@@ -1,10 +1,10 @@
-"""Sparse segment files, shared by both NVMe stores (``cache/disk.py``,
-``samples/files.py``): the allocation unit, punching an entry's range
-(``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go back to the filesystem, the other
-entries keep their offsets, the range reads as zeros), probing whether a filesystem can
-(:func:`can_punch`; what to do when it cannot is each store's policy), and a segment's data
-ranges (``SEEK_DATA``/``SEEK_HOLE``) for the start-up scans. Every function blocks: callers
-run them in worker threads."""
+"""Sparse segment files, under the segment engine (``cache/segments.py``) of both NVMe
+stores (``cache/disk.py``, ``samples/files.py``): the allocation unit, punching an entry's
+range (``fallocate(PUNCH_HOLE | KEEP_SIZE)``: its blocks go back to the filesystem, the
+other entries keep their offsets, the range reads as zeros), probing whether a filesystem
+can (:func:`can_punch`; what to do when it cannot is each store's policy), and a segment's
+data ranges (``SEEK_DATA``/``SEEK_HOLE``) for the start-up scan. Every function blocks:
+callers run them in worker threads."""
 
 from __future__ import annotations
 

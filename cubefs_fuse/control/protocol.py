@@ -4,7 +4,8 @@ the FUSE session or numpy): the per-volume config file ``<configDir>/cube_torch.
 (CubeFS's fields ``prof``, ``mount_point``, ``vol_name``, ``local_ip``, then ours), the
 control API client (HTTP/1.1 over a Unix socket, ``/v1`` paths, JSON errors; file lists
 NUL-separated, epoch orders little-endian integer arrays, never JSON lists), the request
-bounds and the sample entries' checksum (``entry_digest``)."""
+bounds, the rule of a sample cache's name and the sample entries' checksum
+(``entry_digest``)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-# Request bounds, enforced by the daemon and known to clients (standard library only too).
+# Request bounds and the rule of a sample cache's name, enforced by the daemon and known to
+# clients (standard library only too; defined in limits.py, below the daemon's floors).
 from cubefs_fuse.limits import FAST_RING_BYTES as FAST_RING_BYTES
 from cubefs_fuse.limits import MAX_BATCH_FILES as MAX_BATCH_FILES
 from cubefs_fuse.limits import MAX_BATCH_MESSAGE as MAX_BATCH_MESSAGE
@@ -29,9 +31,12 @@ from cubefs_fuse.limits import MAX_NAME as MAX_NAME
 from cubefs_fuse.limits import MAX_PATH_BYTES as MAX_PATH_BYTES
 from cubefs_fuse.limits import MAX_PLAN_BODY as MAX_PLAN_BODY
 from cubefs_fuse.limits import PLAN_DTYPES as PLAN_DTYPES
+from cubefs_fuse.limits import SAMPLE_NAME_RULE as SAMPLE_NAME_RULE
 from cubefs_fuse.limits import MAX_SAMPLE_ENTRY_BYTES as MAX_SAMPLE_ENTRY_BYTES
 from cubefs_fuse.limits import MAX_SAMPLE_KEYS as MAX_SAMPLE_KEYS
 from cubefs_fuse.limits import MAX_SAMPLE_PLAN_KEYS as MAX_SAMPLE_PLAN_KEYS
+from cubefs_fuse.limits import is_sample_cache_name as is_sample_cache_name
+from cubefs_fuse.limits import sample_cache_reference as sample_cache_reference
 from cubefs_fuse.samples.checksum import entry_digest as entry_digest
 
 PROTOCOL_VERSION = 1

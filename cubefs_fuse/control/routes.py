@@ -12,7 +12,7 @@ from cubefs_fuse import __version__
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION
 from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
-from cubefs_fuse.limits import (DIGITS_PATTERN, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES,
+from cubefs_fuse.limits import (DIGITS, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES,
                                 MAX_PLAN_BODY, MAX_WARMUP_PATHS)
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
@@ -31,12 +31,11 @@ def _name(query: dict[str, str], key: str) -> str:
     return value
 
 
-# A decimal integer as a query string or JSON string carries it (every bound here is below 10^19).
-_DIGITS = re.compile(DIGITS_PATTERN)
 
 
 def _int(value: Any, key: str, low: int, high: int) -> int:
-    if isinstance(value, str) and _DIGITS.fullmatch(value):
+    # A decimal integer as a query string or JSON string carries it (every bound here is below 10^19).
+    if isinstance(value, str) and DIGITS.fullmatch(value):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise BadRequest(f"{key!r} must be an integer in [{low}, {high}]")

@@ -174,7 +174,7 @@ class BatchResolver:
             return True
         version = attr.version
         keys = [block_key(path, version, index) for index in range(self.fs.blocks.count(attr.size))]
-        if not all(cache.in_memory(k) for k in keys):
+        if not all(k in cache.memory for k in keys):
             return False
         meta.hit(path)  # counted as the stat of _one would be
         parts: list[bytes] = []

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from cubefs_fuse.cache.tags import SHARDS
+from cubefs_fuse.cache.shards import SHARDS
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.errors import FsError
 from cubefs_fuse.limits import MAX_LOADERS

@@ -3,8 +3,9 @@
 name) and its payload from the next 4 KiB boundary, checksummed and checked on every read,
 written and read with ``O_DIRECT`` when the payload lies page-aligned in the connection's
 ring (the page cache otherwise, same bytes on disk), freed by punching its range, and found
-again at start-up by a scan of the segments' headers that punches anything else as junk. The
-format is in docs/on-disk.md, "Sample store segments"."""
+again at start-up by a scan of the segments' headers that punches anything else as junk; the
+freeing and the scan are the segment engine's (``cache/segments.py``), the entry format and
+the I/O this module's. The format is in docs/on-disk.md, "Sample store segments"."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import numpy as np
 
 from cubefs_fuse.cache import holes
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
+from cubefs_fuse.cache.segments import Release, free, list_segments, scan_segments
+from cubefs_fuse.cache.segments import up as up
 from cubefs_fuse.limits import MAX_NAME, MAX_SAMPLE_ENTRY_BYTES
 from cubefs_fuse.samples.checksum import entry_digest
 
@@ -51,11 +54,6 @@ assert HEADER_BYTES + MAX_NAME < ALIGN
 # directory blocks half full after splits).  Charged as entries arrive, never measured.
 ENTRY_CHARGE = 1024
 _ZEROS = memoryview(bytes(ALIGN))
-
-
-def up(size: int) -> int:
-    """``size`` rounded up to a whole number of ALIGN blocks."""
-    return -(-size // ALIGN) * ALIGN
 
 
 def span(payload: int) -> int:
@@ -126,42 +124,16 @@ class WriteResult:
     skipped_full: int  # entries not written: the filesystem is at its free-space floor
 
 
-def release(punches: Sequence[tuple[str, int, int]], unlink: Sequence[str]) -> None:
-    """Punch each (segment path, offset, length) range, then unlink each segment.
-
-    A segment already gone (its cache was dropped) is skipped; a range that cannot be
-    punched stays allocated until its segment goes (a failing disk: nothing to do here).
-    """
-    by_path: dict[str, list[tuple[int, int]]] = {}
-    for path, offset, length in punches:
-        by_path.setdefault(path, []).append((offset, length))
-    for path, ranges in by_path.items():
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            for offset, length in ranges:
-                with contextlib.suppress(OSError):
-                    holes.punch(fd, offset, length)
-        finally:
-            os.close(fd)
-    for path in unlink:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-
-
 def write_segments(root: str, uid: int, name: str,
                    segments: Sequence[tuple[int, Sequence[tuple[int, bytes | memoryview]]]],
-                   punches: Sequence[tuple[str, int, int]], unlink: Sequence[str], free_ratio: float,
-                   digests: Mapping[int, int] | None = None) -> WriteResult:
-    """Free what ``punches`` and ``unlink`` name (evicted entries), then write each
+                   release: Release, free_ratio: float, digests: Mapping[int, int] | None = None) -> WriteResult:
+    """Free what ``release`` names (evicted entries), then write each
     (segment id, [(key, payload), ...]) as one new segment, its entries laid out as
     :func:`layout` says.  A segment is written whole or removed.  ``digests``: checksums
     the client sent (key -> :func:`~cubefs_fuse.samples.checksum.entry_digest`), stored as
     given (a wrong one makes its entry fail the read's check: a miss, never served);
     the others are computed here."""
-    release(punches, unlink)
+    free(release)
     encoded = name.encode()
     written: list[bool] = []
     errors = skipped = 0
@@ -547,86 +519,26 @@ def scan(root: str) -> tuple[list[Found], int]:
 
 def _scan_cache(directory: str, uid: int, name: str) -> tuple[list[Found], int]:
     encoded = name.encode()
-    junk = 0
-    segments: list[int] = []
-    for item in _entries(directory):
-        if item.is_file(follow_symlinks=False) and item.name.isdigit() and str(int(item.name)) == item.name:
-            segments.append(int(item.name))
-        elif item.is_dir(follow_symlinks=False):  # the previous layout's <key % 256>/ directories
-            junk += sum(len(files) for _, _, files in os.walk(item.path))
-            shutil.rmtree(item.path, ignore_errors=True)
-        else:
-            junk += 1
-            with contextlib.suppress(OSError):
-                os.unlink(item.path)
-    latest: dict[int, Found] = {}  # key -> its entry in the newest segment (a rewrite's)
-    live: dict[int, int] = {}
-    for segment in sorted(segments):
-        path = os.path.join(directory, str(segment))
-        entries, discarded = _scan_segment(path, uid, encoded)
-        junk += discarded
-        live[segment] = len(entries)
-        for key, offset, length, extent in entries:
-            older = latest.get(key)
-            if older is not None:  # the older value's range outlived a crash: it goes
-                junk += 1
-                live[older.segment] -= 1
-                release([(os.path.join(directory, str(older.segment)), older.offset, older.span)], [])
-            latest[key] = Found(uid, name, key, length, segment, offset, extent)
-    for segment, count in live.items():
-        if not count:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, str(segment)))
-    return list(latest.values()), junk
+    head_bytes = HEADER_BYTES + len(encoded)
+
+    def parse(fd: int, offset: int, size: int) -> tuple[int, int, int] | None:
+        """(key, span, payload length) of a valid header whose payload lies in the segment."""
+        head = os.pread(fd, head_bytes, offset)
+        parsed = _parse(head, uid, encoded)
+        if parsed is None or _payload(offset, parsed[0], encoded) + parsed[1] > size:
+            return None
+        return _HEADER.unpack_from(head)[4], _span_of_format(parsed[0], encoded, parsed[1]), parsed[1]
+
+    # Anything but a segment (the previous layout's <key % 256>/ directories, stray files) goes.
+    names, junk = list_segments(directory, _segment_id)
+    scan = scan_segments(names, parse)
+    found = [Found(uid, name, key, f.info, f.segment, f.offset, f.span) for key, f in scan.entries.items()]
+    return found, junk + scan.junk + scan.copies
 
 
-def _scan_segment(path: str, uid: int, name: bytes) -> tuple[list[tuple[int, int, int, int]], int]:
-    """(key, offset, payload length, span) of each entry whose header is valid and whose
-    payload lies inside the segment, and how many junk ranges were punched."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return [], 1
-    entries: list[tuple[int, int, int, int]] = []
-    junk = 0
-    junk_from: int | None = None  # start of the junk run being skipped
-    head_bytes = HEADER_BYTES + len(name)
-
-    def end_junk(end: int) -> None:
-        nonlocal junk_from, junk
-        if junk_from is not None and end > junk_from:
-            junk += 1
-            with contextlib.suppress(OSError):
-                holes.punch(fd, junk_from, end - junk_from)
-        junk_from = None
-
-    try:
-        size = os.fstat(fd).st_size
-        offset = 0
-        for data, hole in holes.data_ranges(fd):
-            if hole <= offset:
-                continue  # inside the entry just taken
-            if data > offset:  # a punched range: a junk run ends at it
-                end_junk(offset)
-                offset = data - data % ALIGN
-            while offset < min(hole, size):
-                head = os.pread(fd, head_bytes, offset)
-                parsed = _parse(head, uid, name)
-                if parsed is not None and _payload(offset, parsed[0], name) + parsed[1] <= size:
-                    end_junk(offset)
-                    extent = _span_of_format(parsed[0], name, parsed[1])
-                    entries.append((_HEADER.unpack_from(head)[4], offset, parsed[1], extent))
-                    offset += extent
-                else:
-                    if junk_from is None:
-                        junk_from = offset
-                    offset += ALIGN
-        end_junk(-(-size // ALIGN) * ALIGN)
-    except OSError:
-        junk += 1
-    finally:
-        os.close(fd)
-    return entries, junk
+def _segment_id(name: str) -> int | None:
+    """A segment's id from its file name (decimal, as written), else None."""
+    return int(name) if name.isascii() and name.isdigit() and str(int(name)) == name else None
 
 
 def _entries(path: str) -> Iterator[os.DirEntry[str]]:

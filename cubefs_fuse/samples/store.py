@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import struct
 import time
 from collections import OrderedDict
@@ -25,11 +24,13 @@ import numpy as np
 import trio
 
 from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.cache.segments import DISK_THREADS, Budget, LiveCounts, Release
+from cubefs_fuse.cache.shards import SHARD, ShardedDict, low_byte
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
 from cubefs_fuse.limits import (MAX_SAMPLE_CACHES, MAX_SAMPLE_CACHES_PER_UID, MAX_SAMPLE_KEYS, MAX_SAMPLE_PLAN_KEYS,
-                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, SAMPLE_NAME_PATTERN)
+                                MAX_SAMPLE_PLAN_SOURCES, MAX_SAMPLE_PLANNED_KEYS, sample_cache_reference)
 from cubefs_fuse.samples import files, index
-from cubefs_fuse.samples.index import FIELD, SHARD, SHARD_BITS, IntShards, charge_of, offset_of, segment_of, size_of
+from cubefs_fuse.samples.index import FIELD, charge_of, offset_of, segment_of, size_of
 
 log = logging.getLogger(__name__)
 
@@ -43,14 +44,10 @@ CHUNK = 4096
 # A re-ranking handles each entry in both policies (``plan`` or ``unplan``, ~2 us each):
 # ~16 ms per CHUNK measured at 10^6 entries, so it takes a quarter as many per step.
 RERANK_CHUNK = CHUNK // 4
-# Concurrent entry file reads and writes: as the block cache's NVMe tier (cache/disk.py).
-DISK_THREADS = 8
 # Entries one reading thread takes at least: below 16 (~2 MiB of typical samples) a thread
 # hop (~100 us here) costs more than the reads it parallelises.
 READ_SHARE = 16
 
-_NAME = re.compile(SAMPLE_NAME_PATTERN)
-_FOREIGN = re.compile(r"~([0-9]{1,10})/(.*)", re.S)
 # (key, cache id): one policy key over every cache of the node.  The key comes first and
 # little-endian, so the policies' ShardedDicts (split by a key's first byte) spread one
 # cache's keys over all their shards; cache id first put a whole cache in one shard.
@@ -92,20 +89,6 @@ class SampleStoreStatistics:
     caches: tuple[SampleCacheStatistics, ...]
     hits: int = 0  # keys every cache's gets answered with an entry, dropped caches' included
     hit_bytes: int = 0  # the bytes of those entries
-
-
-class _Release:
-    """NVMe ranges to punch and segments to unlink, gathered on the trio thread, done in
-    a worker thread (files.release)."""
-
-    __slots__ = ("punches", "unlink")
-
-    def __init__(self) -> None:
-        self.punches: list[tuple[str, int, int]] = []
-        self.unlink: list[str] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.punches or self.unlink)
 
 
 class _Plan:
@@ -195,8 +178,8 @@ class _Cache:
         self.name = name
         # Every entry: key -> its location word (index.py: size and NVMe place), and the
         # RAM copies of those in RAM; atoms in shards, never walked by the collector.
-        self.entries: IntShards[int] = IntShards()
-        self.ram: IntShards[bytes] = IntShards()
+        self.entries: ShardedDict[int, int] = ShardedDict(low_byte)
+        self.ram: ShardedDict[int, bytes] = ShardedDict(low_byte)
         self.plan: _Plan | None = None
         # Its plan's sources (the peer pid of each process that plans it: a node's ranks each
         # send their share of the epoch), least recently planned first: source -> its keys.
@@ -208,14 +191,7 @@ class _Cache:
         self.writing: set[int] = set()  # keys whose entry is being written
         self.dropped = False
         self.shared = shared
-        self.segments: dict[int, int] = {}  # segment id -> its entries on NVMe (counted in disk_entries)
-
-
-def check_name(name: Any) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
-        raise BadRequest("a sample cache name is 1-128 of [A-Za-z0-9_.:@-] (not '.' or '..'), "
-                         "or ~UID/NAME for another user's shared cache")
-    return name
+        self.segments = LiveCounts()  # segment id -> its entries on NVMe (counted in disk_entries)
 
 
 class SampleStore:
@@ -231,7 +207,7 @@ class SampleStore:
         self.ram_policy = PlannedLru(mem_limit // SCRATCH_FRACTION)
         self.disk_policy = PlannedLru(disk_limit // SCRATCH_FRACTION)
         self.ram_used = 0
-        self.disk_used = 0  # allocated bytes, including writes and unlinks in flight
+        self._budget = Budget()  # allocated bytes on NVMe, including writes and frees in flight
         self.ram_entries = self.disk_entries = 0
         self._caches: dict[tuple[int, str], _Cache] = {}
         self._by_id: dict[int, _Cache] = {}
@@ -271,10 +247,11 @@ class SampleStore:
 
     def resolve(self, caller: int, reference: Any, *, write: bool = False, drop: bool = False) -> tuple[int, str]:
         """(owner uid, name) of a cache reference, or Forbidden/BadRequest."""
-        if isinstance(reference, str) and (m := _FOREIGN.fullmatch(reference)):
-            owner, name = int(m.group(1)), check_name(m.group(2))
-        else:
-            owner, name = caller, check_name(reference)
+        try:
+            foreign, name = sample_cache_reference(reference)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        owner = caller if foreign is None else foreign
         if owner == caller:
             return owner, name
         if write:
@@ -342,8 +319,8 @@ class SampleStore:
         at = 0  # the next free byte of dest
         entries, ram = cache.entries.shards, cache.ram.shards
         for i, key in enumerate(keys):
-            word = entries[key & SHARD].get(key >> SHARD_BITS)
-            copy = None if word is None else ram[key & SHARD].get(key >> SHARD_BITS)
+            word = entries[key & SHARD].get(key)
+            copy = None if word is None else ram[key & SHARD].get(key)
             on_disk = word is not None and charge_of(word) != 0
             place = at
             if (copy is not None or on_disk) and dest is not None:
@@ -379,7 +356,8 @@ class SampleStore:
                     target.memory.release()
             if cache.dropped:  # dropped meanwhile: nothing of it may enter the tiers again
                 return _Got.misses(len(keys))
-            damaged = _Release()
+            damaged = Release()
+            freed = 0
             for i, (key, segment, offset, size), data in zip(from_disk, located, read):
                 word = cache.entries.get(key)
                 if isinstance(data, bytes) and len(data) != size:
@@ -398,9 +376,9 @@ class SampleStore:
                 if data is False:
                     self.corrupt += 1
                     log.warning("sample cache %r of uid %d: entry %d was damaged on NVMe; freed", name, owner, key)
-                self._forget_disk(cache, key, damaged)  # damaged, or its segment is gone
+                freed += self._forget_disk(cache, key, damaged)  # damaged, or its segment is gone
             if damaged:
-                await trio.to_thread.run_sync(files.release, damaged.punches, damaged.unlink, limiter=self._limiter)
+                await self._budget.free(damaged, freed, self._limiter)
         hits = sum(1 for data in out if data is not None)
         cache.hits += hits
         self.hits += hits
@@ -442,15 +420,14 @@ class SampleStore:
         for key, data in items:
             latest[key] = data
             size = len(data)  # <= MAX_SAMPLE_ENTRY_BYTES (the ring): fits its field
-            shard, inner = entries.shards[key & SHARD], key >> SHARD_BITS
-            word = shard.get(inner)
+            word = entries.get(key)
             if word is None:
-                shard[inner] = size
+                entries[key] = size
                 cache.bytes += size
             else:  # a new value: the old one leaves RAM (and NVMe, below)
                 self._forget_ram(cache, key)
                 cache.bytes += size - size_of(word)
-                shard[inner] = index.resized(word, size)
+                entries[key] = index.resized(word, size)
             cache.stored += 1
         if self.disk_limit:
             kept, copies = await self._write(cache, latest, digests)
@@ -458,13 +435,13 @@ class SampleStore:
             kept, copies = set(), await trio.to_thread.run_sync(_copies, list(latest.items()))
         ram = cache.ram.shards
         for key, data in copies:
-            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
-            if (not cache.dropped and word is not None and key >> SHARD_BITS not in ram[key & SHARD]
+            word = entries.shards[key & SHARD].get(key)
+            if (not cache.dropped and word is not None and key not in ram[key & SHARD]
                     and word & FIELD == len(data) and self._admit_ram(cache, key, data)):  # its size
                 kept.add(key)
         for key in latest:
-            word = entries.shards[key & SHARD].get(key >> SHARD_BITS)
-            if (word is not None and key >> SHARD_BITS not in ram[key & SHARD] and not charge_of(word)
+            word = entries.shards[key & SHARD].get(key)
+            if (word is not None and key not in ram[key & SHARD] and not charge_of(word)
                     and key not in cache.writing):
                 self._remove_entry(cache, key)
         self.dropped += len(latest.keys() - kept)
@@ -590,7 +567,7 @@ class SampleStore:
                         self.disk_entries -= 1
                 await trio.lowlevel.checkpoint()
             del self._by_id[cache.id]
-            self.disk_used -= cache.disk_bytes  # its files are gone
+            self._budget.used -= cache.disk_bytes  # its files are gone
             cache.disk_bytes = 0
         log.info("sample cache %r of uid %d dropped (%d entries, %d bytes) by uid %d", name, owner, entries, total, caller)
         return entries, total
@@ -639,7 +616,7 @@ class SampleStore:
             if not charge_of(owner.entries[victim_key]) and victim_key not in owner.writing:
                 owner.evictions += 1
                 self._remove_entry(owner, victim_key)
-        cache.ram.shards[key & SHARD][key >> SHARD_BITS] = data
+        cache.ram[key] = data
         self.ram_policy.add(_PK.pack(key, cache.id), need, self._next_use(cache, key))
         self.ram_used += need
         self.ram_entries += 1
@@ -647,21 +624,24 @@ class SampleStore:
         return True
 
     def _forget_ram(self, cache: _Cache, key: int) -> None:
-        data = cache.ram.shards[key & SHARD].pop(key >> SHARD_BITS, None)
+        data = cache.ram.pop(key, None)
         if data is None:
             return
         self.ram_used -= self.ram_policy.remove(_PK.pack(key, cache.id))
         self.ram_entries -= 1
         cache.ram_bytes -= len(data)
 
-    def _forget_disk(self, cache: _Cache, key: int, release: _Release) -> None:
-        """The entry (on NVMe) leaves NVMe now (``release`` frees its range): release its bytes."""
-        self.disk_used -= self._leave_disk(cache, key, release)
+    def _forget_disk(self, cache: _Cache, key: int, release: Release) -> int:
+        """The entry (on NVMe) leaves NVMe and, held nowhere else, the cache; ``release``
+        frees its range, and the caller keeps its bytes (returned) counted until then
+        (``Budget.free``)."""
+        charge = self._leave_disk(cache, key, release)
         if key not in cache.ram and key not in cache.writing:
             self._remove_entry(cache, key)
+        return charge
 
-    def _leave_disk(self, cache: _Cache, key: int, release: _Release) -> int:
-        """Take the entry (on NVMe) off NVMe in the index (the caller settles ``disk_used``):
+    def _leave_disk(self, cache: _Cache, key: int, release: Release) -> int:
+        """Take the entry (on NVMe) off NVMe in the index (the caller settles the budget):
         its range is punched, or its segment unlinked if no other entry of it is left.  The
         bytes it was charged."""
         word = cache.entries[key]
@@ -670,18 +650,13 @@ class SampleStore:
         cache.disk_bytes -= charge
         self.disk_entries -= 1
         path = files.segment_path(self.root, cache.owner, cache.name, segment)
-        left = cache.segments.pop(segment) - 1
-        if left:
-            cache.segments[segment] = left
-            release.punches.append((path, offset_of(word), files.span_of(charge)))
-        else:
-            release.unlink.append(path)
+        cache.segments.leave(segment, path, offset_of(word), files.span_of(charge), release)
         cache.entries[key] = index.off_disk(word)
         return charge
 
     def _remove_entry(self, cache: _Cache, key: int) -> None:
         """Forget an entry held in neither tier (nor being written)."""
-        word = cache.entries.shards[key & SHARD].pop(key >> SHARD_BITS, None)
+        word = cache.entries.pop(key, None)
         if word is not None:
             cache.bytes -= size_of(word)
 
@@ -695,7 +670,7 @@ class SampleStore:
             # key, data, its bytes on NVMe, the bytes reserved for it
             batch: list[tuple[int, Payload, int, int]] = []
             others: list[tuple[int, Payload]] = []  # not for NVMe: copied for RAM
-            release = _Release()
+            release = Release()
             stale = 0
             for (key, data), use in zip(items.items(), self._next_uses(cache, list(items))):
                 if key in cache.writing:  # another put of it is being written: this value is for RAM
@@ -722,8 +697,7 @@ class SampleStore:
                     freed += self._leave_disk(cache, key, release)
                 # The freed bytes become part of this write's reservation: the worker frees
                 # them before it writes, so the disk never holds more than what is counted.
-                reserved = max(need, freed)
-                self.disk_used += reserved - freed
+                reserved = self._budget.reserve(need, freed)
                 cache.writing.add(key)
                 batch.append((key, data, need, reserved))
             if not batch and not release and not others:
@@ -735,23 +709,23 @@ class SampleStore:
             self._next_segment += len(groups)
             result = files.WriteResult([False] * len(groups), len(batch), 0)
             copies: list[tuple[int, bytes]] = []
+            stale = self._budget.reserve(0, stale)  # older values' ranges: counted until freed
             try:
                 result, copies = await trio.to_thread.run_sync(
                     _write_and_copy, self.root, cache.owner, cache.name,
                     [(segment, [(b[0], b[1]) for b in group]) for segment, group in zip(segments, groups)],
                     release, self.free_ratio, others if self.mem_limit else None, digests, limiter=self._limiter)
             finally:
-                self.disk_used -= stale
+                self._budget.settle(stale, 0)
                 written: set[int] = set()
                 for segment, group, ok in zip(segments, groups, result.written):
                     offsets = files.layout([len(b[1]) for b in group])
                     uses = self._next_uses(cache, [b[0] for b in group])  # the plan may have changed meanwhile
                     for (key, data, need, reserved), offset, use in zip(group, offsets, uses):
                         cache.writing.discard(key)
-                        self.disk_used -= reserved
+                        self._budget.settle(reserved, need if ok else 0)
                         if not ok:
                             continue
-                        self.disk_used += need
                         word = cache.entries.get(key)
                         if word is None:
                             word = len(data)
@@ -762,7 +736,7 @@ class SampleStore:
                         self.disk_policy.add(_PK.pack(key, cache.id), need, use)
                         written.add(key)
                     if ok:
-                        cache.segments[segment] = len(group)
+                        cache.segments.add(segment, len(group))
                 self.write_errors += result.errors
                 if result.skipped_full and not self._floor_warned:
                     # Said once: otherwise a full shared disk looks like an NVMe tier that keeps
@@ -778,7 +752,7 @@ class SampleStore:
         started = time.monotonic()
         found, junk = await trio.to_thread.run_sync(files.scan, self.root, limiter=self._limiter)
         over: set[tuple[int, str]] = set()
-        release = _Release()
+        release = Release()
         for start in range(0, len(found), CHUNK):
             for f in found[start:start + CHUNK]:
                 try:
@@ -794,25 +768,24 @@ class SampleStore:
                     continue
                 need = f.allocated
                 cache.entries[f.key] = index.located(f.payload, need, f.segment, f.offset)
-                cache.segments[f.segment] = cache.segments.get(f.segment, 0) + 1
+                cache.segments.add(f.segment)
                 self._next_segment = max(self._next_segment, f.segment + 1)
                 cache.bytes += f.payload
                 cache.disk_bytes += need
-                self.disk_used += need
+                self._budget.used += need
                 self.disk_entries += 1
                 self.disk_policy.add(_PK.pack(f.key, cache.id), need)
             await trio.lowlevel.checkpoint()
-        evicted = 0
+        evicted = freed = 0
         if self.disk_used > self.disk_limit:  # the budget shrank since the entries were written
             for pk in self.disk_policy.victims(self.disk_used - self.disk_limit, 0, None) or []:
                 key, cache_id = _PK.unpack(pk)
                 cache = self._by_id[cache_id]
-                self._forget_disk(cache, key, release)
+                freed += self._forget_disk(cache, key, release)
                 evicted += 1
         for owner, name in over:
             await trio.to_thread.run_sync(files.remove_cache, self.root, owner, name, limiter=self._limiter)
-        if release:
-            await trio.to_thread.run_sync(files.release, release.punches, release.unlink, limiter=self._limiter)
+        await self._budget.free(release, freed, self._limiter)
         self.startup_discarded = junk + evicted
         self.startup_seconds = time.monotonic() - started
         self.loaded = True
@@ -820,6 +793,11 @@ class SampleStore:
                  self.disk_entries, len(self._caches), self.root, self.startup_seconds, self.startup_discarded)
 
     # -- reporting --------------------------------------------------------------------
+
+    @property
+    def disk_used(self) -> int:
+        """Allocated bytes on NVMe, including writes and frees in flight (segments.Budget)."""
+        return self._budget.used
 
     def statistics(self) -> SampleStoreStatistics:
         caches = tuple(SampleCacheStatistics(c.name, c.owner, len(c.entries), c.bytes, c.ram_bytes, c.disk_bytes,
@@ -843,12 +821,12 @@ class SampleStore:
                            for c in sorted(s.caches, key=lambda c: (c.owner, c.name))]}
 
 
-def _chunks(entries: IntShards[int], size: int = CHUNK) -> Iterator[list[int]]:
+def _chunks(entries: ShardedDict[int, int], size: int = CHUNK) -> Iterator[list[int]]:
     """The keys, shard by shard, in lists of ``size`` at most (a walk with a checkpoint after
     each: a shard's keys are listed when the walk reaches it, ~4,000 at 10^6 entries)."""
     chunk: list[int] = []
-    for low, shard in enumerate(entries.shards):
-        keys = [inner << SHARD_BITS | low for inner in shard]
+    for shard in entries.shards:
+        keys = list(shard)
         start = 0
         while start < len(keys):
             taken = keys[start:start + size - len(chunk)]
@@ -867,13 +845,13 @@ def _copies(items: list[tuple[int, Payload]]) -> list[tuple[int, bytes]]:
 
 
 def _write_and_copy(root: str, owner: int, name: str, segments: list[tuple[int, list[tuple[int, Payload]]]],
-                    release: _Release, free_ratio: float,
+                    release: Release, free_ratio: float,
                     others: list[tuple[int, Payload]] | None,
                     digests: Mapping[int, int] | None) -> tuple[files.WriteResult, list[tuple[int, bytes]]]:
     """A put's worker-thread part: free what it evicts, write its segments, and copy for RAM
     what NVMe did not take (``others``, and the entries of a segment that failed; None:
     there is no RAM tier, nothing to copy)."""
-    result = files.write_segments(root, owner, name, segments, release.punches, release.unlink, free_ratio, digests)
+    result = files.write_segments(root, owner, name, segments, release, free_ratio, digests)
     if others is None:
         return result, []
     for (_, entries), ok in zip(segments, result.written):

@@ -286,6 +286,32 @@ async def test_prefetch_refuses_duplicates(autojump_clock: trio.testing.MockCloc
         assert (stats.hits_ram, stats.prefetch_completed) == (0, 2)
 
 
+async def test_drain_waits_on_the_writes_without_polling(tmp_path: Path,
+                                                         autojump_clock: trio.testing.MockClock) -> None:
+    # Under the autojump clock a wait that polls (a sleep) moves virtual time; drain()
+    # waits on an event the last write sets, so time stands still while it waits.
+    backend = FakeBackend()
+    blocks = Blocks(backend)
+    blocks.file("f", 4)
+    disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
+    try:
+        async with open_cache(disk=disk) as cache:
+            cache.disk_batch_linger = 0
+            for i in range(4):
+                cache.admit(blocks.key("f", i), blocks.expected("f", i))
+            assert cache.statistics().pending_disk_bytes == 4 * BLOCK
+            before = trio.current_time()
+            await cache.drain()
+            assert trio.current_time() == before
+            assert cache.statistics().pending_disk_bytes == 0
+            assert all(blocks.key("f", i) in disk for i in range(4))
+            cache.admit(blocks.key("f", 9), blocks.expected("f", 0))  # pending again: a new wait
+            await cache.drain()
+            assert blocks.key("f", 9) in disk and trio.current_time() == before
+    finally:
+        await disk.close()
+
+
 async def test_nvme_hit_promoted_to_ram(tmp_path: Path) -> None:
     backend = FakeBackend()
     blocks = Blocks(backend)

@@ -1,7 +1,7 @@
 """The S3 backend over a real S3 server (SeaweedFS, tests/s3_servers.py): listings page by
 page, stat of keys, prefixes and markers, ranged and whole-object reads, an overwritten
 key as a new version (StaleVersion for the old one), retries of 503 SlowDown through a
-faulting proxy (tests/s3_proxy.py), probes, statistics, nothing but reads, a bucket
+faulting proxy (tools/s3_proxy.py), probes, statistics, nothing but reads, a bucket
 that stops answering and comes back under DeadlineBackend, and the cache's layers over it."""
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import errno
 import os
 import random
 import stat
+import tracemalloc
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -17,11 +19,12 @@ from typing import Any
 import pytest
 import trio
 
+from cubefs_fuse.attrs import Attr
 from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.backends.s3 import S3Backend, S3Location
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.fs.inodes import ROOT_INODE
-from tests.s3_proxy import FaultProxy
+from tools.s3_proxy import Request, S3Proxy
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
 from tests.stack import BLOCK, open_stack, stack_config
 
@@ -62,6 +65,39 @@ async def test_listing_pages_through_more_keys_than_a_page(s3_env: SeaweedS3, ma
     assert backend.statistics().operations["listdir"] == 2
 
 
+# Keys of the bounded-memory listing test, and its page size: 20 pages, so that holding
+# them all would cost ~20 times one page.
+MANY_KEYS, SMALL_PAGE = 2000, 100
+# The listing's peak beyond its entries, in held pages: measured ~6 when it streams, ~25
+# when it holds every page (2026-11-29): 12 tells the two apart with room either way.
+PEAK_PAGES = 12
+
+
+async def test_a_long_listing_holds_one_page_at_a_time(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """Listing a prefix of MANY_KEYS keys page by page: at its peak the listing held its
+    entries and about one page of the answer, never all the pages (traced allocations of
+    every thread: the listing runs in a worker thread)."""
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {f"many/k{i:05d}": b"" for i in range(MANY_KEYS)})
+    backend = make_backend(bucket, page_size=SMALL_PAGE)
+    assert len(await backend.listdir("many")) == MANY_KEYS  # connections, imports and caches warm
+    tracemalloc.start()
+    try:
+        entries = await backend.listdir("many")
+        held, peak = tracemalloc.get_traced_memory()
+        pages = backend._pages("many/")
+        page = next(pages)  # one page of the answer, as the listing holds it
+        page_bytes = tracemalloc.get_traced_memory()[0] - held
+        del page, pages
+    finally:
+        tracemalloc.stop()
+    assert len(entries) == MANY_KEYS
+    # Beyond the entries it returns, the listing's peak is one page held while the next one
+    # is parsed (its XML text and parse tree: ~6 pages' worth measured, 25 with every page
+    # held), far below the MANY_KEYS / SMALL_PAGE pages of the whole answer.
+    assert peak - held < PEAK_PAGES * page_bytes, (peak - held, page_bytes, held)
+
+
 async def test_stat_keys_prefixes_markers_and_missing(s3_env: SeaweedS3, make_backend: Make) -> None:
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"a/file.bin": b"12345", "a/dir/inner": b"i", "a/marker/": b"", "a/both": b"key",
@@ -100,14 +136,63 @@ async def test_ranged_reads_and_stat_read(s3_env: SeaweedS3, make_backend: Make)
         assert await backend.read_block("big.bin", attr.version, offset, size) == data[offset:offset + size]
     with pytest.raises(StaleVersion):  # past the end of this version, as a short read of a file
         await backend.read_block("big.bin", attr.version, 3 * 65536, 1235)
-    small, whole = await backend.stat_read("small.txt", 65536, lambda a: True)
+    small, whole = await backend.stat_read("small.txt", 65536, lambda a: True)  # one ranged GET
     assert whole == b"small file" and small.size == 10
     big, none = await backend.stat_read("big.bin", 65536, lambda a: True)  # larger than max_size
     assert none is None and big.version == attr.version
     reads = backend.statistics().operations["read"]
     _, unwanted = await backend.stat_read("small.txt", 65536, lambda a: False)
-    assert unwanted is None and backend.statistics().operations["read"] == reads  # no GET made
+    assert unwanted is None and backend.statistics().operations["read"] == reads  # its bytes dropped, no read
     assert backend.statistics().bytes_read == sum(size for _, size in ranges) + len(b"small file")
+
+
+async def test_a_cold_lookup_is_one_ranged_get(s3_env: SeaweedS3, make_backend: Make) -> None:
+    """stat_read through the recording proxy: a small object's attributes and bytes come in
+    one request (a GET of its first max_size bytes); a larger object's lookup is the same
+    one request, whose answer is bounded by its Range and not kept; a lookup that does not
+    want the bytes is one request too; an empty object is the GET's 416 and a HEAD; a
+    prefix the GET's 404 and a LIST."""
+    bucket = s3_env.new_bucket()
+    size = 4096  # max_size of these lookups: the large object is five of it and a byte
+    large = random.Random(3).randbytes(5 * size + 1)
+    put(s3_env, bucket, {"small": b"s" * 100, "large": large, "empty": b"", "dir/inner": b"i"})
+    with S3Proxy(s3_env.s3_port) as proxy:
+        backend = make_backend(bucket, endpoint=proxy.endpoint)
+
+        async def looked_up(path: str, wanted: bool = True) -> tuple[Attr, bytes | None, list[Request]]:
+            before = len(proxy.requests)
+            attr, data = await backend.stat_read(path, size, lambda a: wanted)
+            with proxy.lock:
+                return attr, data, proxy.requests[before:]
+
+        attr, data, sent = await looked_up("small")
+        assert data == b"s" * 100 and attr.size == 100
+        assert [(r.method, r.range) for r in sent] == [("GET", f"bytes=0-{size - 1}")]
+        assert backend.statistics().operations == {"stat": 1, "read": 1}
+        assert backend.statistics().bytes_read == 100
+        assert attr.version == (await backend.stat("small")).version  # the HEAD's attributes exactly
+
+        attr, data, sent = await looked_up("large")
+        assert data is None and attr.size == len(large)  # the total size, from Content-Range
+        assert [(r.method, r.range) for r in sent] == [("GET", f"bytes=0-{size - 1}")]
+        assert sent[0].sent <= size  # no more of it than max_size crossed the wire
+        assert attr.version == (await backend.stat("large")).version
+        assert await backend.read_block("large", attr.version, size, size) == large[size:2 * size]
+
+        attr, data, sent = await looked_up("small", wanted=False)  # on NVMe already, or not wanted
+        assert data is None and attr.size == 100 and [r.method for r in sent] == ["GET"]
+
+        attr, data, sent = await looked_up("empty")
+        assert data is None and attr.is_file and attr.size == 0
+        assert [r.method for r in sent] == ["GET", "HEAD"]
+
+        attr, data, sent = await looked_up("dir")
+        assert data is None and attr.is_dir and [r.method for r in sent] == ["GET", "GET"]  # the LIST
+        with pytest.raises(FileNotFoundError):
+            await backend.stat_read("nope", size, lambda a: True)
+        ops = backend.statistics().operations
+        # One read part (the small object's bytes kept) and one read_block; the rest are stats.
+        assert ops["read"] == 2 and backend.statistics().errors == {}
 
 
 async def test_an_overwritten_key_is_a_new_version_and_old_reads_are_stale(s3_env: SeaweedS3, make_backend: Make) -> None:
@@ -132,7 +217,7 @@ async def test_an_overwritten_key_is_a_new_version_and_old_reads_are_stale(s3_en
 async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: SeaweedS3, make_backend: Make) -> None:
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"d/f": b"payload"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         backend = make_backend(bucket, endpoint=proxy.endpoint)
         proxy.fail_next(3)
         attr = await backend.stat("d/f")  # a HEAD: obstore's retries
@@ -162,7 +247,7 @@ async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: Seawe
     (fail fast), and up again at the first answer, with no restart."""
     bucket = s3_env.new_bucket()
     put(s3_env, bucket, {"f": b"data"})
-    with FaultProxy(s3_env.s3_port) as proxy:
+    with S3Proxy(s3_env.s3_port) as proxy:
         inner = make_backend(bucket, endpoint=proxy.endpoint, retries=1)
         attr = await inner.stat("f")
         backend = DeadlineBackend(inner, 10.0, probe_interval=0.05)
@@ -190,27 +275,34 @@ async def test_a_bucket_that_stops_answering_is_down_then_recovers(s3_env: Seawe
 
 async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: SeaweedS3, make_backend: Make) -> None:
     """The daemon's layers (tests/stack.py) over the S3 backend: a small file comes with its
-    lookup (stat_read: a HEAD and one GET), a large one block by block, and a second read
+    lookup (stat_read: one ranged GET), a large one block by block, and a second read
     of either is served from the cache without a request; after the TTL an overwrite is a
     new inode with the new bytes."""
     bucket = s3_env.new_bucket()
     big = random.Random(7).randbytes(3 * BLOCK + 100)
     put(s3_env, bucket, {"d/small": b"s" * 100, "d/big": big})
-    backend = make_backend(bucket)
-    async with open_stack(backend, stack_config(attr_valid=1.0, lookup_valid=1.0)) as stack:
-        fs = stack.fs
-        d = await fs.lookup(ROOT_INODE, "d")
-        small = await fs.lookup(d.inode, "small")
-        large = await fs.lookup(d.inode, "big")
-        for entry, data in ((small, b"s" * 100), (large, big)):
-            for _ in range(2):
-                await fs.open(entry.inode, os.O_RDONLY, pid=1)
-                assert bytes(await fs.read(entry.inode, 0, 0, len(data) + 10, pid=1)) == data
-        ops = backend.statistics().operations
-        assert ops["read"] == 1 + 4  # the small file's GET in its lookup, the big one's 4 blocks
-        put(s3_env, bucket, {"d/small": b"S" * 50})
-        await trio.sleep(1.5)
-        fresh = await fs.lookup(d.inode, "small")
-        assert fresh.inode != small.inode and fresh.attr.size == 50
-        await fs.open(fresh.inode, os.O_RDONLY, pid=1)
-        assert bytes(await fs.read(fresh.inode, 0, 0, 100, pid=1)) == b"S" * 50
+    with S3Proxy(s3_env.s3_port) as proxy:
+        backend = make_backend(bucket, endpoint=proxy.endpoint)
+        async with open_stack(backend, stack_config(attr_valid=1.0, lookup_valid=1.0)) as stack:
+            fs = stack.fs
+            d = await fs.lookup(ROOT_INODE, "d")
+            small = await fs.lookup(d.inode, "small")
+            large = await fs.lookup(d.inode, "big")
+            for entry, data in ((small, b"s" * 100), (large, big)):
+                for _ in range(2):
+                    await fs.open(entry.inode, os.O_RDONLY, pid=1)
+                    assert bytes(await fs.read(entry.inode, 0, 0, len(data) + 10, pid=1)) == data
+            ops = backend.statistics().operations
+            assert ops["read"] == 1 + 4  # the small file's GET in its lookup, the big one's 4 blocks
+            with proxy.lock:
+                per_key = Counter((r.method, r.path.rpartition("/")[2]) for r in proxy.requests)
+            # The cold small file's lookup and reads: one request.  The big one's: its lookup
+            # (a GET whose bytes are not kept) and one GET per block.
+            assert per_key[("GET", "small")] == 1 and per_key[("GET", "big")] == 1 + 4, per_key
+            assert per_key[("HEAD", "small")] == per_key[("HEAD", "big")] == 0, per_key
+            put(s3_env, bucket, {"d/small": b"S" * 50})
+            await trio.sleep(1.5)
+            fresh = await fs.lookup(d.inode, "small")
+            assert fresh.inode != small.inode and fresh.attr.size == 50
+            await fs.open(fresh.inode, os.O_RDONLY, pid=1)
+            assert bytes(await fs.read(fresh.inode, 0, 0, 100, pid=1)) == b"S" * 50

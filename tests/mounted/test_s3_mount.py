@@ -1,8 +1,11 @@
 """Mounted: an S3 bucket prefix (SeaweedFS, tests/s3_servers.py) through a real daemon and
 FUSE mount: the tree and every byte, a read-only mount, an overwritten object seen new
 after attrValid while a handle opened before reads its own version or ESTALE, never a
-mix; the NVMe cache's index across a restart, with no GET after it; warmup and status;
-an ai_prefetch plan prefetching the objects before they are read."""
+mix; the NVMe cache's index across a restart, with no read after it; a cold small
+object's lookup and read in one request; warmup and status;
+an ai_prefetch plan prefetching the objects before they are read; a bucket that throttles
+(503 SlowDown through tools/s3_proxy.py) or goes away and comes back, with nothing but
+reads ever reaching it, and the backend's metrics per operation kind."""
 
 from __future__ import annotations
 
@@ -10,15 +13,19 @@ import errno
 import json
 import os
 import random
+import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from cubefs_fuse.backends.s3 import INITIAL_BACKOFF
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
 from tests.helpers import Mount, cli, metric, wait_until
 from tests.s3_servers import SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
+from tools.s3_proxy import S3Proxy
 
 BS = 64 * 1024  # the mount's blockSize: small, so that multi-block objects stay cheap
 TTL = 1.0  # attrValid and lookupValid: how long a changed object may still look unchanged
@@ -109,7 +116,9 @@ def test_a_bucket_prefix_is_served_and_an_overwrite_seen_after_the_ttl(
 def test_after_a_restart_the_bucket_is_served_from_nvme_without_a_get(
         make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
     """The NVMe index across restarts over S3: a key's version (ETag hash, size, second)
-    is the same to the next daemon, so every block is found on NVMe and no GET is made."""
+    is the same to the next daemon, so every block is found on NVMe and none is read from
+    the bucket (a cold lookup is still one ranged GET, whose bytes are dropped when the
+    block is on NVMe: no read counted, nothing served from the backend)."""
     bucket = s3_env.new_bucket()
     client = s3_env.client()
     rng = random.Random(5)
@@ -189,3 +198,121 @@ def test_an_ai_prefetch_plan_brings_a_bucket_in_before_it_is_read(
         assert read_all(m.path(paths[i])) == contents[paths[i]]
     assert metric(m.scrape(), "cubefs_fuse_backend_read_bytes_total") == total  # each object once, before its read
     m.umount()
+
+
+# backendTimeout of the throttling test: short, so that the retries of a bucket that keeps
+# throttling (up to 10 per request, waits from 50 ms up to 2 s) are cut by it and the
+# reader's EIO comes within it.
+THROTTLED_TIMEOUT = 2.0
+# What a loaded 2-core machine may add to that deadline (a FUSE round trip, thread start).
+SLACK = 2.0
+
+
+def read_errno(path: Path) -> int:
+    """The errno of reading ``path`` whole (0: it read)."""
+    try:
+        read_all(path)
+    except OSError as exc:
+        return exc.errno or -1
+    return 0
+
+
+def test_a_cold_small_object_is_one_request(make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    """Through the recording proxy: a cold small object's lookup, open and read are one
+    request (a GET of its first block, whose answer is also its attributes); a larger
+    object's lookup is one GET whose answer carried no more than a block, then one GET per
+    block it is read in."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(23)
+    small, large = rng.randbytes(BS // 2), rng.randbytes(3 * BS + 1)
+    client.put_object(Bucket=bucket, Key="d/small", Body=small)
+    client.put_object(Bucket=bucket, Key="d/large", Body=large)
+    with S3Proxy(s3_env.s3_port) as proxy:
+        m = make_mount(source=f"s3://{bucket}", s3Endpoint=proxy.endpoint, blockSize="64KiB", memCacheSize="4MiB",
+                       diskCacheSize="8MiB")
+        m.mount()
+        for _ in range(2):  # the second time from the cache: no request
+            assert read_all(m.path("d/small")) == small  # never listed: the kernel looks it up
+            assert read_all(m.path("d/large")) == large
+        with proxy.lock:
+            sent = [r for r in proxy.requests if r.path.split("?")[0].endswith(("/d/small", "/d/large"))]
+        m.umount()
+    assert [(r.method, r.path.rpartition("/")[2]) for r in sent if r.path.endswith("small")] == [("GET", "small")]
+    on_large = [r for r in sent if r.path.endswith("large")]
+    assert [r.method for r in on_large] == ["GET"] * (1 + 4), on_large  # the lookup, then 4 blocks
+    assert on_large[0].range == f"bytes=0-{BS - 1}" and on_large[0].sent <= BS, on_large[0]
+
+
+@pytest.mark.expected_daemon_errors(r"backend down: ")
+def test_a_throttled_then_vanished_bucket_recovers_without_a_restart(
+        make_mount: Callable[..., Mount], s3_env: SeaweedS3) -> None:  # noqa: F811
+    """Through the faulting proxy, one daemon for the whole test: a few 503s are retried
+    unseen; a bucket that keeps throttling costs the reader EIO within backendTimeout, with
+    retries backing off meanwhile, while cached objects are still served; the daemon is up
+    again once the bucket answers.  Then the bucket is deleted (reads fail) and created
+    again with its objects: served again, by the same daemon.  Only GET and HEAD requests
+    ever reached the bucket, and the backend's metrics count each operation kind."""
+    bucket = s3_env.new_bucket()
+    client = s3_env.client()
+    rng = random.Random(17)
+    contents = {f"d/f{i}": rng.randbytes(2 * BS + 1 if i == 0 else 1000 + i) for i in range(6)}
+    for key, data in contents.items():
+        client.put_object(Bucket=bucket, Key=key, Body=data)
+    with S3Proxy(s3_env.s3_port) as proxy:
+        m = make_mount(source=f"s3://{bucket}", s3Endpoint=proxy.endpoint, blockSize="64KiB", memCacheSize="4MiB",
+                       diskCacheSize="8MiB", attrValid=TTL, lookupValid=TTL, backendTimeout=THROTTLED_TIMEOUT)
+        m.mount()
+        pid = m.pid()
+        assert sorted(os.listdir(m.path("d"))) == sorted(os.path.basename(k) for k in contents)
+        assert read_all(m.path("d/f0")) == contents["d/f0"]  # multi-block: ranged GETs ("read")
+
+        proxy.fail_next(3)  # a short throttle: retried, the reader never knows
+        assert read_all(m.path("d/f1")) == contents["d/f1"] and proxy.failed == 3
+
+        proxy.fail_next(1_000_000)  # throttled for good
+        failed_before, started = proxy.failed, time.monotonic()
+        assert read_errno(m.path("d/f2")) == errno.EIO
+        assert time.monotonic() - started < THROTTLED_TIMEOUT + SLACK
+        with proxy.lock:
+            tries = [r.at for r in proxy.requests[-(proxy.failed - failed_before):] if "f2" in r.path]
+        gaps = [b - a for a, b in zip(tries, tries[1:])]
+        # Retried, never in a tight loop: each retry waits at least INITIAL_BACKOFF (then a
+        # random time up to twice the previous wait); the first try of a second operation
+        # (the kernel's own retry of the lookup) may follow a failure at once.
+        assert len(tries) >= 3 and statistics.median(gaps) >= INITIAL_BACKOFF.total_seconds(), gaps
+        wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_up") == 0, what="the backend to be down")
+        proxy.fail_next(0)
+        wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_up") == 1, timeout=15,
+                   what="a probe to find the bucket answering again")
+        assert read_all(m.path("d/f2")) == contents["d/f2"]
+
+        # The bucket goes away (deleted), then comes back with its objects (new versions).
+        for key in contents:
+            client.delete_object(Bucket=bucket, Key=key)
+        client.delete_bucket(Bucket=bucket)
+        time.sleep(TTL * 1.5)
+        assert read_errno(m.path("d/f3")) in (errno.ENOENT, errno.EIO)
+        client.create_bucket(Bucket=bucket)
+        for key, data in contents.items():
+            client.put_object(Bucket=bucket, Key=key, Body=data[::-1])
+        wait_until(lambda: read_errno(m.path("d/f3")) == 0, timeout=20, what="the bucket served again")
+        for key, data in contents.items():
+            assert read_all(m.path(key)) == data[::-1], key
+        assert m.pid() == pid  # no restart
+
+        samples = m.scrape()
+        for op in ("stat", "listdir", "read"):
+            assert metric(samples, "cubefs_fuse_backend_operations_total", op=op) > 0, op
+            assert metric(samples, "cubefs_fuse_backend_latency_seconds_count", op=op) > 0, op
+        assert sum(metric(samples, "cubefs_fuse_backend_errors_total", op=op, errno="EIO")
+                   + metric(samples, "cubefs_fuse_backend_timeouts_total", op=op)
+                   for op in ("stat", "read")) >= 1
+        # Each version fetched once: f0-f2 before the bucket went away, every object after.
+        first = sum(len(contents[f"d/f{i}"]) for i in range(3))
+        assert metric(samples, "cubefs_fuse_backend_read_bytes_total") == first + sum(map(len, contents.values()))
+        with pytest.raises(OSError) as info:
+            open(m.path("d/new"), "wb")
+        assert info.value.errno == errno.EROFS
+        m.umount()
+    assert {r.method for r in proxy.requests} <= {"GET", "HEAD"}, Counter(r.method for r in proxy.requests)

@@ -34,11 +34,10 @@ import random
 import re
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,12 +53,10 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import fastpath
 from cube_torch import reporter
-from cube_torch.client import PlanRequest
-from cube_torch.client import submitter
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
 from tests.helpers import REPO, Mount, force_unmount, free_port, metric, wait_until
-from tests.torch_datasets import LINE, ListDataset, RepeatingBatchSampler, canon, keep, make_dataset, populate, read_bytes, wrap
+from tests.torch_datasets import LINE, ListDataset, Wire, capture_wire, RepeatingBatchSampler, canon, keep, make_dataset, populate, read_bytes, wrap
 
 SEED = 20240607
 
@@ -165,60 +162,11 @@ def trace(volume: Volume, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 # -- what cube_torch sends ---------------------------------------------------------------
 
 
-@dataclass
-class SentPlan:
-    job: str
-    rank: int
-    epoch: int
-    dataset: str
-    order: np.ndarray
-
-
-@dataclass
-class Wire:
-    """Every dataset list and plan cube_torch sent, as sent."""
-
-    datasets: dict[str, list[str]] = field(default_factory=dict)
-    registrations: int = 0
-    plans: list[SentPlan] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def paths(self, plan: SentPlan) -> list[str]:
-        listed = self.datasets[plan.dataset]
-        return [listed[i] for i in plan.order.tolist()]
-
-
 @pytest.fixture
 def wire(monkeypatch: pytest.MonkeyPatch, volume: Volume) -> Wire:
     """Captures the control traffic and makes each submission complete before the epoch's
     first sample is handed out (see the module doc)."""
-    captured = Wire()
-    register, submit_plan = ControlClient.register_dataset, ControlClient.submit_plan
-
-    def register_dataset(self: ControlClient, paths: list[str], columns: int = 1) -> str:
-        dataset_id = register(self, paths, columns)
-        with captured.lock:
-            captured.datasets[dataset_id] = list(paths)
-            captured.registrations += 1
-        return dataset_id
-
-    def plan(self: ControlClient, job: str, rank: int, epoch: int, dataset: str, order: bytes,
-             dtype: str, loader: str | None = None, first: int = 0) -> dict[str, Any]:
-        result = submit_plan(self, job, rank, epoch, dataset, order, dtype, loader, first)
-        with captured.lock:
-            captured.plans.append(SentPlan(job, rank, epoch, dataset, np.frombuffer(order, dtype=dtype).copy()))
-        return result
-
-    monkeypatch.setattr(ControlClient, "register_dataset", register_dataset)
-    monkeypatch.setattr(ControlClient, "submit_plan", plan)
-    asynchronous = submitter.submit
-
-    def synchronous(request: PlanRequest) -> None:
-        asynchronous(request)
-        assert submitter.wait_idle(30), "cube_torch's submitter did not finish"
-
-    monkeypatch.setattr(submitter, "submit", synchronous)
-    return captured
+    return capture_wire(monkeypatch)
 
 
 @pytest.fixture(autouse=True)

@@ -33,7 +33,7 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch.samples.cache import RETRY_AFTER
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
-    assert_a_changed_file_is_recomputed, two_ranks_share, wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines,
+    assert_a_changed_file_is_recomputed, two_ranks_share, wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines, status, cache_counts,
 )
 from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
 from tools.harness import drop_page_cache
@@ -54,22 +54,6 @@ def patched() -> Iterator[None]:
 def cached(root: Path, counts: Path, name: str) -> cube_torch.CachedDataset:
     """The dataset under test: no ``store=``, so the daemon of $VOL_NAME."""
     return cube_torch.CachedDataset(CountingFolder(root, counts, DECODE_RESIZE), name=name, transform=augment)
-
-
-def status(mount: Mount) -> dict[str, Any]:
-    """The daemon's samples section of ``cubefs-fuse status --json``."""
-    result = cli("status", str(mount.mount_point), "--json")
-    assert result.returncode == 0, result.stderr
-    samples: dict[str, Any] = json.loads(result.stdout)[0]["samples"]
-    return samples
-
-
-def cache_counts(mount: Mount, name: str) -> dict[str, int]:
-    """Entries, hits and misses of one of this uid's sample caches, as the daemon counts them."""
-    for cache in status(mount)["caches"]:
-        if cache["name"] == name and cache["owner"] == os.geteuid():
-            return {k: int(cache[k]) for k in ("entries", "hits", "misses")}
-    return {"entries": 0, "hits": 0, "misses": 0}
 
 
 def settled(mount: Mount, name: str, entries: int) -> None:

@@ -27,7 +27,6 @@ import pytest
 import torch
 
 import cube_torch
-from cube_torch import shared
 from cube_torch import client as ct_client
 from cube_torch import reporter
 from tests.helpers import REPO, Mount, cli, metric, wait_until
@@ -132,7 +131,6 @@ def test_every_view_counts_what_a_cube_torch_job_reads(volume: tuple[Mount, str]
     wait_until(lambda: status(mount)["samples"]["loaded"], what="the sample store's start-up scan")
     cube_torch.install()
     ct_client._warned.clear()
-    shared.forget()  # sample-cache hits earlier tests of this process counted are not this job's
     counts = tmp_path / "computed"
     dataset = cube_torch.CachedDataset(CountingFolder(mount.mount_point / "train", counts, DECODE_RESIZE),
                                        name=f"views-{os.getpid()}", transform=augment)

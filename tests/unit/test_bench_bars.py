@@ -264,3 +264,31 @@ def test_sample_cache_table_shows_the_machines_cpu_per_sample() -> None:
     assert "| fills | 5,828 | 781 | 234 | 438 |" in table
     assert "| baselines | 5,688 | 672 | 31 | 469 |" in table
     assert "steal" not in report.samples_table({**_samples([0.89, 3.0]), "machine_cpu": None})
+
+
+def test_the_s3_workloads_bars() -> None:
+    """benchmarks/suite/s3.py's bars: epoch 1 and the mean of later epochs against the
+    other system's, a failed run "not met", and the CPU bar lower-is-better."""
+    from benchmarks.suite import s3
+
+    def run(workload: str, system: str, rates: list[float], error: str | None = None) -> dict[str, Any]:
+        return {"workload": workload, "system": system, "workers": 2, "error": error,
+                "epochs": [{"samples_per_s": r} for r in rates]}
+
+    out: dict[str, Any] = {"runs": [run("training", "local", [100, 200, 200]), run("training", "cubefs+ct", [95, 190, 200]),
+                                    run("training", "rclone", [50, 200, 100]), run("raw_io", "cubefs+ct", [400, 900]),
+                                    run("raw_io", "bucket", [101, 100]), run("raw_io", "rclone", [10], "HarnessError")],
+                           "cpu": {"ratio": 2.5, "s3": {"cpu_us_per_file": 500.0}, "directory": {"cpu_us_per_file": 200.0}},
+                           "delay_ms": 10, "error": None}
+    got = {b["title"]: (None if b["ratio"] is None else round(b["ratio"], 3), b["met"]) for b in s3.bars(out)}
+    assert got == {
+        "training, epoch 1: cubefs+ct / local": (0.95, True),
+        "training, later epochs: cubefs+ct / local": (0.975, True),
+        "raw I/O 8 workers, epoch 1: cubefs+ct / raw bucket (obstore)": (3.96, False),
+        "training, epoch 1: cubefs+ct / rclone": (1.9, True),
+        "training, later epochs: cubefs+ct / rclone": (1.3, True),
+        "raw I/O 8 workers, epoch 1: cubefs+ct / rclone": (None, False),
+        "daemon CPU per cold object: s3 / directory backend": (2.5, False),
+    }
+    out["bars"] = s3.bars(out)
+    assert "| raw I/O 8 workers, epoch 1: cubefs+ct / raw bucket (obstore) | 3.96 × | ≥ 4 × | **no** |" in s3.markdown(out)

@@ -12,12 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from cube_torch import reporter, shared
-from cube_torch.client import JobIdentity, submitter
+from cube_torch.client import JobIdentity, PlanRequest, Submitter, submitter
 from cube_torch.samples.dataset import CachedDataset
 from cubefs_fuse.control.protocol import VolumeConfig
 from tests.helpers import REPO
@@ -77,6 +78,27 @@ def test_samples_served_by_a_cached_dataset_in_workers_are_hits_of_the_job(
     assert match and match.group(1, 2, 6, 7) == ("12", "12", "36", "36")
     assert reporter.stats() is not None  # stats() says how many of the hits were samples
     assert reporter.with_sample_hits({"requests": 6, "hits": 5, "misses": 1}, 30)["sample_hits"] == 30
+
+
+def test_a_training_after_another_in_the_process_counts_only_its_own_sample_hits(
+        daemon_counts: type[FakeControl], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two trainings one after the other in one process, each its own job: the line of the
+    second counts the sample-cache hits since its first plan, not the first one's; its
+    later epochs keep counting from that first plan."""
+    plans = Submitter()
+    monkeypatch.setattr(plans, "_run", lambda: None)  # queued, never sent: no daemon here
+
+    def epoch(job: str, hits: int) -> None:
+        plans.submit(PlanRequest("v", None, np.arange(hits), 0, 0, job))  # before its first sample
+        shared.add_sample_hits(hits)  # as its CachedDataset serves them
+
+    epoch("first", 10)
+    epoch("job", 4)  # the fixture's job, the one the line reports
+    match = LINE.fullmatch(reporter.report_once() or "")
+    assert match and match.group(6, 7) == ("4", "4"), match
+    epoch("job", 3)
+    match = LINE.fullmatch(reporter.report_once() or "")
+    assert match and match.group(1, 6) == ("3", "7"), match
 
 
 def test_the_exit_line_is_left_out_when_nothing_was_read_since_the_last_line(

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from cubefs_fuse.cache import holes
-from cubefs_fuse.cache.disk import DIR_SLACK, HEADER_BYTES, SEGMENT_BYTES, DiskTier, _unpack, allocated_bytes
+from cubefs_fuse.cache.disk import DIR_SLACK, HEADER_BYTES, SEGMENT_BYTES, LOCATION, DiskTier, allocated_bytes
 from cubefs_fuse.errors import ConfigError
 from tests.helpers import allocated_on_disk, block_key as key, block_payload as payload
 
@@ -26,12 +26,12 @@ PAGE = 4096
 def entry_at(tier: DiskTier, directory: Path, k: bytes) -> tuple[Path, int, int]:
     """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py): its
     segment file, offset and allocated size."""
-    segment, offset, size = _unpack(tier._entries[k])
+    segment, size, offset = LOCATION.unpack(tier._entries[k])
     return directory / "segments" / f"{segment:08x}.seg", offset, size
 
 
 def stored_bytes(tier: DiskTier) -> int:
-    return sum(_unpack(location)[2] for location in tier._entries.values())
+    return sum(LOCATION.unpack(location)[1] for location in tier._entries.values())
 
 
 def check_accounting(tier: DiskTier, directory: Path) -> int:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cubefs_fuse.cache.segments import Release
 from cubefs_fuse.samples import checksum, files
 from tests.helpers import resident_pages
 
@@ -50,7 +51,7 @@ def wanted(views: list[tuple[int, memoryview]], segment: int = 0) -> list[tuple[
 
 def test_aligned_payloads_bypass_the_page_cache_both_ways(tmp_path: Path) -> None:
     views = ring_views(SIZES)
-    result = files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    result = files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     assert result.written == [True] and not files._direct_refused
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
     assert segment.stat().st_size == sum(files.span(size) for size in SIZES)
@@ -69,8 +70,8 @@ def test_unaligned_payloads_are_written_through_the_page_cache_alike(tmp_path: P
     views = [(key, bytes([key + 1]) * size) for key, size in enumerate(SIZES)]  # bytes: not page-aligned
     aligned = tmp_path / "aligned"
     aligned.mkdir()
-    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0).written == [True]
-    assert files.write_segments(str(aligned), UID, "c", [(0, ring_views(SIZES))], [], [], 0.0).written == [True]
+    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0).written == [True]
+    assert files.write_segments(str(aligned), UID, "c", [(0, ring_views(SIZES))], Release(), 0.0).written == [True]
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
     assert resident_pages(segment) > 0  # the page cache has them
     # The same bytes on disk either way (the format does not depend on the path).
@@ -99,9 +100,9 @@ def test_a_filesystem_without_o_direct_gets_page_cache_writes_and_reads(tmp_path
     monkeypatch.setattr(os, "open", no_direct_open)
     monkeypatch.setattr(fcntl, "fcntl", no_direct_fcntl)
     views = ring_views(SIZES)
-    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0).written == [True]
+    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0).written == [True]
     assert refused == ["open"] and files._direct_refused  # asked once, then never again
-    assert files.write_segments(str(tmp_path), UID, "c", [(1, views)], [], [], 0.0).written == [True]
+    assert files.write_segments(str(tmp_path), UID, "c", [(1, views)], Release(), 0.0).written == [True]
     assert files.read_entries(str(tmp_path), UID, "c", wanted(views, 1)) == [bytes(v) for _, v in views]
     assert refused == ["open"]
     assert resident_pages(Path(files.segment_path(str(tmp_path), UID, "c", 1))) > 0
@@ -121,7 +122,7 @@ def test_a_direct_write_the_filesystem_refuses_is_written_again_through_the_page
 
     monkeypatch.setattr(os, "writev", refusing_writev)
     views = ring_views(SIZES)
-    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0).written == [True]
+    assert files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0).written == [True]
     assert calls[0] and not any(calls[1:]) and files._direct_refused
     assert files.read_entries(str(tmp_path), UID, "c", wanted(views)) == [bytes(v) for _, v in views]
 
@@ -157,7 +158,7 @@ def test_entries_of_the_previous_format_are_scanned_read_and_freed(tmp_path: Pat
 
 def test_a_damaged_direct_entry_is_never_served(tmp_path: Path) -> None:
     views = ring_views((150_528, 20_000))
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
     want = wanted(views)
     with open(segment, "r+b") as f:  # one flipped payload bit of the first entry
@@ -169,7 +170,7 @@ def test_a_damaged_direct_entry_is_never_served(tmp_path: Path) -> None:
     assert files.read_entries(str(tmp_path), UID, "c", want) == [False, False]
     # Asked for another size than it has (rewritten meanwhile): the careful read answers.
     views2 = ring_views((3000,))
-    files.write_segments(str(tmp_path), UID, "c", [(1, views2)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(1, views2)], Release(), 0.0)
     assert files.read_entries(str(tmp_path), UID, "c", [(0, 1, 0, 9000)]) == [bytes(views2[0][1])]
 
 
@@ -187,7 +188,7 @@ def targets_in(sizes: tuple[int, ...], keep: bool) -> tuple[mmap.mmap, list[file
 @pytest.mark.parametrize("keep", [False, True])
 def test_entries_are_read_straight_into_their_targets(tmp_path: Path, keep: bool) -> None:
     views = ring_views(SIZES)
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
     ring, targets = targets_in(SIZES, keep)
     got = files.read_entries(str(tmp_path), UID, "c", wanted(views), targets)
@@ -203,7 +204,7 @@ def test_entries_are_read_straight_into_their_targets(tmp_path: Path, keep: bool
 
 def test_a_damaged_entry_read_into_a_target_is_never_served(tmp_path: Path) -> None:
     views = ring_views((150_528, 20_000))
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     segment = Path(files.segment_path(str(tmp_path), UID, "c", 0))
     want = wanted(views)
     with open(segment, "r+b") as f:
@@ -225,7 +226,7 @@ def test_bytes_changed_in_the_target_during_a_read_are_no_verdict(tmp_path: Path
     drop another user's shared entries) nor be kept.  The careful read from the file into
     private memory decides, and the intact entry is answered."""
     views = ring_views((150_528,))
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     real_preadv = os.preadv
     scribbled: list[int] = []
 
@@ -248,7 +249,7 @@ def test_a_head_block_changed_in_the_target_cannot_forge_an_entry(tmp_path: Path
     """The checksum is only believed from private memory: the head block is read into the
     thread's scratch, never into the target, so a target cannot supply one."""
     views = ring_views((9000,))
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     _, targets = targets_in((9000,), True)
     real_preadv = os.preadv
     seen: list[list[int]] = []
@@ -268,7 +269,7 @@ def test_an_empty_entry_is_read_by_a_thread_that_never_read_before(tmp_path: Pat
     """The thread's scratch is made by the first read it does, whatever that entry's size."""
     import threading
     views = ring_views((0,))
-    files.write_segments(str(tmp_path), UID, "c", [(0, views)], [], [], 0.0)
+    files.write_segments(str(tmp_path), UID, "c", [(0, views)], Release(), 0.0)
     got: list[object] = []
     reader = threading.Thread(target=lambda: got.append(files.read_entries(str(tmp_path), UID, "c", wanted(views))))
     reader.start()
