@@ -38,14 +38,14 @@ from benchmarks.suite.systems import (METADATA_TIMEOUT_S, Context, Local, Ours, 
                                       System, cache_budget, cpu_seconds, process_tree)
 from tools.harness import DaemonMount, HarnessError, free_port
 
-DELAY_MS = 10.0  # per request, the issue's "S3 at 10 ms"
+DELAY_MS = 10.0  # per request: a small GET from a cloud object store (10-50 ms)
 BUCKET = "bench"
 PREFIX = "dataset"  # the dataset's keys: PREFIX/class/file.jpg, as under the local copy
 UPLOAD_THREADS = 8  # PUTs in flight while filling the bucket (SeaweedFS takes ~200/s on 2 cores)
 RAW_WORKERS = 8  # the raw I/O bar's worker count
 # Seconds the proxy may take to print its port (a Python start-up on a loaded machine).
 PROXY_START_S = 30.0
-# The bars of the issue (#31) and what they compare.
+# The S3 bars (docs/benchmarks.md) and what they compare.
 BARS = (
     ("training, epoch 1: cubefs+ct / local", "training", "cubefs+ct", "local", "first", 0.9),
     ("training, later epochs: cubefs+ct / local", "training", "cubefs+ct", "local", "later", 0.97),

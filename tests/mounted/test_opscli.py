@@ -199,7 +199,7 @@ def test_warmup_check_list_and_drop_cache(make_mount: Callable[..., Mount]) -> N
     listing.write_text("b/g0\n/etc/shadow\n")
     _one_line_error(cli("warmup", str(m.mount_point), "-f", str(listing)), "/etc/shadow", code=2)
     _one_line_error(cli("warmup", str(m.mount_point)), "give at least one PATH or -f LIST", code=2)
-    _one_line_error(cli("drop-cache", "--samples", "../x", str(m.mount_point)), "a sample cache's name", code=2)
+    _one_line_error(cli("drop-cache", "--samples", "../x", str(m.mount_point)), "a sample cache name is", code=2)
     _one_line_error(cli("stats", str(m.mount_point), "-i", "0"), "--interval 0.0: give a positive number", code=2)
 
     drop = cli("drop-cache", str(m.mount_point))
