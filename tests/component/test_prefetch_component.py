@@ -107,13 +107,40 @@ async def taken_in(s: System, rank: int = 0) -> None:
     await window_started(s.service.scheduler.plans[(JOB, rank, "0")])
 
 
+_threads_out = 0  # worker threads (trio.to_thread) running now, counted by the fixture below
+
+
+@pytest.fixture(autouse=True)
+def _count_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Count the daemon's worker threads in flight, so that ``window_started`` can keep
+    virtual time still while one computes (the re-ranking's numpy pass).  The autojump
+    clock jumps whenever every task waits, a wait for a thread included, so without this
+    a re-ranking that takes a loaded machine a second of real time costs a second of
+    virtual time too."""
+    real = trio.to_thread.run_sync
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        global _threads_out
+        _threads_out += 1
+        try:
+            return await real(*args, **kwargs)
+        finally:
+            _threads_out -= 1
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counted)
+
+
 async def window_started(plan: Any) -> None:
     """Wait until ``plan``'s window has stat'ed its first chunk, right after re-ranking."""
+    real_deadline = time.monotonic() + 60  # a hung worker thread fails the test, not CI's clock
     with trio.fail_after(1):  # virtual time: passes only while the window stats its first chunk
         while not plan.warmed_upto:
-            # A checkpoint, or, while the window's stats are out, a step of virtual time (the
-            # clock only jumps when every task waits): at most one stat's round trip passes.
-            await trio.sleep(LATENCY / 20)
+            if time.monotonic() > real_deadline:
+                raise trio.TooSlowError("a worker thread ran for a minute")
+            # While a worker thread computes, a bare checkpoint (this task stays runnable,
+            # so the clock stands still); otherwise a step of virtual time (the clock only
+            # jumps when every task waits): at most one stat's round trip passes.
+            await trio.sleep(0 if _threads_out else LATENCY / 20)
 
 
 async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: trio.testing.MockClock) -> None:
