@@ -223,6 +223,19 @@ class PrefetchService:
             self._watchers[key] = scope = trio.CancelScope()
             self._nursery.start_soon(self._watch, key, pidfd, scope)
 
+    async def report_reads(self, key: JobKey, files: int, *, caller_pid: int | None) -> HitCounters:
+        """The job's cube_torch reports the files its loaders have read (cumulative; reads
+        the kernel's page cache answered reach no daemon otherwise).  Only the job's own
+        processes may (``caller_pid`` resolves to ``key``; None: trusted), so no other user
+        can dress up a job's hit rate.  The job's counters after the report."""
+        if caller_pid is not None and await self.jobs.resolve(caller_pid) != key:
+            raise Forbidden(f"only the processes of job {key[0]!r} rank {key[1]} report its reads")
+        counters = self.jobs.report_reads(key, files)
+        if counters is None:
+            raise NotFound(f"no job {key[0]!r} rank {key[1]} is registered")
+        self.jobs.touch(key)  # reading, even if only from the page cache: not idle
+        return counters
+
     async def _watch(self, key: JobKey, pidfd: int, scope: trio.CancelScope) -> None:
         """End ``key``'s job when the process behind ``pidfd`` exits."""
         try:
