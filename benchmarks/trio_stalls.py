@@ -158,9 +158,8 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
             for name in p.split("/"):
                 inode = (await fs.lookup(inode, name)).inode
             inodes.append(inode)
-        fh = await fs.open(inodes[0], os.O_RDONLY, os.getpid())
-        await fs.read(fh, 0, BLOCK)
-        fs.release(fh)
+        await fs.open(inodes[0], os.O_RDONLY, os.getpid())
+        await fs.read(inodes[0], 0, 0, BLOCK, os.getpid())
 
         latencies: list[float] = []
         done = trio.Event()
@@ -172,9 +171,8 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
                 await trio.lowlevel.checkpoint()
                 inode = inodes[i % len(inodes)]
                 await fs.getattr(inode)
-                handle = await fs.open(inode, os.O_RDONLY, os.getpid())
-                await fs.read(handle, 0, BLOCK)
-                fs.release(handle)
+                await fs.open(inode, os.O_RDONLY, os.getpid())
+                await fs.read(inode, 0, 0, BLOCK, os.getpid())
                 latencies.append(time.perf_counter() - t0)
                 i += 1
 

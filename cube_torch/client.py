@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from cube_torch import shared
+from cube_torch import progress, shared
 from cube_torch.files import SampleFiles, Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import (CONFIG_DIR_ENV, CONFIG_FILE_PREFIX, ControlClient, ProtocolError,
                                           VolumeConfig, config_file_path, default_config_dir, read_volume_config)
@@ -57,6 +57,7 @@ class PlanRequest:
     world_size: int = 1  # ranks in the job: the hit-rate line names the rank when > 1
     loader: str = "0"  # which DataLoader of the process (cube_torch.patch.loader_id): its own plan
     first: int = 0  # samples the loader asks for as soon as it starts (its workers' first batches)
+    reads: progress.EpochReads | None = None  # the epoch's files read, once its files are known
     handled: threading.Event = field(default_factory=threading.Event)  # set once sent (or given up)
 
 
@@ -384,14 +385,16 @@ class Submitter:
                     held = _plan_samples(request.dataset, request.order)
                 except Exception as exc:
                     warn_once("unexpected-samples", "could not send the epoch's order to the sample store: %r", exc)
-                self._send(request if held is None else _without_held(request, held))
+                self._send(request, held)
             except Exception as exc:  # never let the thread die on a surprise
                 warn_once("unexpected", "could not submit the epoch plan: %r", exc)
             finally:
                 request.handled.set()
                 self._queue.task_done()
 
-    def _send(self, request: PlanRequest) -> None:
+    def _send(self, request: PlanRequest, held: np.ndarray | None) -> None:
+        """Send the plan (``held``: the samples a sample store holds, whose files will not
+        be read), and tell the epoch's progress counter how many files each position reads."""
         try:
             volume = read_volume_config(request.vol_name)
         except ProtocolError as exc:
@@ -401,6 +404,11 @@ class Submitter:
         files = self._dataset_files(request.dataset, volume.mount_point)
         if files is None:
             return
+        if request.reads is not None:
+            per_position = files.offsets[request.order + 1] - files.offsets[request.order]
+            request.reads.set_files(per_position if held is None else np.where(held, 0, per_position))
+        if held is not None:
+            request = _without_held(request, held)
         if not files.paths:
             if files.outside_root:
                 warn_once_in_tree(f"outside:{files.outside_root}:{volume.mount_point}",

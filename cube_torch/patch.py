@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from cube_torch import fastpath, reporter
+from cube_torch import fastpath, progress, reporter
 from cube_torch.client import PLAN_SUBMIT_WAIT, PlanRequest, default_job, info_once, rank, submitter, world_size
 
 log = logging.getLogger("cube_torch")
@@ -80,11 +80,23 @@ class PlannedSampler:
         if items is None:
             yield from self.inner
             return
+        reads = None
         try:
-            self._submit(items)
+            reads = self._submit(items)
         except Exception as exc:  # planning must never break the epoch
             info_once("plan-failed", "could not plan this epoch: %r", exc)
-        yield from items
+        if reads is None:
+            yield from items
+        else:
+            complete = False
+            try:
+                batched = bool(items) and isinstance(items[0], (list, tuple))
+                for item in items:
+                    reads.hand(len(item) if batched else 1)
+                    yield item
+                complete = True
+            finally:  # also when the loop leaves early (the generator is closed)
+                progress.finish(reads, complete)
         reporter.epoch_ended()
 
     def _plannable(self) -> bool:
@@ -105,7 +117,7 @@ class PlannedSampler:
             return False
         return True
 
-    def _submit(self, items: list[Any]) -> None:
+    def _submit(self, items: list[Any]) -> progress.EpochReads:
         if items and isinstance(items[0], (list, tuple)):
             flat = [int(i) for batch in items for i in batch]
         else:
@@ -114,21 +126,30 @@ class PlannedSampler:
         epoch = _epoch_of(self._loader(), self._sampler)
         vol_name, this_rank, job = os.environ["VOL_NAME"], rank(), default_job()
         submitter.register_job_now(vol_name, job, this_rank)  # bounded; once per process and daemon
+        loader = self._loader()
+        first = _first_samples(loader, items)
+        reads = progress.start((vol_name, job, this_rank), _ahead(loader))
         # The plan reaches the daemon before the loader hands out the epoch's first index
         # (workers open nothing before that), waiting at most PLAN_SUBMIT_WAIT; a slower
         # submission (a first, large file list) finishes in the background.
         submitter.submit_and_wait(PlanRequest(vol_name, self._dataset, order, epoch, this_rank, job, world_size(),
-                                              loader=self._loader_id, first=_first_samples(self._loader(), items)),
+                                              loader=self._loader_id, first=first, reads=reads),
                                   PLAN_SUBMIT_WAIT)
         reporter.ensure_running(planning_loaders)
+        return reads
+
+
+def _ahead(loader: Any) -> int:
+    """Batches a loader with workers keeps requested ahead of the loop: each worker's
+    ``prefetch_factor`` (0 without workers: it asks for a batch when the loop does)."""
+    workers = int(getattr(loader, "num_workers", 0) or 0)
+    return workers * int(getattr(loader, "prefetch_factor", None) or 2) if workers > 0 else 0
 
 
 def _first_samples(loader: Any, items: list[Any]) -> int:
     """How many samples the loader asks for as soon as it starts: each worker's first
     ``prefetch_factor`` batches (one batch without workers)."""
-    workers = int(getattr(loader, "num_workers", 0) or 0)
-    batches = workers * int(getattr(loader, "prefetch_factor", None) or 2) if workers > 0 else 1
-    return sum(len(b) if isinstance(b, (list, tuple)) else 1 for b in items[:batches])
+    return sum(len(b) if isinstance(b, (list, tuple)) else 1 for b in items[:_ahead(loader) or 1])
 
 
 def _epoch_of(loader: Any, sampler: Any) -> int:

@@ -18,8 +18,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cube_torch import shared
-from cube_torch.client import submitter
+from cube_torch import progress, shared
+from cube_torch.client import submitter, warn_once
 from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
 log = logging.getLogger("cube_torch")
@@ -92,14 +92,28 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
     last = submitter.last_job
     if last is None:
         return None
+    key = (last.vol_name, last.job, last.rank)
     try:
         volume = read_volume_config(last.vol_name)
-        report = ControlClient(volume.control_socket, timeout=timeout).stats(last.job)
+        client = ControlClient(volume.control_socket, timeout=timeout)
+        files = progress.files_read(key)
+        if files:
+            # First the files the loaders read, those the page cache served included
+            # (they never reach the daemon): the job's requests count them.
+            try:
+                client.report_reads(last.job, last.rank, files)
+            except ProtocolError as exc:
+                if exc.status == 0:
+                    raise  # no daemon: no line either
+                # A daemon that refuses (an older release, a job it ended): the line
+                # counts what the daemon saw, as it did before.
+                warn_once(f"reads-refused:{exc.status}", "the cubefs-fuse daemon refused this job's read count: %s",
+                          exc)
+        report = client.stats(last.job)
     except ProtocolError:
         return None
     for entry in report.get("jobs", []):
         if entry.get("rank") == last.rank:
-            key = (last.vol_name, last.job, last.rank)
             cumulative = with_sample_hits(entry["cumulative"], shared.job_sample_hits(key))
             with _previous_lock:
                 since = _since(_previous.get(key), cumulative)

@@ -65,7 +65,6 @@ METRICS: dict[str, MetricSpec] = {
                    "Files opened through the mount (the fast path and the sample cache open none: see app_requests_total)."),
         MetricSpec("cubefs_fuse_native_opens_total", "counter",
                    "Opens the C FUSE session answered from an inode Python published, without Python (part of opens_total)."),
-        MetricSpec("cubefs_fuse_open_files", "gauge", "File handles currently open."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
         MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
         MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications through the mount, by the tier that held them (ram, disk, backend).",
@@ -99,13 +98,14 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
         MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
         MetricSpec("cubefs_fuse_retired_inodes", "gauge", "Inodes of old file versions (changed at the source) the kernel still holds."),
-        MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode (old_handles: open or none).", ("old_handles",)),
+        MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode."),
         MetricSpec("cubefs_fuse_stale_opens_total", "counter", "Opens of an old version's inode answered ESTALE (the kernel looks the name up again and opens the new version)."),
         MetricSpec("cubefs_fuse_file_requests_total", "counter",
-                   "Files applications read: opens through the mount (page-cache reads included) and opens of files "
-                   "the fast path served, one request each (app_requests_total adds the sample cache)."),
-        MetricSpec("cubefs_fuse_file_hits_total", "counter", "File requests none of whose reads waited on the backend."),
-        MetricSpec("cubefs_fuse_file_misses_total", "counter", "File requests with at least one read that waited on the backend."),
+                   "Files applications read: reads from a file's start that reached the daemon through the mount "
+                   "(a file the kernel's page cache serves whole is not seen) and files the fast path served, "
+                   "one request each (app_requests_total adds the sample cache)."),
+        MetricSpec("cubefs_fuse_file_hits_total", "counter", "File requests whose first read did not wait on the backend."),
+        MetricSpec("cubefs_fuse_file_misses_total", "counter", "File requests whose first read waited on the backend."),
         MetricSpec("cubefs_fuse_stall_seconds_total", "counter", "Seconds application reads waited on the backend."),
         MetricSpec("cubefs_fuse_prefetch_used_total", "counter", "Prefetched blocks that an application read."),
         MetricSpec("cubefs_fuse_prefetch_wasted_total", "counter", "Prefetched blocks evicted or refused before any read."),
@@ -229,11 +229,9 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
     f.add("cubefs_fuse_opens_total", s.fs.opens)
     f.add("cubefs_fuse_native_opens_total", s.fs.native_opens)
-    f.add("cubefs_fuse_open_files", s.fs.open_files)
     f.add("cubefs_fuse_inodes", s.fs.inodes)
     f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)
-    f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes_with_handles, "open")
-    f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes_without_handles, "none")
+    f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes)
     f.add("cubefs_fuse_stale_opens_total", s.fs.stale_opens)
     c = s.cache
     f.add("cubefs_fuse_cache_hits_total", c.hits_ram, "ram")

@@ -46,9 +46,6 @@ MEM_CACHE_SIZE = "256MiB"
 DISK_CACHE_SIZE = "1GiB"
 # Files read straight from the slow remote to show what one file costs there.
 REMOTE_PROBE_FILES = 16
-# FUSE sends RELEASE after close() without waiting: at an epoch's end the daemon may not
-# have seen the last files closed yet.  Seconds to wait for its open-file count to drop.
-RELEASE_WAIT_S = 5.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -179,7 +176,6 @@ def _train(args: argparse.Namespace, mount: DaemonMount, remote: SlowRemote) -> 
     unplanned: list[int] = []
 
     def on_epoch_end(result: Any) -> None:
-        _wait_all_released(mount)
         rows.append((result, last[0], mount.scrape()))
         last[0] = rows[-1][2]
         # The daemon's current plan for the job must be this epoch's: cube_torch sent it.
@@ -204,12 +200,6 @@ def _train(args: argparse.Namespace, mount: DaemonMount, remote: SlowRemote) -> 
     _print_epochs(rows, job if planned else None)
     _print_cache(mount.scrape())
     _print_remote(remote.stats())
-
-
-def _wait_all_released(mount: DaemonMount) -> None:
-    deadline = time.monotonic() + RELEASE_WAIT_S
-    while mount.scrape().get("cubefs_fuse_open_files", 0) > 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
 
 
 def _print_epochs(rows: list[tuple[Any, dict[str, float], dict[str, float]]], job: str | None) -> None:

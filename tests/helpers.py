@@ -41,12 +41,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, what: str =
         time.sleep(0.02)
 
 
-def wait_released(m: "Mount", timeout: float = 10.0) -> None:
-    """Wait until the daemon holds no open file: the kernel sends a file's RELEASE, at which
-    the daemon counts its file request (hit or miss), after close() has returned."""
-    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_open_files") == 0, timeout, "every file released")
-
-
 # -- real daemons on real FUSE mounts (the make_mount and make_slow_mount fixtures) -----------
 
 

@@ -514,7 +514,7 @@ class SlowFS:
         self._files[fh] = _OpenFile(fd, path, first_match(self.fail_read, path))
         return fh
 
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, inode: int, fh: int, off: int, size: int, pid: int = 0) -> bytes:
         snapshot = self._stats_reads.get(fh)
         if snapshot is not None:
             return snapshot[off : off + size]
@@ -539,14 +539,8 @@ class SlowFS:
     def publish(self, inode: int) -> bool:
         return False
 
-    def freed(self, publication: int) -> None:
-        raise AssertionError("slowfs publishes nothing")
-
-    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
-        raise AssertionError("slowfs publishes nothing")
-
-    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
-               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+    def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
+               disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
         raise AssertionError("slowfs lends no blocks")
 
     def release(self, fh: int) -> None:

@@ -43,9 +43,6 @@ FULL_CACHE_EXTRA = 64 * MiB
 METADATA_TIMEOUT_S = 30
 # How long a peer's mount may take to appear (rclone/JuiceFS start in ~1 s).
 MOUNT_TIMEOUT_S = 60.0
-# FUSE sends RELEASE after close() without waiting: seconds to wait at an epoch's end
-# until our daemon has seen every file closed, so its per-epoch counters are complete.
-RELEASE_WAIT_S = 5.0
 DATASET_DIR = "dataset"  # the dataset inside the remote's backing directory
 JUICEFS_BUCKET = "jfs-bucket"  # JuiceFS's object bucket inside the backing directory
 
@@ -187,9 +184,6 @@ class System(ABC):
         """The daemon's own counters (our /metrics), None for the others."""
         return None
 
-    def settle(self) -> None:
-        """Wait until the daemon has accounted for every file the epoch read."""
-
     def raw_dataset(self, files: list[str]) -> Any:
         """The raw I/O workload's dataset if this system reads other than through files
         under its root (a torch Dataset of byte counts), else None."""
@@ -248,13 +242,6 @@ class Ours(System):
 
     def counters(self) -> dict[str, float] | None:
         return self.mount.scrape() if self.mount is not None else None
-
-    def settle(self) -> None:
-        deadline = time.monotonic() + RELEASE_WAIT_S
-        while self.mount is not None and time.monotonic() < deadline:
-            if self.mount.scrape().get("cubefs_fuse_open_files", 0) <= 0:
-                return
-            time.sleep(0.02)
 
 
 class OursCubeTorch(Ours):

@@ -203,7 +203,6 @@ class Meter:
 
     def record(self, record: EpochRecord,
                before: tuple[dict[str, float] | None, float, RemoteStats | None, float]) -> None:
-        self.system.settle()
         counters, cpu, remote, remote_cpu = self.snapshot()
         if counters is not None:
             old = before[0]

@@ -202,6 +202,13 @@ class ControlClient:
         result: dict[str, Any] = self.request("POST", "jobs", body=json.dumps(fields).encode())
         return result
 
+    def report_reads(self, job: str, rank: int, files: int) -> dict[str, Any]:
+        """Tell the daemon that (job, rank)'s loaders have read ``files`` files so far; the
+        answer is the job's counters.  Only the job's own processes may."""
+        body = json.dumps({"job": job, "rank": rank, "files": files}).encode()
+        result: dict[str, Any] = self.request("POST", "jobs/reads", body=body)
+        return result
+
     def submit_plan(self, job: str, rank: int, epoch: int, dataset: str, order: bytes, dtype: str,
                     loader: str | None = None, first: int = 0) -> dict[str, Any]:
         """Submit an epoch's sample order: ``order`` is a little-endian array of ``dtype``.

@@ -22,6 +22,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
 _MAX_RANK = 1 << 20
 _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_EPOCH = 1 << 40
+_MAX_FILES_READ = 1 << 53  # a cumulative count of files: any real job's fits, and a JSON parser that reads numbers as doubles keeps it exact
 
 
 def _name(query: dict[str, str], key: str) -> str:
@@ -71,9 +72,10 @@ class Routes:
         if self.ai_prefetch:
             server.route("POST", "/v1/datasets", self.register_dataset, max_body=MAX_DATASET_BODY)
             server.route("POST", "/v1/jobs", self.register_job)
+            server.route("POST", "/v1/jobs/reads", self.report_reads)
             server.route("POST", "/v1/plans", self.submit_plan, max_body=MAX_PLAN_BODY)
         else:  # known routes with a reason, not a bare 404
-            for path in ("/v1/datasets", "/v1/jobs", "/v1/plans"):
+            for path in ("/v1/datasets", "/v1/jobs", "/v1/jobs/reads", "/v1/plans"):
                 server.route("POST", path, self.needs_ai_prefetch)
         server.route("GET", "/v1/stats", self.stats)
         server.route("POST", "/v1/warmup", self.start_warmup)
@@ -128,6 +130,20 @@ class Routes:
         pid = _int(body.get("pid", request.peer.pid), "pid", 1, _MAX_PID)
         await self.service.register_job(job, rank, pid, caller_uid=request.peer.uid if unix else None)
         return Response.json({"job": job, "rank": rank, "pid": pid})
+
+    async def report_reads(self, request: Request) -> Response:
+        """``{"job", "rank", "files"}``: the files the job's loaders have read so far, from
+        one of the job's own processes (the Unix socket's peer credentials say which)."""
+        body = request.json()
+        job = body.get("job")
+        if not isinstance(job, str) or not _NAME.fullmatch(job):
+            raise BadRequest(f"'job' must be 1-{MAX_NAME} of [A-Za-z0-9_.:@-]")
+        rank = _int(body.get("rank", 0), "rank", 0, _MAX_RANK)
+        files = _int(body.get("files"), "files", 0, _MAX_FILES_READ)
+        if request.peer.transport != "unix":
+            raise Forbidden("a job reports its reads over the Unix socket (peer credentials say whose they are)")
+        counters = await self.service.report_reads((job, rank), files, caller_pid=request.peer.pid)
+        return Response.json({"job": job, "rank": rank, **counters.as_dict()})
 
     async def submit_plan(self, request: Request) -> Response:
         q = request.query

@@ -10,10 +10,12 @@
  * reply to a request already answered, or a made-up id, raises instead of touching freed
  * memory.
  *
- * Python also publishes inodes (publish()): how long it vouches for the inode's version and
- * which of its blocks it lends.  An OPEN of a published inode is answered here, with a
- * handle of C's own, and Python is told afterwards (OP_OPENED) to count it; a READ of a
- * lent block is answered here; every RELEASE is answered here and reported (OP_RELEASE).
+ * Python also publishes inodes (publish(), lend()): which blocks of the inode's version it
+ * lends, and how long it vouches that the inode is its path's current version.  A READ of
+ * lent blocks is answered here and reported (OP_SERVED), so Python counts reads it never
+ * saw; an OPEN of a vouched inode with every block lent is answered here, with no handle
+ * (reads are by inode) and no report; every RELEASE is answered here, and reported only
+ * for a handle Python gave (OP_RELEASE).
  */
 #define PY_SSIZE_T_CLEAN
 #define FUSE_USE_VERSION 35
@@ -49,12 +51,12 @@ enum {
     OP_RELEASEDIR,
     OP_OPEN,
     OP_READ,
-    OP_RELEASE,     /* no reply: C answered it; served counters and a freed publication */
+    OP_RELEASE,     /* no reply: C answered the RELEASE of a handle Python gave (fh != 0) */
     OP_STATFS,
     OP_FORGET,      /* no reply: ino, nlookup in size */
     OP_INIT,        /* no reply: the kernel has the answer to its INIT */
     OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
-    OP_OPENED,      /* no reply: C answered an OPEN from a publication (fh is C's handle) */
+    OP_SERVED,      /* no reply: C served a READ from lent blocks (off, size: its range) */
 };
 
 /* A block lent as its place in the NVMe tier: an entry of a segment file (cache/disk.py):
@@ -66,16 +68,13 @@ struct disk_block {
     uint64_t alloc;
     unsigned char key[16];
 };
-/* Lent blocks per handle are reported as 64-bit masks (Filesystem.MAX_LENT_BLOCKS). */
-#define MAX_LENT_BLOCKS 64
-/* Handle numbers are consecutive (Python's from 1, C's from NATIVE_HANDLES), and so are
- * inode numbers: both fill their buckets evenly, and the chains stay short for the few
- * thousand files open at once and the ~10^5-10^6 inodes a node's kernel holds. */
-#define HANDLE_BUCKETS 1024
+/* The blocks one served READ touches are reported as 64-bit masks from its first block:
+ * a READ is at most the kernel's max_read (1 MiB), 64 blocks of 16 KiB, and the daemon's
+ * blocks are larger; a READ over more blocks is left to Python. */
+#define MAX_READ_BLOCKS 64
+/* Inode numbers are consecutive: they fill the buckets evenly, and the chains stay short
+ * for the ~10^5-10^6 inodes a node's kernel holds. */
 #define PUB_BUCKETS 65536
-/* C's own handle numbers (opens answered from a publication) count up from here, far
- * above Python's (which count up from 1 and would need 2^62 opens to meet them). */
-#define NATIVE_HANDLES (1ULL << 62)
 /* How long a report may wait for a request or other reports before trio is woken for it
  * (push()): 2 ms batches a few to a few dozen per wake-up at 10^3-10^4 files/s, and
  * delays only counting (and the giving back of freed publications' blocks). */
@@ -84,42 +83,31 @@ struct disk_block {
 #define ENTRY_FORMAT 2
 #define ALLOCATION_UNIT 4096
 
-/* An inode Python published (publish()): until valid_until it vouches that the inode still
- * serves its version (the metadata cache's TTL), so an OPEN needs no decision; and it lends
- * the cached blocks of that version: READs that fall on them are served here without
- * Python, from the bytes objects of RAM blocks, or from NVMe entries checked like Python
- * checks them (a failed check leaves the READ to Python).  Python keeps lent RAM blocks
- * counted against its limit until the publication is freed: withdrawn or replaced, and no
- * handle reading it any more. */
+/* An inode Python published (publish()): the cached blocks of the version it serves,
+ * lent: READs of the inode that fall on them are served here without Python, from the
+ * bytes objects of RAM blocks, or from NVMe entries checked like Python checks them (a
+ * failed check leaves the READ to Python).  A version's bytes never change, so a READ may
+ * use them for as long as they are lent, whatever the metadata says; until vouched_until
+ * Python also vouches that the inode is still its path's current version (the metadata
+ * cache's TTL), so an OPEN of it needs no decision when every block is lent.  A READ uses
+ * the blocks under the read lock, replies included; publish, lend and withdraw change
+ * them under the write lock, so what they replace is unused once they return. */
 struct pub {
     struct pub *next;     /* the bucket's chain */
     fuse_ino_t ino;
-    uint64_t id;          /* Python's name for it (never 0) */
-    uint64_t valid_until_ns;
+    uint64_t vouched_until_ns;  /* 0: not vouched for (OPENs go to Python) */
     uint64_t epoch;       /* the session's epoch when published (invalidate_all() ends it) */
     int keep_cache, direct_io;
-    int complete;         /* every block is lent (or none can be): OPENs are answered here */
-    int linked;           /* in the table: new opens may use it */
-    uint32_t refs;        /* under hlock: 1 while linked, +1 per handle reading it */
+    uint32_t missing;     /* blocks neither lent from RAM nor from NVMe */
     uint64_t size;        /* the file's size at the version published */
     uint64_t block_size;
     uint32_t nblocks;
-    struct disk_block **disk;  /* per block, NULL where not lent from NVMe */
+    struct disk_block **disk;  /* per block, NULL where not lent from NVMe (allocated on demand) */
     PyObject *blocks[];   /* per block, a reference to a lent RAM block (bytes), or NULL */
 };
 
-/* An open file handle that reads a publication (opened here, or by Python with attach). */
-struct handle {
-    struct handle *next;  /* the bucket's chain */
-    uint64_t fh;
-    struct pub *pub;      /* what it reads; NULL once released */
-    struct pub *freed;    /* released: its publication, if this was the last use, for Python to free */
-    /* served here, by tier; a mask's bit i: block i */
-    _Atomic uint64_t reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask;
-};
 struct pending {
     struct pending *next;  /* the queue's link */
-    struct handle *handle; /* RELEASE: the detached handle (counters, a publication to free) */
     fuse_req_t req;        /* NULL for the messages that take no reply */
     uint64_t id;           /* slot | generation << 32; 0 for messages */
     int op;
@@ -127,7 +115,10 @@ struct pending {
     fuse_ino_t ino;
     uint64_t fh;
     uint64_t off;
-    uint64_t size;         /* READ/READDIR: bytes wanted; FORGET: nlookup */
+    uint64_t size;         /* READ/READDIR: bytes wanted; SERVED: bytes sent; FORGET: nlookup */
+    /* SERVED: the READ's first block, and per tier the bytes sent and a mask of the blocks
+     * read (bit i: block first + i) */
+    uint64_t first, ram_bytes, ram_mask, disk_bytes, disk_mask;
     uint64_t queued_ns;    /* CLOCK_MONOTONIC when it was queued (the watchdog's deadline) */
     pid_t pid;
     uid_t uid;
@@ -151,10 +142,8 @@ typedef struct {
     int watching;
     atomic_int init_posted;
     atomic_int exit_posted;
-    pthread_rwlock_t hlock;  /* handles and publications: READs read them, the rest change them */
-    struct handle *handles[HANDLE_BUCKETS];
+    pthread_rwlock_t hlock;  /* publications: READs and OPENs read them, Python changes them */
     struct pub *pubs[PUB_BUCKETS];
-    _Atomic uint64_t next_fh;
     _Atomic uint64_t epoch;
     _Atomic uint64_t native_opens;  /* OPENs answered here */
     pthread_mutex_t lock;  /* the queue, the slots and the flusher's state */
@@ -398,15 +387,6 @@ static void op_releasedir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info 
 }
 
 /* Under hlock (either mode). */
-static struct handle *find_handle(Session *s, uint64_t fh)
-{
-    struct handle *h = s->handles[fh % HANDLE_BUCKETS];
-    while (h && h->fh != fh)
-        h = h->next;
-    return h;
-}
-
-/* Under hlock (either mode). */
 static struct pub *find_pub(Session *s, fuse_ino_t ino)
 {
     struct pub *pub = s->pubs[ino % PUB_BUCKETS];
@@ -415,79 +395,41 @@ static struct pub *find_pub(Session *s, fuse_ino_t ino)
     return pub;
 }
 
-/* Under hlock (write).  Takes the inode's publication out of the table; returns it if
- * nothing reads it any more (the caller frees it, with the GIL), else NULL (the last
- * handle's release hands it to Python). */
+/* Under hlock (write).  Takes the inode's publication out of the table (the caller frees
+ * it, with the GIL, after unlocking: no READ can be using it then). */
 static struct pub *unlink_pub(Session *s, fuse_ino_t ino)
 {
     struct pub **link = &s->pubs[ino % PUB_BUCKETS];
     while (*link && (*link)->ino != ino)
         link = &(*link)->next;
     struct pub *pub = *link;
-    if (!pub)
-        return NULL;
-    *link = pub->next;
-    pub->next = NULL;
-    pub->linked = 0;
-    return --pub->refs == 0 ? pub : NULL;
+    if (pub) {
+        *link = pub->next;
+        pub->next = NULL;
+    }
+    return pub;
+}
+
+static void free_disk_block(struct disk_block *d)
+{
+    if (d) {
+        free(d->path);
+        free(d);
+    }
 }
 
 /* With the GIL. */
 static void free_pub(struct pub *pub)
 {
+    if (!pub)
+        return;
     for (uint32_t i = 0; i < pub->nblocks; i++) {
         Py_XDECREF(pub->blocks[i]);
-        if (pub->disk && pub->disk[i]) {
-            free(pub->disk[i]->path);
-            free(pub->disk[i]);
-        }
+        if (pub->disk)
+            free_disk_block(pub->disk[i]);
     }
     free(pub->disk);
     free(pub);
-}
-
-/* Under hlock (write). */
-static void insert_handle(Session *s, struct handle *h)
-{
-    h->next = s->handles[h->fh % HANDLE_BUCKETS];
-    s->handles[h->fh % HANDLE_BUCKETS] = h;
-}
-
-/* Takes a handle out of the table (NULL if it has none: an open Python answered without
- * a publication) and drops its use of its publication: if that was the last use of one
- * withdrawn already, h->freed names it for Python to free. */
-static struct handle *detach_handle(Session *s, uint64_t fh)
-{
-    pthread_rwlock_wrlock(&s->hlock);
-    struct handle **link = &s->handles[fh % HANDLE_BUCKETS];
-    while (*link && (*link)->fh != fh)
-        link = &(*link)->next;
-    struct handle *h = *link;
-    if (h) {
-        *link = h->next;
-        if (h->pub && --h->pub->refs == 0)
-            h->freed = h->pub;
-        h->pub = NULL;
-    }
-    pthread_rwlock_unlock(&s->hlock);
-    return h;
-}
-
-/* The handle fh is closed (the kernel's RELEASE, or an OPEN answer the kernel did not
- * take): Python is told, with what C served for it.  Without the GIL. */
-static void release_handle(Session *s, uint64_t fh, fuse_ino_t ino)
-{
-    struct handle *h = detach_handle(s, fh);
-    struct pending *m = new_pending(NULL, OP_RELEASE, ino, NULL);
-    if (!m) {
-        /* Not freed here (no GIL): a publication this handle was the last user of is
-         * leaked, and so are its blocks' references; the process is out of memory anyway. */
-        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: out of memory reporting a release\n");
-        return;
-    }
-    m->fh = fh;
-    m->handle = h;
-    push(s, m, 0);
 }
 
 static void forward_open(fuse_req_t req, fuse_ino_t ino, int flags)
@@ -498,10 +440,11 @@ static void forward_open(fuse_req_t req, fuse_ino_t ino, int flags)
     forward(p);
 }
 
-/* An OPEN of an inode Python vouches for (published, within its validity, not ended by
- * invalidate_all, every block lent) is answered here with a handle of C's own, and Python
- * is told; any other OPEN goes to Python, which checks the version and publishes what it
- * holds now (so a file cached since its last publication is lent whole again). */
+/* An OPEN of an inode Python vouches for (published, within its vouching, not ended by
+ * invalidate_all, every block lent) is answered here, with no handle (0: reads are by
+ * inode) and nothing reported; any other OPEN goes to Python, which checks the version
+ * and publishes what it holds now (so a file cached since its last publication is lent
+ * whole again). */
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     Session *s = of(req);
@@ -509,42 +452,20 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
         fuse_reply_err(req, EROFS);
         return;
     }
-    /* The message's caller (pid, uid, gid) is the OPEN's; it needs no answer itself. */
-    struct pending *m = new_pending(req, OP_OPENED, ino, NULL);
-    struct handle *h = calloc(1, sizeof *h);
-    if (!m || !h) {
-        free(m);
-        free(h);
-        forward_open(req, ino, fi->flags);
-        return;
-    }
-    m->req = NULL;
     uint64_t now = now_ns();
-    pthread_rwlock_wrlock(&s->hlock);
+    pthread_rwlock_rdlock(&s->hlock);
     struct pub *pub = find_pub(s, ino);
-    if (!pub || !pub->complete || now >= pub->valid_until_ns || pub->epoch != atomic_load(&s->epoch)) {
+    if (!pub || pub->missing || now >= pub->vouched_until_ns || pub->epoch != atomic_load(&s->epoch)) {
         pthread_rwlock_unlock(&s->hlock);
-        free(m);
-        free(h);
         forward_open(req, ino, fi->flags);
         return;
     }
-    h->fh = atomic_fetch_add(&s->next_fh, 1);
-    h->pub = pub;
-    pub->refs++;
-    fi->fh = h->fh;
+    fi->fh = 0;
     fi->keep_cache = pub->keep_cache ? 1 : 0;
     fi->direct_io = pub->direct_io ? 1 : 0;
-    insert_handle(s, h);
     pthread_rwlock_unlock(&s->hlock);
-    m->fh = fi->fh;
-    m->flags = fi->flags;
-    /* Queued before the answer: Python learns of the handle before any READ of it that
-     * it may be forwarded (the queue is taken in order). */
-    push(s, m, 0);
     atomic_fetch_add(&s->native_opens, 1);
-    if (fuse_reply_open(req, fi) == -ENOENT)
-        release_handle(s, fi->fh, ino);  /* the open was interrupted: no RELEASE will come */
+    fuse_reply_open(req, fi);
 }
 
 /* The payload of a lent NVMe entry, checked; NULL if it is not (any more) what was lent:
@@ -584,24 +505,30 @@ out:
     return payload;
 }
 
-/* Serve a READ from the lent blocks of the handle's publication; 0 (nothing sent) if any
- * byte of the range is on a block that was not lent, or an NVMe entry fails its check:
- * then Python serves the whole request. */
-static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_t off)
+/* Serve a READ from the lent blocks of the inode's publication; 0 (nothing sent) if any
+ * byte of the range is on a block that is not lent, or an NVMe entry fails its check:
+ * then Python serves the whole request.  A served READ is reported (OP_SERVED) with what
+ * it read, queued before the answer so that Python counts reads in the kernel's order. */
+static int serve_lent(Session *s, fuse_req_t req, fuse_ino_t ino, size_t size, off_t off)
 {
-    struct iovec iov[MAX_LENT_BLOCKS];
-    unsigned char *payloads[MAX_LENT_BLOCKS];
+    struct iovec iov[MAX_READ_BLOCKS];
+    unsigned char *payloads[MAX_READ_BLOCKS];
     int n = 0, served = 0;
-    uint64_t ram_mask = 0, ram_bytes = 0, ram_n = 0, disk_mask = 0, disk_bytes = 0, disk_n = 0;
+    uint64_t first = 0, ram_mask = 0, ram_bytes = 0, disk_mask = 0, disk_bytes = 0;
+    /* The caller's pid must be taken before the answer (the request is gone after it). */
+    struct pending *m = new_pending(req, OP_SERVED, ino, NULL);
+    if (!m)
+        return 0;
+    m->req = NULL;
     pthread_rwlock_rdlock(&s->hlock);
-    struct handle *h = find_handle(s, fh);
-    struct pub *pub = h ? h->pub : NULL;
+    struct pub *pub = find_pub(s, ino);
     if (!pub || !pub->nblocks || off < 0)
         goto out;
     uint64_t start = (uint64_t)off, end = start + size < pub->size ? start + size : pub->size;
     if (start < end) {
-        uint64_t bs = pub->block_size, first = start / bs, last = (end - 1) / bs;
-        if (last >= pub->nblocks)
+        uint64_t bs = pub->block_size, last = (end - 1) / bs;
+        first = start / bs;
+        if (last >= pub->nblocks || last - first >= MAX_READ_BLOCKS)
             goto out;
         for (uint64_t i = first; i <= last; i++) {
             uint64_t from = (start > i * bs ? start : i * bs) - i * bs;
@@ -614,9 +541,8 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
                 if ((uint64_t)PyBytes_GET_SIZE(block) < to)
                     goto out;
                 iov[n].iov_base = PyBytes_AS_STRING(block) + from;
-                ram_mask |= 1ULL << i;
+                ram_mask |= 1ULL << (i - first);
                 ram_bytes += to - from;
-                ram_n++;
             } else if (pub->disk && pub->disk[i]) {
                 uint64_t length = 0;
                 unsigned char *payload = read_entry(pub->disk[i], &length);
@@ -626,9 +552,8 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
                 }
                 payloads[n] = payload;
                 iov[n].iov_base = payload + from;
-                disk_mask |= 1ULL << i;
+                disk_mask |= 1ULL << (i - first);
                 disk_bytes += to - from;
-                disk_n++;
             } else {
                 goto out;
             }
@@ -636,19 +561,21 @@ static int serve_lent(Session *s, fuse_req_t req, uint64_t fh, size_t size, off_
             n++;
         }
     }
-    /* The reply is written under the read lock, so nothing can free the blocks under it;
-     * the kernel sends RELEASE only after the handle's reads anyway. */
+    m->off = start;
+    m->size = ram_bytes + disk_bytes;
+    m->first = first;
+    m->ram_bytes = ram_bytes;
+    m->ram_mask = ram_mask;
+    m->disk_bytes = disk_bytes;
+    m->disk_mask = disk_mask;
+    push(s, m, 0);
+    m = NULL;
+    /* The reply is written under the read lock, so nothing can free the blocks under it. */
     fuse_reply_iov(req, iov, n);
-    atomic_fetch_add(&h->reads, 1);
-    atomic_fetch_add(&h->ram_bytes, ram_bytes);
-    atomic_fetch_add(&h->ram_lookups, ram_n);
-    atomic_fetch_or(&h->ram_mask, ram_mask);
-    atomic_fetch_add(&h->disk_bytes, disk_bytes);
-    atomic_fetch_add(&h->disk_lookups, disk_n);
-    atomic_fetch_or(&h->disk_mask, disk_mask);
     served = 1;
 out:
     pthread_rwlock_unlock(&s->hlock);
+    free(m);
     for (int i = 0; i < n; i++)
         free(payloads[i]);
     return served;
@@ -681,17 +608,31 @@ static struct disk_block *disk_block_of(PyObject *t)
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi)
 {
-    if (!serve_lent(of(req), req, fi->fh, size, off))
+    if (!serve_lent(of(req), req, ino, size, off))
         forward_range(req, OP_READ, ino, size, off, fi);
 }
 
-/* Answered here: nothing about a read-only handle's end can fail.  Python is told after. */
+/* A handle Python gave (fh != 0) is closed: Python is told (no reply is awaited: nothing
+ * about a read-only handle's end can fail).  Handle 0 carries nothing: reads are by inode. */
+static void release_fh(Session *s, fuse_ino_t ino, uint64_t fh)
+{
+    if (!fh)
+        return;
+    struct pending *m = new_pending(NULL, OP_RELEASE, ino, NULL);
+    if (!m) {
+        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: out of memory reporting a release\n");
+        return;
+    }
+    m->fh = fh;
+    push(s, m, 0);
+}
+
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
     Session *s = of(req);
     uint64_t fh = fi->fh;
     fuse_reply_err(req, 0);
-    release_handle(s, fh, ino);
+    release_fh(s, ino, fh);
 }
 
 static void op_statfs(fuse_req_t req, fuse_ino_t ino)
@@ -983,19 +924,6 @@ static void stop_readers(Session *s)
     s->started = s->watching = s->flushing = 0;
 }
 
-/* A released handle, with the GIL: its publication too if it was the last use of it;
- * that publication's id, or 0. */
-static uint64_t free_released(struct handle *h)
-{
-    uint64_t id = 0;
-    if (h->freed) {
-        id = h->freed->id;
-        free_pub(h->freed);
-    }
-    free(h);
-    return id;
-}
-
 /* A list of requests that will not be answered: EIO to each, then freed (with the GIL). */
 static void fail_all(struct pending *q)
 {
@@ -1003,8 +931,6 @@ static void fail_all(struct pending *q)
         struct pending *next = q->next;
         if (q->req)
             fuse_reply_err(q->req, EIO);
-        if (q->handle)
-            (void)free_released(q->handle);
         free(q);
         q = next;
     }
@@ -1029,16 +955,7 @@ static void fail_outstanding(Session *s)
         s->free_slots[s->nfree++] = (uint32_t)(s->nslots - 1 - i);
     pthread_mutex_unlock(&s->lock);
     fail_all(q);
-    /* The readers have stopped: no lock is needed, and every publication goes whatever uses it. */
-    for (size_t i = 0; i < HANDLE_BUCKETS; i++) {
-        while (s->handles[i]) {
-            struct handle *h = s->handles[i];
-            s->handles[i] = h->next;
-            if (h->pub && --h->pub->refs == 0)  /* withdrawn, and this handle its last use */
-                free_pub(h->pub);
-            free(h);
-        }
-    }
+    /* The readers have stopped: no lock is needed. */
     for (size_t i = 0; i < PUB_BUCKETS; i++) {
         while (s->pubs[i]) {
             struct pub *pub = s->pubs[i];
@@ -1110,7 +1027,6 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
     s->deadline_ns = (uint64_t)(request_timeout * 1e9);
-    atomic_store(&s->next_fh, NATIVE_HANDLES);
     s->nthreads = threads;
     s->threads = calloc((size_t)threads, sizeof *s->threads);
     s->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1211,27 +1127,20 @@ static PyObject *Session_take(Session *s, PyObject *unused)
                 goto fail;
         }
         PyObject *served;
-        uint64_t freed = 0;
-        struct handle *h = p->handle;
-        if (h && h->reads) {
-            served = Py_BuildValue("(KKKKKKK)", (unsigned long long)h->reads, (unsigned long long)h->ram_bytes,
-                                   (unsigned long long)h->ram_lookups, (unsigned long long)h->ram_mask,
-                                   (unsigned long long)h->disk_bytes, (unsigned long long)h->disk_lookups,
-                                   (unsigned long long)h->disk_mask);
+        if (p->op == OP_SERVED) {
+            served = Py_BuildValue("(KKKKK)", (unsigned long long)p->first, (unsigned long long)p->ram_bytes,
+                                   (unsigned long long)p->ram_mask, (unsigned long long)p->disk_bytes,
+                                   (unsigned long long)p->disk_mask);
             if (!served)
                 goto fail;
         } else {
             served = Py_NewRef(Py_None);
         }
-        if (h) {
-            p->handle = NULL;
-            freed = free_released(h);
-        }
-        PyObject *t = Py_BuildValue("(KiKKKKiiIIyNK)", (unsigned long long)p->id, p->op,
+        PyObject *t = Py_BuildValue("(KiKKKKiiIIyN)", (unsigned long long)p->id, p->op,
                                     (unsigned long long)p->ino, (unsigned long long)p->fh,
                                     (unsigned long long)p->off, (unsigned long long)p->size,
                                     p->flags, (int)p->pid, (unsigned)p->uid, (unsigned)p->gid, p->name,
-                                    served, (unsigned long long)freed);
+                                    served);
         if (!t || PyList_Append(out, t) < 0) {
             Py_XDECREF(t);
             if (p->req)
@@ -1330,46 +1239,25 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
     REPLY(fuse_reply_attr(p->req, &st, s->attr_timeout));
 }
 
-/* reply_open(id, fh, keep_cache, direct_io, attach): answer an OPEN with Python's handle
- * fh.  attach: the handle reads the inode's publication (which the caller has just made),
- * so READs of its lent blocks are served here.  If the kernel does not take the answer
- * (the open was interrupted), a RELEASE of fh is reported as if the kernel had sent it. */
+/* reply_open(id, fh, keep_cache, direct_io): answer an OPEN with Python's handle fh (0:
+ * none, reads are by inode).  If the kernel does not take the answer (the open was
+ * interrupted), a RELEASE of fh is reported as if the kernel had sent it. */
 static PyObject *Session_reply_open(Session *s, PyObject *args)
 {
     unsigned long long id, fh;
-    int keep_cache, direct_io, attach;
-    if (!PyArg_ParseTuple(args, "KKppp", &id, &fh, &keep_cache, &direct_io, &attach))
+    int keep_cache, direct_io;
+    if (!PyArg_ParseTuple(args, "KKpp", &id, &fh, &keep_cache, &direct_io))
         return NULL;
-    if (fh >= NATIVE_HANDLES)
-        return PyErr_Format(PyExc_ValueError, "handle %llu is in the session's own range", fh);
     CLAIM(s, id);
-    /* Without memory for the handle, the open is answered without its lent blocks. */
-    struct handle *h = attach ? calloc(1, sizeof *h) : NULL;
     fuse_ino_t ino = p->ino;
     struct fuse_file_info fi;
     memset(&fi, 0, sizeof fi);
     fi.fh = fh;
     fi.keep_cache = keep_cache ? 1 : 0;
     fi.direct_io = direct_io ? 1 : 0;
-    int rc;
     Py_BEGIN_ALLOW_THREADS
-    if (h) {
-        /* In the table before the answer: the first READ may follow it at once. */
-        pthread_rwlock_wrlock(&s->hlock);
-        struct pub *pub = find_pub(s, ino);
-        if (pub) {
-            h->fh = fh;
-            h->pub = pub;
-            pub->refs++;
-            insert_handle(s, h);
-        } else {
-            free(h);
-        }
-        pthread_rwlock_unlock(&s->hlock);
-    }
-    rc = fuse_reply_open(p->req, &fi);
-    if (rc == -ENOENT)
-        release_handle(s, fh, ino);
+    if (fuse_reply_open(p->req, &fi) == -ENOENT)
+        release_fh(s, ino, fh);
     Py_END_ALLOW_THREADS
     free(p);
     Py_RETURN_NONE;
@@ -1394,39 +1282,44 @@ static PyObject *Session_reply_opendir(Session *s, PyObject *args)
     return PyBool_FromLong(rc != -ENOENT);
 }
 
-/* Takes the GIL back after waiting for hlock without it; frees what came out of the table. */
-static PyObject *freed_id(struct pub *freed)
+/* A lent block from Python: bytes (a RAM block, referenced), a (path, offset, size, key)
+ * tuple (an NVMe entry) or None.  0, or -1 with an exception set. */
+static int lent_block(PyObject *b, PyObject **ram, struct disk_block **disk)
 {
-    uint64_t id = 0;
-    if (freed) {
-        id = freed->id;
-        free_pub(freed);
+    *ram = NULL;
+    *disk = NULL;
+    if (PyBytes_Check(b)) {
+        *ram = Py_NewRef(b);
+    } else if (PyTuple_Check(b)) {
+        if (!(*disk = disk_block_of(b)))
+            return -1;
+    } else if (b != Py_None) {
+        PyErr_Format(PyExc_TypeError, "a lent block is bytes, a (path, offset, size, key) tuple or None");
+        return -1;
     }
-    return PyLong_FromUnsignedLongLong(id);
+    return 0;
 }
 
-/* publish(ino, id, valid_for, keep_cache, direct_io, size, block_size, blocks) -> int:
- * until valid_for seconds from now, READs of ino's lent blocks (one per block of the file:
- * bytes from RAM, a (path, offset, size, key) tuple of an NVMe entry, or None; an empty
- * sequence when none can be lent) are served here, and so are its OPENs if no block is
- * None.  Replaces the
- * inode's earlier publication: returns that one's id if it was freed now (no handle reads
- * it), else 0 (the last handle's RELEASE reports it). */
+/* publish(ino, vouch_for, keep_cache, direct_io, size, block_size, blocks): READs of ino's
+ * lent blocks (one per block of the file: bytes from RAM, a (path, offset, size, key)
+ * tuple of an NVMe entry, or None; empty when none can be lent) are served here from now
+ * on; for vouch_for seconds (0: not at all) so are its OPENs while no block is None.
+ * Replaces the inode's earlier publication, which nothing uses once this returns. */
 static PyObject *Session_publish(Session *s, PyObject *args)
 {
-    unsigned long long ino, id, size, block_size;
-    double valid_for;
+    unsigned long long ino, size, block_size;
+    double vouch_for;
     int keep_cache, direct_io;
     PyObject *blocks, *seq;
-    if (!PyArg_ParseTuple(args, "KKdppKKO", &ino, &id, &valid_for, &keep_cache, &direct_io, &size,
-                          &block_size, &blocks))
+    if (!PyArg_ParseTuple(args, "KdppKKO", &ino, &vouch_for, &keep_cache, &direct_io, &size, &block_size, &blocks))
         return NULL;
-    if (id == 0 || !(valid_for > 0.0 && valid_for < 1e6))
-        return PyErr_Format(PyExc_ValueError, "a publication needs an id and 0 < valid_for < 1e6 seconds");
+    if (!(vouch_for >= 0.0 && vouch_for < 1e6))
+        return PyErr_Format(PyExc_ValueError, "a publication is vouched for 0 <= seconds < 1e6");
     if (!(seq = PySequence_Fast(blocks, "blocks must be a sequence")))
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    if (n > MAX_LENT_BLOCKS || (n && (block_size == 0 || (unsigned long long)n * block_size < size))) {
+    if (n > UINT32_MAX || (n && (block_size == 0 || (unsigned long long)(n - 1) * block_size >= size
+                                 || (unsigned long long)n * block_size < size))) {
         Py_DECREF(seq);
         return PyErr_Format(PyExc_ValueError, "%zd blocks of %llu bytes for a file of %llu bytes", n, block_size, size);
     }
@@ -1436,68 +1329,109 @@ static PyObject *Session_publish(Session *s, PyObject *args)
         return PyErr_NoMemory();
     }
     pub->ino = ino;
-    pub->id = id;
     pub->keep_cache = keep_cache;
     pub->direct_io = direct_io;
     pub->size = size;
     pub->block_size = block_size;
     pub->nblocks = (uint32_t)n;
-    pub->refs = 1;
-    pub->linked = 1;
-    pub->complete = 1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PySequence_Fast_GET_ITEM(seq, i);
-        pub->complete &= b != Py_None;
-        if (PyBytes_Check(b)) {
-            pub->blocks[i] = Py_NewRef(b);
-        } else if (PyTuple_Check(b)) {
+        PyObject *ram;
+        struct disk_block *disk;
+        if (lent_block(PySequence_Fast_GET_ITEM(seq, i), &ram, &disk) < 0)
+            goto bad;
+        pub->blocks[i] = ram;
+        if (disk) {
             if (!pub->disk && !(pub->disk = calloc((size_t)n, sizeof *pub->disk))) {
+                free_disk_block(disk);
                 PyErr_NoMemory();
                 goto bad;
             }
-            if (!(pub->disk[i] = disk_block_of(b)))
-                goto bad;
-        } else if (b != Py_None) {
-            PyErr_Format(PyExc_TypeError, "a lent block is bytes, a (path, offset, size, key) tuple or None");
-            goto bad;
+            pub->disk[i] = disk;
         }
+        pub->missing += !ram && !disk;
     }
     Py_DECREF(seq);
-    pub->valid_until_ns = now_ns() + (uint64_t)(valid_for * 1e9);
+    pub->vouched_until_ns = vouch_for > 0.0 ? now_ns() + (uint64_t)(vouch_for * 1e9) : 0;
     pub->epoch = atomic_load(&s->epoch);
-    struct pub *freed;
+    struct pub *old;
     Py_BEGIN_ALLOW_THREADS
     pthread_rwlock_wrlock(&s->hlock);
-    freed = unlink_pub(s, ino);
+    old = unlink_pub(s, ino);
     pub->next = s->pubs[ino % PUB_BUCKETS];
     s->pubs[ino % PUB_BUCKETS] = pub;
     pthread_rwlock_unlock(&s->hlock);
     Py_END_ALLOW_THREADS
-    return freed_id(freed);
+    free_pub(old);
+    Py_RETURN_NONE;
 bad:
     Py_DECREF(seq);
     free_pub(pub);
     return NULL;
 }
 
-/* withdraw(ino) -> int: OPENs of ino go to Python again, and its lent blocks are served
- * to no new handle.  The publication's id if it was freed now, else 0 (as publish). */
+/* lend(ino, index, block) -> bool: block ``index`` of ino's publication is now ``block``
+ * (as publish() takes them: bytes, an NVMe entry's tuple, or None to take it back);
+ * what it replaces is unused once this returns.  False if ino is not published or has
+ * no such block. */
+static PyObject *Session_lend(Session *s, PyObject *args)
+{
+    unsigned long long ino, index;
+    PyObject *b, *ram, *old_ram = NULL;
+    struct disk_block *disk, *old_disk = NULL;
+    if (!PyArg_ParseTuple(args, "KKO", &ino, &index, &b) || lent_block(b, &ram, &disk) < 0)
+        return NULL;
+    int done = 0, nomem = 0;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&s->hlock);
+    struct pub *pub = find_pub(s, ino);
+    if (pub && index < pub->nblocks) {
+        if (disk && !pub->disk && !(pub->disk = calloc(pub->nblocks, sizeof *pub->disk))) {
+            nomem = 1;
+        } else {
+            old_ram = pub->blocks[index];
+            old_disk = pub->disk ? pub->disk[index] : NULL;
+            if (!old_ram && !old_disk)
+                pub->missing--;
+            if (!ram && !disk)
+                pub->missing++;
+            pub->blocks[index] = ram;
+            if (pub->disk)
+                pub->disk[index] = disk;
+            ram = NULL;
+            disk = NULL;
+            done = 1;
+        }
+    }
+    pthread_rwlock_unlock(&s->hlock);
+    Py_END_ALLOW_THREADS
+    Py_XDECREF(old_ram);
+    Py_XDECREF(ram);
+    free_disk_block(old_disk);
+    free_disk_block(disk);
+    if (nomem)
+        return PyErr_NoMemory();
+    return PyBool_FromLong(done);
+}
+
+/* withdraw(ino): ino's READs and OPENs go to Python again; its lent blocks are unused
+ * once this returns. */
 static PyObject *Session_withdraw(Session *s, PyObject *args)
 {
     unsigned long long ino;
     if (!PyArg_ParseTuple(args, "K", &ino))
         return NULL;
-    struct pub *freed;
+    struct pub *old;
     Py_BEGIN_ALLOW_THREADS
     pthread_rwlock_wrlock(&s->hlock);
-    freed = unlink_pub(s, ino);
+    old = unlink_pub(s, ino);
     pthread_rwlock_unlock(&s->hlock);
     Py_END_ALLOW_THREADS
-    return freed_id(freed);
+    free_pub(old);
+    Py_RETURN_NONE;
 }
 
 /* invalidate_all(): no publication made before this call answers an OPEN any more (the
- * metadata cache was emptied); they stay in the table until replaced or withdrawn. */
+ * metadata cache was emptied); their lent blocks still serve READs. */
 static PyObject *Session_invalidate_all(Session *s, PyObject *unused)
 {
     (void)unused;
@@ -1640,18 +1574,19 @@ static PyMethodDef Session_methods[] = {
     {"start", (PyCFunction)Session_start, METH_NOARGS, "Start the reader threads."},
     {"fileno", (PyCFunction)Session_fileno, METH_NOARGS, "The eventfd that is readable while requests wait."},
     {"take", (PyCFunction)Session_take, METH_NOARGS,
-     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served, freed) tuples."},
+     "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served) tuples."},
     {"reply_err", (PyCFunction)Session_reply_err, METH_VARARGS, "reply_err(id, errno)"},
     {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS, "reply_entry(id, attr)"},
     {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS, "reply_attr(id, attr)"},
     {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS,
-     "reply_open(id, fh, keep_cache, direct_io, attach): an answer not taken is reported as a RELEASE"},
+     "reply_open(id, fh, keep_cache, direct_io): an answer not taken is reported as a RELEASE of fh (if not 0)"},
     {"reply_opendir", (PyCFunction)Session_reply_opendir, METH_VARARGS,
      "reply_opendir(id, dh) -> whether the kernel took it"},
     {"publish", (PyCFunction)Session_publish, METH_VARARGS,
-     "publish(ino, id, valid_for, keep_cache, direct_io, size, block_size, blocks) -> id of a publication freed now, or 0"},
-    {"withdraw", (PyCFunction)Session_withdraw, METH_VARARGS,
-     "withdraw(ino) -> id of the publication freed now, or 0"},
+     "publish(ino, vouch_for, keep_cache, direct_io, size, block_size, blocks): lend an inode's blocks"},
+    {"lend", (PyCFunction)Session_lend, METH_VARARGS,
+     "lend(ino, index, block) -> False if ino has no publication with that block"},
+    {"withdraw", (PyCFunction)Session_withdraw, METH_VARARGS, "withdraw(ino): nothing of ino is served here"},
     {"invalidate_all", (PyCFunction)Session_invalidate_all, METH_NOARGS,
      "No earlier publication answers an OPEN any more."},
     {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
@@ -1716,7 +1651,7 @@ PyMODINIT_FUNC PyInit__session(void)
         {"OP_OPENDIR", OP_OPENDIR}, {"OP_READDIR", OP_READDIR}, {"OP_RELEASEDIR", OP_RELEASEDIR},
         {"OP_OPEN", OP_OPEN}, {"OP_READ", OP_READ}, {"OP_RELEASE", OP_RELEASE},
         {"OP_STATFS", OP_STATFS}, {"OP_FORGET", OP_FORGET}, {"OP_INIT", OP_INIT}, {"OP_EXIT", OP_EXIT},
-        {"OP_OPENED", OP_OPENED},
+        {"OP_SERVED", OP_SERVED},
     };
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++)
         if (PyModule_AddIntConstant(m, ops[i].name, ops[i].value) < 0) {

@@ -1,9 +1,12 @@
 """The filesystem core without FUSE: names, handles, reads assembled from cached blocks,
 testable without a kernel (``fs.session`` only translates). The volume is read-only, so
 every write fails with EROFS, and failures are raised as exceptions for ``errors.errno_of``
-to map. A borrower (the FUSE session in C) may answer opens and reads of inodes the core
-publishes to it: the core vouches for an inode's version while its metadata is trusted and
-lends the cached blocks of that version, and withdraws both when either stops being true."""
+to map. Reads are by inode (an inode serves one version of its file, fs/inodes.py), so an
+open needs no handle; a file's read by one process counts from its first READ (offset
+0). A borrower (the FUSE session in C) serves reads of the cached blocks the core lends it
+per inode, and answers opens of an inode while the core vouches for it (its metadata is
+trusted); the core takes blocks back when they leave the RAM tier, and both when the inode
+goes."""
 
 from __future__ import annotations
 
@@ -30,10 +33,10 @@ from cubefs_fuse.fs.metadata import MetadataCache
 # flight while the reader consumes the next, which hides one remote round trip per
 # block without spending the cache on blocks a random reader never asks for.
 READAHEAD_BLOCKS = 2
-# The largest file (in blocks) whose blocks are lent to the borrower: it reports which
-# blocks it served as 64-bit masks.  Larger files are read in large requests, where the
-# per-request cost the borrower saves matters least.
-MAX_LENT_BLOCKS = 64
+# The largest file (in blocks) whose blocks are lent to the borrower: a publication holds
+# 8-16 bytes per block, 64 KiB at most (a 4 GiB file of 1 MiB blocks); larger files are
+# read in large requests, where the per-request cost the borrower saves matters least.
+MAX_LENT_BLOCKS = 4096
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
@@ -44,18 +47,17 @@ class Entry:
 
 
 @dataclass(slots=True)
-class OpenFile:
+class FileRequest:
+    """One READ's file, and, for a READ at offset 0, a process's read of the file: what the
+    hit accounting and the plans count as a request (the kernel sends no open or release
+    the core can count: the borrower answers them)."""
     inode: int
     path: str
     version: FileVersion
-    next_block: int = 0  # the block a sequential reader asks for next
     tag: int = 0  # path_tag(path)
-    owner: object = None  # the observer's context for the opening process
-    waited: bool = False  # a read of this handle waited on the backend
-    stall: float = 0.0  # seconds reads of this handle waited on the backend
-    read_here: bool = False  # a READ of this handle was served here, not by the borrower
-    observed: bool = True  # the observer has seen the open (False while its owner is looked up)
-    released: bool = False  # released before the observer saw the open
+    owner: object = None  # the observer's context for the reading process
+    waited: bool = False  # the READ waited on the backend
+    stall: float = 0.0  # seconds it waited
 
 
 # An NVMe entry lent by its place: (segment path, offset, allocated bytes, block key).
@@ -65,20 +67,25 @@ LentBlock = bytes | DiskBlock | None
 
 
 class Borrower(Protocol):
-    """A reader that answers opens and reads of published inodes itself (the FUSE session
-    in C, fs/_session.c) and reports them afterwards (``open_served``, ``release``).
-    ``publish`` and ``withdraw`` return the id of an earlier publication freed by the call
-    (no handle reads it any more), or 0; the others are reported freed later (``freed``).
-    ``report`` hands over, now, what it answered and has not reported yet."""
+    """A reader that serves reads of an inode's lent blocks itself (the FUSE session in C,
+    fs/_session.c), reported afterwards (``Filesystem.served``), and answers opens of an
+    inode vouched for with every block lent (counted in ``native_opens``, not reported).
+    What ``publish``, ``lend`` and ``withdraw`` replace is unused once they return.
+    ``report`` hands over, now, what it served and has not reported yet."""
 
-    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> int: ...
+    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> None: ...
 
-    def withdraw(self, inode: int, /) -> int: ...
+    def lend(self, inode: int, index: int, block: LentBlock, /) -> bool: ...
+
+    def withdraw(self, inode: int, /) -> None: ...
 
     def invalidate_all(self) -> None: ...
 
     def report(self) -> None: ...
+
+    @property
+    def native_opens(self) -> int: ...
 
 
 # What AccessObserver.opened_now answers when the opener's owner cannot be known without
@@ -87,7 +94,9 @@ OWNER_UNKNOWN = object()
 
 
 class AccessObserver(Protocol):
-    """Sees every application open and release (hit accounting, plan cursors)."""
+    """Sees every file request (a process's READ at offset 0) that reaches the daemon:
+    ``opened`` when it starts (its owner), ``released`` when it is answered (hit
+    accounting, plan cursors)."""
 
     async def opened(self, pid: int, path: str) -> object: ...
 
@@ -95,29 +104,27 @@ class AccessObserver(Protocol):
         """As :meth:`opened` when that needs no wait; else OWNER_UNKNOWN (nothing seen)."""
         ...
 
-    def released(self, f: OpenFile) -> None: ...
+    def released(self, f: FileRequest) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
 class FilesystemStatistics:
     lookups: int
     opens: int
-    native_opens: int  # of those, answered by the borrower from a publication (counted when reported)
-    open_files: int
+    native_opens: int  # of those, answered by the borrower for an inode vouched for
     open_dirs: int
     reads: int
     read_bytes: int
-    native_reads: int  # of those, served by the FUSE session from lent blocks (counted at release)
+    native_reads: int  # of those, served by the FUSE session from lent blocks (counted when reported)
     blocks_by_source: dict[str, int]  # block lookups by the tier that answered
     bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
     stale_reads: int
     stale_opens: int  # opens of a retired inode (its file changed): ESTALE, the kernel looks up again
     inodes: int
     retired_inodes: int  # inodes of old versions the kernel still holds
-    version_changes_with_handles: int  # files found changed with handles open on the old version
-    version_changes_without_handles: int  # ... with the old version's inode held, no handle open
-    file_requests: int  # opens of regular files, counted at release
-    file_misses: int  # of those, the ones with a read that waited on the backend
+    version_changes: int  # files found changed at the source while the kernel held the old version's inode
+    file_requests: int  # READs at offset 0 of regular files: a process's read of a file
+    file_misses: int  # of those, the ones whose READ waited on the backend
     stall_seconds: float
 
 
@@ -125,7 +132,6 @@ class FilesystemStatistics:
 class _Counters:
     lookups: int = 0
     opens: int = 0
-    native_opens: int = 0
     reads: int = 0
     read_bytes: int = 0
     native_reads: int = 0
@@ -152,20 +158,20 @@ class Filesystem:
         self.block_size = block_size
         self.inodes = InodeTable()
         self.blocks = FileBlocks(meta, cache, backend, block_size)
-        self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
         self._c = _Counters()
         self.observer: AccessObserver | None = None
         self.borrower: Borrower | None = None
-        # inode -> (the id of its publication, when its attributes stop being trusted)
-        self._published: dict[int, tuple[int, float]] = {}
+        # Per inode Python has read: the block a sequential reader asks for next.
+        self._next_block: dict[int, int] = {}
+        # Published inodes: when the core stops vouching for each (0.0: it does not).
+        self._published: dict[int, float] = {}
         self._incomplete: set[int] = set()  # published inodes with a block not lent (not held then)
-        # Publications that lend RAM blocks: id -> (inode, the keys lent), and each lent
-        # key's publications, so that a block leaving the RAM tier withdraws them.
-        self._loans: dict[int, tuple[int, list[bytes]]] = {}
-        self._lenders: dict[bytes, list[int]] = {}
-        self._publication_ids = count(1)
+        # RAM blocks lent: per inode, block index -> key; per key, its (inode, index)
+        # loans, so that a block leaving the RAM tier is taken back from each.
+        self._loans: dict[int, dict[int, bytes]] = {}
+        self._lenders: dict[bytes, list[tuple[int, int]]] = {}
         # Lookups and getattrs that miss the metadata cache bring small files whole
         # (see _stat_fetching); off: they only stat, as operator tools do.
         self.lookup_fetch = True
@@ -232,6 +238,7 @@ class Filesystem:
 
     def forget(self, inode: int, n: int) -> None:
         if self.inodes.forget(inode, n):
+            self._next_block.pop(inode, None)
             self._withdraw(inode)
 
     async def getattr(self, inode: int) -> Entry:
@@ -285,12 +292,12 @@ class Filesystem:
     # -- files -----------------------------------------------------------------------
 
     async def open(self, inode: int, flags: int, pid: int = 0) -> int:
-        """A handle pinned to the version the inode serves.
+        """Check that ``inode`` may be opened; reads are by inode, so the handle is 0.
 
-        The kernel may always keep the inode's page cache: every handle of an inode reads
-        one version (fs/inodes.py).  An inode whose file has changed at the source (found
-        now or before) is not opened: ESTALE, on which the kernel repeats the path walk
-        with a forced lookup (``LOOKUP_REVAL``), which answers the new version's inode."""
+        The kernel may always keep the inode's page cache: an inode serves one version
+        (fs/inodes.py).  An inode whose file has changed at the source (found now or
+        before) is not opened: ESTALE, on which the kernel repeats the path walk with a
+        forced lookup (``LOOKUP_REVAL``), which answers the new version's inode."""
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
@@ -302,66 +309,64 @@ class Filesystem:
             raise FsError(errno.EISDIR)
         if not attr.is_file:
             raise FsError(errno.EINVAL, "only regular files can be opened")
-        fh = next(self._handles)
-        owner = await self.observer.opened(pid, node.path) if self.observer is not None else None
-        self._files[fh] = OpenFile(inode, node.path, attr.version, tag=path_tag(node.path), owner=owner)
-        self.inodes.opened(inode)
         self._c.opens += 1
-        return fh
+        return 0
 
-    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
-        """An open the borrower answered itself from the inode's publication, with its own
-        handle ``fh``: counted as :meth:`open` counts one.  Returns what is left to do (the
-        observer's part, which may wait), to run in a task; None if nothing is."""
+    def release(self, fh: int) -> None:
+        """Never called: :meth:`open` gives no handle, and the session reports the release
+        only of handles it was given."""
+        raise AssertionError(f"release of handle {fh}, which the filesystem never gave")
+
+    def _request(self, inode: int) -> FileRequest:
         node = self.inodes.node(inode)
-        assert node.attr is not None  # published inodes are regular files with attributes
-        f = OpenFile(inode, node.path, node.attr.version, tag=path_tag(node.path))
-        self._files[fh] = f
-        self.inodes.opened(inode)
-        self._c.opens += 1
-        self._c.native_opens += 1
-        if self.observer is None:
-            return None
-        owner = self.observer.opened_now(pid, node.path)
-        if owner is not OWNER_UNKNOWN:
-            f.owner = owner
-            return None
-        f.observed = False
-        return self._observe(f, pid)
+        attr = node.attr
+        if attr is None or not attr.is_file:
+            raise FsError(errno.EISDIR if attr is not None and attr.is_dir else errno.EINVAL)
+        return FileRequest(inode, node.path, attr.version, tag=path_tag(node.path))
 
-    async def _observe(self, f: OpenFile, pid: int) -> None:
+    def _answered(self, f: FileRequest) -> None:
+        """A file request (a READ at offset 0) was answered: counted, and shown to the observer."""
+        c = self._c
+        c.file_requests += 1
+        if f.waited:
+            c.file_misses += 1
+            c.stall_seconds += f.stall
+        if self.observer is not None:
+            self.observer.released(f)
+
+    async def _observed(self, f: FileRequest, pid: int) -> None:
         assert self.observer is not None
         f.owner = await self.observer.opened(pid, f.path)
-        f.observed = True
-        if f.released:
-            self.observer.released(f)
+        self._answered(f)
 
     # -- publications ----------------------------------------------------------------
 
     def settle(self) -> None:
-        """Take in the opens and releases the borrower answered and has not reported yet:
-        before a decision that must see every open so far (a new plan replacing a loader's
-        last, whose cursor and consumed files they move)."""
+        """Take in the reads the borrower served and has not reported yet: before a
+        decision that must see every read so far (a new plan replacing a loader's last,
+        whose cursor and consumed files they move)."""
         if self.borrower is not None:
             self.borrower.report()
 
     def lend_to(self, borrower: Borrower) -> None:
-        """From now on, publish inodes to ``borrower`` and withdraw them when their version,
-        their metadata or a lent block stops being good."""
+        """From now on, publish inodes to ``borrower`` and take back what stops being good:
+        a block that leaves the RAM tier, vouching when the metadata is no longer trusted
+        or the file changed, everything when the kernel forgets the inode."""
         self.borrower = borrower
         self.cache.memory.on_recall = self._recall
         self.meta.on_forget = self._meta_forgotten
-        self.inodes.on_retire = self._withdraw
+        self.inodes.on_retire = self._unvouch
 
     def publish(self, inode: int, *, again: bool = False) -> bool:
-        """Vouch for ``inode`` to the borrower for as long as its path's attributes are
-        trusted (``attrValid``), and lend the blocks of its version that are held: RAM
-        blocks as their bytes, and for a file of one block its NVMe entry's place.  The
-        borrower answers opens only of an inode with every block lent (or too large for
-        any to be): the open of one that is not comes here and publishes it again.  An
-        inode published whole until the same expiry is left as it is (a listing or lookup
-        of a published file costs no new publication) unless ``again``.  False if it is not
-        published (no borrower, not a current regular file, nothing trusted)."""
+        """Lend the borrower the held blocks of the version ``inode`` serves (RAM blocks as
+        their bytes; for a file of one block, its NVMe entry's place), and vouch for the
+        inode for as long as its path's attributes are trusted (``attrValid``) if it is
+        the path's current one.  The borrower answers opens only of an inode vouched for
+        with every block lent (or too large for any to be): the open of one that is not
+        comes here and publishes it again.  An inode published whole until the same
+        expiry is left as it is (a listing or lookup of a published file costs no new
+        publication) unless ``again``.  False if nothing is published (no borrower, not a
+        regular file)."""
         borrower = self.borrower
         if borrower is None:
             return False
@@ -369,76 +374,127 @@ class Filesystem:
             node = self.inodes.node(inode)
         except FsError:  # forgotten meanwhile
             return False
-        attr = self.meta.peek(node.path)
-        until = self.meta.trusted_until(node.path)
-        valid_for = until - trio.current_time()
-        if attr is None or valid_for <= 0 or not attr.is_file or not self.inodes.serves(inode, attr):
+        attr = node.attr  # the version this inode serves, current or retired
+        if attr is None or not attr.is_file:
             return False
-        current = self._published.get(inode)
-        if not again and current is not None and current[1] == until and inode not in self._incomplete:
+        until = 0.0
+        if not node.retired:
+            current = self.meta.peek(node.path)
+            trusted = self.meta.trusted_until(node.path)
+            if current is not None and trusted > trio.current_time() and self.inodes.serves(inode, current):
+                until = trusted
+        if not again and self._published.get(inode) == until and inode not in self._incomplete:
             return True
         size = attr.version.size
         n = self.blocks.count(size)
         blocks: list[LentBlock] = []
-        keys: list[bytes] = []
+        loans: dict[int, bytes] = {}
         if 0 < n <= MAX_LENT_BLOCKS:
             for index in range(n):
                 key = block_key(node.path, attr.version, index)
                 data = self.cache.lend(key)
                 if data is not None:
-                    keys.append(key)
+                    loans[index] = key
                     blocks.append(data)
                     continue
-                # NVMe entries only for one-block files: the reader checks a whole entry per
-                # READ, which a file of many blocks would pay once per READ of each block.
-                place = self.cache.locate_on_disk(key) if n == 1 else None
-                blocks.append((os.fsencode(place[0]), place[1], place[2], key) if place else None)
-        publication = next(self._publication_ids)
-        self._published[inode] = (publication, until)
+                blocks.append(self._disk_place(key, n))
+        vouch_for = max(0.0, until - trio.current_time()) if until else 0.0
+        borrower.publish(inode, vouch_for, self.keep_cache, self.direct_io, size, self.block_size, blocks)
+        self._give_back_all(inode)  # what the earlier publication lent: unused now
+        self._published[inode] = until
         if None in blocks:
             self._incomplete.add(inode)
         else:
             self._incomplete.discard(inode)
-        if keys:
-            self._loans[publication] = (inode, keys)
-            for key in keys:
-                self._lenders.setdefault(key, []).append(publication)
-        freed = borrower.publish(inode, publication, valid_for, self.keep_cache, self.direct_io, size,
-                                 self.block_size, blocks)
-        if freed:
-            self.freed(freed)
+        if loans:
+            self._loans[inode] = loans
+            for index, key in loans.items():
+                self._lenders.setdefault(key, []).append((inode, index))
         return True
 
-    def freed(self, publication: int) -> None:
-        """The borrower let go of a publication: its lent blocks are given back."""
-        loans = self._loans.pop(publication, None)
-        if loans is None:
+    def _disk_place(self, key: bytes, n: int) -> LentBlock:
+        """A block's NVMe entry, lent by its place, only for a file of one block: the
+        borrower checks a whole entry per READ, which a file of many blocks would pay once
+        per READ of each block."""
+        place = self.cache.locate_on_disk(key) if n == 1 else None
+        return (os.fsencode(place[0]), place[1], place[2], key) if place else None
+
+    def _lend_read(self, inode: int, first: int, last: int) -> None:
+        """After a READ served here: lend the blocks it read that are held now, so the
+        borrower serves the next READ of them (the inode is published if it is not)."""
+        if inode not in self._published:
+            self.publish(inode)
             return
-        for key in loans[1]:
+        if inode not in self._incomplete or self.borrower is None:
+            return
+        f = self._request(inode)
+        n = self.blocks.count(f.version.size)
+        if n > MAX_LENT_BLOCKS:
+            return
+        loans = self._loans.setdefault(inode, {})
+        for index in range(first, min(last, n - 1) + 1):
+            if index in loans:
+                continue
+            key = block_key(f.path, f.version, index)
+            data = self.cache.lend(key)
+            block: LentBlock = data if data is not None else self._disk_place(key, n)
+            if block is None:
+                continue
+            if not self.borrower.lend(inode, index, block):
+                if data is not None:
+                    self.cache.give_back(key)
+                continue
+            if data is not None:
+                loans[index] = key
+                self._lenders.setdefault(key, []).append((inode, index))
+        if not loans:
+            del self._loans[inode]
+        if len(loans) == n:
+            self._incomplete.discard(inode)
+
+    def _give_back_all(self, inode: int) -> None:
+        for index, key in self._loans.pop(inode, {}).items():
+            self._forget_loan(key, inode, index)
             self.cache.give_back(key)
-            lenders = self._lenders.get(key)
-            if lenders is not None:
-                lenders.remove(publication)
-                if not lenders:
-                    del self._lenders[key]
+
+    def _forget_loan(self, key: bytes, inode: int, index: int) -> None:
+        lenders = self._lenders.get(key)
+        if lenders is not None:
+            lenders.remove((inode, index))
+            if not lenders:
+                del self._lenders[key]
 
     def _withdraw(self, inode: int) -> None:
+        """Nothing of ``inode`` is served by the borrower any more."""
         self._incomplete.discard(inode)
         if self._published.pop(inode, None) is not None and self.borrower is not None:
-            freed = self.borrower.withdraw(inode)
-            if freed:
-                self.freed(freed)
+            self.borrower.withdraw(inode)
+        self._give_back_all(inode)
+
+    def _unvouch(self, inode: int) -> None:
+        """``inode`` is no longer its path's current version (retired), or its path's
+        attributes are no longer trusted: its opens come here again; its blocks, still
+        exact for its version, are lent on."""
+        if self._published.get(inode):
+            self.publish(inode, again=True)
 
     def _recall(self, key: bytes) -> None:
-        """A lent RAM block left the tier: the publications lending it are replaced by what
-        is held now (a one-block file's NVMe entry, where the block was written), or
-        withdrawn, so no new handle reads the block and its bytes are given back once the
-        open ones are released."""
-        for publication in list(self._lenders.get(key, ())):
-            loans = self._loans.get(publication)
-            if loans is not None and self._published.get(loans[0], (0, 0.0))[0] == publication:
-                if not self.publish(loans[0], again=True):
-                    self._withdraw(loans[0])
+        """A lent RAM block left the tier: each inode lending it gets what is held now in
+        its place (a one-block file's NVMe entry, where the block was written) or nothing,
+        and the block is given back (the borrower no longer uses it)."""
+        for inode, index in self._lenders.pop(key, []):
+            loans = self._loans.get(inode)
+            if loans is None or loans.pop(index, None) is None:
+                continue
+            if not loans:
+                del self._loans[inode]
+            n = self.blocks.count(self._request(inode).version.size) if self.borrower is not None else 0
+            place = self._disk_place(key, n)
+            if self.borrower is not None:
+                self.borrower.lend(inode, index, place)
+            if place is None:
+                self._incomplete.add(inode)
+            self.cache.give_back(key)
 
     def _meta_forgotten(self, path: str | None) -> None:
         """The metadata cache stopped trusting ``path``'s attributes (None: everyone's)."""
@@ -448,91 +504,95 @@ class Filesystem:
             return
         inode = self.inodes.current(path)
         if inode is not None:
-            self._withdraw(inode)
+            self._unvouch(inode)
 
-    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
-               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
-        """What the reader of lent blocks served for ``fh``: ``reads`` requests; bytes and
-        block lookups from RAM and from NVMe; masks of the blocks read (bit i: block i)."""
-        f = self.open_file(fh)
+    def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
+               disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
+        """A READ the borrower served from lent blocks: ``offset`` where it started, the
+        bytes and a mask of the blocks read (bit i: block ``first`` + i) from RAM and from
+        NVMe.  Counted as :meth:`read` counts one; returns what is left to do (the
+        observer's part of a file request, which may wait), to run in a task; None if
+        nothing is."""
+        try:
+            f = self._request(inode)
+        except FsError:  # forgotten since (a report is taken after the FORGET that follows it)
+            return None
         c = self._c
-        c.reads += reads
-        c.native_reads += reads
+        c.reads += 1
+        c.native_reads += 1
         c.read_bytes += ram_bytes + disk_bytes
-        for source, nbytes, lookups, mask in ((Source.RAM, ram_bytes, ram_lookups, ram_mask),
-                                              (Source.DISK, disk_bytes, disk_lookups, disk_mask)):
+        last = first
+        for source, nbytes, mask in ((Source.RAM, ram_bytes, ram_mask), (Source.DISK, disk_bytes, disk_mask)):
+            if not mask:
+                continue
+            last = max(last, first + mask.bit_length() - 1)
             # What each block counts as (a RAM block brought by admit counts as the read
-            # that brought it); the bytes and lookups are shared out over the blocks read.
-            counted = [self.cache.served(block_key(f.path, f.version, i), source, f.tag)
+            # that brought it); the bytes are shared out over the blocks read.
+            counted = [self.cache.served(block_key(f.path, f.version, first + i), source, f.tag)
                        for i in range(mask.bit_length()) if mask >> i & 1]
             n = len(counted)
             for i, (actual, stall) in enumerate(counted):
-                c.blocks_by_source[actual.value] += lookups // n + (i < lookups % n)
+                c.blocks_by_source[actual.value] += 1
                 c.bytes_by_source[actual.value] += nbytes // n + (i < nbytes % n)
                 if actual is Source.BACKEND:
                     f.waited = True
                     f.stall += stall
+        self._readahead(f, first, last)
+        if offset != 0:
+            return None
+        if self.observer is None:
+            self._answered(f)
+            return None
+        owner = self.observer.opened_now(pid, f.path)
+        if owner is OWNER_UNKNOWN:
+            return self._observed(f, pid)
+        f.owner = owner
+        self._answered(f)
+        return None
 
-    def release(self, fh: int) -> None:
-        f = self._files.pop(fh, None)
-        if f is None:
-            return
-        self.inodes.released(f.inode)
-        if f.inode in self._published and (f.inode in self._incomplete or (
-                f.read_here and self.blocks.count(f.version.size) <= MAX_LENT_BLOCKS)):
-            # Its reads may have brought blocks the publication lacked, or found a lent NVMe
-            # entry gone (the borrower's check failed): lend what is held now.
-            self.publish(f.inode, again=True)
-        self._c.file_requests += 1
-        if f.waited:
-            self._c.file_misses += 1
-            self._c.stall_seconds += f.stall
-        if self.observer is not None:
-            if f.observed:
-                self.observer.released(f)
-            else:
-                f.released = True  # _observe reports it once the owner is known
-
-    def open_file(self, fh: int) -> OpenFile:
-        try:
-            return self._files[fh]
-        except KeyError:
-            raise FsError(errno.EBADF) from None
-
-    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
-        f = self.open_file(fh)
+    async def read(self, inode: int, fh: int, offset: int, size: int, pid: int = 0) -> bytes | memoryview:
+        """``size`` bytes at ``offset`` of the version ``inode`` serves (``fh`` is unused:
+        reads are by inode).  A READ at offset 0 is a file request (FileRequest)."""
+        f = self._request(inode)
         end = min(offset + size, f.version.size)
         self._c.reads += 1
-        f.read_here = True
-        if offset >= end:
-            return b""
-        bs = self.block_size
-        first, last = offset // bs, (end - 1) // bs
+        request = offset == 0
+        if request and self.observer is not None:
+            f.owner = await self.observer.opened(pid, f.path)
         try:
-            if first == last:
-                block = await self._block(f, first, end - offset)
-                result: bytes | memoryview = block if (offset - first * bs, end - first * bs) == (0, len(block)) else memoryview(block)[offset - first * bs : end - first * bs]
-            else:
-                # Start every block's fetch, then collect them in order: each get() joins
-                # (and promotes to foreground) the flight its prefetch started.
-                for index in range(first + 1, last + 1):
-                    self.cache.prefetch(block_key(f.path, f.version, index), self.blocks.fetcher(f.path, f.version, index))
-                parts = []
-                for index in range(first, last + 1):
-                    served = min(end, (index + 1) * bs) - max(offset, index * bs)
-                    parts.append(await self._block(f, index, served))
-                joined = b"".join(parts)
-                result = memoryview(joined)[offset - first * bs : end - first * bs]
-        except StaleVersion:
-            self._c.stale_reads += 1
-            self.meta.invalidate(f.path)  # the next open sees the new version
-            raise
-        self._readahead(f, first, last)
-        self._c.read_bytes += len(result)
-        return result
+            if offset >= end:
+                return b""
+            bs = self.block_size
+            first, last = offset // bs, (end - 1) // bs
+            try:
+                if first == last:
+                    block = await self._block(f, first, end - offset)
+                    result: bytes | memoryview = block if (offset - first * bs, end - first * bs) == (0, len(block)) else memoryview(block)[offset - first * bs : end - first * bs]
+                else:
+                    # Start every block's fetch, then collect them in order: each get() joins
+                    # (and promotes to foreground) the flight its prefetch started.
+                    for index in range(first + 1, last + 1):
+                        self.cache.prefetch(block_key(f.path, f.version, index), self.blocks.fetcher(f.path, f.version, index))
+                    parts = []
+                    for index in range(first, last + 1):
+                        served = min(end, (index + 1) * bs) - max(offset, index * bs)
+                        parts.append(await self._block(f, index, served))
+                    joined = b"".join(parts)
+                    result = memoryview(joined)[offset - first * bs : end - first * bs]
+            except StaleVersion:
+                self._c.stale_reads += 1
+                self.meta.invalidate(f.path)  # the next open sees the new version
+                raise
+            self._readahead(f, first, last)
+            self._lend_read(inode, first, last)
+            self._c.read_bytes += len(result)
+            return result
+        finally:
+            if request:
+                self._answered(f)
 
-    async def _block(self, f: OpenFile, index: int, served: int) -> bytes:
-        """Block ``index`` of the open file; ``served`` of its bytes go to the reader."""
+    async def _block(self, f: FileRequest, index: int, served: int) -> bytes:
+        """Block ``index`` of the file; ``served`` of its bytes go to the reader."""
         start = time.perf_counter()
         data, source, earlier = await self.cache.read(block_key(f.path, f.version, index),
                                                       self.blocks.fetcher(f.path, f.version, index), tag=f.tag)
@@ -543,17 +603,18 @@ class Filesystem:
         self._c.bytes_by_source[source.value] += served
         return data
 
-    def _readahead(self, f: OpenFile, first: int, last: int) -> None:
-        sequential = first == f.next_block or first == f.next_block - 1
-        f.next_block = last + 1
+    def _readahead(self, f: FileRequest, first: int, last: int) -> None:
+        expected = self._next_block.get(f.inode, 0)
+        sequential = first == expected or first == expected - 1
+        self._next_block[f.inode] = last + 1
         if not sequential:
             return
         self.blocks.prefetch_range(f.path, f.version, last + 1, last + 1 + READAHEAD_BLOCKS)
 
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()
-        return FilesystemStatistics(c.lookups, c.opens, c.native_opens, len(self._files), len(self._dirs), c.reads,
+        native_opens = self.borrower.native_opens if self.borrower is not None else 0
+        return FilesystemStatistics(c.lookups, c.opens + native_opens, native_opens, len(self._dirs), c.reads,
                                     c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
-                                    c.stale_reads, c.stale_opens, i.inodes, i.retired,
-                                    i.changes_with_handles, i.changes_without_handles,
+                                    c.stale_reads, c.stale_opens, i.inodes, i.retired, i.changes,
                                     c.file_requests, c.file_misses, c.stall_seconds)

@@ -3,7 +3,7 @@ lookup counts. Because the kernel page cache belongs to an inode, an inode serve
 one identity of its path (a regular file's :class:`FileVersion`, else its file type); when
 the path is found with another identity the inode is retired: the path gets a new number, so
 new opens get a fresh inode, while the retired one serves its own version, attributes
-frozen, to the handles still open until the kernel forgets it. Numbers are never reused
+frozen, to the files still open on it until the kernel forgets it. Numbers are never reused
 (docs/contracts.md, "One inode per file version")."""
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ class Node:
     path: str
     attr: Attr | None  # what this inode serves (None: the root before its first getattr)
     lookups: int = 0
-    handles: int = 0  # open file handles on this inode
     retired: bool = False  # the path has moved on to another inode (its file changed)
 
 
@@ -41,8 +40,7 @@ class Node:
 class InodeStatistics:
     inodes: int
     retired: int  # retired inodes the kernel still holds
-    changes_with_handles: int  # files found changed while handles were open on the old inode
-    changes_without_handles: int  # ... while the kernel held the old inode without open handles
+    changes: int  # files found changed while the kernel held the old version's inode
 
 
 class InodeTable:
@@ -53,8 +51,7 @@ class InodeTable:
         self._by_path: dict[str, int] = {"": ROOT_INODE}  # the current inode of each path
         self._numbers = count(ROOT_INODE + 1)
         self._retired = 0
-        self._changes_with_handles = 0
-        self._changes_without_handles = 0
+        self._changes = 0
         self.on_retire: Callable[[int], None] | None = None  # told the inode number retired
 
     def __len__(self) -> int:
@@ -105,20 +102,9 @@ class InodeTable:
         self._retired += 1
         if self._by_path.get(node.path) == inode:
             del self._by_path[node.path]
-        if node.handles:
-            self._changes_with_handles += 1
-        else:
-            self._changes_without_handles += 1
+        self._changes += 1
         if self.on_retire is not None:
             self.on_retire(inode)
-
-    def opened(self, inode: int) -> None:
-        self.node(inode).handles += 1
-
-    def released(self, inode: int) -> None:
-        node = self._nodes.get(inode)
-        if node is not None and node.handles:
-            node.handles -= 1
 
     def forget(self, inode: int, n: int) -> bool:
         """Lower the kernel's lookup count; True if that freed the inode."""
@@ -136,8 +122,7 @@ class InodeTable:
         return True
 
     def statistics(self) -> InodeStatistics:
-        return InodeStatistics(len(self._nodes), self._retired, self._changes_with_handles,
-                               self._changes_without_handles)
+        return InodeStatistics(len(self._nodes), self._retired, self._changes)
 
 
 def child_path(parent: str, name: str) -> str:

@@ -4,7 +4,7 @@ The FUSE connection is the C extension's (``fs/_session.c``): its reader threads
 what needs no decision (and the opens and reads of inodes the core published to it) and
 queue the rest; this module takes the queue when its eventfd is readable and turns each
 request into one call of the core (``fs.filesystem``) and one reply, and each report of
-what C answered (an open, a release) into one call.  No logic lives here beyond type
+what C answered (a read it served, the release of a handle Python gave) into one call.  No logic lives here beyond type
 conversion: every exception becomes an errno through ``errors.errno_of`` (one place), and
 an unexpected one (a bug) is also logged with its traceback, once per exception type.
 """
@@ -42,12 +42,12 @@ _logged_bugs: set[type[BaseException]] = set()
 # What C packs into a struct stat: (ino, mode, nlink, uid, gid, rdev, size, blksize, blocks,
 # atime_ns, mtime_ns, ctime_ns).
 AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
-# What C served from an open file's lent blocks, given with its RELEASE: (reads, then bytes,
-# block lookups and a mask of the blocks read from RAM, then the same from NVMe).
-Served = tuple[int, int, int, int, int, int, int]
+# What C served of a READ from lent blocks: (the READ's first block, the bytes from RAM and
+# a mask of the blocks read there, the same from NVMe); mask bit i is block first + i.
+Served = tuple[int, int, int, int, int]
 # A request or report C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name,
-# served, freed); freed: a publication this RELEASE was the last use of (0: none).
-Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None, int]
+# served); served only in an OP_SERVED report.
+Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None]
 
 
 class Entry(Protocol):
@@ -83,20 +83,22 @@ class Operations(Protocol):
 
     def releasedir(self, fh: int) -> None: ...
 
-    async def open(self, inode: int, flags: int, pid: int = 0) -> int: ...
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
+        """A handle for the kernel; 0 if the implementation reads by inode alone (then no
+        RELEASE reaches it)."""
+        ...
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview: ...
+    async def read(self, inode: int, fh: int, offset: int, size: int, pid: int) -> bytes | memoryview: ...
 
     def lend_to(self, borrower: Borrower) -> None: ...
 
     def publish(self, inode: int) -> bool: ...
 
-    def freed(self, publication: int) -> None: ...
-
-    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None: ...
-
-    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
-               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None: ...
+    def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
+               disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
+        """A READ C served from lent blocks (an OP_SERVED report); returns what is left to
+        do, which may wait (to run in a task), or None."""
+        ...
 
     def release(self, fh: int) -> None: ...
 
@@ -121,14 +123,19 @@ class Native(Protocol):
 
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None: ...
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, attach: bool, /) -> None: ...
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None: ...
 
     def reply_opendir(self, id: int, dh: int, /) -> bool: ...
 
-    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> int: ...
+    @property
+    def native_opens(self) -> int: ...
 
-    def withdraw(self, inode: int, /) -> int: ...
+    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> None: ...
+
+    def lend(self, inode: int, index: int, block: LentBlock, /) -> bool: ...
+
+    def withdraw(self, inode: int, /) -> None: ...
 
     def invalidate_all(self) -> None: ...
 
@@ -203,12 +210,19 @@ class KernelSession:
 
     # -- the core's borrower (filesystem.Borrower) -------------------------------------
 
-    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> int:
-        return self._native.publish(inode, id, valid_for, keep_cache, direct_io, size, block_size, blocks)
+    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        self._native.publish(inode, vouch_for, keep_cache, direct_io, size, block_size, blocks)
 
-    def withdraw(self, inode: int, /) -> int:
-        return self._native.withdraw(inode)
+    def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
+        return self._native.lend(inode, index, block)
+
+    def withdraw(self, inode: int, /) -> None:
+        self._native.withdraw(inode)
+
+    @property
+    def native_opens(self) -> int:
+        return self._native.native_opens
 
     def invalidate_all(self) -> None:
         self._native.invalidate_all()
@@ -241,20 +255,16 @@ class KernelSession:
 
     def _release(self, r: Request) -> None:
         # C has answered the kernel: this is the report (no reply).
-        fh, served, freed = r[3], r[11], r[12]
         try:
-            if served is not None:  # C read some of the handle's lent blocks itself
-                self.ops.served(fh, *served)
-            self.ops.release(fh)
+            self.ops.release(r[3])
         except Exception as exc:  # noqa: BLE001 - a bug must not end the session
             _log_bug(r, exc)
-        if freed:
-            self.ops.freed(freed)
 
-    def _opened(self, r: Request) -> None:
-        # C answered an OPEN from the inode's publication: the core counts it.
+    def _served(self, r: Request) -> None:
+        # C served a READ from lent blocks: the core counts it.
+        assert r[11] is not None  # every OP_SERVED report carries what was served
         try:
-            rest = self.ops.open_served(r[2], r[3], r[7])
+            rest = self.ops.served(r[2], r[7], r[4], *r[11])
         except Exception as exc:  # noqa: BLE001 - a bug must not end the session
             _log_bug(r, exc)
             return
@@ -297,7 +307,7 @@ class KernelSession:
         _session.OP_INIT: _init,
         _session.OP_RELEASEDIR: _releasedir,
         _session.OP_RELEASE: _release,
-        _session.OP_OPENED: _opened,
+        _session.OP_SERVED: _served,
         _session.OP_READDIR: _readdir,
     }
 
@@ -309,7 +319,7 @@ class KernelSession:
         opened: int | None = None  # an OPEN's handle, to release if its answer comes too late
         try:
             if op == _session.OP_READ:
-                native.reply_buf(rid, await ops.read(fh, offset, size))
+                native.reply_buf(rid, await ops.read(ino, fh, offset, size, pid))
             elif op == _session.OP_LOOKUP:
                 entry = await ops.lookup(ino, os.fsdecode(r[10]))
                 if entry.attr.is_file:
@@ -319,9 +329,11 @@ class KernelSession:
                 entry = await ops.getattr(ino)
                 native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
             elif op == _session.OP_OPEN:
-                opened = fh = await ops.open(ino, flags, pid)
+                fh = await ops.open(ino, flags, pid)
+                opened = fh or None  # handle 0 has no RELEASE
+                ops.publish(ino)  # before the answer: the next OPEN of it is C's
                 # A RELEASE of fh comes from now on (C reports one if the kernel does not take the answer).
-                native.reply_open(rid, fh, ops.keep_cache, ops.direct_io, ops.publish(ino))
+                native.reply_open(rid, fh, ops.keep_cache, ops.direct_io)
                 opened = None
             elif op == _session.OP_OPENDIR:
                 dh = await ops.opendir(ino)

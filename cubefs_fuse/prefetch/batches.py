@@ -22,7 +22,7 @@ from cubefs_fuse.attrs import Attr, FileVersion
 from cubefs_fuse.cache.blockcache import Source
 from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
-from cubefs_fuse.fs.filesystem import OpenFile
+from cubefs_fuse.fs.filesystem import FileRequest
 from cubefs_fuse.prefetch.jobs import JobKey
 from cubefs_fuse.prefetch.service import PrefetchService
 
@@ -144,7 +144,7 @@ class BatchResolver:
                 else:
                     self.stats.served_hits += 1
                 self.stats.served_bytes += r.size
-                self.service.released(OpenFile(0, r.path, r.version, owner=r.owner, waited=waited,
+                self.service.released(FileRequest(0, r.path, r.version, owner=r.owner, waited=waited,
                                                stall=r.stall if waited else 0.0))
 
     def _to_mount(self, count: int, reason: str) -> None:

@@ -2,9 +2,11 @@
 registers its main process per rank; a FUSE request's pid is attributed to a job by walking
 its ancestry in ``/proc/<pid>/status`` (in a worker thread, cached ``RESOLVE_TTL`` seconds
 so a reused pid is not credited for long), since DataLoader workers are its children. A
-request is one open of a regular file, a hit if none of its reads waited on the backend (a
-file re-read from the kernel page cache is a hit through its open); the daemon's own
-prefetch never counts, and when a job ends is the service's decision
+request is one read of a regular file from its start that reaches the daemon (or one file
+the fast path served), a hit if that read did not wait on the backend.  A file the kernel's
+page cache serves whole reaches no daemon: the job's own cube_torch reports how many files
+its loaders read, and a job's requests are the larger of the two counts (``JobReads``).
+The daemon's own prefetch never counts, and when a job ends is the service's decision
 (prefetch/service.py)."""
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ class HitCounters:
         return HitCounters(self.requests - other.requests, self.hits - other.hits,
                            self.misses - other.misses, self.stall_seconds - other.stall_seconds)
 
+    def add(self, other: HitCounters) -> None:
+        self.requests += other.requests
+        self.hits += other.hits
+        self.misses += other.misses
+        self.stall_seconds += other.stall_seconds
+
     def copy(self) -> HitCounters:
         return HitCounters(self.requests, self.hits, self.misses, self.stall_seconds)
 
@@ -52,6 +60,31 @@ class HitCounters:
         data = asdict(self)
         data["hit_rate"] = self.hits / self.requests if self.requests else 0.0
         return data
+
+
+@dataclass
+class JobReads:
+    """One job's file requests from two witnesses.  The daemon counts the reads it answers
+    (``seen``; a miss is one that waited on the source, and every miss reaches the daemon);
+    the job's cube_torch reports how many files its loaders have read (``reported``), reads
+    the kernel's page cache answered included, which reach no daemon.  Each count misses
+    what the other sees (a job without cube_torch reports nothing; cube_torch counts a batch
+    only once the loop has it), so the requests are the larger of the two."""
+
+    seen: int = 0
+    misses: int = 0
+    stall_seconds: float = 0.0
+    reported: int = 0
+
+    def record(self, waited: bool, stall: float) -> None:
+        self.seen += 1
+        if waited:
+            self.misses += 1
+            self.stall_seconds += stall
+
+    def counters(self) -> HitCounters:
+        requests = max(self.seen, self.reported)
+        return HitCounters(requests, requests - self.misses, self.misses, self.stall_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +107,13 @@ class Job:
     rank: int
     pid: int
     registered_at: float = field(default_factory=time.time)
-    last_active: float = field(default_factory=trio.current_time)  # last open or plan (trio clock)
-    counters: HitCounters = field(default_factory=HitCounters)
-    last_reported: HitCounters = field(default_factory=HitCounters)
+    last_active: float = field(default_factory=trio.current_time)  # last file request or plan (trio clock)
+    reads: JobReads = field(default_factory=JobReads)
+    last_reported: HitCounters = field(default_factory=HitCounters)  # counters at the last stats call
+
+    @property
+    def counters(self) -> HitCounters:
+        return self.reads.counters()
 
 
 def _status_fields(pid: int) -> tuple[int, int] | None:
@@ -130,7 +167,7 @@ class JobRegistry:
             old = self.jobs.get(key)
             job = Job(name, rank, pid)
             if old is not None:
-                job.counters, job.last_reported = old.counters, old.last_reported
+                job.reads, job.last_reported = old.reads, old.last_reported
                 self._by_pid.pop(old.pid, None)
             self.jobs[key] = job
         self._by_pid[pid] = key
@@ -185,11 +222,26 @@ class JobRegistry:
         return job
 
     def record(self, key: JobKey | None, waited: bool, stall: float) -> None:
-        self.total.record(waited, stall)
-        if key is not None:
-            job = self.jobs.get(key)
-            if job is not None:
-                job.counters.record(waited, stall)
+        job = self.jobs.get(key) if key is not None else None
+        if job is None:
+            self.total.record(waited, stall)
+            return
+        before = job.counters
+        job.reads.record(waited, stall)
+        self.total.add(job.counters.minus(before))  # a read the job had reported adds no request
+
+    def report_reads(self, key: JobKey, files: int) -> HitCounters | None:
+        """The job's cube_torch says its loaders have read ``files`` files so far (a
+        cumulative count: an older or repeated report changes nothing).  The job's counters,
+        None if it is not registered."""
+        job = self.jobs.get(key)
+        if job is None:
+            return None
+        before = job.counters
+        job.reads.reported = max(job.reads.reported, files)
+        after = job.counters
+        self.total.add(after.minus(before))
+        return after
 
     def report(self, name: str | None) -> dict[str, Any]:
         """Cumulative and since-last-call counters, per job (or one job) and in total."""
@@ -197,10 +249,11 @@ class JobRegistry:
         for job in self.jobs.values():
             if name is not None and job.name != name:
                 continue
-            since = job.counters.minus(job.last_reported)
-            job.last_reported = job.counters.copy()
+            cumulative = job.counters
+            since = cumulative.minus(job.last_reported)
+            job.last_reported = cumulative
             jobs.append({"job": job.name, "rank": job.rank, "pid": job.pid,
-                         "cumulative": job.counters.as_dict(), "since_last": since.as_dict()})
+                         "cumulative": cumulative.as_dict(), "since_last": since.as_dict()})
         since_total = self.total.minus(self._total_reported)
         if name is None:
             self._total_reported = self.total.copy()

@@ -1,10 +1,10 @@
 """The ai_prefetch service: datasets, jobs, plans and warmups over the filesystem core,
 FUSE-free and HTTP-free (``control/routes.py`` turns requests into these calls and
 :class:`~cubefs_fuse.errors.RequestError` kinds into statuses), and the filesystem's
-AccessObserver, attributing every application open to a job and advancing its plan. Nothing
-leaks (docs/concurrency.md, "Jobs end"): a job whose process the daemon can watch ends when
-it exits, one it cannot watch (and a plan for a job never registered) after
-``jobIdleTimeout`` seconds without an open or a plan, and ending a job removes its loaders'
+AccessObserver, attributing every file request (a read from a file's start) to a job and
+advancing its plan. Nothing leaks (docs/concurrency.md, "Jobs end"): a job whose process the
+daemon can watch ends when it exits, one it cannot watch (and a plan for a job never
+registered) after ``jobIdleTimeout`` seconds without a file request or a plan, and ending a job removes its loaders'
 plans and its per-job metric series."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import trio
 
 from cubefs_fuse.config import ClientConfig
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, TooLarge
-from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, Filesystem, OpenFile
+from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, Filesystem
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
 from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
@@ -87,7 +87,7 @@ class PrefetchService:
             self.jobs.touch(key)
             self.scheduler.observe_open(key, path)
 
-    def released(self, f: OpenFile) -> None:
+    def released(self, f: FileRequest) -> None:
         key = f.owner if isinstance(f.owner, tuple) else None
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:
@@ -222,6 +222,19 @@ class PrefetchService:
         if pidfd is not None:
             self._watchers[key] = scope = trio.CancelScope()
             self._nursery.start_soon(self._watch, key, pidfd, scope)
+
+    async def report_reads(self, key: JobKey, files: int, *, caller_pid: int | None) -> HitCounters:
+        """The job's cube_torch reports the files its loaders have read (cumulative; reads
+        the kernel's page cache answered reach no daemon otherwise).  Only the job's own
+        processes may (``caller_pid`` resolves to ``key``; None: trusted), so no other user
+        can dress up a job's hit rate.  The job's counters after the report."""
+        if caller_pid is not None and await self.jobs.resolve(caller_pid) != key:
+            raise Forbidden(f"only the processes of job {key[0]!r} rank {key[1]} report its reads")
+        counters = self.jobs.report_reads(key, files)
+        if counters is None:
+            raise NotFound(f"no job {key[0]!r} rank {key[1]} is registered")
+        self.jobs.touch(key)  # reading, even if only from the page cache: not idle
+        return counters
 
     async def _watch(self, key: JobKey, pidfd: int, scope: trio.CancelScope) -> None:
         """End ``key``'s job when the process behind ``pidfd`` exits."""

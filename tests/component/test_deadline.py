@@ -151,22 +151,21 @@ async def test_cached_data_and_metadata_are_served_while_the_remote_hangs(
         await fs.opendir(d.inode)  # the listing caches both files' attributes
         cached = await fs.lookup(d.inode, "cached")
         other = await fs.lookup(d.inode, "other")
-        fh = await fs.open(cached.inode, os.O_RDONLY, pid=1)
-        assert await fs.read(fh, 0, 3000) == b"c" * 3000
-        fs.release(fh)
+        await fs.open(cached.inode, os.O_RDONLY, pid=1)
+        assert await fs.read(cached.inode, 0, 0, 3000, pid=1) == b"c" * 3000
         fake.hang()
         sent = sum(fake.operations.values())
         start = trio.current_time()
-        fh = await fs.open(cached.inode, os.O_RDONLY, pid=1)
-        assert await fs.read(fh, 0, 3000) == b"c" * 3000  # RAM hit, attributes within their TTL
+        await fs.open(cached.inode, os.O_RDONLY, pid=1)
+        assert await fs.read(cached.inode, 0, 0, 3000, pid=1) == b"c" * 3000  # RAM hit, attributes within their TTL
         assert (await fs.getattr(cached.inode)).attr.size == 3000
         assert trio.current_time() == start and sum(fake.operations.values()) == sent
-        fh2 = await fs.open(other.inode, os.O_RDONLY, pid=1)
-        await expect_eio(fs.read(fh2, 0, 100))  # a miss waits the deadline once ...
+        await fs.open(other.inode, os.O_RDONLY, pid=1)
+        await expect_eio(fs.read(other.inode, 0, 0, 100, pid=1))  # a miss waits the deadline once ...
         assert trio.current_time() - start == pytest.approx(TIMEOUT)
-        await expect_eio(fs.read(fh2, 1000, 100))  # ... then fails fast
+        await expect_eio(fs.read(other.inode, 0, 1000, 100, pid=1))  # ... then fails fast
         assert trio.current_time() - start == pytest.approx(TIMEOUT)
-        assert await fs.read(fh, 0, 10) == b"c" * 10  # and the cached file is still served
+        assert await fs.read(cached.inode, 0, 0, 10, pid=1) == b"c" * 10  # and the cached file is still served
         fake.unhang()
 
 

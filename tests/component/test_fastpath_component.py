@@ -142,9 +142,8 @@ async def test_a_batch_moves_the_plan_past_its_files_when_it_asks(autojump_clock
         inode = ROOT_INODE
         for name in paths[17].split("/"):
             inode = (await fs.lookup(inode, name)).inode
-        fh = await fs.open(inode, os.O_RDONLY, PID)
-        assert await fs.read(fh, 0, BLOCK) == data[paths[17]]
-        fs.release(fh)
+        await fs.open(inode, os.O_RDONLY, PID)
+        assert await fs.read(inode, 0, 0, BLOCK, PID) == data[paths[17]]
         assert counters(resolver) == (33, 17, 16)
         assert (plan.cursor, plan.counters.used, plan.counters.requests) == (32, 32, 32)
 

@@ -15,7 +15,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from cubefs_fuse.errors import FsError, StaleVersion, errno_of
-from cubefs_fuse.fs.filesystem import Filesystem, OpenFile
+from cubefs_fuse.fs.filesystem import FileRequest, Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, open_stack, stack_config
@@ -27,10 +27,10 @@ async def filesystem(backend: FakeBackend, *, attr_ttl: float = 3600.0) -> Async
         yield stack.fs
 
 
-async def read_all(fs: Filesystem, fh: int, size: int, chunk: int = 1000) -> bytes:
+async def read_all(fs: Filesystem, inode: int, size: int, chunk: int = 1000) -> bytes:
     out = bytearray()
     for offset in range(0, size, chunk):
-        out += await fs.read(fh, offset, chunk)
+        out += await fs.read(inode, 0, offset, chunk)
     return bytes(out)
 
 
@@ -80,14 +80,14 @@ async def test_reads_of_every_range_match_the_source_across_blocks() -> None:
     backend.write("f", data)
     async with filesystem(backend) as fs:
         inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        fh = await fs.open(inode, os.O_RDONLY)
-        assert await read_all(fs, fh, len(data)) == data
-        for offset, size in ((0, 1), (BLOCK - 1, 2), (BLOCK, BLOCK), (10, 3 * BLOCK), (len(data) - 5, 100)):
-            assert bytes(await fs.read(fh, offset, size)) == data[offset:offset + size]
-        assert await fs.read(fh, len(data), 10) == b""
-        fs.release(fh)
+        assert await fs.open(inode, os.O_RDONLY) == 0  # reads are by inode: no handle
+        assert await read_all(fs, inode, len(data)) == data
+        for offset, size in ((BLOCK - 1, 2), (BLOCK, BLOCK), (10, 3 * BLOCK), (len(data) - 5, 100), (0, 1)):
+            assert bytes(await fs.read(inode, 0, offset, size)) == data[offset:offset + size]
+        assert await fs.read(inode, 0, len(data), 10) == b""
         stats = fs.statistics()
-        assert stats.file_requests == 1 and stats.file_misses == 1  # the first read waited on the backend
+        # Each read from the file's start is a request: the first waited on the backend.
+        assert (stats.file_requests, stats.file_misses, stats.opens) == (2, 1, 1)
 
 
 async def test_writes_directories_and_special_files_are_refused() -> None:
@@ -113,8 +113,8 @@ async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its
     backend.write("f", b"old" * 2000)
     async with filesystem(backend, attr_ttl=0.0) as fs:
         old = await fs.lookup(ROOT_INODE, "f")
-        old_fh = await fs.open(old.inode, os.O_RDONLY)
-        assert bytes(await fs.read(old_fh, 0, 3)) == b"old"
+        await fs.open(old.inode, os.O_RDONLY)
+        assert bytes(await fs.read(old.inode, 0, 0, 3)) == b"old"
         backend.write("f", b"new" * 3000)  # in place: same inode number, new size, mtime, ctime
         new = await fs.lookup(ROOT_INODE, "f")
         assert new.inode != old.inode and new.attr.size == 9000
@@ -125,16 +125,15 @@ async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its
         with pytest.raises(FsError) as stale:
             await fs.open(old.inode, os.O_RDONLY)  # the kernel retries with a fresh lookup
         assert stale.value.errno == errno.ESTALE
-        new_fh = await fs.open(new.inode, os.O_RDONLY)
-        assert await read_all(fs, new_fh, 9000) == b"new" * 3000
-        assert bytes(await fs.read(old_fh, 0, 3)) == b"old"  # its cached block, its version
+        await fs.open(new.inode, os.O_RDONLY)
+        assert await read_all(fs, new.inode, 9000) == b"new" * 3000
+        assert bytes(await fs.read(old.inode, 0, 0, 3)) == b"old"  # its cached block, its version
         with pytest.raises(StaleVersion):
-            await fs.read(old_fh, BLOCK, 10)  # a block of the old version that is not cached
+            await fs.read(old.inode, 0, BLOCK, 10)  # a block of the old version that is not cached
         stats = fs.statistics()
-        assert (stats.version_changes_with_handles, stats.version_changes_without_handles) == (1, 0)
-        assert (stats.stale_opens, stats.stale_reads, stats.retired_inodes, stats.inodes) == (1, 1, 1, 3)
+        assert (stats.version_changes, stats.stale_opens, stats.stale_reads, stats.retired_inodes,
+                stats.inodes) == (1, 1, 1, 1, 3)
         assert (await fs.lookup(ROOT_INODE, "f")).inode == new.inode  # no further change, same inode
-        fs.release(old_fh)
         fs.forget(old.inode, 1)  # the kernel lets the old inode go
         stats = fs.statistics()
         assert (stats.retired_inodes, stats.inodes) == (0, 2)
@@ -152,8 +151,7 @@ async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_pat
     async with filesystem(backend, attr_ttl=0.0) as fs:
         d = await fs.lookup(ROOT_INODE, "d")
         old = await fs.lookup(d.inode, "f")
-        fh = await fs.open(old.inode, os.O_RDONLY)
-        fs.release(fh)  # pages of the old version may stay in the kernel; no handle is open
+        await fs.open(old.inode, os.O_RDONLY)  # pages of the old version may stay in the kernel
         if change == "replaced":
             backend.remove("d/f")
             backend.write("d/f", b"b" * 7000)  # a new file renamed over it: a new inode number
@@ -173,9 +171,9 @@ async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_pat
         assert (await fs.lookup(d.inode, "f")).inode == new.inode
         assert (await fs.lookup(ROOT_INODE, "d")).inode == d.inode  # its directory changed nothing
         stats = fs.statistics()
-        assert (stats.version_changes_with_handles, stats.version_changes_without_handles) == (0, 1)
-        fh = await fs.open(new.inode, os.O_RDONLY)
-        assert await read_all(fs, fh, new.attr.size) == b"b" * new.attr.size
+        assert stats.version_changes == 1
+        await fs.open(new.inode, os.O_RDONLY)
+        assert await read_all(fs, new.inode, new.attr.size) == b"b" * new.attr.size
 
 
 async def test_directories_keep_their_inode_but_a_change_of_type_gets_a_new_one() -> None:
@@ -190,7 +188,7 @@ async def test_directories_keep_their_inode_but_a_change_of_type_gets_a_new_one(
         backend.remove("d/f")
         backend.mkdir("d/f")  # a file replaced by a directory
         assert (await fs.lookup(d.inode, "f")).inode != f.inode
-        assert fs.statistics().version_changes_without_handles == 1
+        assert fs.statistics().version_changes == 1
 
 
 async def test_readdir_never_hands_back_an_older_version_than_the_current_inode() -> None:
@@ -208,7 +206,7 @@ async def test_readdir_never_hands_back_an_older_version_than_the_current_inode(
         assert fs.entry(path, attr).inode == new.inode
 
 
-async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
+async def test_the_observer_sees_each_read_from_a_files_start_with_its_owner() -> None:
     backend = FakeBackend()
     backend.write("f", b"y" * 100)
     seen: list[tuple[str, object]] = []
@@ -219,16 +217,18 @@ async def test_the_observer_sees_each_open_and_release_with_its_owner() -> None:
             return f"job-of-{pid}"
 
         def opened_now(self, pid: int, path: str) -> object:
-            raise AssertionError("only for opens the FUSE session answered")
+            raise AssertionError("only for reads the FUSE session served")
 
-        def released(self, f: OpenFile) -> None:
+        def released(self, f: FileRequest) -> None:
             seen.append(("release", (f.path, f.owner, f.waited)))
 
     async with filesystem(backend) as fs:
         fs.observer = Observer()
         inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        fh = await fs.open(inode, os.O_RDONLY, pid=42)
-        await fs.read(fh, 0, 100)
-        fs.release(fh)
-        fs.release(fh)  # a second release of the same handle is ignored
-        assert seen == [("open", (42, "f")), ("release", ("f", "job-of-42", True))]
+        await fs.open(inode, os.O_RDONLY, pid=42)  # an open is no request
+        assert seen == []
+        await fs.read(inode, 0, 0, 100, pid=42)
+        await fs.read(inode, 0, 50, 50, pid=42)  # not from the start: part of the same request
+        await fs.read(inode, 0, 0, 100, pid=43)
+        assert seen == [("open", (42, "f")), ("release", ("f", "job-of-42", True)),
+                        ("open", (43, "f")), ("release", ("f", "job-of-43", False))]

@@ -39,16 +39,15 @@ async def filesystem(backend: FakeBackend, *, fetch_slots: int = 4,
 
 
 async def read_file(fs: Filesystem, path: str) -> bytes:
-    """lookup (each component), open, read whole in 1000-byte requests, release."""
+    """lookup (each component), open, read whole in 1000-byte requests."""
     inode = ROOT_INODE
     for name in path.split("/"):
-        inode = (await fs.lookup(inode, name)).inode
-    fh = await fs.open(inode, 0)
-    size = fs.open_file(fh).version.size
+        entry = await fs.lookup(inode, name)
+        inode = entry.inode
+    await fs.open(inode, 0)
     out = bytearray()
-    for offset in range(0, size, 1000):
-        out += await fs.read(fh, offset, 1000)
-    fs.release(fh)
+    for offset in range(0, entry.attr.size, 1000):
+        out += await fs.read(inode, 0, offset, 1000)
     return bytes(out)
 
 
@@ -104,9 +103,8 @@ async def test_a_getattr_miss_brings_the_file_too(autojump_clock: object) -> Non
         fs.meta.invalidate("f")
         await fs.getattr(inode)
         assert backend.stat_reads == 1
-        fh = await fs.open(inode, 0)
-        assert await fs.read(fh, 0, 100) == b"f" * 10
-        fs.release(fh)
+        await fs.open(inode, 0)
+        assert await fs.read(inode, 0, 0, 100) == b"f" * 10
         assert backend.operations["read"] == 0 and fs.statistics().file_misses == 1
 
 

@@ -70,19 +70,17 @@ async def submit(s: System, dataset: str, order: list[int], epoch: int, rank: in
 
 
 async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
-    """Look up, open, read whole and release ``path`` as an application; True if a hit."""
+    """Look up, open and read ``path`` whole as an application; True if a hit."""
     inode = ROOT_INODE
     for name in path.split("/"):
-        inode = (await fs.lookup(inode, name)).inode
-    fh = await fs.open(inode, os.O_RDONLY, pid)
-    try:
-        size = fs.open_file(fh).version.size
-        offset = 0
-        while offset < size:
-            offset += len(await fs.read(fh, offset, 128 * 1024))  # the kernel's largest read
-        return not fs.open_file(fh).waited
-    finally:
-        fs.release(fh)
+        entry = await fs.lookup(inode, name)
+        inode = entry.inode
+    await fs.open(inode, os.O_RDONLY, pid)
+    misses = fs.statistics().file_misses
+    offset = 0
+    while offset < entry.attr.size:
+        offset += len(await fs.read(inode, 0, offset, 128 * 1024, pid))  # the kernel's largest read
+    return fs.statistics().file_misses == misses
 
 
 async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> None:

@@ -1,11 +1,13 @@
-"""Publications: the inodes the core vouches for to the FUSE session in C (its borrower).
+"""Publications: the inodes the core lends to the FUSE session in C (its borrower).
 
-The core publishes a file's inode for as long as its attributes are trusted, lending the
-blocks of its version that are held; it withdraws the publication when that stops being
-true (the file changed, its metadata was dropped, the kernel forgot the inode, a lent block
-left the RAM tier) and takes the lent blocks back once the borrower frees it.  The RAM
-limit holds throughout: a lent block that leaves the tier stays counted until given back.
-Opens the borrower answered are counted as opens are, with the observer told.
+The core lends the held blocks of the version an inode serves, and vouches for the inode
+(so the borrower may answer its opens) for as long as its attributes are trusted.  It
+takes a block back when the block leaves the RAM tier (lending the block's NVMe entry
+instead where it has one), stops vouching when the file changed or its metadata was
+dropped, and takes everything back when the kernel forgets the inode.  The borrower uses
+nothing once a call returns, so the RAM limit holds with no block counted twice.  Reads the
+borrower served are counted as reads are; one from a file's start is a file request, with
+the observer told.
 """
 
 from __future__ import annotations
@@ -19,33 +21,33 @@ import numpy as np
 import trio
 
 from cubefs_fuse.cache.disk import DiskTier
-from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, LentBlock, OpenFile
+from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, LentBlock
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, Stack, open_stack, stack_config
 
 
 class FakeBorrower:
-    """C's side: one publication per inode; one that is withdrawn or replaced is freed at
-    once unless a handle reads it (``readers``), as fs/_session.c frees them."""
+    """C's side: one publication per inode, (vouched for seconds, lent blocks)."""
 
     def __init__(self) -> None:
-        self.table: dict[int, tuple[int, float, list[LentBlock]]] = {}
-        self.readers: dict[int, int] = {}  # publication id -> handles reading it
+        self.table: dict[int, tuple[float, list[LentBlock]]] = {}
         self.invalidations = 0
         self.reports = 0
+        self.native_opens = 0
 
-    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> int:
-        freed = self.withdraw(inode)
-        self.table[inode] = (id, valid_for, list(blocks))
-        return freed
+    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        self.table[inode] = (vouch_for, list(blocks))
 
-    def withdraw(self, inode: int, /) -> int:
-        old = self.table.pop(inode, None)
-        if old is None or self.readers.get(old[0]):
-            return 0
-        return old[0]
+    def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
+        if inode not in self.table or index >= len(self.table[inode][1]):
+            return False
+        self.table[inode][1][index] = block
+        return True
+
+    def withdraw(self, inode: int, /) -> None:
+        self.table.pop(inode, None)
 
     def invalidate_all(self) -> None:
         self.invalidations += 1
@@ -76,45 +78,43 @@ def assert_ram_accounted(stack: Stack[FakeBackend], ghost_bytes: int = 0) -> Non
     assert ram.used_bytes == held + ghost_bytes <= ram.limit_bytes
 
 
-async def test_a_file_is_published_with_its_held_blocks_for_as_long_as_its_attributes_are_trusted() -> None:
+async def test_a_file_is_published_with_its_held_blocks_and_vouched_for_while_its_attributes_are_trusted() -> None:
     backend = FakeBackend()
     backend.write("f", b"a" * 100)
     backend.mkdir("d")
     async with lent_stack(backend) as (stack, borrower):
         inode = await published(stack, "f")  # the lookup brought the one-block file
-        first, valid_for, blocks = borrower.table[inode]
-        assert 3500 < valid_for <= 3600 and blocks == [b"a" * 100]
+        vouched, blocks = borrower.table[inode]
+        assert 3500 < vouched <= 3600 and blocks == [b"a" * 100]
+        entry = borrower.table[inode]
         await stack.fs.lookup(ROOT_INODE, "f")
-        assert stack.fs.publish(inode) and borrower.table[inode][0] == first  # the same: nothing to redo
+        assert stack.fs.publish(inode) and borrower.table[inode] is entry  # the same: nothing to redo
         directory = (await stack.fs.lookup(ROOT_INODE, "d")).inode
         assert not stack.fs.publish(directory)
     async with lent_stack(backend, attr_valid=0.0, lookup_valid=0.0) as (stack, borrower):
         inode = (await stack.fs.lookup(ROOT_INODE, "f")).inode
-        assert not stack.fs.publish(inode) and borrower.table == {}  # nothing trusted: every open asks
+        assert stack.fs.publish(inode)
+        assert borrower.table[inode] == (0.0, [b"a" * 100])  # its reads are served; every open asks
 
 
-async def test_a_block_leaving_ram_is_no_longer_lent_and_comes_back_when_freed() -> None:
+async def test_a_block_leaving_ram_is_taken_back_at_once() -> None:
     backend = FakeBackend()
     for i in range(4):
         backend.write(f"f{i}", bytes([i]) * BLOCK)
     async with lent_stack(backend, mem_cache_size=2 * BLOCK) as (stack, borrower):
         first = await published(stack, "f0")
-        reading = borrower.table[first][0]
-        borrower.readers[reading] = 1  # a handle reads it: C frees it at that handle's release
         second = await published(stack, "f1")
-        # f2's block evicts f0's, which is still lent, so still counted: room is made by
-        # evicting f1's too, whose publication nothing reads (given back at once).  Both
-        # are published again with what is held now: nothing (no NVMe tier here).
-        third = await published(stack, "f2")
-        assert borrower.table[first][2] == borrower.table[second][2] == [None]
-        assert borrower.table[first][0] != reading
-        assert_ram_accounted(stack, ghost_bytes=BLOCK)
-        stack.fs.freed(reading)  # the last handle's release freed it
         assert_ram_accounted(stack)
-        assert second != third
+        # f2's block evicts f0's: f0 is lent nothing in its place (no NVMe tier here), and
+        # its bytes stop counting, since the borrower no longer uses them.
+        third = await published(stack, "f2")
+        assert borrower.table[first][1] == [None]
+        assert borrower.table[second][1] == [b"\1" * BLOCK] and borrower.table[third][1] == [b"\2" * BLOCK]
+        assert_ram_accounted(stack)
+        assert stack.cache.memory.used_bytes == 2 * BLOCK
 
 
-async def test_a_one_block_file_leaving_ram_stays_published_with_its_nvme_entry(tmp_path: Path) -> None:
+async def test_a_one_block_file_leaving_ram_stays_lent_with_its_nvme_entry(tmp_path: Path) -> None:
     backend = FakeBackend()
     backend.write("f0", b"0" * BLOCK)
     backend.write("f1", b"1" * BLOCK)
@@ -122,51 +122,54 @@ async def test_a_one_block_file_leaving_ram_stays_published_with_its_nvme_entry(
     try:
         async with lent_stack(backend, disk, mem_cache_size=BLOCK) as (stack, borrower):  # RAM: one block
             first = await published(stack, "f0")
-            fh = await stack.fs.open(first, os.O_RDONLY)  # read once (until then it counts as a miss)
-            assert bytes(await stack.fs.read(fh, 0, BLOCK)) == b"0" * BLOCK
-            stack.fs.release(fh)
+            # read once (until then it counts as the miss that brought it)
+            assert bytes(await stack.fs.read(first, 0, 0, BLOCK)) == b"0" * BLOCK
             await stack.cache.drain()  # f0's block written to NVMe too
             await published(stack, "f1")  # evicts f0's block from RAM
-            (lent,) = borrower.table[first][2]
+            (lent,) = borrower.table[first][1]
             assert isinstance(lent, tuple) and lent[0].endswith(b".seg")  # a segment file's entry
             assert_ram_accounted(stack)
     finally:
         await disk.close()
 
 
-async def test_a_changed_file_a_dropped_attribute_and_a_forgotten_inode_withdraw_the_publication() -> None:
+async def test_a_change_or_dropped_attributes_end_the_vouching_and_a_forgotten_inode_everything() -> None:
     backend = FakeBackend()
     backend.write("f", b"old")
     backend.write("g", b"g")
     async with lent_stack(backend, attr_valid=0.05, lookup_valid=0.05) as (stack, borrower):
         old = await published(stack, "f")
-        assert borrower.table[old][1] <= 0.05
+        assert 0 < borrower.table[old][0] <= 0.05
         backend.write("f", b"newer")
         await trio.sleep(0.1)
         new = await published(stack, "f")  # the lookup found the change: the old inode retired
-        assert new != old and set(borrower.table) == {new}
+        assert new != old and 0 < borrower.table[new][0] <= 0.05 and borrower.table[new][1] == [b"newer"]
+        assert borrower.table[old] == (0.0, [b"old"])  # its version's bytes are still exact
         stack.meta.invalidate("f")  # a read found the source changed
-        assert new not in borrower.table
+        assert borrower.table[new] == (0.0, [b"newer"])
         g = await published(stack, "g")
         stack.fs.forget(g, 1)
         assert g not in borrower.table
         stack.meta.clear()  # drop_cache: no publication answers an open any more
         assert borrower.invalidations == 1
+        assert stack.cache.memory.used_bytes == len(b"old" + b"newer" + b"g")  # nothing counted twice
 
 
-async def test_a_release_of_a_handle_read_here_lends_what_its_reads_brought() -> None:
+async def test_a_read_served_here_lends_what_it_brought() -> None:
     backend = FakeBackend()
     backend.write("big", b"b" * (2 * BLOCK))  # two blocks: the lookup does not bring it
     async with lent_stack(backend) as (stack, borrower):
         inode = await published(stack, "big")
-        assert borrower.table[inode][2] == [None, None]  # C sends the open here
-        fh = await stack.fs.open(inode, os.O_RDONLY)
-        assert bytes(await stack.fs.read(fh, 0, 2 * BLOCK)) == b"b" * (2 * BLOCK)
-        stack.fs.release(fh)
-        assert borrower.table[inode][2] == [b"b" * BLOCK] * 2  # C answers the next open
+        assert borrower.table[inode][1] == [None, None]  # C sends its reads and opens here
+        assert bytes(await stack.fs.read(inode, 0, 0, BLOCK)) == b"b" * BLOCK
+        assert borrower.table[inode][1] == [b"b" * BLOCK, None]
+        assert bytes(await stack.fs.read(inode, 0, BLOCK, BLOCK)) == b"b" * BLOCK
+        assert borrower.table[inode][1] == [b"b" * BLOCK] * 2  # C answers the next open
+        assert stack.fs.publish(inode) and borrower.table[inode][1] == [b"b" * BLOCK] * 2
+        assert_ram_accounted(stack)
 
 
-async def test_an_open_the_borrower_answered_is_counted_and_observed_even_if_released_first() -> None:
+async def test_a_read_the_borrower_served_from_a_files_start_is_a_request_counted_and_observed() -> None:
     backend = FakeBackend()
     backend.write("f", b"y" * 100)
     seen: list[tuple[str, object]] = []
@@ -183,30 +186,29 @@ async def test_an_open_the_borrower_answered_is_counted_and_observed_even_if_rel
             seen.append(("open now", (pid, path)))
             return f"job-of-{pid}"
 
-        def released(self, f: OpenFile) -> None:
+        def released(self, f: FileRequest) -> None:
             seen.append(("release", (f.path, f.owner)))
 
     async with lent_stack(backend) as (stack, _):
         fs = stack.fs
         inode = await published(stack, "f")
-        fh = 1 << 62  # C's own handle numbers
-        assert fs.open_served(inode, fh, 42) is None  # no observer: nothing left to do
-        fs.release(fh)
+        assert fs.served(inode, 42, 0, 0, 100, 0b1, 0, 0) is None  # no observer: nothing left to do
         fs.observer = Observer()
-        rest = fs.open_served(inode, fh + 1, 43)
-        assert rest is not None
-        fs.release(fh + 1)  # the release came before the owner was known
-        assert seen == []
+        rest = fs.served(inode, 43, 0, 0, 100, 0b1, 0, 0)
+        assert rest is not None and seen == []
         await rest
         assert seen == [("open", (43, "f")), ("release", ("f", "job-of-43"))]
-        assert fs.open_served(inode, fh + 2, 44) is None  # the owner known at once: no task
-        fs.release(fh + 2)
+        assert fs.served(inode, 44, 0, 0, 100, 0b1, 0, 0) is None  # the owner known at once: no task
         assert seen[2:] == [("open now", (44, "f")), ("release", ("f", "job-of-44"))]
+        assert fs.served(inode, 44, 50, 0, 50, 0b1, 0, 0) is None  # not from the start: no request
+        assert len(seen) == 4
         stats = fs.statistics()
-        assert (stats.opens, stats.native_opens, stats.open_files, stats.file_requests) == (3, 3, 0, 3)
+        assert (stats.reads, stats.native_reads, stats.read_bytes, stats.file_requests) == (4, 4, 350, 3)
+        # The first read of the block the lookup brought counts as the miss that brought it.
+        assert (stats.bytes_by_source["backend"], stats.bytes_by_source["ram"], stats.file_misses) == (100, 250, 1)
 
 
-async def test_a_new_plan_first_takes_in_what_the_borrower_answered() -> None:
+async def test_a_new_plan_first_takes_in_what_the_borrower_served() -> None:
     backend = FakeBackend()
     backend.write("f", b"y" * 100)
     async with open_stack(backend, stack_config(), service=True) as stack:
@@ -215,5 +217,5 @@ async def test_a_new_plan_first_takes_in_what_the_borrower_answered() -> None:
         stack.service.jobs.register("job", 0, os.getpid())
         dataset, _ = await stack.service.register_dataset(b"f", 1)
         await stack.service.submit_plan(("job", 0), 0, dataset.id, np.asarray([0], dtype="<u4").tobytes(), "<u4")
-        # The last epoch's opens, still queued in C, count for its plan, not for this one.
+        # The last epoch's reads, still queued in C, count for its plan, not for this one.
         assert borrower.reports == 1

@@ -31,7 +31,7 @@ from cubefs_fuse.control.protocol import (
     ProtocolError,
     read_volume_config,
 )
-from tests.helpers import REPO, Mount, dead_pid, free_port, metric, wait_released, wait_until, write_tree
+from tests.helpers import REPO, Mount, dead_pid, free_port, metric, wait_until, write_tree
 
 FILES = [f"a/{i}.bin" for i in range(10)] + [f"w/sub/{i}.bin" for i in range(6)]
 SIZE = 20_000
@@ -126,6 +126,9 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
         sock = config.control_socket
         dataset = client.register_dataset(FILES[:10])
         client.register_job(JOB, 0, os.getpid())
+        # Another job, of a process that is not this one or its ancestor: its reads are not ours to report.
+        other = subprocess.Popen(["sleep", "120"])
+        client.register_job("other", 0, other.pid)
         client.submit_plan(JOB, 0, 1, dataset, np.arange(10, dtype="<u4").tobytes(), "<u4")
         # The plan's prefetch settles (10 files in RAM and written behind to disk), so the
         # state stops moving on its own.
@@ -215,6 +218,17 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
              lambda: client.request("POST", "jobs", body=json.dumps({"job": "j", "rank": "²"}).encode())),
             ("warmup trailing slash", 400, warmup(["w/"])),
             ("warmup file trailing slash", 400, warmup(["a/0.bin/"])),
+            # Read counts: shape, bounds, a job that is not registered, another job's.
+            ("reads negative", 400, lambda: client.request("POST", "jobs/reads",
+                                                            body=b'{"job": "apitest", "files": -1}')),
+            ("reads no count", 400, lambda: client.request("POST", "jobs/reads", body=b'{"job": "apitest"}')),
+            ("reads count a float", 400, lambda: client.request("POST", "jobs/reads",
+                                                                 body=b'{"job": "apitest", "files": 1.5}')),
+            ("reads count past 2^53", 400, lambda: client.report_reads(JOB, 0, (1 << 53) + 1)),
+            ("reads bad job name", 400, lambda: client.request("POST", "jobs/reads",
+                                                                body=b'{"job": "../x", "files": 1}')),
+            ("reads unregistered rank", 403, lambda: client.report_reads(JOB, 7, 5)),
+            ("reads of another process's job", 403, lambda: client.report_reads("other", 0, 5)),
             # Routing.
             ("unknown route", 404, lambda: client.request("GET", "nope")),
             ("wrong method", 405, lambda: client.request("DELETE", "status")),
@@ -249,9 +263,14 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
 
         after = state(client)
         assert after == before, f"a refused request changed the daemon's state:\n{before}\n{after}"
-        # The daemon still works after all that.
+        # The daemon still works after all that; the job's own process reports its reads.
         assert client.register_dataset(FILES[:2]) != dataset
+        answer = client.report_reads(JOB, 0, 25)
+        assert (answer["requests"], answer["misses"]) == (25, 0)
+        assert client.report_reads(JOB, 0, 3)["requests"] == 25  # cumulative: an older count changes nothing
     finally:
+        other.kill()
+        other.wait()
         m.umount()
 
 
@@ -296,10 +315,11 @@ def test_authentication_uid_and_token(make_mount: Callable[..., Mount], tmp_path
         token = Path(config.token_file).read_text().strip()
         assert len(token) >= 32
 
-        def tcp(headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
+        def tcp(headers: dict[str, str], method: str = "GET", path: str = "/v1/status",
+                body: bytes | None = None) -> tuple[int, dict[str, Any]]:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
             try:
-                conn.request("GET", "/v1/status", headers=headers)
+                conn.request(method, path, body=body, headers=headers)
                 response = conn.getresponse()
                 return response.status, json.loads(response.read())
             finally:
@@ -311,6 +331,12 @@ def test_authentication_uid_and_token(make_mount: Callable[..., Mount], tmp_path
             assert code == 401 and "token" in body["error"], headers
         code, body = tcp({"Authorization": f"Bearer {token}"})
         assert code == 200 and body["pid"] == m.pid()
+        # A TCP peer has no pid: it cannot show that a job's reads are its own.
+        client.register_job(JOB, 0, os.getpid())
+        before = state(client)
+        code, body = tcp({"Authorization": f"Bearer {token}"}, "POST", "/v1/jobs/reads",
+                         json.dumps({"job": JOB, "rank": 0, "files": 9}).encode())
+        assert code == 403 and "Unix socket" in body["error"]
         if not config.local_ip.startswith("127."):  # a host with a network interface
             with pytest.raises(OSError):  # the port listens on loopback only
                 socket.create_connection((config.local_ip, port), timeout=2).close()
@@ -347,7 +373,6 @@ def test_warmup_with_progress_check_mode_and_drop(make_mount: Callable[..., Moun
         before = client.status()["hits"]
         for rel in subtree:
             assert m.path(rel).read_bytes() == (m.source / rel).read_bytes()
-        wait_released(m)
         after = client.status()["hits"]
         assert after["requests"] - before["requests"] == len(subtree)
         assert after["hits"] - before["hits"] == len(subtree)

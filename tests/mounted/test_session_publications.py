@@ -1,14 +1,15 @@
-"""Mounted: the C session answers opens and reads of a published inode, and only then.
+"""Mounted: the C session serves reads of an inode's lent blocks, and answers its opens
+while it is vouched for, and only then.
 
 The session (fs/_session.c) is driven directly by a small server thread standing in for
 fs/session.py, on a mount without ``default_permissions`` and with hour-long kernel
 timeouts, so the kernel asks nothing before an OPEN and every OPEN reaches the session:
-what decides who answers it is the publication alone.  A published inode's OPEN is
-answered in C (reported as OP_OPENED) while the publication is valid, complete, not
-withdrawn and not ended by ``invalidate_all``; otherwise Python answers it.  With
-``direct_io`` every read reaches the session, so whether C or Python served it shows in the
-bytes.  A publication replaced while a handle reads it is freed by that handle's release,
-and the release's report names it.
+what decides who answers it is the publication alone.  A published inode's READs of lent
+blocks are answered in C and reported (OP_SERVED, with the reader's pid); its OPENs are
+answered in C while the publication is vouched for, has every block lent and was not
+ended by ``invalidate_all``; otherwise Python answers them.  With ``direct_io`` every read
+reaches the session, so whether C or Python served it shows in the bytes.  Only the
+releases of handles Python gave are reported.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class Server:
     def __init__(self, native: _session.Session) -> None:
         self.native = native
         self.python_opens = 0
-        self.c_opens: list[int] = []  # handles of OP_OPENED reports
-        self.releases: list[tuple[int, object, int]] = []  # (fh, served, freed)
+        self.python_reads = 0
+        self.served: list[tuple[int, int, int, object]] = []  # OP_SERVED: (ino, pid, offset, served)
+        self.releases: list[int] = []  # handles of OP_RELEASE reports
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -67,13 +69,14 @@ class Server:
             native.reply_attr(rid, attr_tuple(r[2], ATTR) if r[2] == INODE else attr_tuple(1, DIR))
         elif op == _session.OP_OPEN:
             self.python_opens += 1
-            native.reply_open(rid, 100 + self.python_opens, False, True, False)
+            native.reply_open(rid, 100 + self.python_opens, False, True)
         elif op == _session.OP_READ:
+            self.python_reads += 1
             native.reply_buf(rid, PYTHON[r[4]:r[4] + r[5]])
-        elif op == _session.OP_OPENED:
-            self.c_opens.append(fh)
+        elif op == _session.OP_SERVED:
+            self.served.append((r[2], r[7], r[4], r[11]))
         elif op == _session.OP_RELEASE:
-            self.releases.append((fh, r[11], r[12]))
+            self.releases.append(fh)
         elif r[0]:
             native.reply_err(rid, errno.ENOSYS)
 
@@ -101,54 +104,64 @@ def served(tmp_path: Path) -> Iterator[tuple[_session.Session, Server, Path]]:
 
 
 def read(path: Path, server: Server) -> bytes:
-    """Open, read and close ``path``; return once the session reported the release (the
-    kernel sends RELEASE after close() returns)."""
-    released = len(server.releases)
+    """Open, read and close ``path``; return once what the session answered is reported (a
+    READ it served; the RELEASE of a handle Python gave, which the kernel sends after
+    close() returns)."""
+    served, opens = len(server.served), server.python_opens
     fd = os.open(path, os.O_RDONLY)
     try:
-        return os.read(fd, 100)
+        data = os.read(fd, 100)
     finally:
         os.close(fd)
-        wait_until(lambda: len(server.releases) > released, 10, "the release reported")
+    if data == DATA:
+        wait_until(lambda: len(server.served) > served, 10, "the read reported")
+    if server.python_opens > opens:
+        wait_until(lambda: 100 + server.python_opens in server.releases, 10, "the release reported")
+    return data
 
 
-def publish(native: _session.Session, id: int, valid_for: float = 3600.0, block: bytes | None = DATA) -> int:
-    return native.publish(INODE, id, valid_for, False, True, len(DATA), 4096, [block])
+def publish(native: _session.Session, vouch_for: float = 3600.0, block: bytes | None = DATA) -> None:
+    native.publish(INODE, vouch_for, False, True, len(DATA), 4096, [block])
 
 
-def test_a_published_inode_is_opened_and_read_in_c_while_the_publication_is_good(
+def test_a_published_inode_is_opened_in_c_while_vouched_for_and_read_in_c_while_lent(
         served: tuple[_session.Session, Server, Path]) -> None:
     native, server, f = served
-    assert read(f, server) == PYTHON and server.python_opens == 1  # nothing published yet
-    assert publish(native, 1, valid_for=1.0) == 0
+    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (1, 1)  # nothing published
+    publish(native, vouch_for=1.0)
     assert read(f, server) == DATA and server.python_opens == 1 and native.native_opens == 1
-    c_fh = server.c_opens[0]
-    assert c_fh >= 1 << 62  # C's own handle numbers
-    assert server.releases[1] == (c_fh, (1, len(DATA), 1, 1, 0, 0, 0), 0)  # one READ of block 0 from RAM
+    assert server.served == [(INODE, os.getpid(), 0, (0, len(DATA), 1, 0, 0))]  # block 0 from RAM, by us
     time.sleep(1.2)
-    assert read(f, server) == PYTHON and server.python_opens == 2  # expired
-    publish(native, 2)
-    assert read(f, server) == DATA
-    assert native.withdraw(INODE) == 2  # no handle reads it: freed now
-    assert read(f, server) == PYTHON and server.python_opens == 3
-    publish(native, 3)
+    assert read(f, server) == DATA and server.python_opens == 2  # no longer vouched for: still lent
+    publish(native)
+    assert read(f, server) == DATA and server.python_opens == 2
+    native.withdraw(INODE)
+    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (3, 2)
+    publish(native)
     native.invalidate_all()  # the metadata cache was emptied
-    assert read(f, server) == PYTHON and server.python_opens == 4
-    publish(native, 4, block=None)  # a block not held: the open goes to Python, which lends it all
-    assert read(f, server) == PYTHON and server.python_opens == 5
-    assert native.native_opens == 2
+    assert read(f, server) == DATA and server.python_opens == 4
+    publish(native, block=None)  # a block not held: Python opens it, and reads it
+    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (5, 3)
+    assert native.lend(INODE, 0, DATA)  # what a read brought: lent on
+    assert read(f, server) == DATA and server.python_opens == 5  # every block lent: C opens it again
+    assert native.lend(INODE, 0, None)  # the block left the RAM tier
+    assert read(f, server) == PYTHON and server.python_reads == 4
+    assert not native.lend(INODE, 1, DATA) and not native.lend(INODE + 1, 0, DATA)  # no such block, inode
+    assert native.native_opens == 3
+    assert sorted(server.releases) == [101, 102, 103, 104, 105, 106]  # Python's handles only
 
 
-def test_a_publication_replaced_under_an_open_handle_is_freed_by_its_release(
+def test_a_publication_replaced_under_an_open_file_serves_its_next_read_from_the_new_blocks(
         served: tuple[_session.Session, Server, Path]) -> None:
     native, server, f = served
-    publish(native, 1)
+    publish(native)
     fd = os.open(f, os.O_RDONLY)
     try:
-        assert publish(native, 2) == 0  # the open handle still reads publication 1
         assert os.read(fd, 100) == DATA
+        publish(native, block=b"from 2")  # reads are by inode: the open file reads what is lent now
+        assert os.pread(fd, 100, 0) == b"from 2"
+        native.withdraw(INODE)
+        assert os.pread(fd, 100, 0) == PYTHON
     finally:
         os.close(fd)
-    wait_until(lambda: bool(server.releases), 10, "the release reported")
-    assert server.releases[0][2] == 1  # freed with the handle's release, for Python to take back
-    assert read(f, server) == DATA and native.withdraw(INODE) == 2
+    assert server.releases == []  # C answered the open: no handle of Python's

@@ -244,6 +244,9 @@ def is_subsequence(part: list[str], whole: list[str]) -> bool:
 
 
 def job_requests(volume: Volume, job: str, rank: int) -> int:
+    """The job's requests on the daemon, after this process has reported its loaders'
+    reads (as every hit-rate line does): files the page cache served reach no daemon."""
+    cube_torch.stats()
     for entry in volume.client().stats(job)["jobs"]:
         if entry["rank"] == rank:
             return int(entry["cumulative"]["requests"])
@@ -301,11 +304,17 @@ def check_case(case: Case, volume: Volume, trace: Trace, wire: Wire, job: str,
         # (a) the files opened are the plan's files, as a multiset ...
         everything = [path for paths in opened.values() for path in paths]
         assert Counter(everything) == Counter(planned)
-        # ... and the daemon saw each of them opened by this job and matched it to the plan.
+        # ... the job counts each of them once (cube_torch reports the files the page cache
+        # served: the reference run left them all there) ...
         expected = before[0] + len(planned)
-        wait_until(lambda: job_requests(volume, job, case.rank) >= expected, what="the daemon to count the opens")
+        wait_until(lambda: job_requests(volume, job, case.rank) >= expected, what="the daemon to count the reads")
         assert job_requests(volume, job, case.rank) == expected
-        assert daemon_plan(volume, job, case.rank)["used"] == len(planned)
+        # ... and the daemon matched to the plan every read that reached it: all of them
+        # when the fast path asks it for each file, else those the page cache did not serve.
+        on_daemon = daemon_plan(volume, job, case.rank)
+        assert on_daemon["used"] == on_daemon["requests"] <= len(planned)
+        if case.fast and case.workers > 0:
+            assert on_daemon["used"] == len(planned)
         before[0] = expected
         # (b) each worker opens its files in the plan's order.
         if case.workers == 0:

@@ -28,7 +28,7 @@ from torchvision import datasets, transforms  # type: ignore[import-untyped]  # 
 
 import cube_torch
 from cube_torch import client as ct_client
-from cube_torch import patch, reporter
+from cube_torch import patch, progress, reporter
 from cube_torch.client import PlanRequest, _collect, _file_order
 from cube_torch.files import Unsupported, relative_to_mount, sample_files
 from cubefs_fuse.control.protocol import PROTOCOL_VERSION, ProtocolError, read_volume_config
@@ -218,6 +218,45 @@ def test_plan_names_the_samples_the_loader_asks_for_at_once(kind: str, workers: 
     first ``prefetch_factor`` batches, which it asks for as soon as it starts."""
     _consume(kind, workers, epochs=1)
     assert [p.first for p in plans] == [first]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_files_count_once_the_loop_has_their_batch(workers: int, plans: list[PlanRequest]) -> None:
+    """What cube_torch reports as read (the daemon cannot see page-cache hits): the files of
+    the batches the loop has; with workers, all of the epoch's once the loader has asked
+    for its last batch (then early by at most the batches in flight); a loop left early
+    counts what it received; a held sample (a CachedDataset's) reads no file."""
+    progress.forget()
+    loader = DataLoader(Indices(17), batch_size=3, num_workers=workers, collate_fn=keep)
+    in_flight = 0 if workers == 0 else 2 * 2  # batches: workers x prefetch_factor
+    received: list[int] = []  # samples, in the order the loop gets them
+    counted: list[tuple[int, int]] = []  # (reported, files of what the loop has)
+    key = ("", "", 0)
+    for batch in loader:
+        reads = plans[-1].reads
+        assert reads is not None
+        key = reads.key
+        if not received:  # the background thread's part: two files a sample; sample 0 is held
+            reads.set_files(np.where(np.asarray(plans[-1].order) == 0, 0, 2))
+        received += batch
+        counted.append((progress.files_read(key), sum(2 for i in received if i != 0)))
+    for i, (reported, files) in enumerate(counted):
+        ahead = sum(2 for j in plans[-1].order[:3 * (i + 1 + in_flight)] if j != 0)
+        assert files <= reported <= ahead, (i, reported, files)
+    if workers == 0:
+        assert [r for r, _ in counted] == [f for _, f in counted]
+    assert progress.files_read(key) == 32  # 16 samples of two files: exact after the epoch
+    # A loop that leaves after two batches counts the six samples it received.
+    for i, batch in enumerate(loader):
+        reads = plans[-1].reads
+        assert reads is not None
+        if i == 0:
+            reads.set_files(np.full(17, 2))
+        if i == 1:
+            break
+    del batch
+    assert progress.files_read(key) == 32 + 12
+    progress.forget()
 
 
 def test_loader_built_inline_is_planned(plans: list[PlanRequest]) -> None:

@@ -1,4 +1,4 @@
-"""fs/inodes.py without a kernel: one inode per version of a file, retiring, lookup counts, handles."""
+"""fs/inodes.py without a kernel: one inode per version of a file, retiring, lookup counts."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_any_change_of_a_files_version_gives_the_path_a_new_inode(field: str) ->
     assert new != old and new > old
     assert table.node(old).retired and table.node(old).attr == changed(FILE, atime_ns=99, nlink=2)
     assert not table.node(new).retired
-    assert table.statistics().changes_without_handles == 1
+    assert table.statistics().changes == 1
 
 
 def test_a_retired_inode_never_serves_again_even_the_version_it_had() -> None:
@@ -39,7 +39,7 @@ def test_a_retired_inode_never_serves_again_even_the_version_it_had() -> None:
     assert not table.serves(old, FILE)  # the source went back: still a new inode for it
     new = table.remember("f", FILE)
     assert new != old and table.serves(new, FILE)
-    assert table.statistics().changes_without_handles == 1  # counted once
+    assert table.statistics().changes == 1  # counted once
 
 
 def test_directories_keep_their_inode_and_a_change_of_type_retires() -> None:
@@ -51,19 +51,16 @@ def test_directories_keep_their_inode_and_a_change_of_type_retires() -> None:
     assert identity(DIR) == (stat.S_IFDIR, None) and identity(FILE) == (stat.S_IFREG, FILE.version)
 
 
-def test_changes_are_counted_by_whether_handles_were_open_on_the_old_inode() -> None:
+def test_each_change_is_counted_once_and_the_old_inodes_stay_until_forgotten() -> None:
     table = InodeTable()
     a, b = table.remember("a", FILE), table.remember("b", FILE)
-    table.opened(a)
-    table.opened(a)
-    table.released(a)
     table.remember("a", changed(FILE, size=1))
-    table.opened(b)
-    table.released(b)
-    table.released(b)  # an extra release does not go below zero
     table.remember("b", changed(FILE, size=1))
+    assert not table.serves(a, changed(FILE, size=1))  # retired already: not counted again
     stats = table.statistics()
-    assert (stats.changes_with_handles, stats.changes_without_handles, stats.retired, stats.inodes) == (1, 1, 2, 5)
+    assert (stats.changes, stats.retired, stats.inodes) == (2, 2, 5)
+    assert table.forget(b, 1)
+    assert table.statistics().retired == 1
 
 
 def test_forget_frees_current_and_retired_inodes_without_touching_the_path_of_the_other() -> None:

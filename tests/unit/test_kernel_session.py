@@ -4,8 +4,9 @@ No kernel: requests are queued on a recording stand-in for ``fs/_session.c`` and
 ``serve()`` loop answers them.  What it must do is translate: attributes into the tuple C
 packs, every exception into one errno (bugs to EIO, logged once), opens keeping the page
 cache, readdir entries the kernel did not take forgotten, FORGET and INIT passed on,
-inodes published to C before the answers that let the kernel open them, the opens and
-releases C answered reported to the core, and the end of the session ending ``serve()``.
+inodes published to C before the answers that let the kernel open them, the reads C
+served and the releases of Python's handles reported to the core, and the end of the
+session ending ``serve()``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ class FakeCore:
         self.forgotten: list[tuple[int, int]] = []
         self.publishes = True  # what publish() answers
         self.borrower: Borrower | None = None
-        self.observed: list[int] = []  # pids whose opens the observer's part saw
+        self.observed: list[int] = []  # pids whose file requests the observer's part saw
+        self.handle = 9  # what open() answers
 
     def _maybe_fail(self) -> None:
         if self.fail is not None:
@@ -81,9 +83,10 @@ class FakeCore:
     async def open(self, inode: int, flags: int, pid: int = 0) -> int:
         self.calls.append(("open", inode, flags, pid))
         self._maybe_fail()
-        return 9
+        return self.handle
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, inode: int, fh: int, offset: int, size: int, pid: int) -> bytes:
+        self.calls.append(("read", inode, fh, offset, size, pid))
         self._maybe_fail()
         return b"d" * size
 
@@ -94,21 +97,15 @@ class FakeCore:
         self.calls.append(("publish", inode))
         return self.publishes
 
-    def freed(self, publication: int) -> None:
-        self.calls.append(("freed", publication))
-
-    def open_served(self, inode: int, fh: int, pid: int) -> Coroutine[Any, Any, None] | None:
-        self.calls.append(("open_served", inode, fh, pid))
+    def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
+               disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
+        self.calls.append(("served", inode, pid, offset, first, ram_bytes, ram_mask, disk_bytes, disk_mask))
 
         async def observe() -> None:
             await trio.sleep(0)
             self.observed.append(pid)
 
         return observe() if pid else None
-
-    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
-               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
-        self.calls.append(("served", fh, reads, ram_bytes, ram_lookups, ram_mask, disk_bytes, disk_lookups, disk_mask))
 
     def release(self, fh: int) -> None:
         self.calls.append(("release", fh))
@@ -132,12 +129,11 @@ class FakeNative:
         self.next_id = 1
 
     def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
-             pid: int = 4242, name: bytes = b"", served: Served | None = None, freed: int = 0,
-             signal: bool = True) -> int:
-        reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_OPENED)
+             pid: int = 4242, name: bytes = b"", served: Served | None = None, signal: bool = True) -> int:
+        reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_SERVED)
         rid = self.next_id if op not in reports else 0
         self.next_id += 1
-        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served, freed))
+        self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served))
         if signal:  # C signals reports late (REPORT_DELAY_NS)
             os.eventfd_write(self.fd, 1)
         return rid
@@ -171,22 +167,28 @@ class FakeNative:
     def reply_attr(self, id: int, attr: AttrTuple, /) -> None:
         self._reply(id, "attr", attr)
 
-    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, attach: bool, /) -> None:
-        self._reply(id, "open", fh, keep_cache, direct_io, attach)
-        if not self.take_opens:  # as C does: the handle is reported released
+    def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None:
+        self._reply(id, "open", fh, keep_cache, direct_io)
+        if not self.take_opens and fh:  # as C does: a handle Python gave is reported released
             self.push(c.OP_RELEASE, fh=fh)
 
     def reply_opendir(self, id: int, dh: int, /) -> bool:
         self._reply(id, "opendir", dh)
         return self.take_opens
 
-    def publish(self, inode: int, id: int, valid_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> int:
-        self.published.append((inode, id))
+    @property
+    def native_opens(self) -> int:
         return 0
 
-    def withdraw(self, inode: int, /) -> int:
-        return 0
+    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
+                block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        self.published.append((inode, vouch_for))
+
+    def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
+        return True
+
+    def withdraw(self, inode: int, /) -> None:
+        pass
 
     def invalidate_all(self) -> None:
         pass
@@ -261,7 +263,7 @@ async def test_every_exception_becomes_one_errno(raised: BaseException, expected
     native, core = FakeNative(), FakeCore()
     core.fail = raised
     replies = await answer(native, core, (c.OP_LOOKUP, {"name": b"x"}), (c.OP_GETATTR, {}),
-                           (c.OP_READ, {"fh": 9, "size": 10}), (c.OP_READDIR, {"fh": 3, "size": 4096}))
+                           (c.OP_READ, {"ino": 5, "size": 10}), (c.OP_READDIR, {"fh": 3, "size": 4096}))
     assert replies == [("err", expected)] * 4
 
 
@@ -283,55 +285,56 @@ async def reported(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[
     await served(native, core)
 
 
-async def test_open_passes_flags_and_pid_keeps_the_page_cache_and_lends_what_it_published() -> None:
+async def test_open_passes_flags_and_pid_keeps_the_page_cache_and_publishes_before_answering() -> None:
     native, core = FakeNative(), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5, "flags": os.O_RDONLY, "pid": 77}))
-    assert opened == ("open", 9, True, False, True)  # attach: the handle reads the publication
+    assert opened == ("open", 9, True, False)
     assert core.calls == [("open", 5, os.O_RDONLY, 77), ("publish", 5)]
-    core.publishes = False
-    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 6}))
-    assert opened == ("open", 9, True, False, False)
-    (read,) = await answer(native, core, (c.OP_READ, {"fh": 9, "offset": 0, "size": 3}))
-    assert read == ("buf", b"ddd")
     core.fail = FsError(errno.ESTALE)  # a retired inode: the kernel retries the lookup
     assert await answer(native, core, (c.OP_OPEN, {"ino": 5})) == [("err", errno.ESTALE)]
 
 
-async def test_a_release_c_answered_reports_what_c_served_and_the_publication_it_freed() -> None:
+async def test_a_read_is_by_inode_with_the_callers_pid() -> None:
     native, core = FakeNative(), FakeCore()
-    await reported(native, core, (c.OP_RELEASE, {"fh": 9, "served": (2, 6, 2, 0b101, 0, 0, 0), "freed": 31}),
-                   (c.OP_RELEASE, {"fh": 10}))
-    assert core.calls == [("served", 9, 2, 6, 2, 0b101, 0, 0, 0), ("release", 9), ("freed", 31), ("release", 10)]
+    (read,) = await answer(native, core, (c.OP_READ, {"ino": 5, "fh": 0, "offset": 4, "size": 3, "pid": 77}))
+    assert read == ("buf", b"ddd")
+    assert core.calls == [("read", 5, 0, 4, 3, 77)]
+
+
+async def test_a_release_c_answered_is_reported_for_pythons_handle() -> None:
+    native, core = FakeNative(), FakeCore()
+    await reported(native, core, (c.OP_RELEASE, {"fh": 9}), (c.OP_RELEASE, {"fh": 10}))
+    assert core.calls == [("release", 9), ("release", 10)]
     assert native.replies == {}  # C answered the kernel already
 
 
-async def test_an_open_c_answered_is_counted_by_the_core_and_its_owner_looked_up_in_a_task() -> None:
+async def test_a_read_c_served_is_counted_by_the_core_and_its_owner_looked_up_in_a_task() -> None:
     native, core = FakeNative(), FakeCore()
     s = KernelSession(core, native)
-    native.push(c.OP_OPENED, 5, fh=1 << 62, pid=77)
-    native.push(c.OP_OPENED, 6, fh=(1 << 62) + 1, pid=0)
+    native.push(c.OP_SERVED, 5, offset=0, size=6, pid=77, served=(0, 6, 0b1, 0, 0))
+    native.push(c.OP_SERVED, 6, offset=4096, size=8, pid=0, served=(1, 0, 0, 8, 0b11))
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.serve)
         with trio.fail_after(10):
             while not core.observed:
                 await trio.sleep(0.001)
         s.terminate()
-    assert core.calls == [("open_served", 5, 1 << 62, 77), ("open_served", 6, (1 << 62) + 1, 0)]
+    assert core.calls == [("served", 5, 77, 0, 0, 6, 0b1, 0, 0), ("served", 6, 0, 4096, 1, 0, 0, 8, 0b11)]
     assert core.observed == [77]
     assert isinstance(core.borrower, KernelSession)  # the session is the core's borrower
 
 
-async def test_report_hands_the_core_what_c_answered_before_c_signals_it() -> None:
+async def test_report_hands_the_core_what_c_served_before_c_signals_it() -> None:
     native, core = FakeNative(), FakeCore()
     s = KernelSession(core, native)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.serve)
         await trio.sleep(0.01)
-        native.push(c.OP_OPENED, 5, fh=1 << 62, pid=0, signal=False)
-        native.push(c.OP_RELEASE, 5, fh=1 << 62, signal=False)
+        native.push(c.OP_SERVED, 5, pid=0, served=(0, 1, 1, 0, 0), signal=False)
+        native.push(c.OP_RELEASE, 5, fh=9, signal=False)
         assert core.calls == []
         s.report()  # as the core asks before a new plan
-        assert core.calls == [("open_served", 5, 1 << 62, 0), ("release", 1 << 62)]
+        assert core.calls == [("served", 5, 0, 0, 0, 1, 1, 0, 0), ("release", 9)]
         s.terminate()
 
 
@@ -366,8 +369,20 @@ async def test_an_open_the_kernel_did_not_take_is_released_once_by_cs_report() -
     native, core = FakeNative(take_opens=False), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5}))
     await served(native, core)
-    assert opened == ("open", 9, True, False, True)
+    assert opened == ("open", 9, True, False)
     assert core.calls.count(("release", 9)) == 1
+
+
+async def test_handle_0_is_never_released() -> None:
+    native, core = FakeNative(take_opens=False), FakeCore()
+    core.handle = 0  # the daemon's filesystem reads by inode: no handle, no RELEASE
+    native.gone = True
+    await answer(native, core, (c.OP_OPEN, {"ino": 5}))
+    native.gone, native.take_opens = False, False
+    (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 6}))
+    await served(native, core)
+    assert opened == ("open", 0, True, False)
+    assert not any(call[0] == "release" for call in core.calls)
 
 
 async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_released() -> None:
@@ -385,8 +400,8 @@ class FailingCore(FakeCore):
     def forget(self, inode: int, n: int) -> None:
         raise RuntimeError("a bug in forget")
 
-    def served(self, fh: int, reads: int, ram_bytes: int, ram_lookups: int, ram_mask: int,
-               disk_bytes: int, disk_lookups: int, disk_mask: int) -> None:
+    def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
+               disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
         raise FsError(errno.EBADF)
 
 
@@ -395,8 +410,8 @@ async def test_a_failing_report_is_logged_and_the_session_goes_on(caplog: pytest
     monkeypatch.setattr(session, "_logged_bugs", set())
     native, core = FakeNative(), FailingCore()
     native.push(c.OP_FORGET, 12, size=1)
-    native.push(c.OP_RELEASE, fh=9, served=(1, 1, 1, 1, 0, 0, 0))
+    native.push(c.OP_SERVED, 5, served=(0, 1, 1, 0, 0))
     with caplog.at_level(logging.ERROR, logger=session.__name__):
         (attr,) = await answer(native, core, (c.OP_GETATTR, {"ino": 7}))
     assert attr == ("attr", attr_of(7))
-    assert len(caplog.records) == 2  # one per exception type: the forget's and the release's
+    assert len(caplog.records) == 2  # one per exception type: the forget's and the report's
