@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.fs.blocks import FileBlocks
 from cubefs_fuse.fs.inodes import InodeTable, child_path
 from cubefs_fuse.fs.metadata import MetadataCache
+from cubefs_fuse.fs.outage import Outage, StaleIfError
 
 # Blocks fetched ahead of a sequential reader of a large file.  Two keep one block in
 # flight while the reader consumes the next, which hides one remote round trip per
@@ -119,6 +120,7 @@ class FilesystemStatistics:
     file_requests: int  # opens of regular files, counted at release
     file_misses: int  # of those, the ones with a read that waited on the backend
     stall_seconds: float
+    stale_if_error: dict[str, int] = field(default_factory=dict)  # op -> answered stale while the source was down
 
 
 @dataclass(slots=True)
@@ -145,13 +147,17 @@ class Filesystem:
     keep_cache = True
     direct_io = False
 
-    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int) -> None:
+    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int,
+                 outage: Outage | None = None) -> None:
+        """``outage``: while it says the source is down, answer from the last validated
+        metadata what the cache holds whole (fs/outage.py); None: never (EIO)."""
         self.meta = meta
         self.cache = cache
         self.backend = backend
         self.block_size = block_size
         self.inodes = InodeTable()
         self.blocks = FileBlocks(meta, cache, backend, block_size)
+        self.stale = StaleIfError(meta, self.blocks, outage)
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
@@ -181,18 +187,33 @@ class Filesystem:
             path = parent.rpartition("/")[0]
         else:
             path = child_path(parent, name)
-        attr = await self._stat_fetching(path)
+        attr = await self._stat_fetching(path, "lookup")
         return self.entry(path, attr)
 
-    async def _stat_fetching(self, path: str) -> Attr:
-        """``path``'s attributes for the kernel (lookup, getattr).  A metadata miss on a
+    async def _or_stale(self, path: str, op: str, answer: Awaitable[Attr]) -> Attr:
+        """``answer``, or where the source failed to give it while down, the last validated
+        attributes if stale-if-error allows them (fs/outage.py)."""
+        try:
+            return await answer
+        except OSError as exc:
+            stale = self.stale.attr(path, exc, op)
+            if stale is None:
+                raise
+            return stale
+
+    async def _stat_fetching(self, path: str, op: str) -> Attr:
+        """``path``'s attributes for the kernel (``op``: lookup, getattr)."""
+        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
+        if attr is not None:
+            return attr
+        return await self._or_stale(path, op, self._stat_from_source(path))
+
+    async def _stat_from_source(self, path: str) -> Attr:
+        """``path``'s attributes past the metadata cache's hit.  A metadata miss on a
         regular file of at most one block that no tier holds brings the file too, in the
         same backend call (``Backend.stat_read``): the open and read that usually follow
         are then served from RAM.  The process that waited counts the file as a miss
         (``BlockCache.admit``), exactly as if its read had fetched it."""
-        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
-        if attr is not None:
-            return attr
         if not self.lookup_fetch or self.meta.peek(path) is not None:
             return await self.meta.stat(path)
         cache = self.cache
@@ -241,7 +262,7 @@ class Filesystem:
         reads, or drop their pages and refill them from another version."""
         node = self.inodes.node(inode)
         if not node.retired:
-            attr = await self._stat_fetching(node.path)
+            attr = await self._stat_fetching(node.path, "getattr")
             if self.inodes.serves(inode, attr):
                 return Entry(inode, attr)
         assert node.attr is not None  # a retired inode always has the attributes it served
@@ -261,7 +282,14 @@ class Filesystem:
 
     async def opendir(self, inode: int) -> int:
         path = self.inodes.node(inode).path
-        entries = sorted(await self.meta.listdir(path))
+        try:
+            listing = await self.meta.listdir(path)
+        except OSError as exc:
+            stale = self.stale.listing(path, exc)
+            if stale is None:
+                raise
+            listing = stale
+        entries = sorted(listing)
         fh = next(self._handles)
         self._dirs[fh] = (path, entries)
         return fh
@@ -294,7 +322,8 @@ class Filesystem:
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
-        attr = None if node.retired else self.meta.hit(node.path) or await self.meta.stat(node.path)
+        attr = None if node.retired else self.meta.hit(node.path) or await self._or_stale(
+            node.path, "open", self.meta.stat(node.path))
         if attr is None or not self.inodes.serves(inode, attr):
             self._c.stale_opens += 1
             raise FsError(errno.ESTALE, f"{node.path} changed at the source")
@@ -556,4 +585,5 @@ class Filesystem:
                                     c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
                                     c.stale_reads, c.stale_opens, i.inodes, i.retired,
                                     i.changes_with_handles, i.changes_without_handles,
-                                    c.file_requests, c.file_misses, c.stall_seconds)
+                                    c.file_requests, c.file_misses, c.stall_seconds,
+                                    self.stale.statistics().served)
