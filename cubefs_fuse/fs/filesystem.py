@@ -157,7 +157,7 @@ class Filesystem:
         self.block_size = block_size
         self.inodes = InodeTable()
         self.blocks = FileBlocks(meta, cache, backend, block_size)
-        self.stale = StaleIfError(meta, self.blocks, outage)
+        self.stale_if_error = StaleIfError(meta, self.blocks, outage)
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
@@ -196,7 +196,7 @@ class Filesystem:
         try:
             return await answer
         except OSError as exc:
-            stale = self.stale.attr(path, exc, op)
+            stale = self.stale_if_error.attr(path, exc, op)
             if stale is None:
                 raise
             return stale
@@ -285,7 +285,7 @@ class Filesystem:
         try:
             listing = await self.meta.listdir(path)
         except OSError as exc:
-            stale = self.stale.listing(path, exc)
+            stale = self.stale_if_error.listing(path, exc)
             if stale is None:
                 raise
             listing = stale
@@ -586,4 +586,4 @@ class Filesystem:
                                     c.stale_reads, c.stale_opens, i.inodes, i.retired,
                                     i.changes_with_handles, i.changes_without_handles,
                                     c.file_requests, c.file_misses, c.stall_seconds,
-                                    self.stale.statistics().served)
+                                    self.stale_if_error.statistics().served)

@@ -81,11 +81,15 @@ def backend_ops(m: Mount) -> float:
     return sum(v for k, v in m.scrape().items() if k.startswith("cubefs_fuse_backend_operations_total"))
 
 
-def prepared(make_slow_mount: Callable[..., SlowMount]) -> tuple[SlowMount, dict[str, bytes]]:
-    s = make_slow_mount(backendTimeout=TIMEOUT)
-    files = write_tree(s.real, {f"d/{name}.bin": os.urandom(300_000) for name in ("a", "b", "c")})
+def prepared(make_slow_mount: Callable[..., SlowMount], sizes: dict[str, int] | None = None,
+             **config: object) -> tuple[SlowMount, dict[str, bytes]]:
+    """A mount (``config`` added) of d/a.bin, d/b.bin and d/c.bin, 300,000 random bytes each
+    (``sizes``: {name: size} instead), their attributes cached by a listing."""
+    s = make_slow_mount(backendTimeout=TIMEOUT, **config)
+    sizes = sizes or dict.fromkeys(("a", "b", "c"), 300_000)
+    files = write_tree(s.real, {f"d/{name}.bin": os.urandom(size) for name, size in sizes.items()})
     s.mount.mount()
-    assert sorted(os.listdir(s.mount.path("d"))) == ["a.bin", "b.bin", "c.bin"]  # attributes cached
+    assert sorted(os.listdir(s.mount.path("d"))) == sorted(f"{name}.bin" for name in sizes)  # attributes cached
     return s, files
 
 
@@ -207,11 +211,8 @@ STALE_LOG = "cached files are served at the version last validated"
 def outage_mount(make_slow_mount: Callable[..., SlowMount], **config: object) -> tuple[SlowMount, dict[str, bytes]]:
     """A mount whose cache holds d/a.bin (one block) and d/big.bin (three) whole, d/b.bin
     only by its attributes; then the remote hangs and every TTL runs out."""
-    s = make_slow_mount(backendTimeout=TIMEOUT, attrValid=TTL, lookupValid=TTL, **config)
-    files = write_tree(s.real, {"d/a.bin": os.urandom(300_000), "d/b.bin": os.urandom(300_000),
-                                "d/big.bin": os.urandom(5 << 19)})
-    s.mount.mount()
-    assert sorted(os.listdir(s.mount.path("d"))) == ["a.bin", "b.bin", "big.bin"]
+    s, files = prepared(make_slow_mount, {"a": 300_000, "b": 300_000, "big": 5 << 19},
+                        attrValid=TTL, lookupValid=TTL, **config)
     for name in ("d/a.bin", "d/big.bin"):
         assert read(s.mount.path(name)) == ok(files[name])
     s.slowfs.hang()
