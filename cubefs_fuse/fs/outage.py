@@ -19,8 +19,9 @@ The decision, for one path whose metadata the source failed to give:
   absence) fails as before;
 * a listing is served if the metadata cache still holds the directory's last listing.
 
-Nothing here waits: each decision is dict lookups, one per block of the file (as many as
-an open's publication makes).  The first answer the source gives afterwards revalidates
+Nothing here waits: each decision is dict lookups on the trio thread, one per block of
+the file (a read of the whole file makes as many), never anything proportional to the
+cache.  The first answer the source gives afterwards revalidates
 as any expired entry does, and a file that changed meanwhile gets a new inode
 (fs/inodes.py): stale answers never outlive the outage.  Each stale answer is counted
 (per FUSE operation), and each outage logged once, at its first stale answer.
