@@ -97,6 +97,12 @@ class ClientConfig:
     # is thousands of times a healthy remote's latency (ms; an NFS soft mount gives up
     # after 60 s) and still short enough that a reader sees an error, not a dead process.
     backend_timeout: float = 30.0
+    # While the source counts as down, serve files the cache holds whole at the version
+    # last validated instead of failing them with EIO (fs/outage.py, docs/contracts.md,
+    # "Outages of the source").  On: a training job reads a dataset that does not change
+    # under it, and a remote's failover of seconds must not kill a run of days whose data
+    # is all local; the bytes are always those of one version the source gave.
+    stale_if_error: bool = True
     meta_cache_entries: int = 1_000_000
     control_socket: str = ""
     control_allow_uids: tuple[int, ...] = ()
@@ -353,6 +359,12 @@ def _endpoint_url(key: str, value: Any) -> str:
     return text.rstrip("/")
 
 
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"key {key!r}: expected true or false, got {_type_name(value)} {_shown(value)}")
+    return value
+
+
 def _bool_or_null(key: str, value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ConfigError(f"key {key!r}: expected true, false or null, got {_type_name(value)} {_shown(value)}")
@@ -391,6 +403,7 @@ _KEYS: dict[str, tuple[str, Callable[[str, Any], Any]]] = {
     "prefetchThreads": ("prefetch_threads", _positive_int),
     "backendThreads": ("backend_threads", _positive_int),
     "backendTimeout": ("backend_timeout", _positive_seconds),
+    "staleIfError": ("stale_if_error", _bool),
     "metaCacheEntries": ("meta_cache_entries", _positive_int),
     "controlSocket": ("control_socket", _string),
     "controlAllowUids": ("control_allow_uids", _id_list),

@@ -100,6 +100,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_retired_inodes", "gauge", "Inodes of old file versions (changed at the source) the kernel still holds."),
         MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode."),
         MetricSpec("cubefs_fuse_stale_opens_total", "counter", "Opens of an old version's inode answered ESTALE (the kernel looks the name up again and opens the new version)."),
+        MetricSpec("cubefs_fuse_stale_if_error_total", "counter",
+                   "Requests answered from the last validated metadata while the backend was down, for files the cache "
+                   "holds whole and their directories (staleIfError), by FUSE operation.", ("op",)),
         MetricSpec("cubefs_fuse_file_requests_total", "counter",
                    "Files applications read: reads from a file's start that reached the daemon through the mount "
                    "(a file the kernel's page cache serves whole is not seen) and files the fast path served, "
@@ -233,6 +236,8 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)
     f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes)
     f.add("cubefs_fuse_stale_opens_total", s.fs.stale_opens)
+    for op, n in s.fs.stale_if_error.items():
+        f.add("cubefs_fuse_stale_if_error_total", n, op)
     c = s.cache
     f.add("cubefs_fuse_cache_hits_total", c.hits_ram, "ram")
     f.add("cubefs_fuse_cache_hits_total", c.hits_disk, "disk")

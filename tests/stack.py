@@ -18,6 +18,7 @@ from typing import Any, Generic, TypeVar
 import trio
 
 from cubefs_fuse.backends.base import Backend
+from cubefs_fuse.backends.deadline import DeadlineBackend
 from cubefs_fuse.cache.blockcache import BlockCache
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.memory import MemoryTier
@@ -73,7 +74,9 @@ async def open_stack(backend: B, config: ClientConfig | None = None, *, disk: Di
                            fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
         meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
                              max_entries=config.meta_cache_entries)
-        fs = Filesystem(meta, cache, backend, block_size=config.block_size)
+        # Stale-if-error as the daemon has it: over a DeadlineBackend, unless the config turns it off.
+        outage = backend if isinstance(backend, DeadlineBackend) and config.stale_if_error else None
+        fs = Filesystem(meta, cache, backend, block_size=config.block_size, outage=outage)
         prefetch = None
         if service:
             prefetch = PrefetchService(nursery, fs, config)

@@ -67,6 +67,11 @@ class DeadlineBackend:
     def down(self) -> bool:
         return self._down_since is not None
 
+    @property
+    def down_since(self) -> float | None:
+        """When the backend went down (trio's clock), None while up (fs/outage.py's Outage)."""
+        return self._down_since
+
     def close(self) -> None:
         self.inner.close()
 

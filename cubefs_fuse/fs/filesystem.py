@@ -13,7 +13,7 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Protocol
@@ -28,6 +28,7 @@ from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.fs.blocks import FileBlocks
 from cubefs_fuse.fs.inodes import InodeTable, child_path
 from cubefs_fuse.fs.metadata import MetadataCache
+from cubefs_fuse.fs.outage import Outage, StaleIfError
 
 # Blocks fetched ahead of a sequential reader of a large file.  Two keep one block in
 # flight while the reader consumes the next, which hides one remote round trip per
@@ -126,6 +127,7 @@ class FilesystemStatistics:
     file_requests: int  # READs at offset 0 of regular files: a process's read of a file
     file_misses: int  # of those, the ones whose READ waited on the backend
     stall_seconds: float
+    stale_if_error: dict[str, int] = field(default_factory=dict)  # op -> answered stale while the source was down
 
 
 @dataclass(slots=True)
@@ -151,13 +153,17 @@ class Filesystem:
     keep_cache = True
     direct_io = False
 
-    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int) -> None:
+    def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int,
+                 outage: Outage | None = None) -> None:
+        """``outage``: while it says the source is down, answer from the last validated
+        metadata what the cache holds whole (fs/outage.py); None: never (EIO)."""
         self.meta = meta
         self.cache = cache
         self.backend = backend
         self.block_size = block_size
         self.inodes = InodeTable()
         self.blocks = FileBlocks(meta, cache, backend, block_size)
+        self.stale_if_error = StaleIfError(meta, self.blocks, outage)
         self._dirs: dict[int, tuple[str, list[tuple[str, Attr]]]] = {}
         self._handles = count(1)
         self._c = _Counters()
@@ -187,18 +193,33 @@ class Filesystem:
             path = parent.rpartition("/")[0]
         else:
             path = child_path(parent, name)
-        attr = await self._stat_fetching(path)
+        attr = await self._stat_fetching(path, "lookup")
         return self.entry(path, attr)
 
-    async def _stat_fetching(self, path: str) -> Attr:
-        """``path``'s attributes for the kernel (lookup, getattr).  A metadata miss on a
+    async def _or_stale(self, path: str, op: str, answer: Awaitable[Attr]) -> Attr:
+        """``answer``, or where the source failed to give it while down, the last validated
+        attributes if stale-if-error allows them (fs/outage.py)."""
+        try:
+            return await answer
+        except OSError as exc:
+            stale = self.stale_if_error.attr(path, exc, op)
+            if stale is None:
+                raise
+            return stale
+
+    async def _stat_fetching(self, path: str, op: str) -> Attr:
+        """``path``'s attributes for the kernel (``op``: lookup, getattr)."""
+        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
+        if attr is not None:
+            return attr
+        return await self._or_stale(path, op, self._stat_from_source(path))
+
+    async def _stat_from_source(self, path: str) -> Attr:
+        """``path``'s attributes past the metadata cache's hit.  A metadata miss on a
         regular file of at most one block that no tier holds brings the file too, in the
         same backend call (``Backend.stat_read``): the open and read that usually follow
         are then served from RAM.  The process that waited counts the file as a miss
         (``BlockCache.admit``), exactly as if its read had fetched it."""
-        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
-        if attr is not None:
-            return attr
         if not self.lookup_fetch or self.meta.peek(path) is not None:
             return await self.meta.stat(path)
         cache = self.cache
@@ -248,7 +269,7 @@ class Filesystem:
         reads, or drop their pages and refill them from another version."""
         node = self.inodes.node(inode)
         if not node.retired:
-            attr = await self._stat_fetching(node.path)
+            attr = await self._stat_fetching(node.path, "getattr")
             if self.inodes.serves(inode, attr):
                 return Entry(inode, attr)
         assert node.attr is not None  # a retired inode always has the attributes it served
@@ -268,7 +289,14 @@ class Filesystem:
 
     async def opendir(self, inode: int) -> int:
         path = self.inodes.node(inode).path
-        entries = sorted(await self.meta.listdir(path))
+        try:
+            listing = await self.meta.listdir(path)
+        except OSError as exc:
+            stale = self.stale_if_error.listing(path, exc)
+            if stale is None:
+                raise
+            listing = stale
+        entries = sorted(listing)
         fh = next(self._handles)
         self._dirs[fh] = (path, entries)
         return fh
@@ -301,7 +329,8 @@ class Filesystem:
         if flags & _WRITE_FLAGS:
             raise FsError(errno.EROFS)
         node = self.inodes.node(inode)
-        attr = None if node.retired else self.meta.hit(node.path) or await self.meta.stat(node.path)
+        attr = None if node.retired else self.meta.hit(node.path) or await self._or_stale(
+            node.path, "open", self.meta.stat(node.path))
         if attr is None or not self.inodes.serves(inode, attr):
             self._c.stale_opens += 1
             raise FsError(errno.ESTALE, f"{node.path} changed at the source")
@@ -617,4 +646,5 @@ class Filesystem:
         return FilesystemStatistics(c.lookups, c.opens + native_opens, native_opens, len(self._dirs), c.reads,
                                     c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
                                     c.stale_reads, c.stale_opens, i.inodes, i.retired, i.changes,
-                                    c.file_requests, c.file_misses, c.stall_seconds)
+                                    c.file_requests, c.file_misses, c.stall_seconds,
+                                    self.stale_if_error.statistics().served)

@@ -127,6 +127,38 @@ class MetadataCache:
         cached = self._attrs.get(path)
         return 0.0 if cached is None or cached[1] is None else cached[0]
 
+    def last_validated(self, path: str) -> Attr | None:
+        """The attributes the source last gave for ``path``, expired or not; None if it
+        never did, said it does not exist, or they were forgotten since (invalidated,
+        cleared, dropped by the bound).  Only for stale-if-error (fs/outage.py): past its
+        TTL nothing else may answer from an entry."""
+        cached = self._attrs.get(path)
+        return None if cached is None else cached[1]
+
+    def last_listing(self, path: str) -> list[tuple[str, Attr]] | None:
+        """The listing the source last gave for ``path``, expired or not (None: none
+        kept), each child with the attributes the source gave for it last: a child stat'ed
+        after the listing has its newer attributes, one found absent since is left out (as
+        :meth:`last_validated`, for stale-if-error only)."""
+        cached = self._listings.get(path)
+        if cached is None:
+            return None
+        listed = cached[0] - self.attr_ttl  # when the listing was validated (kept only with a TTL)
+        prefix = f"{path}/" if path else ""
+        entries = []
+        for name, attr in cached[1]:
+            later = self._attrs.get(prefix + name)
+            if later is not None and self._validated(later) >= listed:
+                if later[1] is None:
+                    continue
+                attr = later[1]
+            entries.append((name, attr))
+        return entries
+
+    def _validated(self, cached: tuple[float, Attr | None]) -> float:
+        """When an entry of ``_attrs`` was validated: its expiry less its TTL."""
+        return cached[0] - (self.attr_ttl if cached[1] is not None else self.lookup_ttl)
+
     async def fresh_stat(self, path: str) -> Attr:
         """Attributes straight from the backend (and cached for the next caller)."""
         self.invalidate(path)

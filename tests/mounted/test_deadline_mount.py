@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,9 +32,12 @@ SLACK = 30.0
 READER = """
 import errno, hashlib, os, sys
 try:
-    size = os.stat(sys.argv[1]).st_size
+    os.stat(sys.argv[1])  # the lookup a reader's stat makes
     fd = os.open(sys.argv[1], os.O_RDONLY)
     try:
+        # The size of the version opened: a stat's may be the kernel's cached attributes of
+        # an older one (a file changed at the source: a new inode, found at the open).
+        size = os.fstat(fd).st_size
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the read must reach the daemon
         data = b""
         while len(data) < size:
@@ -77,11 +81,15 @@ def backend_ops(m: Mount) -> float:
     return sum(v for k, v in m.scrape().items() if k.startswith("cubefs_fuse_backend_operations_total"))
 
 
-def prepared(make_slow_mount: Callable[..., SlowMount]) -> tuple[SlowMount, dict[str, bytes]]:
-    s = make_slow_mount(backendTimeout=TIMEOUT)
-    files = write_tree(s.real, {f"d/{name}.bin": os.urandom(300_000) for name in ("a", "b", "c")})
+def prepared(make_slow_mount: Callable[..., SlowMount], sizes: dict[str, int] | None = None,
+             **config: object) -> tuple[SlowMount, dict[str, bytes]]:
+    """A mount (``config`` added) of d/a.bin, d/b.bin and d/c.bin, 300,000 random bytes each
+    (``sizes``: {name: size} instead), their attributes cached by a listing."""
+    s = make_slow_mount(backendTimeout=TIMEOUT, **config)
+    sizes = sizes or dict.fromkeys(("a", "b", "c"), 300_000)
+    files = write_tree(s.real, {f"d/{name}.bin": os.urandom(size) for name, size in sizes.items()})
     s.mount.mount()
-    assert sorted(os.listdir(s.mount.path("d"))) == ["a.bin", "b.bin", "c.bin"]  # attributes cached
+    assert sorted(os.listdir(s.mount.path("d"))) == sorted(f"{name}.bin" for name in sizes)  # attributes cached
     return s, files
 
 
@@ -189,4 +197,83 @@ def test_remote_that_comes_back_at_the_same_path_is_reopened(make_slow_mount: Ca
     for name in ("b", "c", "a"):
         assert read(m.path(f"d/{name}.bin")) == ok(files[f"d/{name}.bin"])
     assert m.pid() == pid and "reopened" in m.log()
+    m.umount()
+
+
+# -- stale-if-error: cached files through an outage (docs/contracts.md, "Outages of the source") --
+
+# attrValid and lookupValid of the stale-if-error mounts: short, so that the kernel's and the
+# daemon's trust in the cached attributes runs out within the test, while the remote hangs.
+TTL = 1.0
+STALE_LOG = "cached files are served at the version last validated"
+
+
+def outage_mount(make_slow_mount: Callable[..., SlowMount], **config: object) -> tuple[SlowMount, dict[str, bytes]]:
+    """A mount whose cache holds d/a.bin (one block) and d/big.bin (three) whole, d/b.bin
+    only by its attributes; then the remote hangs and every TTL runs out."""
+    s, files = prepared(make_slow_mount, {"a": 300_000, "b": 300_000, "big": 5 << 19},
+                        attrValid=TTL, lookupValid=TTL, **config)
+    for name in ("d/a.bin", "d/big.bin"):
+        assert read(s.mount.path(name)) == ok(files[name])
+    s.slowfs.hang()
+    time.sleep(2 * TTL)
+    return s, files
+
+
+@pytest.mark.expected_daemon_errors(r"backend down: ")
+def test_cached_files_are_served_stale_while_the_remote_hangs_and_revalidated_after(
+        make_slow_mount: Callable[..., SlowMount]) -> None:
+    s, files = outage_mount(make_slow_mount)
+    m = s.mount
+    try:
+        before = m.scrape()
+        # The first request past the TTL waits the deadline, then is answered from the cache;
+        # the reader drops its pages first, so the daemon serves every byte.
+        assert read(m.path("d/a.bin")) == ok(files["d/a.bin"])
+        assert read(m.path("d/big.bin")) == ok(files["d/big.bin"])
+        samples = m.scrape()
+        assert metric(samples, "cubefs_fuse_backend_up") == 0
+        assert metric(samples, "cubefs_fuse_stale_if_error_total", op="open") >= 2
+        assert metric(samples, "cubefs_fuse_stale_if_error_total", op="lookup") >= 1
+        assert (metric(samples, "cubefs_fuse_served_bytes_total", source="ram")
+                - metric(before, "cubefs_fuse_served_bytes_total", source="ram")) >= len(files["d/big.bin"])
+        assert sorted(os.listdir(m.path("d"))) == ["a.bin", "b.bin", "big.bin"]  # the kept listing
+        # A file whose bytes were never read: EIO at once (the backend is down: no new deadline).
+        start = time.monotonic()
+        assert read(m.path("d/b.bin")) == "err EIO"
+        assert time.monotonic() - start < TIMEOUT + SLACK
+        assert metric(m.scrape(), "cubefs_fuse_backend_failed_fast_total", op="stat") >= 1
+        # Changed at the source during the outage: the version last validated is still served.
+        changed = (s.real / "d/a.bin").read_bytes()[::-1] + b"new"
+        (s.real / "d/a.bin").write_bytes(changed)
+        assert read(m.path("d/a.bin")) == ok(files["d/a.bin"])
+        assert m.log().count(STALE_LOG) == 1  # one line per outage, not one per file
+    finally:
+        s.slowfs.resume()
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_up") == 1, timeout=SLACK, what="the probe")
+    stale = {k: v for k, v in m.scrape().items() if k.startswith("cubefs_fuse_stale_if_error_total")}
+    # The source's first answer revalidates: the new version, a new inode, new bytes.
+    assert read(m.path("d/a.bin")) == ok(changed)
+    assert read(m.path("d/big.bin")) == ok(files["d/big.bin"])
+    assert read(m.path("d/b.bin")) == ok(files["d/b.bin"])
+    assert {k: v for k, v in m.scrape().items() if k.startswith("cubefs_fuse_stale_if_error_total")} == stale
+    assert metric(m.scrape(), "cubefs_fuse_file_version_changes_total") >= 1
+    m.umount()
+
+
+@pytest.mark.expected_daemon_errors(r"backend down: ")
+def test_with_stale_if_error_off_a_cached_file_gets_eio_past_its_ttl(make_slow_mount: Callable[..., SlowMount]) -> None:
+    s, files = outage_mount(make_slow_mount, staleIfError=False)
+    m = s.mount
+    try:
+        assert read(m.path("d/a.bin")) == "err EIO"  # waited for the deadline
+        assert read(m.path("d/big.bin")) == "err EIO"  # at once
+        samples = m.scrape()
+        assert metric(samples, "cubefs_fuse_backend_up") == 0
+        assert sum(v for k, v in samples.items() if k.startswith("cubefs_fuse_stale_if_error_total")) == 0
+        assert STALE_LOG not in m.log()
+    finally:
+        s.slowfs.resume()
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_backend_up") == 1, timeout=SLACK, what="the probe")
+    assert read(m.path("d/a.bin")) == ok(files["d/a.bin"])
     m.umount()

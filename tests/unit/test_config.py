@@ -63,6 +63,7 @@ EVERY_KEY: dict[str, tuple[Any, str, Any]] = {
     "prefetchThreads": (4, "prefetch_threads", 4),
     "backendThreads": (64, "backend_threads", 64),
     "backendTimeout": (7.5, "backend_timeout", 7.5),
+    "staleIfError": (False, "stale_if_error", False),
     "metaCacheEntries": (5000, "meta_cache_entries", 5000),
     "controlSocket": ("/run/cubefs-fuse/x.sock", "control_socket", "/run/cubefs-fuse/x.sock"),
     "configDir": ("/run/cubefs-fuse", "config_dir", "/run/cubefs-fuse"),
@@ -103,6 +104,7 @@ def test_defaults() -> None:
     assert cfg.cache_dir == "/var/cache/cubefs-fuse/ltptest"
     assert cfg.profile == "" and cfg.log_level == "info"
     assert cfg.backend_timeout == 30.0
+    assert cfg.stale_if_error is True  # cached files stay readable through an outage of the source
 
 
 def test_exporter_port_null_means_off() -> None:
@@ -252,6 +254,9 @@ def test_negative_size() -> None:
         ("backendTimeout", "inf", "expected a number of seconds"),
         ("backendTimeout", None, "expected a number of seconds"),
         ("metaCacheEntries", "many", "expected an integer"),
+        ("staleIfError", "false", "expected true or false"),
+        ("staleIfError", 0, "expected true or false"),
+        ("staleIfError", None, "expected true or false"),
         ("owner", 7, "expected a string"),
         ("configDir", "", "must not be empty"),
         ("jobIdleTimeout", 0, "more than 0 seconds"),
