@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import queue
 import sys
+import sysconfig
 import threading
 import time
 import weakref
@@ -232,12 +234,27 @@ def _workers_said(iterator: Any) -> str | None:
     return f"{said}; workers: {listed}"
 
 
+# Where Python's and torch's own code lies: a stalled loading thread is described by the
+# innermost frame outside them (the dataset's), not by the lock it waits on.
+_LIBRARIES = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"],
+                    os.path.dirname(torch.__file__), os.path.dirname(__file__)})
+
+
 def _where(thread: threading.Thread) -> str:
-    """The innermost Python frame ``thread`` runs, as ``file:line in function``."""
-    frame = sys._current_frames().get(thread.ident or -1)
-    if frame is None:
+    """Where ``thread`` runs: ``file:line in function`` of its innermost frame outside
+    Python's and torch's code, with the innermost one when that differs."""
+    innermost = sys._current_frames().get(thread.ident or -1)
+    if innermost is None:
         return "an unknown place"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+    frame: Any = innermost
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARIES):
+        frame = frame.f_back
+    chosen = frame if frame is not None else innermost
+    said = f"{chosen.f_code.co_filename}:{chosen.f_lineno} in {chosen.f_code.co_name}"
+    if chosen is not innermost:
+        said += (f" (now in {os.path.basename(innermost.f_code.co_filename)}:{innermost.f_lineno} "
+                 f"in {innermost.f_code.co_name})")
+    return said
 
 
 def _put(out: queue.Queue[_Item], item: _Item, stop: threading.Event) -> bool:
@@ -294,6 +311,11 @@ def _stop_workers(iterator: Any, loader: Any) -> None:
     shutdown = getattr(iterator, "_shutdown_workers", None)
     if shutdown is not None:
         shutdown()
+        # The producer may be waiting in torch's loop for a batch no worker will send now
+        # (that loop only notices workers that died on their own): an item it cannot place
+        # ends its wait with an error, which a closed prefetcher ignores.
+        with contextlib.suppress(Exception):
+            iterator._data_queue.put((None, None))
     if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
 
