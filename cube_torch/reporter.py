@@ -133,10 +133,14 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
     process's DevicePrefetcher steps) once one counted steps."""
     result = _daemon_stats(timeout)
     if result is not None:
-        waited = _waits_since_last()
+        waited = _waits_as_dicts(_waits_since_last())
         if waited is not None:
-            result["data_wait"] = {"since_last": waited[0].as_dict(), "cumulative": waited[1].as_dict()}
+            result["data_wait"] = waited
     return result
+
+
+def _waits_as_dicts(waited: tuple[waits.DataWait, waits.DataWait] | None) -> dict[str, Any] | None:
+    return None if waited is None else {"since_last": waited[0].as_dict(), "cumulative": waited[1].as_dict()}
 
 
 def _print(line: str) -> None:
@@ -153,17 +157,17 @@ def report_once(timeout: float = 5.0, *, unless_idle: bool = False) -> str | Non
     daemon has this job, or with ``unless_idle`` if nothing was read since this process's
     previous line.  The data_wait line follows whenever a DevicePrefetcher counted steps
     (with ``unless_idle``: steps since the previous line), also without a daemon."""
-    current = _daemon_stats(timeout)
+    current = stats(timeout)
     line = None
     if current is not None and not (unless_idle and current["since_last"]["requests"] == 0):
         line = format_line(current["since_last"], current["cumulative"],
                            current["rank"] if current["world_size"] > 1 else None)
         _print(line)
-    waited = _waits_since_last()
-    if waited is not None and not (unless_idle and waited[0].steps == 0):
+    waited = current.get("data_wait") if current is not None else _waits_as_dicts(_waits_since_last())
+    if waited is not None and not (unless_idle and waited["since_last"]["steps"] == 0):
         ranks = current["world_size"] if current is not None else world_size()
         this_rank = current["rank"] if current is not None else rank()
-        _print(waits.format_line(waited[0], waited[1], this_rank if ranks > 1 else None))
+        _print(waits.format_line(waited["since_last"], waited["cumulative"], this_rank if ranks > 1 else None))
     return line
 
 

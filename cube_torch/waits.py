@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 # Bucket edges grow by 2**(1/8) (9 %) from 1 µs: a percentile read as its bucket's
@@ -100,14 +101,16 @@ class WaitCounter:
             return DataWait(self._steps, self._wait, self._step, tuple(self._buckets))
 
 
-def format_counts(waits: DataWait) -> str:
-    return (f"steps:{waits.steps} wait_p50_ms:{1000 * waits.percentile(50):.3f} "
-            f"wait_p99_ms:{1000 * waits.percentile(99):.3f} wait_share:{100 * waits.share:.2f}%")
+def format_counts(waits: Mapping[str, float]) -> str:
+    """One side of the line, from :meth:`DataWait.as_dict`'s numbers."""
+    return (f"steps:{int(waits['steps'])} wait_p50_ms:{1000 * waits['p50_seconds']:.3f} "
+            f"wait_p99_ms:{1000 * waits['p99_seconds']:.3f} wait_share:{100 * waits['share']:.2f}%")
 
 
-def format_line(since_last: DataWait, cumulative: DataWait, rank: int | None = None) -> str:
-    """The line printed after the hit-rate line (``[rank R] `` in front as there); its own
-    words, so that parsers of the hit-rate line never take it for one."""
+def format_line(since_last: Mapping[str, float], cumulative: Mapping[str, float], rank: int | None = None) -> str:
+    """The line printed after the hit-rate line (``[rank R] `` in front as there), from
+    two :meth:`DataWait.as_dict`; its own words, so that parsers of the hit-rate line
+    never take it for one."""
     prefix = f"[rank {rank}] " if rank is not None else ""
     return f"{prefix}data_wait last_cycle:([{format_counts(since_last)}])  sum:([{format_counts(cumulative)}])"
 

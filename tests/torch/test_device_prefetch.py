@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
-from cube_torch import prefetch, waits
+from cube_torch import prefetch, reporter, waits
 from cube_torch.batches import tensors
 from cube_torch.prefetch import DataStalled, DevicePrefetcher, normalize
 from tests.helpers import wait_until
@@ -85,6 +85,15 @@ def epochs(iterable: Any, count: int, start: Callable[[int], None] = lambda epoc
         start(epoch)
         result.append([canon(batch) for batch in iterable])
     return result
+
+
+@pytest.fixture(autouse=True)
+def own_waits(monkeypatch: pytest.MonkeyPatch) -> waits.WaitCounter:
+    """The process's wait counter, fresh: other tests' reporter lines do not see these steps."""
+    counter = waits.WaitCounter()
+    monkeypatch.setattr(waits, "process", counter)
+    monkeypatch.setattr(reporter, "_previous_waits", waits.DataWait())
+    return counter
 
 
 def children() -> set[int]:
@@ -275,7 +284,7 @@ def test_a_transform_runs_ahead_on_the_batch() -> None:
     assert images[1][0, 0, 0, 0].item() == pytest.approx((4 - 128) / 64)
 
 
-def test_waits_are_counted_for_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_waits_are_counted_for_the_process(own_waits: waits.WaitCounter) -> None:
     """A slow dataset (20 ms a sample, 2 workers) and a fast step: most of the step is
     waiting, and the process's counter (the reporter's) has every step."""
 
@@ -284,11 +293,9 @@ def test_waits_are_counted_for_the_process(monkeypatch: pytest.MonkeyPatch) -> N
             time.sleep(0.02)
             return super().__getitem__(i)
 
-    counter = waits.WaitCounter()
-    monkeypatch.setattr(waits, "process", counter)
     wrapped = DevicePrefetcher(loader(Slow(n=16)), "cpu")
     assert sum(1 for _ in wrapped) == 4
-    mine, process = wrapped.statistics(), counter.snapshot()
+    mine, process = wrapped.statistics(), own_waits.snapshot()
     assert mine == process and mine.steps == 4
     assert mine.share > 0.5 and mine.percentile(99) > 0.01, mine.as_dict()
 

@@ -22,7 +22,7 @@ from cube_torch.client import submitter
 from cube_torch.prefetch import DevicePrefetcher, normalize
 from tests.helpers import REPO
 from tests.torch_datasets import LINE
-from tests.unit.test_cube_torch_messages import FakeControl, daemon_counts  # noqa: F401  (the fixture)
+from tests.reporter_fakes import FakeControl, daemon_counts  # noqa: F401  (the fixture)
 
 
 class Pair(NamedTuple):
@@ -48,6 +48,14 @@ class Frozen:
 
 class Labels(list[Any]):
     tag = "labels"
+
+
+@pytest.fixture
+def fresh_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[waits.WaitCounter]:
+    counter = waits.WaitCounter()
+    monkeypatch.setattr(waits, "process", counter)
+    monkeypatch.setattr(reporter, "_previous_waits", waits.DataWait())
+    yield counter
 
 
 def nested_batch() -> Any:
@@ -90,7 +98,7 @@ def test_map_tensors_rebuilds_every_container_with_its_type_and_leaves_the_rest(
     assert torch.equal(batch["pair"].image, torch.arange(3)) and torch.equal(batch["sample"].pixels, torch.ones(2))
 
 
-def test_a_prefetcher_on_the_cpu_hands_out_the_loaders_own_tensors() -> None:
+def test_a_prefetcher_on_the_cpu_hands_out_the_loaders_own_tensors(fresh_waits: waits.WaitCounter) -> None:
     """Tensors already on the target device are never copied: on the CPU, the very objects."""
     batches = [nested_batch() for _ in range(3)]
     handed = list(DevicePrefetcher(batches, "cpu", depth=2))
@@ -158,7 +166,7 @@ WAIT_LINE = re.compile(
 
 def test_the_wait_line_is_documented_and_never_read_as_a_hit_rate_line() -> None:
     since = counted([0.001] * 10)
-    line = waits.format_line(since, counted([0.001] * 10 + [0.2] * 10), rank=2)
+    line = waits.format_line(since.as_dict(), counted([0.001] * 10 + [0.2] * 10).as_dict(), rank=2)
     match = WAIT_LINE.fullmatch(line)
     assert match and line.startswith("[rank 2] "), line
     assert match.group(1, 5) == ("10", "20")
@@ -170,14 +178,6 @@ def test_the_wait_line_is_documented_and_never_read_as_a_hit_rate_line() -> None
 
 
 # -- the wait line next to the hit-rate line ------------------------------------------------
-
-
-@pytest.fixture
-def fresh_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[waits.WaitCounter]:
-    counter = waits.WaitCounter()
-    monkeypatch.setattr(waits, "process", counter)
-    monkeypatch.setattr(reporter, "_previous_waits", waits.DataWait())
-    yield counter
 
 
 def test_report_once_prints_the_wait_line_after_the_hit_rate_line(
