@@ -41,6 +41,7 @@ from humanfriendly.tables import format_pretty_table
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from benchmarks.read_throughput import markdown
 from cube_torch import waits
 from cube_torch.prefetch import DevicePrefetcher, normalize, resolve_device
 from tools.harness import machine
@@ -229,11 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{args.workers} workers, {args.steps} steps after {args.warmup}"}
     header, body = table(rows, args.batch)
     print("\n".join(f"{k}: {v}" for k, v in info.items()))
-    if args.markdown:
-        print("| " + " | ".join(header) + " |\n|" + "|".join("---" for _ in header) + "|")
-        print("\n".join("| " + " | ".join(cells) + " |" for cells in body))
-    else:
-        print(format_pretty_table(body, header))
+    print(markdown(header, body) if args.markdown else format_pretty_table(body, header))
     return 0
 
 
