@@ -316,6 +316,8 @@ def _stop_workers(iterator: Any, loader: Any) -> None:
         # ends its wait with an error, which a closed prefetcher ignores.
         with contextlib.suppress(Exception):
             iterator._data_queue.put((None, None))
+            # A multiprocessing queue flushes puts at exit; this one may be unread by then.
+            getattr(iterator._data_queue, "cancel_join_thread", lambda: None)()
     if getattr(loader, "_iterator", None) is iterator:
         loader._iterator = None
 
