@@ -2,8 +2,8 @@
 out the plain loader's batches in the plain loader's order (nested structures, a
 DistributedSampler's ranks, persistent workers), raises the loader's errors at the step
 that would have used the batch, names the stalled worker when a batch does not come in
-time, and leaves no worker process or thread behind when a loop leaves an epoch early.
-The CUDA tests run only where torch.cuda.is_available()."""
+time, leaves no worker process or thread behind when a loop leaves an epoch early, and
+feeds a torch.compile'd model.  The CUDA tests run only where torch.cuda.is_available()."""
 
 from __future__ import annotations
 
@@ -298,6 +298,20 @@ def test_waits_are_counted_for_the_process(own_waits: waits.WaitCounter) -> None
     mine, process = wrapped.statistics(), own_waits.snapshot()
     assert mine == process and mine.steps == 4
     assert mine.share > 0.5 and mine.percentile(99) > 0.01, mine.as_dict()
+
+
+def test_a_compiled_model_takes_the_prefetched_batches() -> None:
+    """torch.compile (dynamo tracing, with the eager backend: inductor's code generation
+    needs a C++ compiler and minutes on this CPU) over 2 epochs of prefetched batches:
+    the outputs are the uncompiled model's."""
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    compiled = torch.compile(model, backend="eager")
+    batches = DevicePrefetcher(loader(Nested(n=16)), "cpu",
+                               transform=lambda batch: normalize([0.0] * 3, [255.0] * 3)(batch[0]["image"]))
+    for _ in range(2):
+        for images in batches:
+            assert torch.equal(compiled(images), model(images))
 
 
 # -- CUDA (only where there is one) -----------------------------------------------------------
