@@ -259,17 +259,19 @@ def _report_at_exit(pid: int) -> None:
     stop()
     try:
         # Nothing read since the previous line (an epoch's end, the interval): that line's
-        # sum_metrics is the final count, and a last_cycle of 0 requests would say nothing.
+        # sum_metrics is the final count, and a last_cycle of 0 requests (or of 0 steps)
+        # would say nothing.
         report_once(EXIT_TIMEOUT, unless_idle=_previous_reported())
     except Exception as exc:  # never turn a clean exit into an error
         log.debug("cube_torch: final metrics report failed: %r", exc)
 
 
 def _previous_reported() -> bool:
-    """Whether this process has printed a line (or answered stats()) for its current job."""
+    """Whether this process has printed a line (or answered stats()) for its current job,
+    or (without a daemon's) a data_wait line."""
     last = submitter.last_job
     with _previous_lock:
-        return last is not None and (last.vol_name, last.job, last.rank) in _previous
+        return (last is not None and (last.vol_name, last.job, last.rank) in _previous) or _previous_waits.steps > 0
 
 
 def stop() -> None:

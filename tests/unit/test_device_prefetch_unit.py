@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -209,6 +210,15 @@ def test_without_a_daemon_the_wait_line_is_printed_alone(fresh_waits: waits.Wait
     assert reporter.report_once() is None and cube_torch.stats() is None
     (line,) = capsys.readouterr().out.splitlines()
     assert WAIT_LINE.fullmatch(line) and "wait_share:20.00%" in line
+    # At exit, no step since that line: no line saying 0 steps.
+    monkeypatch.setattr(reporter, "_exit_reported_pid", 0)
+    monkeypatch.setattr(reporter, "stop", lambda: None)
+    reporter._report_at_exit(os.getpid())
+    assert capsys.readouterr().out == ""
+    fresh_waits.add(0.001, 0.01)
+    monkeypatch.setattr(reporter, "_exit_reported_pid", 0)
+    reporter._report_at_exit(os.getpid())
+    assert "last_cycle:([steps:1 " in capsys.readouterr().out
 
 
 # -- arguments ------------------------------------------------------------------------------
