@@ -240,10 +240,10 @@ _LIBRARIES = tuple({sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["plat
                     os.path.dirname(torch.__file__), os.path.dirname(__file__)})
 
 
-def _where(thread: threading.Thread) -> str:
+def _where(thread: threading.Thread | None) -> str:
     """Where ``thread`` runs: ``file:line in function`` of its innermost frame outside
     Python's and torch's code, with the innermost one when that differs."""
-    innermost = sys._current_frames().get(thread.ident or -1)
+    innermost = sys._current_frames().get(thread.ident or -1) if thread is not None else None
     if innermost is None:
         return "an unknown place"
     frame: Any = innermost
@@ -337,10 +337,18 @@ class _Epoch(Iterator[Any]):
         self._handed = 0  # batches handed out (and errors raised) so far
         self._ended = False  # the loader's epoch ended
         self._closed = False
-        self._last = time.monotonic()  # the previous hand-out (or the start): a step's start
-        self._source: Iterator[Any] | None = iter(loader)  # here: the loader starts its workers as in a plain loop
+        self._last = 0.0  # the previous hand-out (or the start): a step's start
+        self._source: Iterator[Any] | None = None
+        self._thread: threading.Thread | None = None
+
+    def _start(self) -> None:
+        """Iterate the loader, from here (its workers start in this thread, as in a plain
+        loop).  At the first ``next()``, not at ``iter()``: a framework that calls ``iter()``
+        only to check that it can (Lightning does) starts no epoch and draws no order."""
+        self._last = time.monotonic()
+        self._source = iter(self._loader)
         self._thread = threading.Thread(target=_produce, name="cube_torch-prefetch", daemon=True,
-                                        args=(self._source, stager, self._queue, self._stop, self._progress))
+                                        args=(self._source, self._stager, self._queue, self._stop, self._progress))
         self._thread.start()
 
     def __iter__(self) -> _Epoch:
@@ -349,6 +357,8 @@ class _Epoch(Iterator[Any]):
     def __next__(self) -> Any:
         if self._closed:
             raise StopIteration
+        if self._thread is None:
+            self._start()
         asked = time.monotonic()
         try:
             item = self._queue.get(timeout=self._timeout)
@@ -396,19 +406,21 @@ class _Epoch(Iterator[Any]):
             while True:  # a producer waiting to queue wakes up; staged batches are freed
                 self._queue.get_nowait()
         source, self._source = self._source, None
-        if not self._thread.is_alive():
-            return
+        thread = self._thread
+        if thread is None or not thread.is_alive():
+            return  # never started, or done
         iterator = torch_iterator(source)
         if iterator is None:
             return  # the thread ends once the loader's current batch is there
         if not stalled and (self._ended or getattr(iterator, "_persistent_workers", False)):
-            self._thread.join(CLOSE_WAIT)
-            if not self._thread.is_alive():
+            thread.join(CLOSE_WAIT)
+            if not thread.is_alive():
                 return
         _stop_workers(iterator, self._loader)
 
     def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # also at interpreter exit

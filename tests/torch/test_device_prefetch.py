@@ -11,6 +11,8 @@ import dataclasses
 import gc
 import multiprocessing
 import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDa
 from cube_torch import prefetch, reporter, waits
 from cube_torch.batches import tensors
 from cube_torch.prefetch import DataStalled, DevicePrefetcher, normalize
-from tests.helpers import wait_until
+from tests.helpers import REPO, wait_until
 
 WORKERS = 2
 SEED = 20261129
@@ -229,6 +231,18 @@ def test_leaving_an_epoch_early_stops_its_workers_and_thread() -> None:
     assert sum(1 for _ in wrapped) == 16  # and the next epoch is whole
 
 
+def test_iter_alone_starts_nothing() -> None:
+    """A framework that calls iter() only to check it can (Lightning) starts no epoch: no
+    worker, no thread, no order drawn; the pass starts at its first next()."""
+    before = children()
+    wrapped = DevicePrefetcher(loader(Nested(), shuffle=True, generator=torch.Generator().manual_seed(SEED)), "cpu")
+    unused = iter(wrapped)
+    assert children() == before and not prefetch_threads()
+    del unused
+    plain = epochs(loader(Nested(), shuffle=True, generator=torch.Generator().manual_seed(SEED)), 1)
+    assert epochs(wrapped, 1) == plain
+
+
 def test_persistent_workers_survive_an_early_exit_and_the_next_epoch_is_the_plain_ones() -> None:
     """A DistributedSampler with set_epoch, as in training: each epoch's order depends on
     the epoch alone.  (A RandomSampler draws again from its generator when a loader takes
@@ -312,6 +326,86 @@ def test_a_compiled_model_takes_the_prefetched_batches() -> None:
     for _ in range(2):
         for images in batches:
             assert torch.equal(compiled(images), model(images))
+
+
+LIGHTNING = """
+import tests.torchvision_shim  # before Lightning, which imports torchvision
+import torch
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+import cube_torch
+
+dataset = TensorDataset(torch.randn(32, 4), torch.arange(32))
+handed = set()
+
+def record(batch):  # the prefetcher's transform: which tensors it hands out
+    handed.update(t.data_ptr() for t in batch)
+    return batch
+
+class Model(pl.LightningModule):
+    def __init__(self, prefetch):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.prefetch, self.seen = prefetch, []
+
+    def train_dataloader(self):
+        loader = DataLoader(dataset, batch_size=8, shuffle=True, num_workers=2,
+                            generator=torch.Generator().manual_seed(7))
+        return cube_torch.DevicePrefetcher(loader, self.device, transform=record) if self.prefetch else loader
+
+    def training_step(self, batch, index):
+        x, y = batch
+        if self.prefetch:  # on the device, and not copied again by Lightning
+            assert x.device == self.device and x.data_ptr() in handed and y.data_ptr() in handed
+        self.seen.append(y.tolist())
+        return self.layer(x).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+def fit(prefetch):
+    model = Model(prefetch)
+    pl.Trainer(accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(model)
+    return model.seen
+
+plain, prefetched = fit(False), fit(True)
+assert len(plain) == 8 and prefetched == plain, (prefetched, plain)
+print("OK", len(plain))
+"""
+
+ACCELERATE = """
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader, TensorDataset
+import cube_torch
+
+accelerator = Accelerator(cpu=True)
+dataset = TensorDataset(torch.arange(32.0).view(16, 2), torch.arange(16))
+
+def loader(**options):
+    return accelerator.prepare_data_loader(DataLoader(dataset, batch_size=4, num_workers=2), **options)
+
+plain = [y.tolist() for _, y in loader()]
+as_is = cube_torch.DevicePrefetcher(loader(), accelerator.device)
+unplaced = cube_torch.DevicePrefetcher(loader(device_placement=False), accelerator.device)
+for wrapped in (as_is, unplaced):
+    got = [(x.device, y.tolist()) for x, y in wrapped]
+    assert [y for _, y in got] == plain and {d for d, _ in got} == {accelerator.device}, got
+    assert len(wrapped) == len(plain)
+print("OK", len(plain))
+"""
+
+
+@pytest.mark.parametrize("script", [LIGHTNING, ACCELERATE], ids=["lightning", "accelerate"])
+def test_the_documented_framework_recipes(script: str) -> None:
+    """Lightning: the prefetcher returned by train_dataloader(), 2 epochs, each batch the
+    one it handed out (Lightning's own transfer copies nothing again), the batches of
+    Lightning with the plain loader in their order.  Accelerate: its prepared loader wrapped as it is and prepared without
+    device placement, the same batches.  On the CPU, in a subprocess (the frameworks'
+    own warnings are theirs)."""
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 # -- CUDA (only where there is one) -----------------------------------------------------------
