@@ -5,7 +5,8 @@ to the cubefs-fuse daemon of volume ``$VOL_NAME`` from a background thread (``VO
 read when an epoch starts, so it may be set after the import); ``CachedDataset`` keeps
 decoded samples in a sample store (``cube_torch.samples``); ``uninstall()`` removes the
 patch, ``stats()`` returns the job's hit counters, and a hit-rate line is printed every
-``CUBE_TORCH_METRICS_INTERVAL`` seconds (default 30). A missing or misbehaving daemon costs
+``CUBE_TORCH_METRICS_INTERVAL`` seconds (default 30); ``DevicePrefetcher`` hands out a
+loader's batches already on the GPU (``cube_torch.prefetch``). A missing or misbehaving daemon costs
 one warning; training proceeds as usual."""
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ from cube_torch.patch import install, installed, uninstall
 from cube_torch.reporter import report_once, stats
 
 if TYPE_CHECKING:
+    from cube_torch.prefetch import DataStalled, DevicePrefetcher
     from cube_torch.samples.cache import SampleCache
     from cube_torch.samples.dataset import CachedDataset
 
-__all__ = ["install", "installed", "uninstall", "stats", "report_once", "CachedDataset", "SampleCache"]
+__all__ = ["install", "installed", "uninstall", "stats", "report_once", "CachedDataset", "SampleCache",
+           "DevicePrefetcher", "DataStalled"]
 
 
 def __getattr__(name: str) -> object:
-    """``cube_torch.CachedDataset`` and ``cube_torch.SampleCache``, imported on first use."""
+    """``cube_torch.CachedDataset``, ``SampleCache``, ``DevicePrefetcher`` and ``DataStalled``,
+    imported on first use."""
     if name == "CachedDataset":
         from cube_torch.samples.dataset import CachedDataset
 
@@ -37,6 +41,10 @@ def __getattr__(name: str) -> object:
         from cube_torch.samples.cache import SampleCache
 
         return SampleCache
+    if name in ("DevicePrefetcher", "DataStalled"):
+        from cube_torch import prefetch
+
+        return getattr(prefetch, name)
     raise AttributeError(f"module 'cube_torch' has no attribute {name!r}")
 
 install()

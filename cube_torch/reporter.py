@@ -5,7 +5,9 @@ sum_metrics:([...])``, prefixed ``[rank R] `` in a distributed job), printed to 
 logged (logger ``cube_torch``, INFO); ``cube_torch.stats()`` returns the same counters.
 ``last_cycle_metrics`` is computed here from the job's cumulative counters at this process's
 previous report, because the daemon's own since-last counters restart whenever any rank of
-the job asks."""
+the job asks.  When a ``DevicePrefetcher`` has counted steps, a ``data_wait`` line follows
+(how long steps waited for their batch: ``cube_torch.waits``), and ``stats()`` carries the
+same numbers; they are this process's, measured here, and never reach the daemon."""
 
 from __future__ import annotations
 
@@ -18,8 +20,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from cube_torch import progress, shared
-from cube_torch.client import submitter, warn_once
+from cube_torch import progress, shared, waits
+from cube_torch.client import rank, submitter, warn_once, world_size
 from cubefs_fuse.control.protocol import ControlClient, ProtocolError, read_volume_config
 
 log = logging.getLogger("cube_torch")
@@ -86,9 +88,25 @@ def with_sample_hits(daemon: dict[str, Any], sample_hits: int) -> dict[str, Any]
     return counts
 
 
-def stats(timeout: float = 5.0) -> dict[str, Any] | None:
-    """This process's (job, rank) counters from the daemon: cumulative and since this
-    process's previous ``stats()`` (or line)."""
+# The process's step waits at its previous report (stats() or a line): since-last is the
+# difference, as for the daemon's counters.
+_previous_waits = waits.DataWait()
+
+
+def _waits_since_last() -> tuple[waits.DataWait, waits.DataWait] | None:
+    """(since the previous report, cumulative) of the process's prefetcher steps; None
+    before any step."""
+    global _previous_waits
+    cumulative = waits.process.snapshot()
+    if cumulative.steps == 0:
+        return None
+    with _previous_lock:
+        since = cumulative.minus(_previous_waits)
+        _previous_waits = cumulative
+    return since, cumulative
+
+
+def _daemon_stats(timeout: float) -> dict[str, Any] | None:
     last = submitter.last_job
     if last is None:
         return None
@@ -123,20 +141,47 @@ def stats(timeout: float = 5.0) -> dict[str, Any] | None:
     return None
 
 
-def report_once(timeout: float = 5.0, *, unless_idle: bool = False) -> str | None:
-    """Print and log one line now; None (and nothing printed) if no daemon has this job,
-    or with ``unless_idle`` if nothing was read since this process's previous line."""
-    current = stats(timeout)
-    if current is None or (unless_idle and current["since_last"]["requests"] == 0):
-        return None
-    line = format_line(current["since_last"], current["cumulative"],
-                       current["rank"] if current["world_size"] > 1 else None)
+def stats(timeout: float = 5.0) -> dict[str, Any] | None:
+    """This process's (job, rank) counters from the daemon: cumulative and since this
+    process's previous ``stats()`` (or line); with ``data_wait`` (the same two, of the
+    process's DevicePrefetcher steps) once one counted steps."""
+    result = _daemon_stats(timeout)
+    if result is not None:
+        waited = _waits_as_dicts(_waits_since_last())
+        if waited is not None:
+            result["data_wait"] = waited
+    return result
+
+
+def _waits_as_dicts(waited: tuple[waits.DataWait, waits.DataWait] | None) -> dict[str, Any] | None:
+    return None if waited is None else {"since_last": waited[0].as_dict(), "cumulative": waited[1].as_dict()}
+
+
+def _print(line: str) -> None:
     log.info("%s", line)
     if not _on_console(log):
         # One write of the whole line: ranks printing to one pipe at once must not interleave
         # (print() writes the line and its newline separately).
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
+
+
+def report_once(timeout: float = 5.0, *, unless_idle: bool = False) -> str | None:
+    """Print and log the hit-rate line now and return it; None (and no hit-rate line) if no
+    daemon has this job, or with ``unless_idle`` if nothing was read since this process's
+    previous line.  The data_wait line follows whenever a DevicePrefetcher counted steps
+    (with ``unless_idle``: steps since the previous line), also without a daemon."""
+    current = stats(timeout)
+    line = None
+    if current is not None and not (unless_idle and current["since_last"]["requests"] == 0):
+        line = format_line(current["since_last"], current["cumulative"],
+                           current["rank"] if current["world_size"] > 1 else None)
+        _print(line)
+    waited = current.get("data_wait") if current is not None else _waits_as_dicts(_waits_since_last())
+    if waited is not None and not (unless_idle and waited["since_last"]["steps"] == 0):
+        ranks = current["world_size"] if current is not None else world_size()
+        this_rank = current["rank"] if current is not None else rank()
+        _print(waits.format_line(waited["since_last"], waited["cumulative"], this_rank if ranks > 1 else None))
     return line
 
 
@@ -228,17 +273,19 @@ def _report_at_exit(pid: int) -> None:
     stop()
     try:
         # Nothing read since the previous line (an epoch's end, the interval): that line's
-        # sum_metrics is the final count, and a last_cycle of 0 requests would say nothing.
+        # sum_metrics is the final count, and a last_cycle of 0 requests (or of 0 steps)
+        # would say nothing.
         report_once(EXIT_TIMEOUT, unless_idle=_previous_reported())
     except Exception as exc:  # never turn a clean exit into an error
         log.debug("cube_torch: final metrics report failed: %r", exc)
 
 
 def _previous_reported() -> bool:
-    """Whether this process has printed a line (or answered stats()) for its current job."""
+    """Whether this process has printed a line (or answered stats()) for its current job,
+    or (without a daemon's) a data_wait line."""
     last = submitter.last_job
     with _previous_lock:
-        return last is not None and (last.vol_name, last.job, last.rank) in _previous
+        return (last is not None and (last.vol_name, last.job, last.rank) in _previous) or _previous_waits.steps > 0
 
 
 def stop() -> None:

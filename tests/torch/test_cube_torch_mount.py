@@ -52,7 +52,8 @@ from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
 import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import fastpath
-from cube_torch import reporter
+from cube_torch import reporter, waits
+from cube_torch.prefetch import DevicePrefetcher
 from cubefs_fuse.prefetch.datasets import parse_dataset
 from cubefs_fuse.control.protocol import ControlClient, config_file_path, read_volume_config
 from tests.helpers import REPO, Mount, force_unmount, free_port, metric, wait_until
@@ -513,6 +514,44 @@ def test_a_short_job_prints_a_line_per_epoch_and_at_exit(volume: Volume, fresh_s
     assert all(int(m.group(1)) > 0 for m in lines), out  # type: ignore[union-attr]  # each line says something new
     before_second = out.index("EPOCH 1 24")
     assert any("last_cycle_metrics" in line for line in out[:before_second]), "no line at the end of epoch 0"
+
+
+def test_a_device_prefetcher_keeps_each_epochs_plan_and_every_files_count(
+        volume: Volume, wire: Wire, fresh_state: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """DevicePrefetcher (on the CPU) over a shuffled 2-worker loader: each epoch is planned
+    once, with its own epoch number (the prefetcher iterates the loader as a plain loop
+    does), the samples and their order are the plain loader's, the daemon counts every
+    file of every epoch for the job, and the data_wait line follows the hit-rate line."""
+    monkeypatch.setattr(waits, "process", waits.WaitCounter())
+    monkeypatch.setattr(reporter, "_previous_waits", waits.DataWait())
+    dataset = make_dataset("imagefolder", volume.root)
+
+    def shuffled() -> DataLoader[Any]:
+        torch.manual_seed(SEED)
+        return DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, collate_fn=keep)
+
+    cube_torch.uninstall()
+    reference = run_epochs(shuffled(), lambda epoch: None, 2)
+    cube_torch.install()
+    prefetcher = DevicePrefetcher(shuffled(), "cpu")
+    plans, samples, requests = len(wire.plans), [], []
+    for epoch in range(2):
+        samples.append([canon(batch) for batch in prefetcher])
+        wait_until(lambda: job_requests(volume, fresh_state, 0) >= 24 * (epoch + 1), what="the epoch's opens")
+        requests.append(job_requests(volume, fresh_state, 0))
+    assert samples == reference
+    assert [p.epoch for p in wire.plans[plans:]] == [0, 1]
+    assert requests == [24, 48]
+    reporter.stop()  # its epoch-end lines are printed; now one line of our own
+    capsys.readouterr()
+    line = cube_torch.report_once()
+    out = capsys.readouterr().out.splitlines()
+    match = LINE.fullmatch(line or "")
+    assert match and int(match.group(6)) == 48 and out[0] == line, out
+    assert out[1].startswith("data_wait last_cycle:([steps:") and "sum:([steps:12 " in out[1], out
+    current = cube_torch.stats()
+    assert current is not None and current["data_wait"]["cumulative"]["steps"] == 12
 
 
 # -- the fast path: loaders it cannot serve, and the plan before the first open ---------------

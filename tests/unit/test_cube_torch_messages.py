@@ -8,9 +8,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -18,40 +16,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from cube_torch import reporter, shared
-from cube_torch.client import JobIdentity, PlanRequest, Submitter, submitter
+from cube_torch.client import PlanRequest, Submitter
 from cube_torch.samples.dataset import CachedDataset
-from cubefs_fuse.control.protocol import VolumeConfig
 from tests.helpers import REPO
 from tests.torch_datasets import LINE, keep
 from tests.fakes import MemoryStore
+from tests.reporter_fakes import FakeControl, daemon_counts  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")
 
-class FakeControl:
-    """The daemon's answer to GET /v1/stats of the job: ``requests`` file opens, all hits."""
-
-    requests = 0
-
-    def __init__(self, socket_path: str, timeout: float) -> None:
-        pass
-
-    def stats(self, job: str) -> dict[str, Any]:
-        n = FakeControl.requests
-        return {"jobs": [{"rank": 0, "cumulative": {"requests": n, "hits": n, "misses": 0, "stall_seconds": 0.0}}]}
-
-
-@pytest.fixture
-def daemon_counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeControl]]:
-    """A job the (fake) daemon knows, no sample-cache hits yet, no line printed yet."""
-    volume = VolumeConfig(prof=0, mount_point="/mnt/x", vol_name="v", local_ip="", control_socket="/nowhere", pid=1)
-    monkeypatch.setattr(reporter, "read_volume_config", lambda name: volume)
-    monkeypatch.setattr(reporter, "ControlClient", FakeControl)
-    monkeypatch.setattr(submitter, "last_job", JobIdentity("job", 0, 1, "v"))
-    monkeypatch.setattr(reporter, "_previous", {})
-    monkeypatch.setattr(FakeControl, "requests", 0)
-    shared.forget()
-    yield FakeControl
-    shared.forget()
 
 
 def test_samples_served_by_a_cached_dataset_in_workers_are_hits_of_the_job(
