@@ -8,6 +8,7 @@ its batch; how long each step waited for its batch is counted (``cube_torch.wait
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import os
@@ -322,6 +323,28 @@ def _stop_workers(iterator: Any, loader: Any) -> None:
         loader._iterator = None
 
 
+# Passes whose thread was started, and those threads (a pass dropped unexhausted is closed
+# by garbage collection while its thread may still be finishing): closed and joined at exit.
+_started: weakref.WeakSet[_Epoch] = weakref.WeakSet()
+_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Stop every pass still running (one a framework left unexhausted, or closed only by
+    garbage collection) before the interpreter finalises: a prefetch thread still freeing
+    a batch then would die inside torch's tensor destructor, which aborts the process
+    (``terminate called without an active exception``) after training finished.
+    atexit callbacks run before the final collection and while daemon threads live."""
+    for epoch in list(_started):
+        epoch.close()
+    deadline = time.monotonic() + CLOSE_WAIT
+    for thread in list(_threads):
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+atexit.register(_close_at_exit)
+
+
 class _Epoch(Iterator[Any]):
     """One pass over the loader."""
 
@@ -350,6 +373,8 @@ class _Epoch(Iterator[Any]):
         self._thread = threading.Thread(target=_produce, name="cube_torch-prefetch", daemon=True,
                                         args=(self._source, self._stager, self._queue, self._stop, self._progress))
         self._thread.start()
+        _started.add(self)
+        _threads.add(self._thread)
 
     def __iter__(self) -> _Epoch:
         return self

@@ -260,9 +260,11 @@ def test_stats_prints_rate_lines(make_mount: Callable[..., Mount]) -> None:
         # whose pages the kernel kept despite the fadvise is no request).  An open and its
         # first read may fall on either side of an interval's edge, one file at each of its
         # two edges, over at least 0.5 s: 4 per second, and 1 for the two figures' rounding;
-        # most opens are requests (the fadvise drops the pages).
+        # most opens are requests (the fadvise drops the pages).  An open is counted when the
+        # C session answers it, its request when the trio thread takes the READ's report or
+        # answer, which on a loaded machine can trail by a few files: 2 % of the opens more.
         assert by_path[1:] == [0.0, 0.0] and by_path[0] == requests, row
-        assert 0.5 * opens - (2 / 0.5 + 1) <= requests <= opens + 2 / 0.5 + 1, row
+        assert 0.5 * opens - (2 / 0.5 + 1) <= requests <= 1.02 * opens + 2 / 0.5 + 1, row
         # The reader reads whole files, every file in turn, one at a time: the bytes read in an
         # interval are its opens times the mean file size, give or take less than one round of
         # files and one file across each end of the interval (of at least 0.5 s), and rounding.
