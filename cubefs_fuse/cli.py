@@ -13,7 +13,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from importlib import resources
 
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Without --foreground the daemon detaches and the command returns once the mount "
         "is live, or fails with the reason.",
     )
+    mount.set_defaults(run=cmd_mount)
     mount.add_argument("-c", "--config", required=True, metavar="CONFIG", help="JSON client config file")
     mount.add_argument("-f", "--foreground", action="store_true",
                        help="stay in the foreground and log to stderr (for systemd and Kubernetes)")
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="unmount a cubefs-fuse mount and wait for its daemon to finish",
         description="Unmount MOUNTPOINT and wait until its daemon has saved the cache index.",
     )
+    umount.set_defaults(run=cmd_umount)
     umount.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     umount.add_argument("-c", "--config", metavar="CONFIG",
                         help="unmount the mountPoint of this client config (for systemd's ExecStop)")
@@ -83,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Print an example client config, to redirect into a file and edit: "
         f"{', '.join(EXAMPLES)} (default: {EXAMPLES[0]}).",
     )
+    example.set_defaults(run=cmd_example_config)
     example.add_argument("name", nargs="?", default=EXAMPLES[0], metavar="NAME")
     return parser
 
@@ -93,17 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    run: Callable[[argparse.Namespace], int] = args.run  # each command's parser names its function
     try:
-        if args.command == "mount":
-            return cmd_mount(args)
-        if args.command == "umount":
-            return cmd_umount(args)
-        if args.command == "example-config":
-            return cmd_example_config(args)
-        return opscli.run(args)
-    except (ConfigError, UserError) as exc:
+        return run(args)
+    except (ConfigError, UserError, opscli.OpsError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, opscli.OpsError) and not isinstance(exc, opscli.UsageError) else 2
     except KeyboardInterrupt:
         return 130
 

@@ -28,7 +28,7 @@ POLL_SECONDS = 0.25
 
 
 class OpsError(Exception):
-    """A problem the operator can act on; one line, exit code 1."""
+    """A problem the operator can act on; one line (printed by cli.main), exit code 1."""
 
 
 class UsageError(OpsError):
@@ -41,12 +41,14 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                             description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
                             "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader when a "
                             "job's rank has several), uptime.")
+    status.set_defaults(run=cmd_status)
     status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
     warmup = sub.add_parser("warmup", help="fetch files or subtrees into the cache (with progress)",
                             description="Bring files or whole subtrees of a mount into the cache, or with --check "
                             "report how much of them is cached without fetching anything.")
+    warmup.set_defaults(run=cmd_warmup)
     warmup.add_argument("mount_point", metavar="MOUNTPOINT")
     warmup.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (absolute under "
                         "MOUNTPOINT, or relative to it)")
@@ -57,6 +59,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount, or one sample cache",
                           description="Drop every cached block (RAM and NVMe) and cached metadata of a mount; with "
                           "--samples NAME, destroy one processed-sample cache instead (its owner or root only).")
+    drop.set_defaults(run=cmd_drop)
     drop.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT",
                       help="the mount (with --samples: default the mount of $VOL_NAME, or the only live mount)")
     drop.add_argument("--samples", metavar="NAME", help="destroy the sample cache NAME (yours), or ~UID/NAME "
@@ -66,25 +69,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
                            description="Print per-interval rates: what applications read by every path (mount, "
                            "fast path, sample cache) with its hit rate and MiB/s, the mount's opens and reads, bytes "
                            "by source, backend operations, prefetch; Ctrl-C to stop.")
+    stats.set_defaults(run=cmd_stats)
     stats.add_argument("mount_point", metavar="MOUNTPOINT")
     stats.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)")
     stats.add_argument("-n", "--count", type=int, default=0, metavar="N", help="stop after N intervals (0: never)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "warmup":
-            return cmd_warmup(args)
-        if args.command == "drop-cache":
-            return cmd_drop(args)
-        if args.command == "stats":
-            return cmd_stats(args)
-    except OpsError as exc:
-        print(f"cubefs-fuse: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    raise AssertionError(args.command)
 
 
 def _client(mount_point: str) -> tuple[dict[str, Any], ControlClient]:
