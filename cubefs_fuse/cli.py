@@ -48,14 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    mount = sub.add_parser(
-        "mount",
+    mount = opscli.add_command(
+        sub, "mount", cmd_mount,
         help="mount a volume described by a JSON client config",
         description="Mount the volume described by CONFIG (`cubefs-fuse example-config` prints examples). "
         "Without --foreground the daemon detaches and the command returns once the mount "
         "is live, or fails with the reason.",
     )
-    mount.set_defaults(run=cmd_mount)
     mount.add_argument("-c", "--config", required=True, metavar="CONFIG", help="JSON client config file")
     mount.add_argument("-f", "--foreground", action="store_true",
                        help="stay in the foreground and log to stderr (for systemd and Kubernetes)")
@@ -64,12 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "past it the command fails but the daemon keeps starting")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
-    umount = sub.add_parser(
-        "umount",
+    umount = opscli.add_command(
+        sub, "umount", cmd_umount,
         help="unmount a cubefs-fuse mount and wait for its daemon to finish",
         description="Unmount MOUNTPOINT and wait until its daemon has saved the cache index.",
     )
-    umount.set_defaults(run=cmd_umount)
     umount.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     umount.add_argument("-c", "--config", metavar="CONFIG",
                         help="unmount the mountPoint of this client config (for systemd's ExecStop)")
@@ -79,13 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long to wait for the daemon to exit (default: 60)")
     opscli.add_commands(sub)
 
-    example = sub.add_parser(
-        "example-config",
+    example = opscli.add_command(
+        sub, "example-config", cmd_example_config,
         help="print an example client config (JSON)",
         description="Print an example client config, to redirect into a file and edit: "
         f"{', '.join(EXAMPLES)} (default: {EXAMPLES[0]}).",
     )
-    example.set_defaults(run=cmd_example_config)
     example.add_argument("name", nargs="?", default=EXAMPLES[0], metavar="NAME")
     return parser
 
