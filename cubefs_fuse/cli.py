@@ -13,7 +13,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from importlib import resources
 
@@ -48,8 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    mount = sub.add_parser(
-        "mount",
+    mount = opscli.add_command(
+        sub, "mount", cmd_mount,
         help="mount a volume described by a JSON client config",
         description="Mount the volume described by CONFIG (`cubefs-fuse example-config` prints examples). "
         "Without --foreground the daemon detaches and the command returns once the mount "
@@ -63,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "past it the command fails but the daemon keeps starting")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
 
-    umount = sub.add_parser(
-        "umount",
+    umount = opscli.add_command(
+        sub, "umount", cmd_umount,
         help="unmount a cubefs-fuse mount and wait for its daemon to finish",
         description="Unmount MOUNTPOINT and wait until its daemon has saved the cache index.",
     )
@@ -77,8 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="how long to wait for the daemon to exit (default: 60)")
     opscli.add_commands(sub)
 
-    example = sub.add_parser(
-        "example-config",
+    example = opscli.add_command(
+        sub, "example-config", cmd_example_config,
         help="print an example client config (JSON)",
         description="Print an example client config, to redirect into a file and edit: "
         f"{', '.join(EXAMPLES)} (default: {EXAMPLES[0]}).",
@@ -93,17 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    run: Callable[[argparse.Namespace], int] = args.run  # each command's parser names its function
     try:
-        if args.command == "mount":
-            return cmd_mount(args)
-        if args.command == "umount":
-            return cmd_umount(args)
-        if args.command == "example-config":
-            return cmd_example_config(args)
-        return opscli.run(args)
-    except (ConfigError, UserError) as exc:
+        return run(args)
+    except (ConfigError, UserError, opscli.OpsError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
+        return 1 if isinstance(exc, opscli.OpsError) and not isinstance(exc, opscli.UsageError) else 2
     except KeyboardInterrupt:
         return 130
 

@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from rich import box
@@ -28,7 +29,7 @@ POLL_SECONDS = 0.25
 
 
 class OpsError(Exception):
-    """A problem the operator can act on; one line, exit code 1."""
+    """A problem the operator can act on; one line (printed by cli.main), exit code 1."""
 
 
 class UsageError(OpsError):
@@ -36,17 +37,26 @@ class UsageError(OpsError):
     MOUNTPOINT that is no cubefs-fuse mount); one line, exit code 2 as for every command."""
 
 
+def add_command(sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str,
+                run: Callable[[argparse.Namespace], int], **kwargs: Any) -> argparse.ArgumentParser:
+    """Add the command ``name`` (``kwargs`` as for ``add_parser``): cli.main runs it as
+    ``run(args)``."""
+    parser = sub.add_parser(name, **kwargs)
+    parser.set_defaults(run=run)
+    return parser
+
+
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    status = sub.add_parser("status", help="show mounts, cache use, hit rates and jobs",
-                            description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
-                            "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader when a "
-                            "job's rank has several), uptime.")
+    status = add_command(sub, "status", cmd_status, help="show mounts, cache use, hit rates and jobs",
+                         description="Show every cubefs-fuse mount (or one): volume, source, cache use per "
+                         "tier, hit rate, active jobs with their hit rate and prefetch progress (per DataLoader "
+                         "when a job's rank has several), uptime.")
     status.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
     status.add_argument("--json", action="store_true", help="machine-readable output")
 
-    warmup = sub.add_parser("warmup", help="fetch files or subtrees into the cache (with progress)",
-                            description="Bring files or whole subtrees of a mount into the cache, or with --check "
-                            "report how much of them is cached without fetching anything.")
+    warmup = add_command(sub, "warmup", cmd_warmup, help="fetch files or subtrees into the cache (with progress)",
+                         description="Bring files or whole subtrees of a mount into the cache, or with --check "
+                         "report how much of them is cached without fetching anything.")
     warmup.add_argument("mount_point", metavar="MOUNTPOINT")
     warmup.add_argument("paths", nargs="*", metavar="PATH", help="files or directories (absolute under "
                         "MOUNTPOINT, or relative to it)")
@@ -54,37 +64,21 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     warmup.add_argument("--check", action="store_true", help="only report the cached percentage")
     warmup.add_argument("--json", action="store_true", help="print the final report as JSON, no progress bar")
 
-    drop = sub.add_parser("drop-cache", help="empty the RAM and NVMe cache of a mount, or one sample cache",
-                          description="Drop every cached block (RAM and NVMe) and cached metadata of a mount; with "
-                          "--samples NAME, destroy one processed-sample cache instead (its owner or root only).")
+    drop = add_command(sub, "drop-cache", cmd_drop, help="empty the RAM and NVMe cache of a mount, or one sample cache",
+                       description="Drop every cached block (RAM and NVMe) and cached metadata of a mount; with "
+                       "--samples NAME, destroy one processed-sample cache instead (its owner or root only).")
     drop.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT",
                       help="the mount (with --samples: default the mount of $VOL_NAME, or the only live mount)")
     drop.add_argument("--samples", metavar="NAME", help="destroy the sample cache NAME (yours), or ~UID/NAME "
                       "(another user's: root only)")
 
-    stats = sub.add_parser("stats", help="a live view of a mount's activity (like 'juicefs stats')",
-                           description="Print per-interval rates: what applications read by every path (mount, "
-                           "fast path, sample cache) with its hit rate and MiB/s, the mount's opens and reads, bytes "
-                           "by source, backend operations, prefetch; Ctrl-C to stop.")
+    stats = add_command(sub, "stats", cmd_stats, help="a live view of a mount's activity (like 'juicefs stats')",
+                        description="Print per-interval rates: what applications read by every path (mount, "
+                        "fast path, sample cache) with its hit rate and MiB/s, the mount's opens and reads, bytes "
+                        "by source, backend operations, prefetch; Ctrl-C to stop.")
     stats.add_argument("mount_point", metavar="MOUNTPOINT")
     stats.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)")
     stats.add_argument("-n", "--count", type=int, default=0, metavar="N", help="stop after N intervals (0: never)")
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        if args.command == "status":
-            return cmd_status(args)
-        if args.command == "warmup":
-            return cmd_warmup(args)
-        if args.command == "drop-cache":
-            return cmd_drop(args)
-        if args.command == "stats":
-            return cmd_stats(args)
-    except OpsError as exc:
-        print(f"cubefs-fuse: error: {exc}", file=sys.stderr)
-        return 2 if isinstance(exc, UsageError) else 1
-    raise AssertionError(args.command)
 
 
 def _client(mount_point: str) -> tuple[dict[str, Any], ControlClient]:

@@ -245,7 +245,7 @@ class ControlServer:
         A socket file left at ``path`` is replaced; anything else there (a regular file, a
         directory, a symlink) is refused with a ConfigError and left alone.
         """
-        await self._serve_socket(path, socket.SOCK_STREAM, None, task_status)
+        await self._listen(path, socket.SOCK_STREAM, None, task_status)
 
     async def serve_data(self, path: str, handler: DataHandler, *,
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -257,44 +257,40 @@ class ControlServer:
         same connection caps (an idle data connection is the first to give its slot up)
         and the descriptor reserve.  ``handler`` serves an admitted connection.
         """
-        await self._serve_socket(path, socket.SOCK_SEQPACKET, handler, task_status)
-
-    async def _serve_socket(self, path: str, kind: int, handler: DataHandler | None,
-                            task_status: trio.TaskStatus[None]) -> None:
-        """Bind a Unix socket of ``kind`` at ``path`` (a stale socket replaced), accept on
-        it until cancelled, and remove it at the end."""
-        remove_stale_socket(path)
-        sock = socket.socket(socket.AF_UNIX, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-        try:
-            sock.bind(path)
-            os.chmod(path, 0o666)
-            sock.listen(LISTEN_BACKLOG)
-        except BaseException:
-            sock.close()
-            raise
-        task_status.started()
-        try:
-            await self._accept_loop(sock, "unix", handler)
-        finally:
-            sock.close()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        await self._listen(path, socket.SOCK_SEQPACKET, handler, task_status)
 
     async def serve_tcp(self, port: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on loopback only; every request needs the bearer token."""
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+        await self._listen(("127.0.0.1", port), socket.SOCK_STREAM, None, task_status)
+
+    async def _listen(self, address: str | tuple[str, int], kind: int, handler: DataHandler | None,
+                      task_status: trio.TaskStatus[None]) -> None:
+        """Bind a socket of ``kind`` at ``address`` (a Unix socket's path, or a TCP host and
+        port), accept on it until cancelled, and close it at the end.  A Unix socket
+        replaces a stale one at its path and is removed at the end."""
+        path = address if isinstance(address, str) else None
+        if path is not None:
+            remove_stale_socket(path)
+        family = socket.AF_UNIX if path is not None else socket.AF_INET
+        sock = socket.socket(family, kind | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", port))
+            if path is None:  # a restarted daemon rebinds its port while the last one's connections linger
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            if path is not None:
+                os.chmod(path, 0o666)  # access is decided by peer credentials
             sock.listen(LISTEN_BACKLOG)
         except BaseException:
             sock.close()
             raise
         task_status.started()
         try:
-            await self._accept_loop(sock, "tcp")
+            await self._accept_loop(sock, "unix" if path is not None else "tcp", handler)
         finally:
             sock.close()
+            if path is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     async def _accept_loop(self, listener: socket.socket, transport: str, data: DataHandler | None = None) -> None:
         """Accept, check and admit or refuse each connection; a refusal costs no task."""

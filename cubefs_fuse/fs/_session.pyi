@@ -1,6 +1,7 @@
-# Type stub of the C extension (fs/_session.c).  Its request and reply methods are also
-# fs/session.py's Native protocol, which the tests' fake implements: a Protocol's methods
-# are abstract, so this class declares them again rather than inherit them.
+# Type stub of the C extension (fs/_session.c), the one declaration of its interface:
+# fs/session.py types the native session as this class, and the tests' recording fake
+# subclasses it for the type checker only, so each of the fake's methods is checked
+# against the signature declared here.
 from collections.abc import Sequence
 
 from cubefs_fuse.fs.filesystem import LentBlock
@@ -26,6 +27,9 @@ class Gone(LookupError): ...
 
 
 class Session:
+    """The FUSE connection: reader threads that answer what needs no decision and queue
+    the rest, taken by ``take()`` when ``fileno()`` is readable."""
+
     def __init__(self, mountpoint: str, options: str, threads: int = ..., entry_timeout: float = ...,
                  attr_timeout: float = ..., request_timeout: float = ...) -> None: ...
     @property

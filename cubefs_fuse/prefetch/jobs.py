@@ -71,20 +71,12 @@ class JobReads:
     what the other sees (a job without cube_torch reports nothing; cube_torch counts a batch
     only once the loop has it), so the requests are the larger of the two."""
 
-    seen: int = 0
-    misses: int = 0
-    stall_seconds: float = 0.0
+    seen: HitCounters = field(default_factory=HitCounters)
     reported: int = 0
 
-    def record(self, waited: bool, stall: float) -> None:
-        self.seen += 1
-        if waited:
-            self.misses += 1
-            self.stall_seconds += stall
-
     def counters(self) -> HitCounters:
-        requests = max(self.seen, self.reported)
-        return HitCounters(requests, requests - self.misses, self.misses, self.stall_seconds)
+        requests = max(self.seen.requests, self.reported)
+        return HitCounters(requests, requests - self.seen.misses, self.seen.misses, self.seen.stall_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +219,7 @@ class JobRegistry:
             self.total.record(waited, stall)
             return
         before = job.counters
-        job.reads.record(waited, stall)
+        job.reads.seen.record(waited, stall)
         self.total.add(job.counters.minus(before))  # a read the job had reported adds no request
 
     def report_reads(self, key: JobKey, files: int) -> HitCounters | None:

@@ -16,7 +16,7 @@ import logging
 import os
 import stat
 from collections.abc import Coroutine, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import trio
@@ -114,7 +114,13 @@ class FakeCore:
         return FsStats(4096, 4096, 100, 50, 40, 1000, 900, 255)
 
 
-class FakeNative:
+if TYPE_CHECKING:  # the fake's methods are checked against the C type's stub
+    NativeSession = c.Session
+else:  # the C type cannot be subclassed (nor would a fake want its connection)
+    NativeSession = object
+
+
+class FakeNative(NativeSession):
     """The C session's interface: requests go in through ``push``, replies are recorded."""
 
     def __init__(self, readdir_room: int = 99, take_opens: bool = True) -> None:
