@@ -115,11 +115,14 @@ def _daemon_stats(timeout: float) -> dict[str, Any] | None:
         volume = read_volume_config(last.vol_name)
         client = ControlClient(volume.control_socket, timeout=timeout)
         files = progress.files_read(key)
-        if files:
+        waited = waits.process.snapshot()
+        if files or waited.steps:
             # First the files the loaders read, those the page cache served included
-            # (they never reach the daemon): the job's requests count them.
+            # (they never reach the daemon): the job's requests count them; and how long
+            # the steps waited for their batches, which the daemon exports per job.
+            wait = {k: v for k, v in waited.as_dict().items() if k != "share"} if waited.steps else None
             try:
-                client.report_reads(last.job, last.rank, files)
+                client.report_reads(last.job, last.rank, files, wait)
             except ProtocolError as exc:
                 if exc.status == 0:
                     raise  # no daemon: no line either

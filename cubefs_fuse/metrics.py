@@ -120,6 +120,20 @@ METRICS: dict[str, MetricSpec] = {
                    ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_job_stall_seconds_total", "counter", "Seconds a job's reads waited on the backend.",
                    ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_steps_total", "counter",
+                   "Training steps of a job fed by cube_torch's DevicePrefetcher (as its cube_torch reported them).",
+                   ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_data_wait_seconds_total", "counter",
+                   "Seconds those steps waited for their batch.", ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_step_seconds_total", "counter",
+                   "Seconds those steps lasted in all (the waits' share of step time is the ratio of the two rates).",
+                   ("training_job", "rank"), ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_data_wait_p50_seconds", "gauge",
+                   "Median wait of a step for its batch, over the job's steps so far.", ("training_job", "rank"),
+                   ai_prefetch=True),
+        MetricSpec("cubefs_fuse_job_data_wait_p99_seconds", "gauge",
+                   "99th percentile of a step's wait for its batch, over the job's steps so far.",
+                   ("training_job", "rank"), ai_prefetch=True),
         MetricSpec("cubefs_fuse_fastpath_batches_total", "counter", "Batches cube_torch's workers resolved over the data socket (the fast path).",
                    ai_prefetch=True),
         MetricSpec("cubefs_fuse_fastpath_files_total", "counter",
@@ -305,6 +319,12 @@ def families(s: Snapshot) -> Iterator[Metric]:
         f.add("cubefs_fuse_job_hits_total", j.hits, *labels)
         f.add("cubefs_fuse_job_misses_total", j.misses, *labels)
         f.add("cubefs_fuse_job_stall_seconds_total", j.stall_seconds, *labels)
+        if j.data_wait is not None:
+            f.add("cubefs_fuse_job_steps_total", j.data_wait.steps, *labels)
+            f.add("cubefs_fuse_job_data_wait_seconds_total", j.data_wait.wait_seconds, *labels)
+            f.add("cubefs_fuse_job_step_seconds_total", j.data_wait.step_seconds, *labels)
+            f.add("cubefs_fuse_job_data_wait_p50_seconds", j.data_wait.p50_seconds, *labels)
+            f.add("cubefs_fuse_job_data_wait_p99_seconds", j.data_wait.p99_seconds, *labels)
         if j.plan is not None:
             f.add("cubefs_fuse_plan_samples", j.plan["samples"], *labels)
             f.add("cubefs_fuse_plan_position", j.plan["cursor"], *labels)

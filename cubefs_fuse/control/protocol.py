@@ -202,10 +202,16 @@ class ControlClient:
         result: dict[str, Any] = self.request("POST", "jobs", body=json.dumps(fields).encode())
         return result
 
-    def report_reads(self, job: str, rank: int, files: int) -> dict[str, Any]:
-        """Tell the daemon that (job, rank)'s loaders have read ``files`` files so far; the
-        answer is the job's counters.  Only the job's own processes may."""
-        body = json.dumps({"job": job, "rank": rank, "files": files}).encode()
+    def report_reads(self, job: str, rank: int, files: int,
+                     data_wait: dict[str, float | int] | None = None) -> dict[str, Any]:
+        """Tell the daemon that (job, rank)'s loaders have read ``files`` files so far, and
+        (``data_wait``: steps, wait_seconds, step_seconds, p50_seconds, p99_seconds, all
+        cumulative) how long its steps waited for their batches; the answer is the job's
+        counters.  Only the job's own processes may."""
+        fields: dict[str, Any] = {"job": job, "rank": rank, "files": files}
+        if data_wait is not None:
+            fields["data_wait"] = data_wait
+        body = json.dumps(fields).encode()
         result: dict[str, Any] = self.request("POST", "jobs/reads", body=body)
         return result
 

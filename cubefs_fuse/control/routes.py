@@ -14,6 +14,7 @@ from cubefs_fuse.control.server import ControlServer, Request, Response
 from cubefs_fuse.errors import BadRequest, Forbidden, NotFound
 from cubefs_fuse.limits import (DIGITS, MAX_DATASET_BODY, MAX_DATASET_FILES, MAX_NAME, MAX_PATH_BYTES,
                                 MAX_PLAN_BODY, MAX_WARMUP_PATHS)
+from cubefs_fuse.prefetch.jobs import DataWait
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.samples.store import SampleStore
@@ -22,6 +23,7 @@ _NAME = re.compile(r"[A-Za-z0-9_.:@-]{1,%d}" % MAX_NAME)
 _MAX_RANK = 1 << 20
 _MAX_PID = 1 << 22  # PID_MAX_LIMIT on 64-bit Linux
 _MAX_EPOCH = 1 << 40
+_MAX_SECONDS = 1e12  # a cumulative count of seconds: ~30,000 years, and NaN or infinity fail the check
 _MAX_FILES_READ = 1 << 53  # a cumulative count of files: any real job's fits, and a JSON parser that reads numbers as doubles keeps it exact
 
 
@@ -32,6 +34,22 @@ def _name(query: dict[str, str], key: str) -> str:
     return value
 
 
+
+
+def _data_wait(value: Any) -> DataWait | None:
+    """``data_wait`` of a read report: the job's steps and their waits, cumulative; absent
+    or null: none."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise BadRequest("'data_wait' must be an object of steps and seconds")
+    seconds = []
+    for key in ("wait_seconds", "step_seconds", "p50_seconds", "p99_seconds"):
+        number = value.get(key)
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < _MAX_SECONDS:
+            raise BadRequest(f"'data_wait.{key}' must be a number of seconds, 0 or more")
+        seconds.append(float(number))
+    return DataWait(_int(value.get("steps"), "data_wait.steps", 0, _MAX_FILES_READ), *seconds)
 
 
 def _int(value: Any, key: str, low: int, high: int) -> int:
@@ -140,9 +158,10 @@ class Routes:
             raise BadRequest(f"'job' must be 1-{MAX_NAME} of [A-Za-z0-9_.:@-]")
         rank = _int(body.get("rank", 0), "rank", 0, _MAX_RANK)
         files = _int(body.get("files"), "files", 0, _MAX_FILES_READ)
+        wait = _data_wait(body.get("data_wait"))
         if request.peer.transport != "unix":
             raise Forbidden("a job reports its reads over the Unix socket (peer credentials say whose they are)")
-        counters = await self.service.report_reads((job, rank), files, caller_pid=request.peer.pid)
+        counters = await self.service.report_reads((job, rank), files, caller_pid=request.peer.pid, data_wait=wait)
         return Response.json({"job": job, "rank": rank, **counters.as_dict()})
 
     async def submit_plan(self, request: Request) -> Response:

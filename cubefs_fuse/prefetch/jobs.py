@@ -80,6 +80,19 @@ class JobReads:
 
 
 @dataclass(frozen=True, slots=True)
+class DataWait:
+    """How long the job's training steps waited for their batches (cube_torch's
+    DevicePrefetcher measures it in the training process and reports it with the reads):
+    steps, seconds waited and seconds of step time in all, and the waits' p50 and p99."""
+
+    steps: int = 0
+    wait_seconds: float = 0.0
+    step_seconds: float = 0.0
+    p50_seconds: float = 0.0
+    p99_seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
 class JobSample:
     """One job's counters and plan summary, for the metrics exporter."""
 
@@ -91,6 +104,7 @@ class JobSample:
     stall_seconds: float
     plan: dict[str, Any] | None  # its loaders' plans combined (prefetch/service.py), None without one
     loaders: int = 0  # DataLoaders with a plan
+    data_wait: DataWait | None = None  # None until the job's cube_torch reports one
 
 
 @dataclass
@@ -102,6 +116,7 @@ class Job:
     last_active: float = field(default_factory=trio.current_time)  # last file request or plan (trio clock)
     reads: JobReads = field(default_factory=JobReads)
     last_reported: HitCounters = field(default_factory=HitCounters)  # counters at the last stats call
+    data_wait: DataWait | None = None  # the newest its cube_torch reported (cumulative)
 
     @property
     def counters(self) -> HitCounters:
@@ -159,7 +174,7 @@ class JobRegistry:
             old = self.jobs.get(key)
             job = Job(name, rank, pid)
             if old is not None:
-                job.reads, job.last_reported = old.reads, old.last_reported
+                job.reads, job.last_reported, job.data_wait = old.reads, old.last_reported, old.data_wait
                 self._by_pid.pop(old.pid, None)
             self.jobs[key] = job
         self._by_pid[pid] = key
@@ -222,13 +237,16 @@ class JobRegistry:
         job.reads.seen.record(waited, stall)
         self.total.add(job.counters.minus(before))  # a read the job had reported adds no request
 
-    def report_reads(self, key: JobKey, files: int) -> HitCounters | None:
+    def report_reads(self, key: JobKey, files: int, data_wait: DataWait | None = None) -> HitCounters | None:
         """The job's cube_torch says its loaders have read ``files`` files so far (a
-        cumulative count: an older or repeated report changes nothing).  The job's counters,
-        None if it is not registered."""
+        cumulative count: an older or repeated report changes nothing), and how long its
+        steps waited for their batches (cumulative too: kept unless it counts fewer steps
+        than the one kept).  The job's counters, None if it is not registered."""
         job = self.jobs.get(key)
         if job is None:
             return None
+        if data_wait is not None and (job.data_wait is None or data_wait.steps >= job.data_wait.steps):
+            job.data_wait = data_wait
         before = job.counters
         job.reads.reported = max(job.reads.reported, files)
         after = job.counters

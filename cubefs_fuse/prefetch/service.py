@@ -25,7 +25,7 @@ from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound, TooLarge
 from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, Filesystem
 from cubefs_fuse.limits import PLAN_DTYPES
 from cubefs_fuse.prefetch.datasets import Dataset, DatasetError, dataset_id, parse_dataset
-from cubefs_fuse.prefetch.jobs import HitCounters, JobKey, JobRegistry, JobSample
+from cubefs_fuse.prefetch.jobs import DataWait, HitCounters, JobKey, JobRegistry, JobSample
 from cubefs_fuse.prefetch.scheduler import DEFAULT_LOADER, Plan, Scheduler
 from cubefs_fuse.prefetch.warmup import Warmups
 from cubefs_fuse.stats import AppReads, app_reads
@@ -99,7 +99,7 @@ class PrefetchService:
         for key, j in self.jobs.jobs.items():
             plans = self.scheduler.plans_of(key)
             samples.append(JobSample(j.name, j.rank, j.counters.requests, j.counters.hits, j.counters.misses,
-                                     j.counters.stall_seconds, _combined(plans), len(plans)))
+                                     j.counters.stall_seconds, _combined(plans), len(plans), j.data_wait))
         return tuple(samples)
 
     # -- status ------------------------------------------------------------------------
@@ -223,14 +223,15 @@ class PrefetchService:
             self._watchers[key] = scope = trio.CancelScope()
             self._nursery.start_soon(self._watch, key, pidfd, scope)
 
-    async def report_reads(self, key: JobKey, files: int, *, caller_pid: int | None) -> HitCounters:
+    async def report_reads(self, key: JobKey, files: int, *, caller_pid: int | None,
+                           data_wait: DataWait | None = None) -> HitCounters:
         """The job's cube_torch reports the files its loaders have read (cumulative; reads
         the kernel's page cache answered reach no daemon otherwise).  Only the job's own
         processes may (``caller_pid`` resolves to ``key``; None: trusted), so no other user
         can dress up a job's hit rate.  The job's counters after the report."""
         if caller_pid is not None and await self.jobs.resolve(caller_pid) != key:
             raise Forbidden(f"only the processes of job {key[0]!r} rank {key[1]} report its reads")
-        counters = self.jobs.report_reads(key, files)
+        counters = self.jobs.report_reads(key, files, data_wait)
         if counters is None:
             raise NotFound(f"no job {key[0]!r} rank {key[1]} is registered")
         self.jobs.touch(key)  # reading, even if only from the page cache: not idle

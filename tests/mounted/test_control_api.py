@@ -227,6 +227,12 @@ def test_hostile_requests_are_refused_and_change_nothing(make_mount: Callable[..
             ("reads count past 2^53", 400, lambda: client.report_reads(JOB, 0, (1 << 53) + 1)),
             ("reads bad job name", 400, lambda: client.request("POST", "jobs/reads",
                                                                 body=b'{"job": "../x", "files": 1}')),
+            ("reads data_wait not an object", 400, lambda: client.request(
+                "POST", "jobs/reads", body=b'{"job": "apitest", "files": 1, "data_wait": 3}')),
+            ("reads data_wait negative", 400, lambda: client.report_reads(
+                JOB, 0, 1, {"steps": 1, "wait_seconds": -1, "step_seconds": 1, "p50_seconds": 0, "p99_seconds": 0})),
+            ("reads data_wait no steps", 400, lambda: client.report_reads(
+                JOB, 0, 1, {"wait_seconds": 1, "step_seconds": 1, "p50_seconds": 0, "p99_seconds": 0})),
             ("reads unregistered rank", 403, lambda: client.report_reads(JOB, 7, 5)),
             ("reads of another process's job", 403, lambda: client.report_reads("other", 0, 5)),
             # Routing.

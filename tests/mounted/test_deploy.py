@@ -103,6 +103,9 @@ def test_dashboard_and_alerts_query_only_exported_metrics(make_mount: Callable[.
     client.submit_plan("dash-job", 0, 0, dataset, np.arange(len(names), dtype="<u4").tobytes(), "<u4")
     for name in names:
         m.path(name).read_bytes()
+    # The job's DevicePrefetcher steps, as its cube_torch reports them (the data-wait series).
+    client.report_reads("dash-job", 0, len(names), {"steps": 4, "wait_seconds": 0.01, "step_seconds": 0.5,
+                                                    "p50_seconds": 0.001, "p99_seconds": 0.008})
     # A backend error (so that cubefs_fuse_backend_errors_total has a sample): the file is
     # listed (attributes cached; a lookup would bring the small file whole, see
     # docs/contracts.md "The lean path"), then removed at the source before it is read.

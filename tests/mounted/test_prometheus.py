@@ -326,6 +326,10 @@ def test_every_shipped_promql_expression_returns_data_from_a_live_daemon(
         channel.release([1, 1])
         store.put_many("promql-samples", [(rounds, rng.bytes(1000))])
         assert store.get_many("promql-samples", [rounds, -1])[1] is None
+        # The job's DevicePrefetcher steps, as its cube_torch reports them with each line.
+        client.report_reads("promql-job", 0, 0, {"steps": 10 * rounds, "wait_seconds": 0.1 * rounds,
+                                                 "step_seconds": 2.0 * rounds, "p50_seconds": 0.001,
+                                                 "p99_seconds": 0.05})
 
     prometheus = Prometheus(tmp_path / "prometheus", m.port, volume)
     try:

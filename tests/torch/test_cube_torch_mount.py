@@ -552,6 +552,15 @@ def test_a_device_prefetcher_keeps_each_epochs_plan_and_every_files_count(
     assert out[1].startswith("data_wait last_cycle:([steps:") and "sum:([steps:12 " in out[1], out
     current = cube_torch.stats()
     assert current is not None and current["data_wait"]["cumulative"]["steps"] == 12
+    # The daemon exports what the job reported, next to its hit counters.
+    scrape = volume.mount.scrape()
+    labels = {"training_job": fresh_state, "rank": "0"}
+    assert metric(scrape, "cubefs_fuse_job_steps_total", **labels) == 12
+    waited = metric(scrape, "cubefs_fuse_job_data_wait_seconds_total", **labels)
+    lasted = metric(scrape, "cubefs_fuse_job_step_seconds_total", **labels)
+    assert 0 < waited <= lasted, (waited, lasted)
+    assert metric(scrape, "cubefs_fuse_job_data_wait_p99_seconds", **labels) >= \
+        metric(scrape, "cubefs_fuse_job_data_wait_p50_seconds", **labels)
 
 
 # -- the fast path: loaders it cannot serve, and the plan before the first open ---------------

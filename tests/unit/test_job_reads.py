@@ -3,7 +3,7 @@ count the job's cube_torch reports (page-cache hits included, which reach no dae
 
 from __future__ import annotations
 
-from cubefs_fuse.prefetch.jobs import HitCounters, JobRegistry
+from cubefs_fuse.prefetch.jobs import DataWait, HitCounters, JobRegistry
 
 
 def counts(c: HitCounters) -> tuple[int, int, int]:
@@ -48,3 +48,17 @@ async def test_a_report_for_no_registered_job_is_refused() -> None:
     assert jobs.report_reads(("nobody", 0), 5) is None
     assert counts(jobs.total) == (0, 0, 0)
 
+
+
+async def test_the_newest_data_wait_is_kept_and_an_older_one_ignored() -> None:
+    jobs = JobRegistry()
+    jobs.register("train", 0, 100)
+    key = ("train", 0)
+    assert jobs.jobs[key].data_wait is None
+    jobs.report_reads(key, 0, DataWait(10, 0.5, 4.0, 0.01, 0.2))
+    jobs.report_reads(key, 0, DataWait(8, 0.4, 3.0, 0.01, 0.2))  # late, from before the first
+    assert jobs.jobs[key].data_wait == DataWait(10, 0.5, 4.0, 0.01, 0.2)
+    jobs.report_reads(key, 5)  # a report without waits keeps them
+    assert jobs.jobs[key].data_wait == DataWait(10, 0.5, 4.0, 0.01, 0.2)
+    jobs.register("train", 0, 101)  # a new pid for the rank keeps them too
+    assert jobs.jobs[key].data_wait == DataWait(10, 0.5, 4.0, 0.01, 0.2)
