@@ -17,9 +17,16 @@ class FakeControl:
     """The daemon's answer to GET /v1/stats of the job: ``requests`` file opens, all hits."""
 
     requests = 0
+    reported: list[tuple[int, dict[str, float | int] | None]] = []
 
     def __init__(self, socket_path: str, timeout: float) -> None:
         pass
+
+    def report_reads(self, job: str, rank: int, files: int,
+                     data_wait: dict[str, float | int] | None = None) -> dict[str, Any]:
+        """The daemon takes the job's read count (cumulative) and step waits; kept for the tests."""
+        FakeControl.reported.append((files, data_wait))
+        return {}
 
     def stats(self, job: str) -> dict[str, Any]:
         n = FakeControl.requests
@@ -35,6 +42,7 @@ def daemon_counts(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[FakeControl]
     monkeypatch.setattr(submitter, "last_job", JobIdentity("job", 0, 1, "v"))
     monkeypatch.setattr(reporter, "_previous", {})
     monkeypatch.setattr(FakeControl, "requests", 0)
+    monkeypatch.setattr(FakeControl, "reported", [])
     shared.forget()
     yield FakeControl
     shared.forget()

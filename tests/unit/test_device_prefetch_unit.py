@@ -194,6 +194,9 @@ def test_report_once_prints_the_wait_line_after_the_hit_rate_line(
     assert len(out) == 2 and out[0] == line and LINE.fullmatch(out[0])
     match = WAIT_LINE.fullmatch(out[1])
     assert match and match.group(1, 4, 5) == ("4", "10.00", "4"), out[1]
+    # The daemon was told the same waits with the reads, for its per-job export.
+    files, wait = daemon_counts.reported[-1]
+    assert wait is not None and wait["steps"] == 4 and wait["wait_seconds"] == pytest.approx(0.04)
     fresh_waits.add(0.0, 0.1)
     current = cube_torch.stats()
     assert current is not None
