@@ -7,7 +7,6 @@ that stops answering and comes back under DeadlineBackend, and the cache's layer
 from __future__ import annotations
 
 import errno
-import os
 import random
 import stat
 import tracemalloc
@@ -100,8 +99,10 @@ async def test_a_long_listing_holds_one_page_at_a_time(s3_env: SeaweedS3, make_b
 
 async def test_stat_keys_prefixes_markers_and_missing(s3_env: SeaweedS3, make_backend: Make) -> None:
     bucket = s3_env.new_bucket()
-    put(s3_env, bucket, {"a/file.bin": b"12345", "a/dir/inner": b"i", "a/marker/": b"", "a/both": b"key",
-                         "a/both/under": b"hidden"})
+    put(s3_env, bucket, {"a/file.bin": b"12345", "a/dir/inner": b"i", "a/marker/": b"", "a/both": b"key"})
+    # After the key of the same name: SeaweedFS's filer, given both at once, may make
+    # "a/both" a directory first and then lose the key (seen under load).
+    put(s3_env, bucket, {"a/both/under": b"hidden"})
     backend = make_backend(bucket, "a")
     attr = await backend.stat("file.bin")
     assert attr.is_file and attr.size == 5 and stat.S_IMODE(attr.mode) == 0o444
@@ -277,7 +278,7 @@ async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: Seawe
     """The daemon's layers (tests/stack.py) over the S3 backend: a small file comes with its
     lookup (stat_read: one ranged GET), a large one block by block, and a second read
     of either is served from the cache without a request; after the TTL an overwrite is a
-    new inode with the new bytes."""
+    new inode with the new bytes, and the old inode still reads its own (cached) version."""
     bucket = s3_env.new_bucket()
     big = random.Random(7).randbytes(3 * BLOCK + 100)
     put(s3_env, bucket, {"d/small": b"s" * 100, "d/big": big})
@@ -290,7 +291,6 @@ async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: Seawe
             large = await fs.lookup(d.inode, "big")
             for entry, data in ((small, b"s" * 100), (large, big)):
                 for _ in range(2):
-                    await fs.open(entry.inode, os.O_RDONLY, pid=1)
                     assert bytes(await fs.read(entry.inode, 0, 0, len(data) + 10, pid=1)) == data
             ops = backend.statistics().operations
             assert ops["read"] == 1 + 4  # the small file's GET in its lookup, the big one's 4 blocks
@@ -304,5 +304,5 @@ async def test_the_cache_stack_over_a_bucket_reads_each_block_once(s3_env: Seawe
             await trio.sleep(1.5)
             fresh = await fs.lookup(d.inode, "small")
             assert fresh.inode != small.inode and fresh.attr.size == 50
-            await fs.open(fresh.inode, os.O_RDONLY, pid=1)
             assert bytes(await fs.read(fresh.inode, 0, 0, 100, pid=1)) == b"S" * 50
+            assert bytes(await fs.read(small.inode, 0, 0, 100, pid=1)) == b"s" * 100  # its version, from RAM
