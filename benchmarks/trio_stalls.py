@@ -11,8 +11,8 @@ the paths of a ``--files``-file dataset, so a 10^6-block cache costs seconds and
 hundred MB instead of 10^6 real blocks; re-ranking and indexing cost the same per block
 whatever the block size.  While ``submit_plan`` runs (and its task indexes the plan and
 re-ranks every cached block), a request task loops: checkpoint (a request arriving),
-getattr, open (attributed to the registered job: the plan's open path), read, release;
-each loop's wall time is one request latency.  The run ends when the plan's task has
+getattr, read from the file's start (attributed to the registered job: the plan's
+request path); each loop's wall time is one request latency.  The run ends when the plan's task has
 issued its first prefetch (re-ranking done).  ``--earlier-plan``: every cached block was
 ranked by an earlier epoch's plan first, as at every epoch after the first, so the
 submit moves each one to a new position.  Reports the longest and the 99th
@@ -158,7 +158,6 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
             for name in p.split("/"):
                 inode = (await fs.lookup(inode, name)).inode
             inodes.append(inode)
-        await fs.open(inodes[0], os.O_RDONLY, os.getpid())
         await fs.read(inodes[0], 0, 0, BLOCK, os.getpid())
 
         latencies: list[float] = []
@@ -171,7 +170,6 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
                 await trio.lowlevel.checkpoint()
                 inode = inodes[i % len(inodes)]
                 await fs.getattr(inode)
-                await fs.open(inode, os.O_RDONLY, os.getpid())
                 await fs.read(inode, 0, 0, BLOCK, os.getpid())
                 latencies.append(time.perf_counter() - t0)
                 i += 1

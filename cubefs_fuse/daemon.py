@@ -67,7 +67,7 @@ class Daemon:
 
     def snapshot(self) -> Snapshot:
         c, plane = self.config, self.data_plane
-        self.fs.settle()  # the opens and releases the FUSE session answered count too
+        self.fs.settle()  # the reads the FUSE session served count too
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
                         self.meta.statistics(), self.service.job_samples() if self.service else (),
                         mount=MountInfo(c.vol_name, c.mount_point, c.source, c.profile),

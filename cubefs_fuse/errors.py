@@ -21,7 +21,8 @@ class StaleVersion(FsError):
     """The source file no longer has the version a block was requested for.
 
     Serving the bytes would mix two versions of the file in one handle, so the read
-    fails with ESTALE; the next open sees the new version.
+    fails with ESTALE; the next lookup of the path (an open once the kernel's entry has
+    expired, at most attrValid) sees the new version.
     """
 
     def __init__(self, path: str) -> None:

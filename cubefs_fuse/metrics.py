@@ -61,10 +61,9 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_read_bytes_total", "counter", "Bytes returned to applications through the mount (FUSE READs)."),
         MetricSpec("cubefs_fuse_native_reads_total", "counter",
                    "Read requests the C FUSE session served from blocks lent to it (RAM, or NVMe for one-block files), without Python (part of reads_total)."),
-        MetricSpec("cubefs_fuse_opens_total", "counter",
-                   "Files opened through the mount (the fast path and the sample cache open none: see app_requests_total)."),
-        MetricSpec("cubefs_fuse_native_opens_total", "counter",
-                   "Opens the C FUSE session answered from an inode Python published, without Python (part of opens_total)."),
+        MetricSpec("cubefs_fuse_lookups_total", "counter",
+                   "Name lookups through the mount that reached the daemon (the kernel opens a name it looked up "
+                   "without asking again while the entry's timeout runs: see app_requests_total for files read)."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
         MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
         MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications through the mount, by the tier that held them (ram, disk, backend).",
@@ -99,7 +98,6 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
         MetricSpec("cubefs_fuse_retired_inodes", "gauge", "Inodes of old file versions (changed at the source) the kernel still holds."),
         MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode."),
-        MetricSpec("cubefs_fuse_stale_opens_total", "counter", "Opens of an old version's inode answered ESTALE (the kernel looks the name up again and opens the new version)."),
         MetricSpec("cubefs_fuse_stale_if_error_total", "counter",
                    "Requests answered from the last validated metadata while the backend was down, for files the cache "
                    "holds whole and their directories (staleIfError), by FUSE operation.", ("op",)),
@@ -244,12 +242,10 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_reads_total", s.fs.reads)
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
     f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
-    f.add("cubefs_fuse_opens_total", s.fs.opens)
-    f.add("cubefs_fuse_native_opens_total", s.fs.native_opens)
+    f.add("cubefs_fuse_lookups_total", s.fs.lookups)
     f.add("cubefs_fuse_inodes", s.fs.inodes)
     f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)
     f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes)
-    f.add("cubefs_fuse_stale_opens_total", s.fs.stale_opens)
     for op, n in s.fs.stale_if_error.items():
         f.add("cubefs_fuse_stale_if_error_total", n, op)
     c = s.cache
@@ -297,7 +293,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_metadata_cache_hits_total", m.listing_hits, "listing")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.attr_misses, "attr")
     f.add("cubefs_fuse_metadata_cache_misses_total", m.listing_misses, "listing")
-    # File requests: the files of app_requests_total (opens through the mount and files
+    # File requests: the files of app_requests_total (reads through the mount and files
     # cube_torch's workers opened from the fast path's rings), without the sample cache.
     files = reads.files
     f.add("cubefs_fuse_file_requests_total", files.requests)

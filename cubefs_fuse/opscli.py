@@ -74,7 +74,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
     stats = add_command(sub, "stats", cmd_stats, help="a live view of a mount's activity (like 'juicefs stats')",
                         description="Print per-interval rates: what applications read by every path (mount, "
-                        "fast path, sample cache) with its hit rate and MiB/s, the mount's opens and reads, bytes "
+                        "fast path, sample cache) with its hit rate and MiB/s, the mount's lookups and reads, bytes "
                         "by source, backend operations, prefetch; Ctrl-C to stop.")
     stats.add_argument("mount_point", metavar="MOUNTPOINT")
     stats.add_argument("-i", "--interval", type=float, default=1.0, metavar="SECONDS", help="refresh (default 1)")
@@ -453,13 +453,13 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 # One line per interval, like vmstat/juicefs stats: readable in a terminal and in a log.
 # Columns: time | what applications read, every path (requests/s, hit %, MiB/s) | requests/s
-# by path (mount, fast path, sample cache) | the mount's opens/s and READs/s | MiB/s the
+# by path (mount, fast path, sample cache) | the mount's lookups/s and READs/s | MiB/s the
 # mount served from RAM, disk, remote | remote ops/s, prefetched blocks/s | RAM and disk in
 # use.  A header every 20 lines keeps one on a terminal's screen.
 STATS_HEADER_EVERY = 20
 _STATS_FORMAT = ("{:>8} {:>7} {:>6} {:>7} | {:>7} {:>7} {:>7} | {:>7} {:>7} | {:>7} {:>7} {:>7} | {:>7} {:>7} | "
                  "{:>6} {:>6}")
-_STATS_HEADER = _STATS_FORMAT.format("time", "req/s", "hit%", "MiB/s", "mount", "fast", "sample", "open/s", "read/s",
+_STATS_HEADER = _STATS_FORMAT.format("time", "req/s", "hit%", "MiB/s", "mount", "fast", "sample", "look/s", "read/s",
                                      "RAM", "disk", "remote", "rops/s", "pref/s", "RAM", "disk")
 
 
@@ -487,7 +487,7 @@ def _stats_row(a: dict[str, Any], b: dict[str, Any], seconds: float) -> list[str
     by = {k: (cb["bytes_by_source"][k] - ca["bytes_by_source"][k]) / seconds / 2**20 for k in cb["bytes_by_source"]}
     mib = (rb["bytes"] - ra["bytes"]) / seconds / 2**20
     return [time.strftime("%H:%M:%S"), f"{requests / seconds:.0f}", hit, f"{mib:.1f}",
-            *(f"{n:.0f}" for n in paths), f"{rate('opens'):.0f}", f"{rate('reads'):.0f}",
+            *(f"{n:.0f}" for n in paths), f"{rate('lookups'):.0f}", f"{rate('reads'):.0f}",
             f"{by.get('ram', 0):.1f}", f"{by.get('disk', 0):.1f}",
             f"{by.get('backend', 0):.1f}", f"{rate('backend_operations'):.0f}", f"{rate('prefetch_issued'):.0f}",
             _short(b["cache"]["ram"]["used_bytes"]), _short(b["cache"].get("disk", {}).get("used_bytes", 0))]

@@ -211,7 +211,7 @@ def _print_epochs(rows: list[tuple[Any, dict[str, float], dict[str, float]]], jo
             key = f"{name}{{{labels}}}" if labels else name
             return after.get(key, 0.0) - before.get(key, 0.0)
 
-        all_opens = int(d("cubefs_fuse_file_requests_total"))  # opens through the mount and the fast path
+        all_opens = int(d("cubefs_fuse_file_requests_total"))  # files read through the mount and the fast path
         if job is not None:
             labels = f'rank="0",training_job="{job}"'
             requests, hits = d("cubefs_fuse_job_requests_total", labels), d("cubefs_fuse_job_hits_total", labels)
@@ -259,15 +259,15 @@ def _read_passes(dataset: Dataset, mount: DaemonMount, readers: Readers) -> None
         print(f"pass {label}: {result.files} files in {result.seconds:.2f} s with {readers.workers} readers: "
               f"{result.files_per_s:,.0f} files/s, {result.mb_per_s:,.1f} MB/s, content verified", flush=True)
     print("\nwhat the daemon counted per pass (from its Prometheus /metrics):")
-    table = [[label, f"{r.files_per_s:,.0f}", f"{r.mb_per_s:,.1f}", d.opens, d.reads, d.ram_hits, d.disk_hits,
+    table = [[label, f"{r.files_per_s:,.0f}", f"{r.mb_per_s:,.1f}", d.lookups, d.reads, d.ram_hits, d.disk_hits,
               d.misses, format_size(d.served_ram), format_size(d.served_disk), format_size(d.backend_bytes)]
              for label, r, d in rows]
-    print(format_pretty_table(table, ["pass", "files/s", "MB/s", "opens", "reads", "RAM hits", "NVMe hits",
+    print(format_pretty_table(table, ["pass", "files/s", "MB/s", "lookups", "reads", "RAM hits", "NVMe hits",
                                       "misses", "from RAM", "from NVMe", "from remote"]))
     warm = rows[-1][2]
     if warm.reads == 0:
-        print(f"pass 2: {warm.opens} opens reached the daemon and no reads: the kernel page cache served "
-              "the data\n(the daemon keeps it across opens while a file's version is unchanged).")
+        print(f"pass 2: {warm.lookups} lookups reached the daemon and no reads: the kernel page cache served "
+              "the data\n(the kernel keeps it across opens while a file's version is unchanged).")
     elif warm.misses == 0:
         print("pass 2: every read that reached the daemon was a cache hit; nothing came from the remote.")
     _print_cache(mount.scrape())

@@ -531,7 +531,7 @@ class DaemonMount:
 class CacheDelta:
     """What the daemon counted between two scrapes."""
 
-    opens: int
+    lookups: int
     reads: int
     ram_hits: int
     disk_hits: int
@@ -547,7 +547,7 @@ def cache_delta(before: dict[str, float], after: dict[str, float]) -> CacheDelta
         return int(after.get(name, 0) - before.get(name, 0))
 
     return CacheDelta(
-        opens=d("cubefs_fuse_opens_total"),
+        lookups=d("cubefs_fuse_lookups_total"),
         reads=d("cubefs_fuse_reads_total"),
         ram_hits=d('cubefs_fuse_cache_hits_total{tier="ram"}'),
         disk_hits=d('cubefs_fuse_cache_hits_total{tier="disk"}'),

@@ -73,6 +73,7 @@ import ctypes
 import errno
 import fnmatch
 import itertools
+import math
 import json
 import logging
 import os
@@ -271,6 +272,7 @@ def _rel(path: str) -> str:
 class _Entry:
     inode: int
     attr: Attr
+    valid_for: float = math.inf  # the mount's timeouts (cache_timeout) bound it
 
 
 class SlowFS:
@@ -565,7 +567,7 @@ def mount_options() -> set[str]:
 async def serve(fs: SlowFS, mount_point: str, *, on_ready: Callable[[], None]) -> None:
     """Mount ``fs`` on ``mount_point`` and serve until unmounted or SIGINT/SIGTERM."""
     session = kernel.mount(fs, mount_point, mount_options(), entry_timeout=fs.cache_timeout,
-                           attr_timeout=fs.cache_timeout)
+                           attr_timeout=fs.cache_timeout, opener=fs)
     try:
         async with trio.open_nursery() as nursery:
             # The signal handler is in place before readiness is reported, so a SIGTERM

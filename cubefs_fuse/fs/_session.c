@@ -11,11 +11,17 @@
  * memory.
  *
  * Python also publishes inodes (publish(), lend()): which blocks of the inode's version it
- * lends, and how long it vouches that the inode is its path's current version.  A READ of
- * lent blocks is answered here and reported (OP_SERVED), so Python counts reads it never
- * saw; an OPEN of a vouched inode with every block lent is answered here, with no handle
- * (reads are by inode) and no report; every RELEASE is answered here, and reported only
- * for a handle Python gave (OP_RELEASE).
+ * lends.  A READ of lent blocks is answered here and reported (OP_SERVED), so Python counts
+ * reads it never saw.
+ *
+ * Opens: with no_open (the daemon's filesystem reads by inode), every OPEN is answered
+ * ENOSYS, which the kernel takes as "opens need no server": from then on it opens files of
+ * the connection without a request and sends no RELEASE, and keeps their pages across
+ * opens (FOPEN_KEEP_CACHE); a cached file read again costs the daemon no request at all.
+ * A changed file is then found at LOOKUP, which Python answers with each entry's own
+ * timeouts (as long as it trusts the attributes, no longer).  Without no_open (the remote
+ * emulator, which opens a source file per open), OPENs go to Python, and every RELEASE is
+ * answered here and reported only for a handle Python gave (OP_RELEASE).
  */
 #define PY_SSIZE_T_CLEAN
 #define FUSE_USE_VERSION 35
@@ -87,18 +93,12 @@ struct disk_block {
  * lent: READs of the inode that fall on them are served here without Python, from the
  * bytes objects of RAM blocks, or from NVMe entries checked like Python checks them (a
  * failed check leaves the READ to Python).  A version's bytes never change, so a READ may
- * use them for as long as they are lent, whatever the metadata says; until vouched_until
- * Python also vouches that the inode is still its path's current version (the metadata
- * cache's TTL), so an OPEN of it needs no decision when every block is lent.  A READ uses
- * the blocks under the read lock, replies included; publish, lend and withdraw change
- * them under the write lock, so what they replace is unused once they return. */
+ * use them for as long as they are lent, whatever the metadata says.  A READ uses the
+ * blocks under the read lock, replies included; publish, lend and withdraw change them
+ * under the write lock, so what they replace is unused once they return. */
 struct pub {
     struct pub *next;     /* the bucket's chain */
     fuse_ino_t ino;
-    uint64_t vouched_until_ns;  /* 0: not vouched for (OPENs go to Python) */
-    uint64_t epoch;       /* the session's epoch when published (invalidate_all() ends it) */
-    int keep_cache, direct_io;
-    uint32_t missing;     /* blocks neither lent from RAM nor from NVMe */
     uint64_t size;        /* the file's size at the version published */
     uint64_t block_size;
     uint32_t nblocks;
@@ -135,17 +135,16 @@ typedef struct {
     pthread_t *threads;
     int nthreads;
     int started;
-    double entry_timeout, attr_timeout;
+    double entry_timeout, attr_timeout;  /* the longest an entry's or attributes' timeout may be */
+    int no_open;     /* every OPEN is answered ENOSYS: the kernel's no_open mode */
     uint64_t deadline_ns;  /* a forwarded request older than this gets EIO from C; 0: never */
     _Atomic uint64_t expired;  /* requests the watchdog answered */
     pthread_t watchdog;
     int watching;
     atomic_int init_posted;
     atomic_int exit_posted;
-    pthread_rwlock_t hlock;  /* publications: READs and OPENs read them, Python changes them */
+    pthread_rwlock_t hlock;  /* publications: READs read them, Python changes them */
     struct pub *pubs[PUB_BUCKETS];
-    _Atomic uint64_t epoch;
-    _Atomic uint64_t native_opens;  /* OPENs answered here */
     pthread_mutex_t lock;  /* the queue, the slots and the flusher's state */
     pthread_cond_t flush_cond;  /* CLOCK_MONOTONIC: the flusher waits on it */
     pthread_t flusher;
@@ -440,32 +439,21 @@ static void forward_open(fuse_req_t req, fuse_ino_t ino, int flags)
     forward(p);
 }
 
-/* An OPEN of an inode Python vouches for (published, within its vouching, not ended by
- * invalidate_all, every block lent) is answered here, with no handle (0: reads are by
- * inode) and nothing reported; any other OPEN goes to Python, which checks the version
- * and publishes what it holds now (so a file cached since its last publication is lent
- * whole again). */
+/* With no_open, ENOSYS: the kernel answers this OPEN and every later one of the connection
+ * itself (fc->no_open), with the pages kept across opens and no RELEASE.  The mount is
+ * read-only, so the kernel refuses a write open before it gets here.  Otherwise the OPEN
+ * goes to Python. */
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi)
 {
-    Session *s = of(req);
+    if (of(req)->no_open) {
+        fuse_reply_err(req, ENOSYS);
+        return;
+    }
     if (fi->flags & (O_WRONLY | O_RDWR | O_TRUNC | O_APPEND | O_CREAT)) {
         fuse_reply_err(req, EROFS);
         return;
     }
-    uint64_t now = now_ns();
-    pthread_rwlock_rdlock(&s->hlock);
-    struct pub *pub = find_pub(s, ino);
-    if (!pub || pub->missing || now >= pub->vouched_until_ns || pub->epoch != atomic_load(&s->epoch)) {
-        pthread_rwlock_unlock(&s->hlock);
-        forward_open(req, ino, fi->flags);
-        return;
-    }
-    fi->fh = 0;
-    fi->keep_cache = pub->keep_cache ? 1 : 0;
-    fi->direct_io = pub->direct_io ? 1 : 0;
-    pthread_rwlock_unlock(&s->hlock);
-    atomic_fetch_add(&s->native_opens, 1);
-    fuse_reply_open(req, fi);
+    forward_open(req, ino, fi->flags);
 }
 
 /* The payload of a lent NVMe entry, checked; NULL if it is not (any more) what was lent:
@@ -1001,12 +989,12 @@ static void Session_dealloc(Session *s)
 static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"mountpoint", "options", "threads", "entry_timeout", "attr_timeout",
-                             "request_timeout", NULL};
+                             "request_timeout", "no_open", NULL};
     const char *mountpoint, *options;
-    int threads = 4;
+    int threads = 4, no_open = 0;
     double entry_timeout = 1.0, attr_timeout = 1.0, request_timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|iddd", kwlist, &mountpoint, &options, &threads,
-                                     &entry_timeout, &attr_timeout, &request_timeout))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|idddp", kwlist, &mountpoint, &options, &threads,
+                                     &entry_timeout, &attr_timeout, &request_timeout, &no_open))
         return NULL;
     if (!(request_timeout >= 0.0 && request_timeout < 1e6))
         return PyErr_Format(PyExc_ValueError, "request_timeout must be 0 (none) or seconds below 1e6");
@@ -1026,6 +1014,7 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     pthread_rwlock_init(&s->hlock, NULL);
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
+    s->no_open = no_open;
     s->deadline_ns = (uint64_t)(request_timeout * 1e9);
     s->nthreads = threads;
     s->threads = calloc((size_t)threads, sizeof *s->threads);
@@ -1187,14 +1176,21 @@ static int fill_stat(PyObject *attr, struct stat *st)
     return 0;
 }
 
-static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat *st)
+/* The timeout of an answer: ``valid_for`` (how long Python trusts what it answers), at
+ * most the session's ``cap``; a NaN or negative one is 0 (the kernel asks again). */
+static double timeout(double valid_for, double cap)
+{
+    return valid_for > 0.0 ? (valid_for < cap ? valid_for : cap) : 0.0;
+}
+
+static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat *st, double valid_for)
 {
     memset(e, 0, sizeof *e);
     e->ino = st->st_ino;
     e->generation = 0;
     e->attr = *st;
-    e->attr_timeout = s->attr_timeout;
-    e->entry_timeout = s->entry_timeout;
+    e->attr_timeout = timeout(valid_for, s->attr_timeout);
+    e->entry_timeout = timeout(valid_for, s->entry_timeout);
 }
 
 /* The reply methods: each claims its request, writes the answer without the GIL (a write
@@ -1219,12 +1215,13 @@ static PyObject *Session_reply_entry(Session *s, PyObject *args)
 {
     unsigned long long id;
     PyObject *attr;
+    double valid_for;
     struct stat st;
     struct fuse_entry_param e;
-    if (!PyArg_ParseTuple(args, "KO!", &id, &PyTuple_Type, &attr) || fill_stat(attr, &st) < 0)
+    if (!PyArg_ParseTuple(args, "KO!d", &id, &PyTuple_Type, &attr, &valid_for) || fill_stat(attr, &st) < 0)
         return NULL;
     CLAIM(s, id);
-    fill_entry(s, &e, &st);
+    fill_entry(s, &e, &st, valid_for);
     REPLY(fuse_reply_entry(p->req, &e));
 }
 
@@ -1232,11 +1229,12 @@ static PyObject *Session_reply_attr(Session *s, PyObject *args)
 {
     unsigned long long id;
     PyObject *attr;
+    double valid_for;
     struct stat st;
-    if (!PyArg_ParseTuple(args, "KO!", &id, &PyTuple_Type, &attr) || fill_stat(attr, &st) < 0)
+    if (!PyArg_ParseTuple(args, "KO!d", &id, &PyTuple_Type, &attr, &valid_for) || fill_stat(attr, &st) < 0)
         return NULL;
     CLAIM(s, id);
-    REPLY(fuse_reply_attr(p->req, &st, s->attr_timeout));
+    REPLY(fuse_reply_attr(p->req, &st, timeout(valid_for, s->attr_timeout)));
 }
 
 /* reply_open(id, fh, keep_cache, direct_io): answer an OPEN with Python's handle fh (0:
@@ -1300,21 +1298,16 @@ static int lent_block(PyObject *b, PyObject **ram, struct disk_block **disk)
     return 0;
 }
 
-/* publish(ino, vouch_for, keep_cache, direct_io, size, block_size, blocks): READs of ino's
- * lent blocks (one per block of the file: bytes from RAM, a (path, offset, size, key)
- * tuple of an NVMe entry, or None; empty when none can be lent) are served here from now
- * on; for vouch_for seconds (0: not at all) so are its OPENs while no block is None.
- * Replaces the inode's earlier publication, which nothing uses once this returns. */
+/* publish(ino, size, block_size, blocks): READs of ino's lent blocks (one per block of the
+ * file: bytes from RAM, a (path, offset, size, key) tuple of an NVMe entry, or None; empty
+ * when none can be lent) are served here from now on.  Replaces the inode's earlier
+ * publication, which nothing uses once this returns. */
 static PyObject *Session_publish(Session *s, PyObject *args)
 {
     unsigned long long ino, size, block_size;
-    double vouch_for;
-    int keep_cache, direct_io;
     PyObject *blocks, *seq;
-    if (!PyArg_ParseTuple(args, "KdppKKO", &ino, &vouch_for, &keep_cache, &direct_io, &size, &block_size, &blocks))
+    if (!PyArg_ParseTuple(args, "KKKO", &ino, &size, &block_size, &blocks))
         return NULL;
-    if (!(vouch_for >= 0.0 && vouch_for < 1e6))
-        return PyErr_Format(PyExc_ValueError, "a publication is vouched for 0 <= seconds < 1e6");
     if (!(seq = PySequence_Fast(blocks, "blocks must be a sequence")))
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
@@ -1329,8 +1322,6 @@ static PyObject *Session_publish(Session *s, PyObject *args)
         return PyErr_NoMemory();
     }
     pub->ino = ino;
-    pub->keep_cache = keep_cache;
-    pub->direct_io = direct_io;
     pub->size = size;
     pub->block_size = block_size;
     pub->nblocks = (uint32_t)n;
@@ -1348,11 +1339,8 @@ static PyObject *Session_publish(Session *s, PyObject *args)
             }
             pub->disk[i] = disk;
         }
-        pub->missing += !ram && !disk;
     }
     Py_DECREF(seq);
-    pub->vouched_until_ns = vouch_for > 0.0 ? now_ns() + (uint64_t)(vouch_for * 1e9) : 0;
-    pub->epoch = atomic_load(&s->epoch);
     struct pub *old;
     Py_BEGIN_ALLOW_THREADS
     pthread_rwlock_wrlock(&s->hlock);
@@ -1390,10 +1378,6 @@ static PyObject *Session_lend(Session *s, PyObject *args)
         } else {
             old_ram = pub->blocks[index];
             old_disk = pub->disk ? pub->disk[index] : NULL;
-            if (!old_ram && !old_disk)
-                pub->missing--;
-            if (!ram && !disk)
-                pub->missing++;
             pub->blocks[index] = ram;
             if (pub->disk)
                 pub->disk[index] = disk;
@@ -1413,7 +1397,7 @@ static PyObject *Session_lend(Session *s, PyObject *args)
     return PyBool_FromLong(done);
 }
 
-/* withdraw(ino): ino's READs and OPENs go to Python again; its lent blocks are unused
+/* withdraw(ino): ino's READs go to Python again; its lent blocks are unused
  * once this returns. */
 static PyObject *Session_withdraw(Session *s, PyObject *args)
 {
@@ -1427,15 +1411,6 @@ static PyObject *Session_withdraw(Session *s, PyObject *args)
     pthread_rwlock_unlock(&s->hlock);
     Py_END_ALLOW_THREADS
     free_pub(old);
-    Py_RETURN_NONE;
-}
-
-/* invalidate_all(): no publication made before this call answers an OPEN any more (the
- * metadata cache was emptied); their lent blocks still serve READs. */
-static PyObject *Session_invalidate_all(Session *s, PyObject *unused)
-{
-    (void)unused;
-    atomic_fetch_add(&s->epoch, 1);
     Py_RETURN_NONE;
 }
 
@@ -1487,7 +1462,7 @@ static PyObject *Session_reply_statfs(Session *s, PyObject *args)
     REPLY(fuse_reply_statfs(p->req, &st));
 }
 
-/* entries: a sequence of (name: bytes, attr: tuple, next_offset: int).  Packs as many as
+/* entries: a sequence of (name: bytes, attr: tuple, next_offset: int, valid_for: float).  Packs as many as
  * the kernel's buffer holds and returns how many it took: each one taken is a lookup the
  * kernel will FORGET; the caller forgets the others itself. */
 static PyObject *Session_reply_readdir(Session *s, PyObject *args)
@@ -1513,16 +1488,18 @@ static PyObject *Session_reply_readdir(Session *s, PyObject *args)
         PyObject *item = PySequence_Fast_GET_ITEM(seq, taken), *attr;
         const char *name;
         unsigned long long next;
+        double valid_for;
         struct stat st;
         struct fuse_entry_param e;
-        if (!PyArg_ParseTuple(item, "yO!K", &name, &PyTuple_Type, &attr, &next) || fill_stat(attr, &st) < 0) {
+        if (!PyArg_ParseTuple(item, "yO!Kd", &name, &PyTuple_Type, &attr, &next, &valid_for)
+            || fill_stat(attr, &st) < 0) {
             fuse_reply_err(p->req, EIO);
             free(buf);
             free(p);
             Py_DECREF(seq);
             return NULL;
         }
-        fill_entry(s, &e, &st);
+        fill_entry(s, &e, &st, valid_for);
         size_t need = fuse_add_direntry_plus(p->req, buf + used, cap - used, name, &e, (off_t)next);
         if (need > cap - used)
             break;
@@ -1558,12 +1535,6 @@ static PyObject *Session_expired(Session *s, void *closure)
     return PyLong_FromUnsignedLongLong(atomic_load(&s->expired));
 }
 
-static PyObject *Session_native_opens(Session *s, void *closure)
-{
-    (void)closure;
-    return PyLong_FromUnsignedLongLong(atomic_load(&s->native_opens));
-}
-
 static PyObject *Session_exited(Session *s, void *closure)
 {
     (void)closure;
@@ -1576,19 +1547,19 @@ static PyMethodDef Session_methods[] = {
     {"take", (PyCFunction)Session_take, METH_NOARGS,
      "Every queued request: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name, served) tuples."},
     {"reply_err", (PyCFunction)Session_reply_err, METH_VARARGS, "reply_err(id, errno)"},
-    {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS, "reply_entry(id, attr)"},
-    {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS, "reply_attr(id, attr)"},
+    {"reply_entry", (PyCFunction)Session_reply_entry, METH_VARARGS,
+     "reply_entry(id, attr, valid_for): the kernel keeps the entry and attributes that long (at most the session's timeouts)"},
+    {"reply_attr", (PyCFunction)Session_reply_attr, METH_VARARGS,
+     "reply_attr(id, attr, valid_for): the kernel keeps the attributes that long (at most the session's timeout)"},
     {"reply_open", (PyCFunction)Session_reply_open, METH_VARARGS,
      "reply_open(id, fh, keep_cache, direct_io): an answer not taken is reported as a RELEASE of fh (if not 0)"},
     {"reply_opendir", (PyCFunction)Session_reply_opendir, METH_VARARGS,
      "reply_opendir(id, dh) -> whether the kernel took it"},
     {"publish", (PyCFunction)Session_publish, METH_VARARGS,
-     "publish(ino, vouch_for, keep_cache, direct_io, size, block_size, blocks): lend an inode's blocks"},
+     "publish(ino, size, block_size, blocks): lend an inode's blocks"},
     {"lend", (PyCFunction)Session_lend, METH_VARARGS,
      "lend(ino, index, block) -> False if ino has no publication with that block"},
     {"withdraw", (PyCFunction)Session_withdraw, METH_VARARGS, "withdraw(ino): nothing of ino is served here"},
-    {"invalidate_all", (PyCFunction)Session_invalidate_all, METH_NOARGS,
-     "No earlier publication answers an OPEN any more."},
     {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
     {"reply_readlink", (PyCFunction)Session_reply_readlink, METH_VARARGS, "reply_readlink(id, target)"},
     {"reply_statfs", (PyCFunction)Session_reply_statfs, METH_VARARGS, "reply_statfs(id, fields)"},
@@ -1603,7 +1574,6 @@ static PyMethodDef Session_methods[] = {
 static PyGetSetDef Session_getset[] = {
     {"exited", (getter)Session_exited, NULL, "True once the session has ended", NULL},
     {"expired", (getter)Session_expired, NULL, "requests answered EIO at their deadline, Python too late", NULL},
-    {"native_opens", (getter)Session_native_opens, NULL, "OPENs answered from a publication", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1613,9 +1583,9 @@ static PyTypeObject SessionType = {
     .tp_basicsize = sizeof(Session),
     .tp_dealloc = (destructor)Session_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Session(mountpoint, options, threads=4, entry_timeout=1.0, attr_timeout=1.0, request_timeout=0): "
-              "mounts and owns a FUSE connection; a forwarded request older than request_timeout seconds "
-              "(0: none) is answered EIO by C",
+    .tp_doc = "Session(mountpoint, options, threads=4, entry_timeout=1.0, attr_timeout=1.0, request_timeout=0, "
+              "no_open=False): mounts and owns a FUSE connection; a forwarded request older than request_timeout "
+              "seconds (0: none) is answered EIO by C; with no_open, files are opened by the kernel alone",
     .tp_methods = Session_methods,
     .tp_getset = Session_getset,
     .tp_new = Session_new,

@@ -1,16 +1,18 @@
 """The filesystem core without FUSE: names, handles, reads assembled from cached blocks,
 testable without a kernel (``fs.session`` only translates). The volume is read-only, so
 every write fails with EROFS, and failures are raised as exceptions for ``errors.errno_of``
-to map. Reads are by inode (an inode serves one version of its file, fs/inodes.py), so an
-open needs no handle; a file's read by one process counts from its first READ (offset
-0). A borrower (the FUSE session in C) serves reads of the cached blocks the core lends it
-per inode, and answers opens of an inode while the core vouches for it (its metadata is
-trusted); the core takes blocks back when they leave the RAM tier, and both when the inode
-goes."""
+to map. Reads are by inode (an inode serves one version of its file, fs/inodes.py), so a
+file is opened without the core (the kernel's no_open mode); a file's read by one process
+counts from its first READ (offset 0), and a file changed at the source is found when its
+name is looked up again, which the kernel does once an entry's ``valid_for`` (as long as
+the metadata cache trusts the attributes) has passed. A borrower (the FUSE session in C)
+serves reads of the cached blocks the core lends it per inode; the core takes blocks back
+when they leave the RAM tier, and all of them when the inode goes."""
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 import time
 from collections.abc import Awaitable, Coroutine, Iterator, Sequence
@@ -38,20 +40,20 @@ READAHEAD_BLOCKS = 2
 # 8-16 bytes per block, 64 KiB at most (a 4 GiB file of 1 MiB blocks); larger files are
 # read in large requests, where the per-request cost the borrower saves matters least.
 MAX_LENT_BLOCKS = 4096
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     inode: int
     attr: Attr
+    valid_for: float  # seconds the kernel may keep it (fs/session.py, Entry)
 
 
 @dataclass(slots=True)
 class FileRequest:
     """One READ's file, and, for a READ at offset 0, a process's read of the file: what the
-    hit accounting and the plans count as a request (the kernel sends no open or release
-    the core can count: the borrower answers them)."""
+    hit accounting and the plans count as a request (the kernel opens and closes files
+    without telling the core)."""
     inode: int
     path: str
     version: FileVersion
@@ -69,24 +71,17 @@ LentBlock = bytes | DiskBlock | None
 
 class Borrower(Protocol):
     """A reader that serves reads of an inode's lent blocks itself (the FUSE session in C,
-    fs/_session.c), reported afterwards (``Filesystem.served``), and answers opens of an
-    inode vouched for with every block lent (counted in ``native_opens``, not reported).
-    What ``publish``, ``lend`` and ``withdraw`` replace is unused once they return.
-    ``report`` hands over, now, what it served and has not reported yet."""
+    fs/_session.c), reported afterwards (``Filesystem.served``).  What ``publish``,
+    ``lend`` and ``withdraw`` replace is unused once they return.  ``report`` hands over,
+    now, what it served and has not reported yet."""
 
-    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> None: ...
+    def publish(self, inode: int, size: int, block_size: int, blocks: Sequence[LentBlock], /) -> None: ...
 
     def lend(self, inode: int, index: int, block: LentBlock, /) -> bool: ...
 
     def withdraw(self, inode: int, /) -> None: ...
 
-    def invalidate_all(self) -> None: ...
-
     def report(self) -> None: ...
-
-    @property
-    def native_opens(self) -> int: ...
 
 
 # What AccessObserver.opened_now answers when the opener's owner cannot be known without
@@ -111,8 +106,6 @@ class AccessObserver(Protocol):
 @dataclass(frozen=True, slots=True)
 class FilesystemStatistics:
     lookups: int
-    opens: int
-    native_opens: int  # of those, answered by the borrower for an inode vouched for
     open_dirs: int
     reads: int
     read_bytes: int
@@ -120,7 +113,6 @@ class FilesystemStatistics:
     blocks_by_source: dict[str, int]  # block lookups by the tier that answered
     bytes_by_source: dict[str, int]  # bytes returned to applications by that tier
     stale_reads: int
-    stale_opens: int  # opens of a retired inode (its file changed): ESTALE, the kernel looks up again
     inodes: int
     retired_inodes: int  # inodes of old versions the kernel still holds
     version_changes: int  # files found changed at the source while the kernel held the old version's inode
@@ -133,12 +125,10 @@ class FilesystemStatistics:
 @dataclass(slots=True)
 class _Counters:
     lookups: int = 0
-    opens: int = 0
     reads: int = 0
     read_bytes: int = 0
     native_reads: int = 0
     stale_reads: int = 0
-    stale_opens: int = 0
     file_requests: int = 0
     file_misses: int = 0
     stall_seconds: float = 0.0
@@ -147,11 +137,10 @@ class _Counters:
 
 
 class Filesystem:
-    # The kernel may keep a file's pages across opens: an inode serves one version of a
-    # file (a changed file gets a new inode, fs/inodes.py), so the pages it holds for an
-    # inode are always good, and no invalidation notice is ever needed.
-    keep_cache = True
-    direct_io = False
+    """The kernel keeps a file's pages across opens (no_open implies FOPEN_KEEP_CACHE): an
+    inode serves one version of a file (a changed file gets a new inode, fs/inodes.py), so
+    the pages it holds for an inode are always good, and no invalidation notice is ever
+    needed."""
 
     def __init__(self, meta: MetadataCache, cache: BlockCache, backend: Backend, *, block_size: int,
                  outage: Outage | None = None) -> None:
@@ -171,8 +160,7 @@ class Filesystem:
         self.borrower: Borrower | None = None
         # Per inode Python has read: the block a sequential reader asks for next.
         self._next_block: dict[int, int] = {}
-        # Published inodes: when the core stops vouching for each (0.0: it does not).
-        self._published: dict[int, float] = {}
+        self._published: set[int] = set()  # inodes published to the borrower
         self._incomplete: set[int] = set()  # published inodes with a block not lent (not held then)
         # RAM blocks lent: per inode, block index -> key; per key, its (inode, index)
         # loans, so that a block leaving the RAM tier is taken back from each.
@@ -255,7 +243,15 @@ class Filesystem:
     def entry(self, path: str, attr: Attr) -> Entry:
         """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:
         a new one if the path's file changed, see fs/inodes.py)."""
-        return Entry(self.inodes.remember(path, attr), attr)
+        return Entry(self.inodes.remember(path, attr), attr, self._valid_for(path))
+
+    def _valid_for(self, path: str) -> float:
+        """How long the kernel may keep ``path``'s entry and attributes: as long as the
+        metadata cache trusts them, no longer, so the name is looked up again (and a file
+        changed since found, a new inode) at most ``attrValid`` after the source said what
+        it did.  0 for answers the cache does not trust (stale-if-error's, or with
+        ``attrValid`` 0)."""
+        return max(0.0, self.meta.trusted_until(path) - trio.current_time())
 
     def forget(self, inode: int, n: int) -> None:
         if self.inodes.forget(inode, n):
@@ -271,9 +267,9 @@ class Filesystem:
         if not node.retired:
             attr = await self._stat_fetching(node.path, "getattr")
             if self.inodes.serves(inode, attr):
-                return Entry(inode, attr)
+                return Entry(inode, attr, self._valid_for(node.path))
         assert node.attr is not None  # a retired inode always has the attributes it served
-        return Entry(inode, node.attr)
+        return Entry(inode, node.attr, math.inf)  # an old version's: they never change
 
     async def readlink(self, inode: int) -> str:
         path = self.inodes.node(inode).path
@@ -319,33 +315,6 @@ class Filesystem:
 
     # -- files -----------------------------------------------------------------------
 
-    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
-        """Check that ``inode`` may be opened; reads are by inode, so the handle is 0.
-
-        The kernel may always keep the inode's page cache: an inode serves one version
-        (fs/inodes.py).  An inode whose file has changed at the source (found now or
-        before) is not opened: ESTALE, on which the kernel repeats the path walk with a
-        forced lookup (``LOOKUP_REVAL``), which answers the new version's inode."""
-        if flags & _WRITE_FLAGS:
-            raise FsError(errno.EROFS)
-        node = self.inodes.node(inode)
-        attr = None if node.retired else self.meta.hit(node.path) or await self._or_stale(
-            node.path, "open", self.meta.stat(node.path))
-        if attr is None or not self.inodes.serves(inode, attr):
-            self._c.stale_opens += 1
-            raise FsError(errno.ESTALE, f"{node.path} changed at the source")
-        if attr.is_dir:
-            raise FsError(errno.EISDIR)
-        if not attr.is_file:
-            raise FsError(errno.EINVAL, "only regular files can be opened")
-        self._c.opens += 1
-        return 0
-
-    def release(self, fh: int) -> None:
-        """Never called: :meth:`open` gives no handle, and the session reports the release
-        only of handles it was given."""
-        raise AssertionError(f"release of handle {fh}, which the filesystem never gave")
-
     def _request(self, inode: int) -> FileRequest:
         node = self.inodes.node(inode)
         attr = node.attr
@@ -379,23 +348,18 @@ class Filesystem:
 
     def lend_to(self, borrower: Borrower) -> None:
         """From now on, publish inodes to ``borrower`` and take back what stops being good:
-        a block that leaves the RAM tier, vouching when the metadata is no longer trusted
-        or the file changed, everything when the kernel forgets the inode."""
+        a block that leaves the RAM tier, everything when the kernel forgets the inode."""
         self.borrower = borrower
         self.cache.memory.on_recall = self._recall
-        self.meta.on_forget = self._meta_forgotten
-        self.inodes.on_retire = self._unvouch
 
-    def publish(self, inode: int, *, again: bool = False) -> bool:
+    def publish(self, inode: int) -> bool:
         """Lend the borrower the held blocks of the version ``inode`` serves (RAM blocks as
-        their bytes; for a file of one block, its NVMe entry's place), and vouch for the
-        inode for as long as its path's attributes are trusted (``attrValid``) if it is
-        the path's current one.  The borrower answers opens only of an inode vouched for
-        with every block lent (or too large for any to be): the open of one that is not
-        comes here and publishes it again.  An inode published whole until the same
-        expiry is left as it is (a listing or lookup of a published file costs no new
-        publication) unless ``again``.  False if nothing is published (no borrower, not a
-        regular file)."""
+        their bytes; for a file of one block, its NVMe entry's place).  An inode published
+        with every block lent is left as it is (a listing or lookup of a published file
+        costs no new publication); one with blocks missing is published again with what
+        is held now.  False if nothing is published: no borrower, not a regular file, or
+        no block held (a publication of nothing would serve no READ: a listing of a cold
+        dataset publishes nothing, and the first READ of a file lends what it brings)."""
         borrower = self.borrower
         if borrower is None:
             return False
@@ -406,13 +370,7 @@ class Filesystem:
         attr = node.attr  # the version this inode serves, current or retired
         if attr is None or not attr.is_file:
             return False
-        until = 0.0
-        if not node.retired:
-            current = self.meta.peek(node.path)
-            trusted = self.meta.trusted_until(node.path)
-            if current is not None and trusted > trio.current_time() and self.inodes.serves(inode, current):
-                until = trusted
-        if not again and self._published.get(inode) == until and inode not in self._incomplete:
+        if inode in self._published and inode not in self._incomplete:
             return True
         size = attr.version.size
         n = self.blocks.count(size)
@@ -427,10 +385,12 @@ class Filesystem:
                     blocks.append(data)
                     continue
                 blocks.append(self._disk_place(key, n))
-        vouch_for = max(0.0, until - trio.current_time()) if until else 0.0
-        borrower.publish(inode, vouch_for, self.keep_cache, self.direct_io, size, self.block_size, blocks)
+        if all(block is None for block in blocks):
+            self._withdraw(inode)  # what an earlier publication lent has left the cache
+            return False
+        borrower.publish(inode, size, self.block_size, blocks)
         self._give_back_all(inode)  # what the earlier publication lent: unused now
-        self._published[inode] = until
+        self._published.add(inode)
         if None in blocks:
             self._incomplete.add(inode)
         else:
@@ -496,16 +456,11 @@ class Filesystem:
     def _withdraw(self, inode: int) -> None:
         """Nothing of ``inode`` is served by the borrower any more."""
         self._incomplete.discard(inode)
-        if self._published.pop(inode, None) is not None and self.borrower is not None:
-            self.borrower.withdraw(inode)
+        if inode in self._published:
+            self._published.discard(inode)
+            if self.borrower is not None:
+                self.borrower.withdraw(inode)
         self._give_back_all(inode)
-
-    def _unvouch(self, inode: int) -> None:
-        """``inode`` is no longer its path's current version (retired), or its path's
-        attributes are no longer trusted: its opens come here again; its blocks, still
-        exact for its version, are lent on."""
-        if self._published.get(inode):
-            self.publish(inode, again=True)
 
     def _recall(self, key: bytes) -> None:
         """A lent RAM block left the tier: each inode lending it gets what is held now in
@@ -524,16 +479,6 @@ class Filesystem:
             if place is None:
                 self._incomplete.add(inode)
             self.cache.give_back(key)
-
-    def _meta_forgotten(self, path: str | None) -> None:
-        """The metadata cache stopped trusting ``path``'s attributes (None: everyone's)."""
-        if path is None:
-            if self.borrower is not None:
-                self.borrower.invalidate_all()
-            return
-        inode = self.inodes.current(path)
-        if inode is not None:
-            self._unvouch(inode)
 
     def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
                disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
@@ -610,7 +555,7 @@ class Filesystem:
                     result = memoryview(joined)[offset - first * bs : end - first * bs]
             except StaleVersion:
                 self._c.stale_reads += 1
-                self.meta.invalidate(f.path)  # the next open sees the new version
+                self.meta.invalidate(f.path)  # the next lookup sees the new version
                 raise
             self._readahead(f, first, last)
             self._lend_read(inode, first, last)
@@ -642,9 +587,8 @@ class Filesystem:
 
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()
-        native_opens = self.borrower.native_opens if self.borrower is not None else 0
-        return FilesystemStatistics(c.lookups, c.opens + native_opens, native_opens, len(self._dirs), c.reads,
-                                    c.read_bytes, c.native_reads, dict(c.blocks_by_source), dict(c.bytes_by_source),
-                                    c.stale_reads, c.stale_opens, i.inodes, i.retired, i.changes,
+        return FilesystemStatistics(c.lookups, len(self._dirs), c.reads, c.read_bytes, c.native_reads,
+                                    dict(c.blocks_by_source), dict(c.bytes_by_source), c.stale_reads,
+                                    i.inodes, i.retired, i.changes,
                                     c.file_requests, c.file_misses, c.stall_seconds,
                                     self.stale_if_error.statistics().served)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import stat
-from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import count
 
@@ -52,7 +51,6 @@ class InodeTable:
         self._numbers = count(ROOT_INODE + 1)
         self._retired = 0
         self._changes = 0
-        self.on_retire: Callable[[int], None] | None = None  # told the inode number retired
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -103,8 +101,6 @@ class InodeTable:
         if self._by_path.get(node.path) == inode:
             del self._by_path[node.path]
         self._changes += 1
-        if self.on_retire is not None:
-            self.on_retire(inode)
 
     def forget(self, inode: int, n: int) -> bool:
         """Lower the kernel's lookup count; True if that freed the inode."""

@@ -39,9 +39,6 @@ class MetadataCache:
         self._listing_names = 0
         self._attr_hits = self._attr_misses = self._negative_hits = 0
         self._listing_hits = self._listing_misses = 0
-        # Told when attributes stop being trusted before their TTL (None: all of them), so
-        # whoever was promised them for that long (the FUSE session's publications) is not.
-        self.on_forget: Callable[[str | None], None] | None = None
 
     async def stat(self, path: str) -> Attr:
         """Attributes of ``path``; FsError(ENOENT) if it does not exist."""
@@ -189,15 +186,11 @@ class MetadataCache:
 
     def invalidate(self, path: str) -> None:
         self._attrs.pop(path, None)
-        if self.on_forget is not None:
-            self.on_forget(path)
 
     def clear(self) -> None:
         self._attrs.clear()
         self._listings.clear()
         self._listing_names = 0
-        if self.on_forget is not None:
-            self.on_forget(None)
 
     def _remember(self, path: str, attr: Attr | None, expires: float) -> None:
         if not expires:

@@ -1,4 +1,4 @@
-"""Stale-if-error: while the source counts as down, a lookup, getattr, open or opendir
+"""Stale-if-error: while the source counts as down, a lookup, getattr or opendir
 whose answer would need the source is answered from what it last said, if what that
 answer leads to is held whole (docs/contracts.md, "Outages of the source").
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 NO_ANSWER = frozenset({errno.EIO, errno.ENOTCONN, errno.ECONNABORTED})
 # The FUSE operations a stale answer can serve: one counter each, from the start (a
 # bounded label set; an alert on rate() sees 0, not "no data", before the first outage).
-OPS = ("lookup", "getattr", "open", "opendir")
+OPS = ("lookup", "getattr", "opendir")
 
 
 class Outage(Protocol):

@@ -1,12 +1,17 @@
 """The kernel's requests that reach Python, answered by the filesystem core.
 
 The FUSE connection is the C extension's (``fs/_session.c``): its reader threads answer
-what needs no decision (and the opens and reads of inodes the core published to it) and
-queue the rest; this module takes the queue when its eventfd is readable and turns each
-request into one call of the core (``fs.filesystem``) and one reply, and each report of
-what C answered (a read it served, the release of a handle Python gave) into one call.  No logic lives here beyond type
-conversion: every exception becomes an errno through ``errors.errno_of`` (one place), and
-an unexpected one (a bug) is also logged with its traceback, once per exception type.
+what needs no decision (and the reads of inodes the core published to it) and queue the
+rest; this module takes the queue when its eventfd is readable and turns each request into
+one call of the core (``fs.filesystem``) and one reply, and each report of what C answered
+(a read it served, the release of a handle Python gave) into one call.  No logic lives here
+beyond type conversion: every exception becomes an errno through ``errors.errno_of`` (one
+place), and an unexpected one (a bug) is also logged with its traceback, once per
+exception type.
+
+The core reads by inode, so files are opened by the kernel alone (its ``no_open`` mode: no
+OPEN, no RELEASE, pages kept across opens); an implementation that opens a file per open
+(the remote emulator, tools/slowfs.py) is mounted with an ``Opener``.
 """
 
 from __future__ import annotations
@@ -57,13 +62,16 @@ class Entry(Protocol):
     @property
     def attr(self) -> Attr: ...
 
+    @property
+    def valid_for(self) -> float:
+        """Seconds the kernel may keep the entry and its attributes without asking again
+        (at most the session's timeouts; 0: ask at the next use)."""
+        ...
+
 
 class Operations(Protocol):
     """What the session calls; ``fs.filesystem.Filesystem`` is the implementation (and
     tools/slowfs.py, the remote emulator, another)."""
-
-    keep_cache: bool  # the kernel may keep an open file's pages across opens
-    direct_io: bool  # every application read reaches ``read`` (no page cache)
 
     async def lookup(self, parent_inode: int, name: str) -> Entry: ...
 
@@ -83,11 +91,6 @@ class Operations(Protocol):
 
     def releasedir(self, fh: int) -> None: ...
 
-    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
-        """A handle for the kernel; 0 if the implementation reads by inode alone (then no
-        RELEASE reaches it)."""
-        ...
-
     async def read(self, inode: int, fh: int, offset: int, size: int, pid: int) -> bytes | memoryview: ...
 
     def lend_to(self, borrower: Borrower) -> None: ...
@@ -100,6 +103,18 @@ class Operations(Protocol):
         do, which may wait (to run in a task), or None."""
         ...
 
+
+class Opener(Protocol):
+    """An implementation that opens files itself (a handle per open, released when the
+    kernel closes it), so the kernel sends its OPENs and RELEASEs."""
+
+    keep_cache: bool  # the kernel may keep an open file's pages across opens
+    direct_io: bool  # every application read reaches ``read`` (no page cache)
+
+    async def open(self, inode: int, flags: int, pid: int = 0) -> int:
+        """A handle for the kernel (0: none, then no RELEASE comes)."""
+        ...
+
     def release(self, fh: int) -> None: ...
 
 
@@ -110,23 +125,28 @@ def attr_tuple(inode: int, attr: Attr) -> AttrTuple:
 
 def mount(ops: Operations, mount_point: str, options: set[str], *, entry_timeout: float, attr_timeout: float,
           request_timeout: float = 0.0, on_init: Callable[[], object] | None = None,
-          threads: int = READER_THREADS) -> KernelSession:
+          threads: int = READER_THREADS, opener: Opener | None = None) -> KernelSession:
     """Mount ``mount_point`` (OSError, with libfuse's reason, if it cannot) and return the
     session that serves it with ``ops``: run ``serve()``, then always ``close()``.
 
-    ``request_timeout``: a request Python has not answered after that many seconds is
-    answered EIO by C (0: never), so a stalled trio thread cannot hang the mount's readers."""
+    ``entry_timeout``, ``attr_timeout``: the longest the kernel keeps an entry or
+    attributes (each answer's ``valid_for`` may say less).  ``request_timeout``: a request
+    Python has not answered after that many seconds is answered EIO by C (0: never), so a
+    stalled trio thread cannot hang the mount's readers.  ``opener``: who opens files
+    (None: nobody, the kernel's no_open mode)."""
     native = _session.Session(mount_point, ",".join(sorted(options)), threads, entry_timeout, attr_timeout,
-                              request_timeout)
-    return KernelSession(ops, native, on_init=on_init)
+                              request_timeout, opener is None)
+    return KernelSession(ops, native, on_init=on_init, opener=opener)
 
 
 class KernelSession:
     """One FUSE connection serving ``ops``: ``serve()`` answers requests until the mount
     goes away or ``terminate()`` is called; ``close()`` unmounts."""
 
-    def __init__(self, ops: Operations, native: _session.Session, *, on_init: Callable[[], object] | None = None) -> None:
+    def __init__(self, ops: Operations, native: _session.Session, *, on_init: Callable[[], object] | None = None,
+                 opener: Opener | None = None) -> None:
         self.ops = ops
+        self.opener = opener
         self.on_init = on_init
         self._native = native
         self.late_replies = 0  # answers that came after C's deadline had answered EIO
@@ -166,22 +186,14 @@ class KernelSession:
 
     # -- the core's borrower (filesystem.Borrower) -------------------------------------
 
-    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> None:
-        self._native.publish(inode, vouch_for, keep_cache, direct_io, size, block_size, blocks)
+    def publish(self, inode: int, size: int, block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        self._native.publish(inode, size, block_size, blocks)
 
     def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
         return self._native.lend(inode, index, block)
 
     def withdraw(self, inode: int, /) -> None:
         self._native.withdraw(inode)
-
-    @property
-    def native_opens(self) -> int:
-        return self._native.native_opens
-
-    def invalidate_all(self) -> None:
-        self._native.invalidate_all()
 
     def report(self) -> None:
         if self._nursery is not None and not self._ended:
@@ -210,9 +222,10 @@ class KernelSession:
         self._replying(r, self.ops.releasedir, r[3])
 
     def _release(self, r: Request) -> None:
-        # C has answered the kernel: this is the report (no reply).
+        # C has answered the kernel: this is the report (no reply), of a handle the opener gave.
+        assert self.opener is not None  # only an opener's handles are reported
         try:
-            self.ops.release(r[3])
+            self.opener.release(r[3])
         except Exception as exc:  # noqa: BLE001 - a bug must not end the session
             _log_bug(r, exc)
 
@@ -235,7 +248,7 @@ class KernelSession:
             entries = []
             for next_id, name, path, attr in itertools.islice(ops.readdir(fh, offset), size // _MIN_DIRENTPLUS + 1):
                 entry = ops.entry(path, attr)
-                entries.append((os.fsencode(name), attr_tuple(entry.inode, attr), next_id))
+                entries.append((os.fsencode(name), attr_tuple(entry.inode, attr), next_id, entry.valid_for))
         except Exception as exc:  # noqa: BLE001 - every failure is an errno for the kernel
             self._fail(r, exc)
             return
@@ -244,11 +257,11 @@ class KernelSession:
         except _session.Gone:
             self._late(r)
             taken = 0
-        for _, attr_t, _ in entries[taken:]:
+        for _, attr_t, _, _ in entries[taken:]:
             ops.forget(attr_t[0], 1)  # the kernel did not take this entry
-        for _, attr_t, _ in entries[:taken]:
+        for _, attr_t, _, _ in entries[:taken]:
             if stat.S_ISREG(attr_t[1]):
-                ops.publish(attr_t[0])  # the kernel may open it without a LOOKUP: let C answer
+                ops.publish(attr_t[0])  # the kernel may read it without a LOOKUP: let C serve what is held
 
     def _replying(self, r: Request, call: Callable[[int], None], arg: int) -> None:
         try:
@@ -271,7 +284,7 @@ class KernelSession:
 
     async def _answer(self, r: Request) -> None:
         rid, op, ino, fh, offset, size, flags, pid = r[:8]
-        native, ops = self._native, self.ops
+        native, ops, opener = self._native, self.ops, self.opener
         opened: int | None = None  # an OPEN's handle, to release if its answer comes too late
         try:
             if op == _session.OP_READ:
@@ -279,17 +292,16 @@ class KernelSession:
             elif op == _session.OP_LOOKUP:
                 entry = await ops.lookup(ino, os.fsdecode(r[10]))
                 if entry.attr.is_file:
-                    ops.publish(entry.inode)  # before the answer: the OPEN that follows is C's
-                native.reply_entry(rid, attr_tuple(entry.inode, entry.attr))
+                    ops.publish(entry.inode)  # before the answer: the READs that follow are C's where held
+                native.reply_entry(rid, attr_tuple(entry.inode, entry.attr), entry.valid_for)
             elif op == _session.OP_GETATTR:
                 entry = await ops.getattr(ino)
-                native.reply_attr(rid, attr_tuple(entry.inode, entry.attr))
-            elif op == _session.OP_OPEN:
-                fh = await ops.open(ino, flags, pid)
+                native.reply_attr(rid, attr_tuple(entry.inode, entry.attr), entry.valid_for)
+            elif op == _session.OP_OPEN and opener is not None:  # C sends OPENs only with an opener
+                fh = await opener.open(ino, flags, pid)
                 opened = fh or None  # handle 0 has no RELEASE
-                ops.publish(ino)  # before the answer: the next OPEN of it is C's
                 # A RELEASE of fh comes from now on (C reports one if the kernel does not take the answer).
-                native.reply_open(rid, fh, ops.keep_cache, ops.direct_io)
+                native.reply_open(rid, fh, opener.keep_cache, opener.direct_io)
                 opened = None
             elif op == _session.OP_OPENDIR:
                 dh = await ops.opendir(ino)
@@ -311,11 +323,11 @@ class KernelSession:
                 raise FsError(errno.ENOSYS, f"request {op} is not served")
         except _session.Gone:
             self._late(r)
-            if opened is not None:  # the kernel never saw this handle: no RELEASE will come
-                ops.release(opened)
+            if opened is not None and opener is not None:  # the kernel never saw this handle: no RELEASE will come
+                opener.release(opened)
         except Exception as exc:  # noqa: BLE001
-            if opened is not None:  # not answered with the handle: no RELEASE will come
-                ops.release(opened)
+            if opened is not None and opener is not None:  # not answered with the handle: no RELEASE will come
+                opener.release(opened)
             self._fail(r, exc)
 
     def _fail(self, r: Request, exc: Exception) -> None:

@@ -6,7 +6,7 @@ other is answered "read it through the mount" while its flights go on, so the wo
 read joins them. Accounting is the FUSE path's: a file is opened at the ask, advancing the
 job's plan cursor so the window moves past the batch while it is fetched, and each open the
 worker reports at release (``commit``) is one request, a hit unless a block waited on the
-backend; a file never opened from Python is counted by its FUSE open instead."""
+backend; a file never opened from Python is counted by its READ through the mount instead."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class BatchResolver:
 
     def commit(self, results: list[Resolved], opens: list[int] | None = None) -> None:
         """The served files were handed to the worker: count each open of one as a request,
-        like an open and release through the mount (``opens``: per file of the batch, as the
+        like a read through the mount (``opens``: per file of the batch, as the
         worker reports them; None: once per served file).  The first open is a hit if no
         block waited on the backend; further opens of the same file are hits (through the
         mount the kernel's page cache would answer them).  The first open advanced the
@@ -228,7 +228,7 @@ class BatchResolver:
             if sum(len(p) for p in parts) != attr.size:
                 raise StaleVersion(path)  # blocks that do not add up to its size
         except StaleVersion:
-            self.fs.meta.invalidate(path)  # as a read through the mount does: the next open sees the new version
+            self.fs.meta.invalidate(path)  # as a read through the mount does: the next lookup sees the new version
             self._send_back(entry, "changed at the source")
             return
         except (FsError, OSError):

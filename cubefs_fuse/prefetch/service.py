@@ -105,7 +105,7 @@ class PrefetchService:
     # -- status ------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        self.fs.settle()  # count the opens and releases the FUSE session answered
+        self.fs.settle()  # count the reads the FUSE session served
         cache = self.fs.cache.statistics()
         tiers = {"ram": {"used_bytes": cache.ram.used_bytes, "limit_bytes": cache.ram.limit_bytes,
                          "blocks": cache.ram.blocks}}
@@ -134,7 +134,7 @@ class PrefetchService:
         fs, cache, backend = self.fs.statistics(), self.fs.cache.statistics(), self.fs.backend.statistics()
         files = self.reads().files  # as the file_* metrics: the mount's and the fast path's
         return {
-            "opens": fs.opens, "reads": fs.reads, "read_bytes": fs.read_bytes,
+            "lookups": fs.lookups, "reads": fs.reads, "read_bytes": fs.read_bytes,
             "bytes_by_source": fs.bytes_by_source, "file_requests": files.requests,
             "file_misses": files.misses, "stall_seconds": files.stall_seconds,
             "block_hits_ram": cache.hits_ram, "block_hits_disk": cache.hits_disk, "block_misses": cache.misses,
@@ -146,7 +146,7 @@ class PrefetchService:
 
     def stats(self, job: str | None) -> dict[str, Any]:
         """Hit counters per job (``since_last`` restarts at each call) and prefetch counters."""
-        self.fs.settle()  # count the opens and releases the FUSE session answered
+        self.fs.settle()  # count the reads the FUSE session served
         report = self.jobs.report(job)
         for entry in report["jobs"]:
             plans = [p.summary() for p in self.scheduler.plans_of((entry["job"], entry["rank"]))]
@@ -285,7 +285,7 @@ class PrefetchService:
         waits (at most ``FIRST_WAIT``) until they are in the cache."""
         if dtype not in PLAN_DTYPES:
             raise BadRequest(f"dtype must be one of {', '.join(PLAN_DTYPES)}")
-        self.fs.settle()  # the last epoch's opens count for its plan, not this one
+        self.fs.settle()  # the last epoch's reads count for its plan, not this one
         dataset = self.datasets.get(dataset_ref)
         if dataset is None:
             raise NotFound("unknown dataset id: register the file list first (POST /v1/datasets)")

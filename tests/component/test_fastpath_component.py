@@ -2,7 +2,8 @@
 prefetch service on a FakeBackend (virtual time), and cube_torch's client against a fake
 data socket that dies mid-batch.
 
-Hits and misses are counted per file exactly like opens through the mount; a file is
+Hits and misses are counted per file exactly like a file's read through the mount (its
+READ from the start, the kernel opening files without the daemon); a file is
 served only from the version the metadata says; late files go to the mount; a worker
 whose daemon dies or hangs mid-batch reads through the mount after a bounded wait.
 """
@@ -93,12 +94,13 @@ async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.te
 
 
 async def test_a_batch_moves_the_plan_past_its_files_when_it_asks(autojump_clock: trio.testing.MockClock) -> None:
-    """A batch's files are opened when the worker asks for them, as through the mount an
-    open comes before the reads: the plan's cursor moves past them at once, so its window
-    fetches the *next* batch's files while the worker loads this one (not the files this
-    batch is fetching itself), and the next batch finds them in RAM.  Each file is still
-    one request, counted at the release; a file the worker then reads through the mount
-    is counted by that open alone and moves the cursor once."""
+    """A batch's files are requested when the worker asks for them, as through the mount a
+    file's first READ is seen before its bytes are fetched: the plan's cursor moves past
+    them at once, so its window fetches the *next* batch's files while the worker loads
+    this one (not the files this batch is fetching itself), and the next batch finds them
+    in RAM.  Each file is still one request, counted when the worker has it; a file the
+    worker then reads through the mount is counted by that read (from its start) alone
+    and moves the cursor once."""
     backend = FakeBackend(latency=LATENCY)
     paths = [f"d/{i:03d}.jpg" for i in range(48)]
     data = {path: bytes([i]) * BLOCK for i, path in enumerate(paths)}  # one block each
@@ -133,16 +135,15 @@ async def test_a_batch_moves_the_plan_past_its_files_when_it_asks(autojump_clock
         assert [r.waited for r in second] == [False] * window + [True] * (16 - window)
         await trio.sleep(20 * LATENCY)
         # The first file opened twice from the ring, the second never (a loader reading it
-        # from C): it is read through the mount, where its open is the one request.
+        # from C): it is read through the mount, where its READ from the start is the one request.
         resolver.commit(second, [2, 0] + [1] * 14)
         assert counters(resolver) == (32, 16, 16)
-        # The second open of a file the plan reads once is the job's request, not the plan's
-        # (as through the mount: it matches no position left).
+        # The second open (from the ring) of a file the plan reads once is the job's request,
+        # not the plan's (as a second read through the mount: it matches no position left).
         assert (plan.cursor, plan.counters.used, plan.counters.requests) == (32, 32, 31)
         inode = ROOT_INODE
         for name in paths[17].split("/"):
             inode = (await fs.lookup(inode, name)).inode
-        await fs.open(inode, os.O_RDONLY, PID)
         assert await fs.read(inode, 0, 0, BLOCK, PID) == data[paths[17]]
         assert counters(resolver) == (33, 17, 16)
         assert (plan.cursor, plan.counters.used, plan.counters.requests) == (32, 32, 32)
@@ -223,8 +224,8 @@ async def test_a_batchs_nvme_blocks_are_read_in_one_thread_call(tmp_path: Path,
 
 
 async def test_a_changed_file_is_served_only_in_its_new_version(autojump_clock: trio.testing.MockClock) -> None:
-    """Before the attributes expire the daemon's metadata still names the old version (as an
-    open through the mount would); from then on only the new bytes, never the old or mixed."""
+    """Before the attributes expire the daemon's metadata still names the old version (as a
+    lookup through the mount would); from then on only the new bytes, never the old or mixed."""
     backend = FakeBackend(latency=LATENCY)
     backend.write("a.bin", b"1" * 10_000)
     async with open_resolver(backend) as resolver:

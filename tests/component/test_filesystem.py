@@ -1,18 +1,23 @@
 """The filesystem core without a kernel: Filesystem over a FakeBackend and a real BlockCache.
 
 What the FUSE adapter relies on: inode numbers and lookup counts, directory handles,
-one inode per version of a file, version pinning at open, reads
-assembled from blocks, ESTALE instead of mixed versions, and the observer hooks.
+one inode per version of a file (a changed file is found at lookup, a new inode; the old
+one keeps serving its own version), how long the kernel may keep an entry, reads
+assembled from blocks without any open, ESTALE instead of mixed versions, and the
+observer hooks.
 """
 
 from __future__ import annotations
 
 import errno
+import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import pytest
+import trio
+import trio.testing
 
 from cubefs_fuse.errors import FsError, StaleVersion, errno_of
 from cubefs_fuse.fs.filesystem import FileRequest, Filesystem
@@ -80,28 +85,30 @@ async def test_reads_of_every_range_match_the_source_across_blocks() -> None:
     backend.write("f", data)
     async with filesystem(backend) as fs:
         inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        assert await fs.open(inode, os.O_RDONLY) == 0  # reads are by inode: no handle
+        # Reads are by inode: no open, no handle (the kernel opens files without the core).
         assert await read_all(fs, inode, len(data)) == data
         for offset, size in ((BLOCK - 1, 2), (BLOCK, BLOCK), (10, 3 * BLOCK), (len(data) - 5, 100), (0, 1)):
             assert bytes(await fs.read(inode, 0, offset, size)) == data[offset:offset + size]
         assert await fs.read(inode, 0, len(data), 10) == b""
         stats = fs.statistics()
         # Each read from the file's start is a request: the first waited on the backend.
-        assert (stats.file_requests, stats.file_misses, stats.opens) == (2, 1, 1)
+        assert (stats.file_requests, stats.file_misses) == (2, 1)
 
 
-async def test_writes_directories_and_special_files_are_refused() -> None:
+async def test_reads_of_directories_and_special_files_are_refused() -> None:
+    """The kernel opens files without the core (writes are refused by the FUSE session):
+    what the core refuses is a READ of an inode that is no regular file."""
     backend = FakeBackend()
     backend.mkdir("d")
     backend.symlink("l", "d")
     async with filesystem(backend) as fs:
         d = await fs.lookup(ROOT_INODE, "d")
         link = await fs.lookup(ROOT_INODE, "l")
-        for inode, flags, err in ((d.inode, os.O_RDONLY, errno.EISDIR), (link.inode, os.O_RDONLY, errno.EINVAL),
-                                  (d.inode, os.O_WRONLY, errno.EROFS), (link.inode, os.O_RDWR, errno.EROFS)):
+        for inode, err in ((d.inode, errno.EISDIR), (link.inode, errno.EINVAL)):
             with pytest.raises(FsError) as exc:
-                await fs.open(inode, flags)
+                await fs.read(inode, 0, 0, 10)
             assert exc.value.errno == err
+        assert fs.statistics().file_requests == 0
         assert await fs.readlink(link.inode) == "d"
         with pytest.raises(FsError) as exc:
             await fs.readlink(d.inode)
@@ -113,7 +120,6 @@ async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its
     backend.write("f", b"old" * 2000)
     async with filesystem(backend, attr_ttl=0.0) as fs:
         old = await fs.lookup(ROOT_INODE, "f")
-        await fs.open(old.inode, os.O_RDONLY)
         assert bytes(await fs.read(old.inode, 0, 0, 3)) == b"old"
         backend.write("f", b"new" * 3000)  # in place: same inode number, new size, mtime, ctime
         new = await fs.lookup(ROOT_INODE, "f")
@@ -122,17 +128,15 @@ async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its
         # size or mtime on it (it would cut, extend or drop the old version's pages).
         assert (await fs.getattr(old.inode)).attr == old.attr
         assert (await fs.getattr(new.inode)).attr.size == 9000
-        with pytest.raises(FsError) as stale:
-            await fs.open(old.inode, os.O_RDONLY)  # the kernel retries with a fresh lookup
-        assert stale.value.errno == errno.ESTALE
-        await fs.open(new.inode, os.O_RDONLY)
         assert await read_all(fs, new.inode, 9000) == b"new" * 3000
+        # The old inode reads its own version where it is cached, and fails (ESTALE) where
+        # it is not: never the new bytes, never a mix.
         assert bytes(await fs.read(old.inode, 0, 0, 3)) == b"old"  # its cached block, its version
         with pytest.raises(StaleVersion):
             await fs.read(old.inode, 0, BLOCK, 10)  # a block of the old version that is not cached
+        assert bytes(await fs.read(old.inode, 0, 0, BLOCK)) == (b"old" * 2000)[:BLOCK]
         stats = fs.statistics()
-        assert (stats.version_changes, stats.stale_opens, stats.stale_reads, stats.retired_inodes,
-                stats.inodes) == (1, 1, 1, 1, 3)
+        assert (stats.version_changes, stats.stale_reads, stats.retired_inodes, stats.inodes) == (1, 1, 1, 3)
         assert (await fs.lookup(ROOT_INODE, "f")).inode == new.inode  # no further change, same inode
         fs.forget(old.inode, 1)  # the kernel lets the old inode go
         stats = fs.statistics()
@@ -142,7 +146,7 @@ async def test_a_changed_file_gets_a_new_inode_and_the_old_one_keeps_serving_its
         assert gone.value.errno == errno.ESTALE
 
 
-@pytest.mark.parametrize("first", ["lookup", "getattr", "open"])
+@pytest.mark.parametrize("first", ["lookup", "getattr", "read"])
 @pytest.mark.parametrize("change", ["in_place", "replaced", "same_size"])
 async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_path_moves_on(
         first: str, change: str) -> None:
@@ -150,8 +154,7 @@ async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_pat
     backend.write("d/f", b"a" * 5000)
     async with filesystem(backend, attr_ttl=0.0) as fs:
         d = await fs.lookup(ROOT_INODE, "d")
-        old = await fs.lookup(d.inode, "f")
-        await fs.open(old.inode, os.O_RDONLY)  # pages of the old version may stay in the kernel
+        old = await fs.lookup(d.inode, "f")  # pages of the old version may stay in the kernel
         if change == "replaced":
             backend.remove("d/f")
             backend.write("d/f", b"b" * 7000)  # a new file renamed over it: a new inode number
@@ -161,10 +164,10 @@ async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_pat
             assert (await fs.lookup(d.inode, "f")).inode != old.inode
         elif first == "getattr":
             assert (await fs.getattr(old.inode)).attr == old.attr
-        else:
-            with pytest.raises(FsError) as stale:
-                await fs.open(old.inode, os.O_RDONLY)
-            assert stale.value.errno == errno.ESTALE
+        else:  # a read of the old inode's block that is not cached: ESTALE, never the new bytes
+            with pytest.raises(StaleVersion):
+                await fs.read(old.inode, 0, 0, 10)
+            assert fs.statistics().stale_reads == 1
         new = await fs.lookup(d.inode, "f")
         assert new.inode != old.inode and new.attr.version == backend.version("d/f")
         assert (await fs.getattr(old.inode)).attr == old.attr
@@ -172,7 +175,6 @@ async def test_whichever_request_finds_the_change_it_is_counted_once_and_the_pat
         assert (await fs.lookup(ROOT_INODE, "d")).inode == d.inode  # its directory changed nothing
         stats = fs.statistics()
         assert stats.version_changes == 1
-        await fs.open(new.inode, os.O_RDONLY)
         assert await read_all(fs, new.inode, new.attr.size) == b"b" * new.attr.size
 
 
@@ -224,11 +226,40 @@ async def test_the_observer_sees_each_read_from_a_files_start_with_its_owner() -
 
     async with filesystem(backend) as fs:
         fs.observer = Observer()
-        inode = (await fs.lookup(ROOT_INODE, "f")).inode
-        await fs.open(inode, os.O_RDONLY, pid=42)  # an open is no request
+        inode = (await fs.lookup(ROOT_INODE, "f")).inode  # a lookup is no request
         assert seen == []
         await fs.read(inode, 0, 0, 100, pid=42)
         await fs.read(inode, 0, 50, 50, pid=42)  # not from the start: part of the same request
         await fs.read(inode, 0, 0, 100, pid=43)
         assert seen == [("open", (42, "f")), ("release", ("f", "job-of-42", True)),
                         ("open", (43, "f")), ("release", ("f", "job-of-43", False))]
+
+
+async def test_entries_are_valid_as_long_as_the_metadata_cache_trusts_them(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """The kernel may keep an entry and its attributes for ``valid_for`` seconds: as long
+    as the metadata cache still trusts the path's attributes, so that it looks the name up
+    again (and finds a changed file's new inode) at most ``attrValid`` after the source
+    answered.  An answer the cache does not trust is valid for 0; an old version's inode
+    for ever (its attributes never change)."""
+    ttl = 100.0
+    backend = FakeBackend()
+    backend.write("f", b"1" * 10)
+    async with filesystem(backend, attr_ttl=ttl) as fs:
+        first = await fs.lookup(ROOT_INODE, "f")
+        assert first.valid_for == pytest.approx(ttl)
+        await trio.sleep(30)
+        assert (await fs.getattr(first.inode)).valid_for == pytest.approx(ttl - 30)  # from the cache
+        assert (await fs.lookup(ROOT_INODE, "f")).valid_for == pytest.approx(ttl - 30)
+        await trio.sleep(ttl - 30 - 1)
+        assert (await fs.getattr(first.inode)).valid_for == pytest.approx(1)
+        backend.write("f", b"2" * 20)
+        await trio.sleep(1)  # the attributes are no longer trusted: the next lookup asks the source
+        assert fs.meta.peek("f") is None and fs.entry("f", first.attr).valid_for == 0
+        new = await fs.lookup(ROOT_INODE, "f")
+        assert new.inode != first.inode and new.attr.size == 20 and new.valid_for == pytest.approx(ttl)
+        assert bytes(await fs.read(new.inode, 0, 0, 100)) == b"2" * 20
+        assert (await fs.getattr(first.inode)).valid_for == math.inf  # retired: its version's, for ever
+    async with filesystem(backend, attr_ttl=0.0) as fs:  # nothing trusted: every entry valid for 0
+        entry = await fs.lookup(ROOT_INODE, "f")
+        assert entry.valid_for == 0 and (await fs.getattr(entry.inode)).valid_for == 0

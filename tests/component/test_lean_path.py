@@ -21,7 +21,7 @@ from cubefs_fuse.backends.localdir import LocalDirBackend
 from cubefs_fuse.cache.blockcache import Source
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
-from cubefs_fuse.errors import FsError
+from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
@@ -39,12 +39,12 @@ async def filesystem(backend: FakeBackend, *, fetch_slots: int = 4,
 
 
 async def read_file(fs: Filesystem, path: str) -> bytes:
-    """lookup (each component), open, read whole in 1000-byte requests."""
+    """lookup (each component), read whole in 1000-byte requests (no open: the kernel
+    opens files without the daemon)."""
     inode = ROOT_INODE
     for name in path.split("/"):
         entry = await fs.lookup(inode, name)
         inode = entry.inode
-    await fs.open(inode, 0)
     out = bytearray()
     for offset in range(0, entry.attr.size, 1000):
         out += await fs.read(inode, 0, offset, 1000)
@@ -68,7 +68,7 @@ async def test_a_cold_small_file_costs_one_backend_call_and_counts_as_a_miss(aut
         assert s.blocks_by_source[Source.BACKEND.value] == 1
         assert s.blocks_by_source[Source.RAM.value] == 3  # the other 3 reads of the block
         assert fs.cache.statistics().misses == 1
-        # The next open of the file is a hit, with no backend call at all.
+        # The next read of the file is a hit, with no backend call at all.
         assert await read_file(fs, "d/f") == data
         s = fs.statistics()
         assert (s.file_requests, s.file_misses) == (2, 1) and dict(backend.operations) == {"stat": 1}
@@ -103,7 +103,6 @@ async def test_a_getattr_miss_brings_the_file_too(autojump_clock: object) -> Non
         fs.meta.invalidate("f")
         await fs.getattr(inode)
         assert backend.stat_reads == 1
-        await fs.open(inode, 0)
         assert await fs.read(inode, 0, 0, 100) == b"f" * 10
         assert backend.operations["read"] == 0 and fs.statistics().file_misses == 1
 
@@ -139,11 +138,12 @@ async def test_a_lookup_fetch_never_admits_bytes_of_another_version(autojump_clo
         old = entries[0].attr.version
         assert old != new and backend.stat_reads == 0
         assert not fs.cache.contains(block_key("f", old, 0)) and not fs.cache.contains(block_key("f", new, 0))
-        # The open of the old version's inode finds the change (ESTALE); the new one reads "2"s.
-        fs.meta.invalidate("f")
-        with pytest.raises(FsError) as stale:
-            await fs.open(entries[0].inode, 0)
+        # A read of the old version's inode finds the change (ESTALE, never the "2"s) and
+        # drops the name's attributes: its next lookup gives the new version's inode.
+        with pytest.raises(StaleVersion) as stale:
+            await fs.read(entries[0].inode, 0, 0, 100)
         assert stale.value.errno == errno.ESTALE
+        assert (await fs.lookup(ROOT_INODE, "f")).inode != entries[0].inode
         assert await read_file(fs, "f") == b"2" * 100
 
 

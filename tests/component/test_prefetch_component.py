@@ -2,8 +2,9 @@
 Filesystem + PrefetchService over a FakeBackend with per-operation latency.
 
 The "application" is this test task: it registers its own pid as a job, then looks
-files up, opens, reads and releases them through ``Filesystem`` exactly as the FUSE
-adapter would (with the pid a FUSE request carries).  Time is virtual
+files up and reads them through ``Filesystem`` exactly as the FUSE adapter would (with
+the pid a FUSE request carries; the kernel opens and closes files without the daemon, so a
+READ from a file's start is what counts as a request).  Time is virtual
 (``autojump_clock``): a 2 ms remote costs no wall time and outcomes do not depend on
 the machine's speed.  Plans are registered through the service's real handlers.
 """
@@ -70,12 +71,11 @@ async def submit(s: System, dataset: str, order: list[int], epoch: int, rank: in
 
 
 async def read_file(fs: Filesystem, path: str, pid: int = PID) -> bool:
-    """Look up, open and read ``path`` whole as an application; True if a hit."""
+    """Look up and read ``path`` whole as an application; True if a hit."""
     inode = ROOT_INODE
     for name in path.split("/"):
         entry = await fs.lookup(inode, name)
         inode = entry.inode
-    await fs.open(inode, os.O_RDONLY, pid)
     misses = fs.statistics().file_misses
     offset = 0
     while offset < entry.attr.size:
@@ -581,9 +581,9 @@ async def test_a_later_loader_starts_at_the_clock_of_the_reads_so_far(
         assert scheduler.plans[(JOB, 0, "0")].origin == LOADER_FILES
 
 
-async def test_an_open_advances_the_plan_that_reads_it_next(autojump_clock: trio.testing.MockClock) -> None:
-    """Two loaders over one dataset (one registration), in different orders: an open
-    goes to the plan that reads that file nearest its cursor."""
+async def test_a_files_read_advances_the_plan_that_reads_it_next(autojump_clock: trio.testing.MockClock) -> None:
+    """Two loaders over one dataset (one registration), in different orders: a file's
+    read (a READ from its start) goes to the plan that reads that file nearest its cursor."""
     backend = FakeBackend(latency=LATENCY)
     paths = make_dataset(backend, 100)
     async with open_system(backend, ram=64 << 20) as s:
@@ -628,7 +628,7 @@ async def test_loaders_are_bounded_and_end_with_their_job(autojump_clock: trio.t
 
 async def test_a_dropped_loaders_window_stops_being_protected(autojump_clock: trio.testing.MockClock) -> None:
     """A loader left mid-epoch (dropped, or its loop broke early) says nothing: once none
-    of its files was opened for PLAN_IDLE, the next re-ranking unplans its window."""
+    of its files was read for PLAN_IDLE, the next re-ranking unplans its window."""
     backend = FakeBackend(latency=LATENCY)
     a, b = two_domains(backend)
     async with open_system(backend, ram=LOADER_RAM) as s:

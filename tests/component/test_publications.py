@@ -1,13 +1,15 @@
 """Publications: the inodes the core lends to the FUSE session in C (its borrower).
 
-The core lends the held blocks of the version an inode serves, and vouches for the inode
-(so the borrower may answer its opens) for as long as its attributes are trusted.  It
-takes a block back when the block leaves the RAM tier (lending the block's NVMe entry
-instead where it has one), stops vouching when the file changed or its metadata was
-dropped, and takes everything back when the kernel forgets the inode.  The borrower uses
-nothing once a call returns, so the RAM limit holds with no block counted twice.  Reads the
-borrower served are counted as reads are; one from a file's start is a file request, with
-the observer told.
+The core lends the held blocks of the version an inode serves (the kernel opens files
+without the daemon, so reads are all there is to serve).  An inode published with every
+block lent is left as it is; one with blocks missing is published again with what is held
+now.  The core takes a block back when the block leaves the RAM tier (lending the block's
+NVMe entry instead where it has one), and everything when the kernel forgets the inode;
+a file changed at the source, or metadata dropped, changes nothing lent (an old version's
+inode keeps its blocks, exact for its version).  The borrower uses nothing once a call
+returns, so the RAM limit holds with no block counted twice.  Reads the borrower served
+are counted as reads are; one from a file's start is a file request, with the observer
+told.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 import trio
 
 from cubefs_fuse.cache.disk import DiskTier
+from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, LentBlock
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
@@ -28,29 +31,26 @@ from tests.stack import BLOCK, Stack, open_stack, stack_config
 
 
 class FakeBorrower:
-    """C's side: one publication per inode, (vouched for seconds, lent blocks)."""
+    """C's side: one publication per inode (its lent blocks), and how many were made."""
 
     def __init__(self) -> None:
-        self.table: dict[int, tuple[float, list[LentBlock]]] = {}
-        self.invalidations = 0
+        self.table: dict[int, list[LentBlock]] = {}
+        self.publications = 0
         self.reports = 0
-        self.native_opens = 0
 
-    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> None:
-        self.table[inode] = (vouch_for, list(blocks))
+    def publish(self, inode: int, size: int, block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        assert block_size == BLOCK and len(blocks) == -(-size // block_size)
+        self.table[inode] = list(blocks)
+        self.publications += 1
 
     def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
-        if inode not in self.table or index >= len(self.table[inode][1]):
+        if inode not in self.table or index >= len(self.table[inode]):
             return False
-        self.table[inode][1][index] = block
+        self.table[inode][index] = block
         return True
 
     def withdraw(self, inode: int, /) -> None:
         self.table.pop(inode, None)
-
-    def invalidate_all(self) -> None:
-        self.invalidations += 1
 
     def report(self) -> None:
         self.reports += 1
@@ -78,23 +78,23 @@ def assert_ram_accounted(stack: Stack[FakeBackend], ghost_bytes: int = 0) -> Non
     assert ram.used_bytes == held + ghost_bytes <= ram.limit_bytes
 
 
-async def test_a_file_is_published_with_its_held_blocks_and_vouched_for_while_its_attributes_are_trusted() -> None:
+async def test_a_file_is_published_once_with_its_held_blocks() -> None:
     backend = FakeBackend()
     backend.write("f", b"a" * 100)
     backend.mkdir("d")
     async with lent_stack(backend) as (stack, borrower):
         inode = await published(stack, "f")  # the lookup brought the one-block file
-        vouched, blocks = borrower.table[inode]
-        assert 3500 < vouched <= 3600 and blocks == [b"a" * 100]
+        assert borrower.table[inode] == [b"a" * 100] and borrower.publications == 1
         entry = borrower.table[inode]
         await stack.fs.lookup(ROOT_INODE, "f")
-        assert stack.fs.publish(inode) and borrower.table[inode] is entry  # the same: nothing to redo
+        # Every block lent: the same publication, nothing to redo.
+        assert stack.fs.publish(inode) and borrower.table[inode] is entry and borrower.publications == 1
         directory = (await stack.fs.lookup(ROOT_INODE, "d")).inode
-        assert not stack.fs.publish(directory)
+        assert not stack.fs.publish(directory) and borrower.publications == 1
     async with lent_stack(backend, attr_valid=0.0, lookup_valid=0.0) as (stack, borrower):
         inode = (await stack.fs.lookup(ROOT_INODE, "f")).inode
-        assert stack.fs.publish(inode)
-        assert borrower.table[inode] == (0.0, [b"a" * 100])  # its reads are served; every open asks
+        assert stack.fs.publish(inode)  # lent whether or not its attributes are trusted
+        assert borrower.table[inode] == [b"a" * 100]
 
 
 async def test_a_block_leaving_ram_is_taken_back_at_once() -> None:
@@ -108,10 +108,16 @@ async def test_a_block_leaving_ram_is_taken_back_at_once() -> None:
         # f2's block evicts f0's: f0 is lent nothing in its place (no NVMe tier here), and
         # its bytes stop counting, since the borrower no longer uses them.
         third = await published(stack, "f2")
-        assert borrower.table[first][1] == [None]
-        assert borrower.table[second][1] == [b"\1" * BLOCK] and borrower.table[third][1] == [b"\2" * BLOCK]
+        assert borrower.table[first] == [None]
+        assert borrower.table[second] == [b"\1" * BLOCK] and borrower.table[third] == [b"\2" * BLOCK]
         assert_ram_accounted(stack)
         assert stack.cache.memory.used_bytes == 2 * BLOCK
+        # Published again (its next lookup): nothing is held, so nothing is published and
+        # the earlier publication is withdrawn (its READs go to Python, which lends what
+        # they bring).
+        publications = borrower.publications
+        assert not stack.fs.publish(first) and first not in borrower.table
+        assert borrower.publications == publications
 
 
 async def test_a_one_block_file_leaving_ram_stays_lent_with_its_nvme_entry(tmp_path: Path) -> None:
@@ -126,46 +132,75 @@ async def test_a_one_block_file_leaving_ram_stays_lent_with_its_nvme_entry(tmp_p
             assert bytes(await stack.fs.read(first, 0, 0, BLOCK)) == b"0" * BLOCK
             await stack.cache.drain()  # f0's block written to NVMe too
             await published(stack, "f1")  # evicts f0's block from RAM
-            (lent,) = borrower.table[first][1]
+            (lent,) = borrower.table[first]
             assert isinstance(lent, tuple) and lent[0].endswith(b".seg")  # a segment file's entry
             assert_ram_accounted(stack)
     finally:
         await disk.close()
 
 
-async def test_a_change_or_dropped_attributes_end_the_vouching_and_a_forgotten_inode_everything() -> None:
+async def test_a_change_or_dropped_attributes_leave_the_loans_and_a_forgotten_inode_is_withdrawn() -> None:
     backend = FakeBackend()
     backend.write("f", b"old")
     backend.write("g", b"g")
     async with lent_stack(backend, attr_valid=0.05, lookup_valid=0.05) as (stack, borrower):
         old = await published(stack, "f")
-        assert 0 < borrower.table[old][0] <= 0.05
+        old_blocks = borrower.table[old]
         backend.write("f", b"newer")
         await trio.sleep(0.1)
         new = await published(stack, "f")  # the lookup found the change: the old inode retired
-        assert new != old and 0 < borrower.table[new][0] <= 0.05 and borrower.table[new][1] == [b"newer"]
-        assert borrower.table[old] == (0.0, [b"old"])  # its version's bytes are still exact
+        assert new != old and borrower.table[new] == [b"newer"]
+        # The old version's inode keeps its publication: its bytes are still exact for it.
+        assert borrower.table[old] is old_blocks and old_blocks == [b"old"]
+        publications = borrower.publications
+        assert stack.fs.publish(old) and borrower.publications == publications  # whole: left as is
         stack.meta.invalidate("f")  # a read found the source changed
-        assert borrower.table[new] == (0.0, [b"newer"])
+        stack.meta.clear()  # drop_cache
+        assert borrower.table == {old: [b"old"], new: [b"newer"]} and borrower.publications == publications
         g = await published(stack, "g")
+        assert stack.cache.memory.used_bytes == len(b"old" + b"newer" + b"g")  # nothing counted twice
         stack.fs.forget(g, 1)
         assert g not in borrower.table
-        stack.meta.clear()  # drop_cache: no publication answers an open any more
-        assert borrower.invalidations == 1
-        assert stack.cache.memory.used_bytes == len(b"old" + b"newer" + b"g")  # nothing counted twice
+        old_key = block_key("f", (await stack.fs.getattr(old)).attr.version, 0)
+        stack.fs.forget(old, 1)  # the kernel lets the old version go: withdrawn, its block given back
+        assert set(borrower.table) == {new}
+        memory = stack.cache.memory
+        assert memory.used_bytes == len(b"old" + b"newer" + b"g")
+        memory.discard(old_key)  # not lent any more: its bytes stop counting as it leaves
+        assert memory.used_bytes == len(b"newer" + b"g") and set(borrower.table) == {new}
 
 
 async def test_a_read_served_here_lends_what_it_brought() -> None:
     backend = FakeBackend()
     backend.write("big", b"b" * (2 * BLOCK))  # two blocks: the lookup does not bring it
     async with lent_stack(backend) as (stack, borrower):
-        inode = await published(stack, "big")
-        assert borrower.table[inode][1] == [None, None]  # C sends its reads and opens here
+        inode = (await stack.fs.lookup(ROOT_INODE, "big")).inode
+        assert not stack.fs.publish(inode) and inode not in borrower.table  # nothing held: C sends its reads here
         assert bytes(await stack.fs.read(inode, 0, 0, BLOCK)) == b"b" * BLOCK
-        assert borrower.table[inode][1] == [b"b" * BLOCK, None]
+        assert borrower.table[inode] == [b"b" * BLOCK, None]
         assert bytes(await stack.fs.read(inode, 0, BLOCK, BLOCK)) == b"b" * BLOCK
-        assert borrower.table[inode][1] == [b"b" * BLOCK] * 2  # C answers the next open
-        assert stack.fs.publish(inode) and borrower.table[inode][1] == [b"b" * BLOCK] * 2
+        assert borrower.table[inode] == [b"b" * BLOCK] * 2  # C serves the next reads of both itself
+        publications = borrower.publications
+        assert stack.fs.publish(inode) and borrower.table[inode] == [b"b" * BLOCK] * 2
+        assert borrower.publications == publications  # every block lent: nothing to redo
+        assert_ram_accounted(stack)
+
+
+async def test_an_inode_published_with_blocks_missing_is_published_again_with_what_is_held_now() -> None:
+    backend = FakeBackend()
+    backend.write("big", b"b" * (2 * BLOCK))  # two blocks: the lookup does not bring it
+    async with lent_stack(backend) as (stack, borrower):
+        fs = stack.fs
+        inode = (await fs.lookup(ROOT_INODE, "big")).inode
+        version = (await fs.getattr(inode)).attr.version
+        # Brought by something other than a read of this inode (a prefetch): one block, then the other.
+        await stack.cache.read(block_key("big", version, 0), fs.blocks.fetcher("big", version, 0))
+        assert fs.publish(inode) and borrower.table[inode] == [b"b" * BLOCK, None] and borrower.publications == 1
+        await stack.cache.read(block_key("big", version, 1), fs.blocks.fetcher("big", version, 1))
+        assert borrower.table[inode] == [b"b" * BLOCK, None]  # nothing lent on its own
+        assert fs.publish(inode) and borrower.publications == 2
+        assert borrower.table[inode] == [b"b" * BLOCK] * 2
+        assert fs.publish(inode) and borrower.publications == 2  # now whole: left as is
         assert_ram_accounted(stack)
 
 

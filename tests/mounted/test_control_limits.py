@@ -89,7 +89,7 @@ def test_a_connection_flood_and_idle_connections_stop_no_reader(make_mount: Call
             peak[0] = max(peak[0], open_fds(pid))
             rel = next(names)
             assert m.path(rel).read_bytes() == files[rel]
-            assert m.scrape()["cubefs_fuse_opens_total"] >= 1
+            assert m.scrape()["cubefs_fuse_lookups_total"] >= 1
             assert client.status()["pid"] == pid
 
         # An allowed user (root) holds 64 idle connections ...

@@ -233,8 +233,8 @@ def test_cached_files_are_served_stale_while_the_remote_hangs_and_revalidated_af
         assert read(m.path("d/big.bin")) == ok(files["d/big.bin"])
         samples = m.scrape()
         assert metric(samples, "cubefs_fuse_backend_up") == 0
-        assert metric(samples, "cubefs_fuse_stale_if_error_total", op="open") >= 2
-        assert metric(samples, "cubefs_fuse_stale_if_error_total", op="lookup") >= 1
+        # Each file's LOOKUP, answered stale with a timeout of 0 (the kernel asks again at the next open).
+        assert metric(samples, "cubefs_fuse_stale_if_error_total", op="lookup") >= 2
         assert (metric(samples, "cubefs_fuse_served_bytes_total", source="ram")
                 - metric(before, "cubefs_fuse_served_bytes_total", source="ram")) >= len(files["d/big.bin"])
         assert sorted(os.listdir(m.path("d"))) == ["a.bin", "b.bin", "big.bin"]  # the kept listing

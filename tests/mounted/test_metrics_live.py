@@ -54,7 +54,7 @@ def test_live_daemon_exposes_exactly_the_metric_table(make_mount: Callable[..., 
         assert ours - expected == set(), "/metrics exposes cubefs_fuse_* names not in METRICS"
 
         # The values reflect what was just done.
-        assert scrape["cubefs_fuse_opens_total"] >= 3
+        assert scrape["cubefs_fuse_lookups_total"] >= 3
         # The kernel may retry a failed page read, so the count can exceed one; the log may not.
         assert scrape['cubefs_fuse_backend_errors_total{errno="ENOENT",op="read"}'] >= 1
         assert m.log().count("backend read of 'gone.bin' failed") == 1

@@ -166,7 +166,7 @@ def test_the_expressions_are_all_found() -> None:
     """The extraction itself (a broken one would make the live test vacuous)."""
     dashboard, rules, docs = dashboard_expressions(), rule_expressions(), doc_expressions()
     assert len(dashboard) >= 50 and len(rules) >= 8 and len(docs) >= 8, (len(dashboard), len(rules), len(docs))
-    assert ("variable node", "cubefs_fuse_opens_total") in dashboard
+    assert ("variable node", "cubefs_fuse_mount_info") in dashboard
     assert any("node=~\".*\"" in expr and "[15s]" in expr for _, expr in dashboard)
     assert ("alert CubefsFuseJobStalling",
             "sum by (node, training_job, rank) (rate(cubefs_fuse_job_stall_seconds_total[10m])) > bool 0.25") in rules

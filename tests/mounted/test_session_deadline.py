@@ -69,7 +69,7 @@ def test_an_answer_after_the_deadline_finds_the_request_gone(tmp_path: Path) -> 
         now = time.time_ns()
         attr = Attr(stat.S_IFREG | 0o444, 1, 0, 0, 0, 5, 1, 4096, now, now, now, 99)
         with pytest.raises(_session.Gone):
-            native.reply_entry(request[0], attr_tuple(99, attr))
+            native.reply_entry(request[0], attr_tuple(99, attr), 1.0)
         with pytest.raises(_session.Gone):  # and a made-up id too
             native.reply_err(12345, 0)
     finally:

@@ -1,25 +1,26 @@
-"""Mounted: the C session serves reads of an inode's lent blocks, and answers its opens
-while it is vouched for, and only then.
+"""Mounted: the C session serves reads of an inode's lent blocks; files are opened by the
+kernel alone (no_open) unless the session has an opener; answers carry their own timeouts.
 
 The session (fs/_session.c) is driven directly by a small server thread standing in for
-fs/session.py, on a mount without ``default_permissions`` and with hour-long kernel
-timeouts, so the kernel asks nothing before an OPEN and every OPEN reaches the session:
-what decides who answers it is the publication alone.  A published inode's READs of lent
-blocks are answered in C and reported (OP_SERVED, with the reader's pid); its OPENs are
-answered in C while the publication is vouched for, has every block lent and was not
-ended by ``invalidate_all``; otherwise Python answers them.  With ``direct_io`` every read
-reaches the session, so whether C or Python served it shows in the bytes.  Only the
-releases of handles Python gave are reported.
+fs/session.py, on a mount without ``default_permissions``.  A published inode's READs of
+lent blocks are answered in C and reported (OP_SERVED, with the reader's pid); any other
+READ reaches Python.  The reads here use ``O_DIRECT``, so every one reaches the session
+(no page cache) and whether C or Python served it shows in the bytes.  With ``no_open``
+the first OPEN is answered ENOSYS by C and no OPEN or RELEASE reaches Python after it;
+without it (an opener, as the remote emulator is) every OPEN reaches Python and the
+releases of Python's handles are reported.  An entry or attributes are kept by the kernel
+as long as the answer's ``valid_for`` says, at most the session's timeouts.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import select
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ DATA = b"from C"  # what a READ served by the session returns (the lent block)
 PYTHON = b"Python"  # what a READ answered by the server thread returns (same length)
 NOW = time.time_ns()
 ATTR = Attr(stat.S_IFREG | 0o444, 1, 0, 0, 0, len(DATA), 1, 4096, NOW, NOW, NOW, 7)
+DIR = Attr(stat.S_IFDIR | 0o555, 2, 0, 0, 0, 0, 1, 4096, NOW, NOW, NOW, 1)
 
 
 class Server:
@@ -41,6 +43,9 @@ class Server:
 
     def __init__(self, native: _session.Session) -> None:
         self.native = native
+        self.valid_for = 3600.0  # what LOOKUP and GETATTR answers say
+        self.lookups = 0
+        self.getattrs = 0
         self.python_opens = 0
         self.python_reads = 0
         self.served: list[tuple[int, int, int, object]] = []  # OP_SERVED: (ino, pid, offset, served)
@@ -50,7 +55,6 @@ class Server:
         self._thread.start()
 
     def _run(self) -> None:
-        import select
         while not self._stop.is_set():
             ready, _, _ = select.select([self.native.fileno()], [], [], 0.05)
             if ready:
@@ -61,12 +65,14 @@ class Server:
         rid, op, fh = r[0], r[1], r[3]
         native = self.native
         if op == _session.OP_LOOKUP:
+            self.lookups += 1
             if r[10] == b"f":
-                native.reply_entry(rid, attr_tuple(INODE, ATTR))
+                native.reply_entry(rid, attr_tuple(INODE, ATTR), self.valid_for)
             else:
                 native.reply_err(rid, errno.ENOENT)
         elif op == _session.OP_GETATTR:
-            native.reply_attr(rid, attr_tuple(r[2], ATTR) if r[2] == INODE else attr_tuple(1, DIR))
+            self.getattrs += 1
+            native.reply_attr(rid, attr_tuple(r[2], ATTR) if r[2] == INODE else attr_tuple(1, DIR), self.valid_for)
         elif op == _session.OP_OPEN:
             self.python_opens += 1
             native.reply_open(rid, 100 + self.python_opens, False, True)
@@ -85,30 +91,37 @@ class Server:
         self._thread.join(timeout=10)
 
 
-DIR = Attr(stat.S_IFDIR | 0o555, 2, 0, 0, 0, 0, 1, 4096, NOW, NOW, NOW, 1)
+Served = tuple[_session.Session, Server, Path]
 
 
 @pytest.fixture
-def served(tmp_path: Path) -> Iterator[tuple[_session.Session, Server, Path]]:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    native = _session.Session(str(mnt), "ro,fsname=publication-test", 2, 3600.0, 3600.0, 0.0)
-    native.start()
-    server = Server(native)
+def make_session(tmp_path: Path) -> Iterator[Callable[..., Served]]:
+    """Mount a session (2 readers; ``no_open`` and timeouts as asked) served by a Server."""
+    made: list[tuple[_session.Session, Server, Path]] = []
+
+    def make(no_open: bool = True, timeout: float = 3600.0) -> Served:
+        mnt = tmp_path / f"mnt{len(made)}"
+        mnt.mkdir()
+        native = _session.Session(str(mnt), "ro,fsname=publication-test", 2, timeout, timeout, 0.0, no_open)
+        native.start()
+        made.append((native, Server(native), mnt))
+        return native, made[-1][1], mnt / "f"
+
     try:
-        yield native, server, mnt / "f"
+        yield make
     finally:
-        server.stop()
-        native.close()
-    assert not os.path.ismount(mnt)
+        for native, server, mnt in made:
+            server.stop()
+            native.close()
+            assert not os.path.ismount(mnt)
 
 
 def read(path: Path, server: Server) -> bytes:
-    """Open, read and close ``path``; return once what the session answered is reported (a
-    READ it served; the RELEASE of a handle Python gave, which the kernel sends after
-    close() returns)."""
+    """Open (O_DIRECT: every read reaches the session), read and close ``path``; return once
+    what the session answered is reported (a READ it served; the RELEASE of a handle Python
+    gave, which the kernel sends after close() returns)."""
     served, opens = len(server.served), server.python_opens
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         data = os.read(fd, 100)
     finally:
@@ -120,42 +133,34 @@ def read(path: Path, server: Server) -> bytes:
     return data
 
 
-def publish(native: _session.Session, vouch_for: float = 3600.0, block: bytes | None = DATA) -> None:
-    native.publish(INODE, vouch_for, False, True, len(DATA), 4096, [block])
+def publish(native: _session.Session, block: bytes | None = DATA) -> None:
+    native.publish(INODE, len(DATA), 4096, [block])
 
 
-def test_a_published_inode_is_opened_in_c_while_vouched_for_and_read_in_c_while_lent(
-        served: tuple[_session.Session, Server, Path]) -> None:
-    native, server, f = served
-    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (1, 1)  # nothing published
-    publish(native, vouch_for=1.0)
-    assert read(f, server) == DATA and server.python_opens == 1 and native.native_opens == 1
+def test_reads_of_lent_blocks_are_served_in_c_and_no_open_reaches_python(make_session: Callable[..., Served]) -> None:
+    native, server, f = make_session()
+    assert read(f, server) == PYTHON and server.python_reads == 1  # nothing published
+    publish(native)
+    assert read(f, server) == DATA
     assert server.served == [(INODE, os.getpid(), 0, (0, len(DATA), 1, 0, 0))]  # block 0 from RAM, by us
-    time.sleep(1.2)
-    assert read(f, server) == DATA and server.python_opens == 2  # no longer vouched for: still lent
-    publish(native)
-    assert read(f, server) == DATA and server.python_opens == 2
     native.withdraw(INODE)
-    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (3, 2)
-    publish(native)
-    native.invalidate_all()  # the metadata cache was emptied
-    assert read(f, server) == DATA and server.python_opens == 4
-    publish(native, block=None)  # a block not held: Python opens it, and reads it
-    assert read(f, server) == PYTHON and (server.python_opens, server.python_reads) == (5, 3)
+    assert read(f, server) == PYTHON and server.python_reads == 2
+    publish(native, block=None)  # a block not held: Python reads it
+    assert read(f, server) == PYTHON and server.python_reads == 3
     assert native.lend(INODE, 0, DATA)  # what a read brought: lent on
-    assert read(f, server) == DATA and server.python_opens == 5  # every block lent: C opens it again
+    assert read(f, server) == DATA and server.python_reads == 3
     assert native.lend(INODE, 0, None)  # the block left the RAM tier
     assert read(f, server) == PYTHON and server.python_reads == 4
     assert not native.lend(INODE, 1, DATA) and not native.lend(INODE + 1, 0, DATA)  # no such block, inode
-    assert native.native_opens == 3
-    assert sorted(server.releases) == [101, 102, 103, 104, 105, 106]  # Python's handles only
+    # The first OPEN was answered ENOSYS in C: the kernel opened every file itself since.
+    assert server.python_opens == 0 and server.releases == []
 
 
 def test_a_publication_replaced_under_an_open_file_serves_its_next_read_from_the_new_blocks(
-        served: tuple[_session.Session, Server, Path]) -> None:
-    native, server, f = served
+        make_session: Callable[..., Served]) -> None:
+    native, server, f = make_session()
     publish(native)
-    fd = os.open(f, os.O_RDONLY)
+    fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
     try:
         assert os.read(fd, 100) == DATA
         publish(native, block=b"from 2")  # reads are by inode: the open file reads what is lent now
@@ -164,4 +169,30 @@ def test_a_publication_replaced_under_an_open_file_serves_its_next_read_from_the
         assert os.pread(fd, 100, 0) == PYTHON
     finally:
         os.close(fd)
-    assert server.releases == []  # C answered the open: no handle of Python's
+    assert server.python_opens == 0 and server.releases == []
+
+
+def test_with_an_opener_every_open_reaches_python_and_its_handles_releases_are_reported(
+        make_session: Callable[..., Served]) -> None:
+    native, server, f = make_session(no_open=False)
+    assert read(f, server) == PYTHON and server.python_opens == 1  # the handle's direct_io: Python read it
+    publish(native)
+    assert read(f, server) == DATA and server.python_opens == 2  # lent: C reads, Python still opens
+    assert sorted(server.releases) == [101, 102]
+
+
+def test_the_kernel_keeps_an_entry_as_long_as_its_answer_says_at_most_the_sessions_timeout(
+        make_session: Callable[..., Served]) -> None:
+    _, server, f = make_session()
+    os.stat(f)
+    os.stat(f)
+    assert server.lookups == 1  # an hour: the second walk asked nothing
+    _, untrusted, f2 = make_session()
+    untrusted.valid_for = 0.0  # what the core says of attributes it no longer trusts
+    for _ in range(3):
+        os.stat(f2)
+    assert untrusted.lookups == 3  # each walk asked again
+    _, capped, f3 = make_session(timeout=0.0)  # the session's cap wins over an hour's answer
+    for _ in range(3):
+        os.stat(f3)
+    assert capped.lookups == 3 and capped.valid_for == 3600.0

@@ -94,7 +94,8 @@ def check_views_agree(mount: Mount, report: dict[str, Any]) -> dict[str, Any]:
         == by_path["mount"]["misses"] + by_path["fastpath"]["misses"]
     assert metric(samples, "cubefs_fuse_fastpath_bytes_total") == by_path["fastpath"]["bytes"]
     assert metric(samples, "cubefs_fuse_read_bytes_total") == by_path["mount"]["bytes"]
-    assert metric(samples, "cubefs_fuse_opens_total") >= by_path["mount"]["requests"]
+    assert metric(samples, "cubefs_fuse_reads_total") >= by_path["mount"]["requests"]  # each began with a READ
+    assert metric(samples, "cubefs_fuse_lookups_total") >= report["counters"]["lookups"] > 0
     # The sample cache's share is the hits of its one cache, as the cache's own series say.
     (cache,) = report["samples"]["caches"]
     assert by_path["sample_cache"]["requests"] == cache["hits"] == metric(

@@ -57,7 +57,7 @@ def test_a_daemon_without_fast_path_or_sample_store_counts_the_mount_alone() -> 
 def _status(mount: int, fast: int, cached: int, misses: int, nbytes: int) -> dict[str, Any]:
     reads = app_reads(Mount(mount, misses, nbytes, 0.0), Fast(fast, 0, 0, 0.0), Samples(cached, 0))
     return {"reads": reads.as_dict(), "counters": {
-        "opens": mount, "reads": 2 * mount, "read_bytes": nbytes, "bytes_by_source": {"ram": nbytes, "disk": 0,
+        "lookups": mount, "reads": 2 * mount, "read_bytes": nbytes, "bytes_by_source": {"ram": nbytes, "disk": 0,
                                                                                          "backend": 0},
         "backend_operations": 0, "prefetch_issued": 0},
         "cache": {"ram": {"used_bytes": 2**30}, "disk": {"used_bytes": 0}}}
@@ -65,13 +65,13 @@ def _status(mount: int, fast: int, cached: int, misses: int, nbytes: int) -> dic
 
 def test_the_stats_line_shows_every_path() -> None:
     """The fast path and the sample cache, which open nothing through the mount, still make
-    requests, a hit rate and MiB/s (it showed 0 opens/s and no hit rate during training)."""
+    requests, a hit rate and MiB/s (it showed 0 opens/s at the mount and no hit rate during training)."""
     before, after = _status(0, 0, 0, 0, 0), _status(0, 600, 400, 0, 0)
     fields = _stats_row(before, after, 2.0)
     header = _STATS_HEADER.replace("|", " ").split()
     row = dict(zip(header, fields))
     assert (row["req/s"], row["hit%"], row["mount"], row["fast"], row["sample"]) == ("500", "100.0", "0", "300", "200")
-    assert row["open/s"] == "0"  # the mount saw nothing: said as it is
+    assert row["look/s"] == "0"  # the mount saw nothing: said as it is
 
 
 def test_an_older_daemon_without_reads_is_shown_as_the_mount() -> None:

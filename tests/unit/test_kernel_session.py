@@ -2,11 +2,11 @@
 
 No kernel: requests are queued on a recording stand-in for ``fs/_session.c`` and the real
 ``serve()`` loop answers them.  What it must do is translate: attributes into the tuple C
-packs, every exception into one errno (bugs to EIO, logged once), opens keeping the page
-cache, readdir entries the kernel did not take forgotten, FORGET and INIT passed on,
-inodes published to C before the answers that let the kernel open them, the reads C
-served and the releases of Python's handles reported to the core, and the end of the
-session ending ``serve()``.
+packs with each answer's own timeout, every exception into one errno (bugs to EIO, logged
+once), an opener's opens keeping the page cache, readdir entries the kernel did not take
+forgotten, FORGET and INIT passed on, inodes published to C before the answers that let
+the kernel read them, the reads C served and the releases of the opener's handles
+reported, and the end of the session ending ``serve()``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ FILE = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 0, 1234, 8, 4096, 1, 2, 3, 77)
 
 
 class FakeCore:
-    """Records calls; answers from a script; raises what a test puts in ``fail``."""
+    """Records calls; answers from a script; raises what a test puts in ``fail``.  It is an
+    opener too (tools/slowfs.py is one): the tests that push OP_OPEN mount it as one."""
 
     keep_cache = True
     direct_io = False
@@ -53,17 +54,17 @@ class FakeCore:
     async def lookup(self, parent: int, name: str) -> Entry:
         self.calls.append(("lookup", parent, name))
         self._maybe_fail()
-        return Entry(5, FILE)
+        return Entry(5, FILE, 12.5)
 
     async def getattr(self, inode: int) -> Entry:
         self._maybe_fail()
-        return Entry(inode, FILE)
+        return Entry(inode, FILE, 0.0 if inode == 8 else 12.5)
 
     async def readlink(self, inode: int) -> str:
         return "target"
 
     def entry(self, path: str, attr: Attr) -> Entry:
-        return Entry(100 + len(path), attr)
+        return Entry(100 + len(path), attr, 12.5)
 
     def forget(self, inode: int, n: int) -> None:
         self.forgotten.append((inode, n))
@@ -167,11 +168,11 @@ class FakeNative(NativeSession):
     def reply_err(self, id: int, err: int, /) -> None:
         self._reply(id, "err", err)
 
-    def reply_entry(self, id: int, attr: AttrTuple, /) -> None:
-        self._reply(id, "entry", attr)
+    def reply_entry(self, id: int, attr: AttrTuple, valid_for: float, /) -> None:
+        self._reply(id, "entry", attr, valid_for)
 
-    def reply_attr(self, id: int, attr: AttrTuple, /) -> None:
-        self._reply(id, "attr", attr)
+    def reply_attr(self, id: int, attr: AttrTuple, valid_for: float, /) -> None:
+        self._reply(id, "attr", attr, valid_for)
 
     def reply_open(self, id: int, fh: int, keep_cache: bool, direct_io: bool, /) -> None:
         self._reply(id, "open", fh, keep_cache, direct_io)
@@ -182,21 +183,13 @@ class FakeNative(NativeSession):
         self._reply(id, "opendir", dh)
         return self.take_opens
 
-    @property
-    def native_opens(self) -> int:
-        return 0
-
-    def publish(self, inode: int, vouch_for: float, keep_cache: bool, direct_io: bool, size: int,
-                block_size: int, blocks: Sequence[LentBlock], /) -> None:
-        self.published.append((inode, vouch_for))
+    def publish(self, inode: int, size: int, block_size: int, blocks: Sequence[LentBlock], /) -> None:
+        self.published.append((inode, size))
 
     def lend(self, inode: int, index: int, block: LentBlock, /) -> bool:
         return True
 
     def withdraw(self, inode: int, /) -> None:
-        pass
-
-    def invalidate_all(self) -> None:
         pass
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None:
@@ -208,9 +201,9 @@ class FakeNative(NativeSession):
     def reply_statfs(self, id: int, fields: tuple[int, int, int, int, int, int, int, int, int], /) -> None:
         self._reply(id, "statfs", fields)
 
-    def reply_readdir(self, id: int, entries: Sequence[tuple[bytes, AttrTuple, int]], /) -> int:
+    def reply_readdir(self, id: int, entries: Sequence[tuple[bytes, AttrTuple, int, float]], /) -> int:
         taken = list(entries)[:self.readdir_room]
-        self._reply(id, "readdir", [(name, attr[0], nxt) for name, attr, nxt in taken])
+        self._reply(id, "readdir", [(name, attr[0], nxt) for name, attr, nxt, _ in taken])
         return len(taken)
 
     def exit(self) -> None:
@@ -223,7 +216,7 @@ class FakeNative(NativeSession):
 
 async def served(native: FakeNative, core: FakeCore, inits: list[int] | None = None) -> None:
     """Serve what is queued until the session's end (pushed last)."""
-    s = KernelSession(core, native, on_init=(lambda: inits.append(1)) if inits is not None else None)
+    s = KernelSession(core, native, on_init=(lambda: inits.append(1)) if inits is not None else None, opener=core)
     native.push(c.OP_EXIT, 0)
     with trio.fail_after(10):
         await s.serve()
@@ -232,7 +225,7 @@ async def served(native: FakeNative, core: FakeCore, inits: list[int] | None = N
 async def answer(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[str, Any]],
                  session: KernelSession | None = None) -> list[tuple[Any, ...]]:
     """Queue the requests, serve until each is answered, return the replies in order."""
-    s = session or KernelSession(core, native)
+    s = session or KernelSession(core, native, opener=core)
     ids = [native.push(op, **kw) for op, kw in pushes]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.serve)
@@ -249,12 +242,14 @@ def attr_of(inode: int) -> AttrTuple:
 
 async def test_attributes_are_converted_for_c_to_pack() -> None:
     native, core = FakeNative(), FakeCore()
-    entry, attr, statfs = await answer(native, core, (c.OP_LOOKUP, {"ino": 1, "name": b"name\xff"}),
-                                       (c.OP_GETATTR, {"ino": 7}), (c.OP_STATFS, {}))
-    # The file is published before the entry is answered: the kernel's OPEN may follow at once.
+    entry, attr, untrusted, statfs = await answer(native, core, (c.OP_LOOKUP, {"ino": 1, "name": b"name\xff"}),
+                                                  (c.OP_GETATTR, {"ino": 7}), (c.OP_GETATTR, {"ino": 8}),
+                                                  (c.OP_STATFS, {}))
+    # The file is published before the entry is answered: the kernel's READ may follow at once.
     assert core.calls == [("lookup", 1, os.fsdecode(b"name\xff")), ("publish", 5)]
-    assert entry == ("entry", (5, FILE.mode, 1, 1000, 1000, 0, 1234, 4096, 8, 1, 2, 3))
-    assert attr == ("attr", attr_of(7))
+    # Each answer carries how long the core trusts it, for C to give the kernel as its timeout.
+    assert entry == ("entry", (5, FILE.mode, 1, 1000, 1000, 0, 1234, 4096, 8, 1, 2, 3), 12.5)
+    assert attr == ("attr", attr_of(7), 12.5) and untrusted == ("attr", attr_of(8), 0.0)
     assert statfs == ("statfs", (4096, 4096, 100, 50, 40, 1000, 900, 900, 255))
 
 
@@ -291,11 +286,11 @@ async def reported(native: FakeNative, core: FakeCore, *pushes: tuple[int, dict[
     await served(native, core)
 
 
-async def test_open_passes_flags_and_pid_keeps_the_page_cache_and_publishes_before_answering() -> None:
+async def test_an_openers_open_passes_flags_and_pid_and_its_page_cache_choice() -> None:
     native, core = FakeNative(), FakeCore()
     (opened,) = await answer(native, core, (c.OP_OPEN, {"ino": 5, "flags": os.O_RDONLY, "pid": 77}))
     assert opened == ("open", 9, True, False)
-    assert core.calls == [("open", 5, os.O_RDONLY, 77), ("publish", 5)]
+    assert core.calls == [("open", 5, os.O_RDONLY, 77)]
     core.fail = FsError(errno.ESTALE)  # a retired inode: the kernel retries the lookup
     assert await answer(native, core, (c.OP_OPEN, {"ino": 5})) == [("err", errno.ESTALE)]
 
@@ -332,7 +327,7 @@ async def test_a_read_c_served_is_counted_by_the_core_and_its_owner_looked_up_in
 
 async def test_report_hands_the_core_what_c_served_before_c_signals_it() -> None:
     native, core = FakeNative(), FakeCore()
-    s = KernelSession(core, native)
+    s = KernelSession(core, native, opener=core)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(s.serve)
         await trio.sleep(0.01)
@@ -350,7 +345,7 @@ async def test_readdir_forgets_the_entries_the_kernel_did_not_take() -> None:
                                      (c.OP_RELEASEDIR, {"fh": 3}))
     assert listing == ("readdir", [(b"a", 101, 1), (b"bb", 102, 2)])
     assert core.forgotten == [(103, 1)]
-    # The files the kernel took are published (it may open them without a LOOKUP).
+    # The files the kernel took are published (it may read them without a LOOKUP).
     assert released == ("err", 0) and core.calls == [("publish", 101), ("publish", 102), ("releasedir", 3)]
 
 
@@ -394,7 +389,7 @@ async def test_handle_0_is_never_released() -> None:
 async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_released() -> None:
     native, core = FakeNative(), FakeCore()
     native.gone = True
-    s = KernelSession(core, native)
+    s = KernelSession(core, native, opener=core)
     await answer(native, core, (c.OP_OPEN, {"ino": 5}), (c.OP_GETATTR, {}), (c.OP_READDIR, {"fh": 3, "size": 4096}),
                  session=s)
     assert s.late_replies == 3
@@ -419,5 +414,5 @@ async def test_a_failing_report_is_logged_and_the_session_goes_on(caplog: pytest
     native.push(c.OP_SERVED, 5, served=(0, 1, 1, 0, 0))
     with caplog.at_level(logging.ERROR, logger=session.__name__):
         (attr,) = await answer(native, core, (c.OP_GETATTR, {"ino": 7}))
-    assert attr == ("attr", attr_of(7))
+    assert attr == ("attr", attr_of(7), 12.5)
     assert len(caplog.records) == 2  # one per exception type: the forget's and the report's
