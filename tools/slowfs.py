@@ -433,6 +433,12 @@ class SlowFS:
     def forget(self, inode: int, n: int) -> None:
         self._forget_one(inode, n)
 
+    def lookup_now(self, parent_inode: int, text: str) -> _Entry | None:
+        return None  # every lookup is a remote call
+
+    def getattr_now(self, inode: int) -> _Entry | None:
+        return None  # every getattr is a remote call
+
     async def getattr(self, inode: int) -> _Entry:
         if inode == STATS_INODE:
             return self._stats_entry()

@@ -7,9 +7,10 @@ passes, all through one cache directory:
 
 1. **cold**: a fresh daemon, page cache dropped; every block comes from the source and is
    written to NVMe (the write-behind is waited for and charged to the pass);
-2. **page_cache**: the same daemon, page cache warm: the kernel serves the data, only
-   lookups, opens and releases reach the daemon; repeated :data:`PAGE_CACHE_PASSES`
-   times, because the per-file cost is a few clock ticks per pass;
+2. **page_cache**: the same daemon, page cache warm: the kernel serves the data and opens
+   files itself, so only what the kernel asks again (a name whose entry's timeout ran
+   out) reaches the daemon; repeated :data:`PAGE_CACHE_PASSES` times, because the
+   per-file cost is a few clock ticks per pass;
 3. **nvme**: unmounted and mounted again on the same cache directory (RAM tier empty),
    page cache dropped: the NVMe tier serves every block;
 4. **ram**: a second daemon whose RAM tier holds the whole dataset, read once to fill it

@@ -173,16 +173,28 @@ class Filesystem:
     # -- names and attributes --------------------------------------------------------
 
     async def lookup(self, parent_inode: int, name: str) -> Entry:
-        parent = self.inodes.node(parent_inode).path
+        path = self._child(parent_inode, name)
         self._c.lookups += 1
-        if name == ".":
-            path = parent
-        elif name == "..":
-            path = parent.rpartition("/")[0]
-        else:
-            path = child_path(parent, name)
         attr = await self._stat_fetching(path, "lookup")
         return self.entry(path, attr)
+
+    def lookup_now(self, parent_inode: int, name: str) -> Entry | None:
+        """:meth:`lookup` when the metadata cache answers, without waiting (the session
+        then answers in the same step, with no task); None when it would wait."""
+        path = self._child(parent_inode, name)
+        attr = self.meta.hit(path)
+        if attr is None:
+            return None
+        self._c.lookups += 1
+        return self.entry(path, attr)
+
+    def _child(self, parent_inode: int, name: str) -> str:
+        parent = self.inodes.node(parent_inode).path
+        if name == ".":
+            return parent
+        if name == "..":
+            return parent.rpartition("/")[0]
+        return child_path(parent, name)
 
     async def _or_stale(self, path: str, op: str, answer: Awaitable[Attr]) -> Attr:
         """``answer``, or where the source failed to give it while down, the last validated
@@ -268,8 +280,25 @@ class Filesystem:
             attr = await self._stat_fetching(node.path, "getattr")
             if self.inodes.serves(inode, attr):
                 return Entry(inode, attr, self._valid_for(node.path))
-        assert node.attr is not None  # a retired inode always has the attributes it served
-        return Entry(inode, node.attr, math.inf)  # an old version's: they never change
+        return self._own_version(inode)
+
+    def getattr_now(self, inode: int) -> Entry | None:
+        """:meth:`getattr` when it needs no wait (a retired inode, or the metadata cache
+        answers); None when it would wait."""
+        node = self.inodes.node(inode)
+        if not node.retired:
+            attr = self.meta.hit(node.path)
+            if attr is None:
+                return None
+            if self.inodes.serves(inode, attr):
+                return Entry(inode, attr, self._valid_for(node.path))
+        return self._own_version(inode)
+
+    def _own_version(self, inode: int) -> Entry:
+        """A retired inode's entry: the attributes of its own version, which never change."""
+        attr = self.inodes.node(inode).attr
+        assert attr is not None  # a retired inode always has the attributes it served
+        return Entry(inode, attr, math.inf)
 
     async def readlink(self, inode: int) -> str:
         path = self.inodes.node(inode).path

@@ -75,11 +75,19 @@ class Operations(Protocol):
 
     async def lookup(self, parent_inode: int, name: str) -> Entry: ...
 
+    def lookup_now(self, parent_inode: int, name: str) -> Entry | None:
+        """``lookup``'s answer if it needs no wait, else None (then ``lookup`` is awaited)."""
+        ...
+
     def entry(self, path: str, attr: Attr) -> Entry: ...
 
     def forget(self, inode: int, n: int) -> None: ...
 
     async def getattr(self, inode: int) -> Entry: ...
+
+    def getattr_now(self, inode: int) -> Entry | None:
+        """``getattr``'s answer if it needs no wait, else None (then ``getattr`` is awaited)."""
+        ...
 
     async def readlink(self, inode: int) -> str: ...
 
@@ -182,7 +190,7 @@ class KernelSession:
             if handler is not None:
                 handler(self, request)
             else:
-                self._nursery.start_soon(self._answer, request)
+                self._spawn(request)
 
     # -- the core's borrower (filesystem.Borrower) -------------------------------------
 
@@ -241,6 +249,44 @@ class KernelSession:
             assert self._nursery is not None  # reports come only while serve() runs
             self._nursery.start_soon(_run, rest)
 
+    def _lookup(self, r: Request) -> None:
+        # A warm lookup (the metadata cache answers) is answered in this step: no task.
+        try:
+            entry = self.ops.lookup_now(r[2], os.fsdecode(r[10]))
+            if entry is not None:
+                self._reply_entry(r, entry)
+                return
+        except _session.Gone:
+            self._late(r)
+            return
+        except Exception as exc:  # noqa: BLE001 - every failure is an errno for the kernel
+            self._fail(r, exc)
+            return
+        self._spawn(r)
+
+    def _getattr(self, r: Request) -> None:
+        try:
+            entry = self.ops.getattr_now(r[2])
+            if entry is not None:
+                self._native.reply_attr(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
+                return
+        except _session.Gone:
+            self._late(r)
+            return
+        except Exception as exc:  # noqa: BLE001
+            self._fail(r, exc)
+            return
+        self._spawn(r)
+
+    def _reply_entry(self, r: Request, entry: Entry) -> None:
+        if entry.attr.is_file:
+            self.ops.publish(entry.inode)  # before the answer: the READs that follow are C's where held
+        self._native.reply_entry(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
+
+    def _spawn(self, r: Request) -> None:
+        assert self._nursery is not None  # requests are taken only while serve() runs
+        self._nursery.start_soon(self._answer, r)
+
     def _readdir(self, r: Request) -> None:
         rid, _, _, fh, offset, size = r[:6]
         ops = self.ops
@@ -272,6 +318,8 @@ class KernelSession:
         self._native.reply_err(r[0], 0)  # RELEASE and RELEASEDIR have no deadline in C
 
     _sync: dict[int, Callable[[KernelSession, Request], None]] = {
+        _session.OP_LOOKUP: _lookup,  # answered here when warm, else in a task
+        _session.OP_GETATTR: _getattr,
         _session.OP_FORGET: _forget,
         _session.OP_INIT: _init,
         _session.OP_RELEASEDIR: _releasedir,
@@ -290,10 +338,7 @@ class KernelSession:
             if op == _session.OP_READ:
                 native.reply_buf(rid, await ops.read(ino, fh, offset, size, pid))
             elif op == _session.OP_LOOKUP:
-                entry = await ops.lookup(ino, os.fsdecode(r[10]))
-                if entry.attr.is_file:
-                    ops.publish(entry.inode)  # before the answer: the READs that follow are C's where held
-                native.reply_entry(rid, attr_tuple(entry.inode, entry.attr), entry.valid_for)
+                self._reply_entry(r, await ops.lookup(ino, os.fsdecode(r[10])))
             elif op == _session.OP_GETATTR:
                 entry = await ops.getattr(ino)
                 native.reply_attr(rid, attr_tuple(entry.inode, entry.attr), entry.valid_for)

@@ -263,3 +263,27 @@ async def test_entries_are_valid_as_long_as_the_metadata_cache_trusts_them(
     async with filesystem(backend, attr_ttl=0.0) as fs:  # nothing trusted: every entry valid for 0
         entry = await fs.lookup(ROOT_INODE, "f")
         assert entry.valid_for == 0 and (await fs.getattr(entry.inode)).valid_for == 0
+
+
+async def test_a_warm_lookup_and_getattr_are_answered_without_waiting(autojump_clock: trio.testing.MockClock) -> None:
+    """``lookup_now`` and ``getattr_now`` answer as the awaited calls do when the metadata
+    cache holds the path's attributes, and say None (wait) when it does not."""
+    backend = FakeBackend()
+    backend.write("d/f", b"1" * 10)
+    async with filesystem(backend, attr_ttl=10.0) as fs:
+        d = await fs.lookup(ROOT_INODE, "d")
+        assert fs.lookup_now(d.inode, "f") is None  # never asked: the source must be
+        cold = await fs.lookup(d.inode, "f")
+        lookups = fs.statistics().lookups
+        warm = fs.lookup_now(d.inode, "f")
+        assert warm is not None and (warm.inode, warm.attr) == (cold.inode, cold.attr)
+        assert warm.valid_for == pytest.approx(10.0) and fs.statistics().lookups == lookups + 1
+        assert fs.getattr_now(cold.inode) == await fs.getattr(cold.inode)
+        await trio.sleep(11)  # past attrValid: both would wait on the source
+        assert fs.lookup_now(d.inode, "f") is None and fs.getattr_now(cold.inode) is None
+        backend.write("d/f", b"2" * 20)
+        new = await fs.lookup(d.inode, "f")
+        old = fs.getattr_now(cold.inode)  # retired: its own version, no wait, for ever
+        assert new.inode != cold.inode and old is not None and old.attr.size == 10 and old.valid_for == math.inf
+        with pytest.raises(FsError):
+            fs.lookup_now(12345, "f")  # an unknown parent: ESTALE, as lookup says

@@ -46,6 +46,7 @@ class FakeCore:
         self.borrower: Borrower | None = None
         self.observed: list[int] = []  # pids whose file requests the observer's part saw
         self.handle = 9  # what open() answers
+        self.warm = False  # lookup_now and getattr_now answer (the metadata cache's hit)
 
     def _maybe_fail(self) -> None:
         if self.fail is not None:
@@ -55,6 +56,20 @@ class FakeCore:
         self.calls.append(("lookup", parent, name))
         self._maybe_fail()
         return Entry(5, FILE, 12.5)
+
+    def lookup_now(self, parent: int, name: str) -> Entry | None:
+        if not self.warm:
+            return None
+        self.calls.append(("lookup_now", parent, name))
+        self._maybe_fail()
+        return Entry(5, FILE, 12.5)
+
+    def getattr_now(self, inode: int) -> Entry | None:
+        if not self.warm:
+            return None
+        self.calls.append(("getattr_now", inode))
+        self._maybe_fail()
+        return Entry(inode, FILE, 12.5)
 
     async def getattr(self, inode: int) -> Entry:
         self._maybe_fail()
@@ -251,6 +266,22 @@ async def test_attributes_are_converted_for_c_to_pack() -> None:
     assert entry == ("entry", (5, FILE.mode, 1, 1000, 1000, 0, 1234, 4096, 8, 1, 2, 3), 12.5)
     assert attr == ("attr", attr_of(7), 12.5) and untrusted == ("attr", attr_of(8), 0.0)
     assert statfs == ("statfs", (4096, 4096, 100, 50, 40, 1000, 900, 900, 255))
+
+
+async def test_a_warm_lookup_or_getattr_is_answered_in_the_dispatch_step_without_a_task() -> None:
+    native, core = FakeNative(), FakeCore()
+    core.warm = True
+    s = KernelSession(core, native)
+    native.push(c.OP_LOOKUP, 1, name=b"f")
+    native.push(c.OP_GETATTR, 7)
+    s._nursery = object()  # type: ignore[assignment]  # a task would fail: none may be started
+    s._dispatch()
+    assert [native.replies[i][0] for i in sorted(native.replies)] == ["entry", "attr"]
+    assert core.calls == [("lookup_now", 1, "f"), ("publish", 5), ("getattr_now", 7)]
+    core.fail = FsError(errno.ENOENT)
+    native.push(c.OP_LOOKUP, 1, name=b"g")
+    s._dispatch()
+    assert list(native.replies.values())[-1] == ("err", errno.ENOENT)
 
 
 @pytest.mark.parametrize(("raised", "expected"), [
