@@ -64,6 +64,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_lookups_total", "counter",
                    "Name lookups through the mount that reached the daemon (the kernel opens a name it looked up "
                    "without asking again while the entry's timeout runs: see app_requests_total for files read)."),
+        MetricSpec("cubefs_fuse_native_lookups_total", "counter",
+                   "Lookups the C FUSE session answered from entries Python published, without Python (part of lookups_total)."),
         MetricSpec("cubefs_fuse_cache_hits_total", "counter", "Block reads served by a cache tier.", ("tier",)),
         MetricSpec("cubefs_fuse_cache_misses_total", "counter", "Block reads that waited on the backend."),
         MetricSpec("cubefs_fuse_served_bytes_total", "counter", "Bytes returned to applications through the mount, by the tier that held them (ram, disk, backend).",
@@ -95,7 +97,7 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_backend_threads_abandoned", "gauge", "Worker threads still inside a backend operation whose caller timed out."),
         MetricSpec("cubefs_fuse_metadata_cache_hits_total", "counter", "Metadata answered from the daemon's cache.", ("kind",)),
         MetricSpec("cubefs_fuse_metadata_cache_misses_total", "counter", "Metadata fetched from the backend.", ("kind",)),
-        MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the kernel currently knows."),
+        MetricSpec("cubefs_fuse_inodes", "gauge", "Inodes the daemon holds: the kernel's, and those a published entry may hand it again."),
         MetricSpec("cubefs_fuse_retired_inodes", "gauge", "Inodes of old file versions (changed at the source) the kernel still holds."),
         MetricSpec("cubefs_fuse_file_version_changes_total", "counter", "Files found changed at the source while the kernel held the old version's inode; each version got its own inode."),
         MetricSpec("cubefs_fuse_stale_if_error_total", "counter",
@@ -243,6 +245,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_read_bytes_total", s.fs.read_bytes)
     f.add("cubefs_fuse_native_reads_total", s.fs.native_reads)
     f.add("cubefs_fuse_lookups_total", s.fs.lookups)
+    f.add("cubefs_fuse_native_lookups_total", s.fs.native_lookups)
     f.add("cubefs_fuse_inodes", s.fs.inodes)
     f.add("cubefs_fuse_retired_inodes", s.fs.retired_inodes)
     f.add("cubefs_fuse_file_version_changes_total", s.fs.version_changes)

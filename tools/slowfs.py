@@ -547,6 +547,12 @@ class SlowFS:
     def publish(self, inode: int) -> bool:
         return False
 
+    def looked_up(self, inode: int) -> None:
+        raise AssertionError("slowfs publishes no entries")
+
+    def expire_entries(self) -> None:
+        pass  # nothing published
+
     def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
                disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
         raise AssertionError("slowfs lends no blocks")

@@ -12,7 +12,9 @@
  *
  * Python also publishes inodes (publish(), lend()): which blocks of the inode's version it
  * lends.  A READ of lent blocks is answered here and reported (OP_SERVED), so Python counts
- * reads it never saw.
+ * reads it never saw.  And it publishes entries (publish_entry()): the answer to a LOOKUP
+ * of a name until a deadline (as long as it trusts the attributes), answered here and
+ * reported (OP_LOOKED), so Python's lookup counts stay the kernel's.
  *
  * Opens: with no_open (the daemon's filesystem reads by inode), every OPEN is answered
  * ENOSYS, which the kernel takes as "opens need no server": from then on it opens files of
@@ -63,6 +65,7 @@ enum {
     OP_INIT,        /* no reply: the kernel has the answer to its INIT */
     OP_EXIT,        /* no reply: the session ended (unmounted, or exit() was called) */
     OP_SERVED,      /* no reply: C served a READ from lent blocks (off, size: its range) */
+    OP_LOOKED,      /* no reply: C answered a LOOKUP from a published entry (ino: the inode) */
 };
 
 /* A block lent as its place in the NVMe tier: an entry of a segment file (cache/disk.py):
@@ -81,6 +84,8 @@ struct disk_block {
 /* Inode numbers are consecutive: they fill the buckets evenly, and the chains stay short
  * for the ~10^5-10^6 inodes a node's kernel holds. */
 #define PUB_BUCKETS 65536
+/* Entries are keyed by (parent, name): as many buckets, for the same ~10^5-10^6 names. */
+#define ENTRY_BUCKETS 65536
 /* How long a report may wait for a request or other reports before trio is woken for it
  * (push()): 2 ms batches a few to a few dozen per wake-up at 10^3-10^4 files/s, and
  * delays only counting (and the giving back of freed publications' blocks). */
@@ -104,6 +109,20 @@ struct pub {
     uint32_t nblocks;
     struct disk_block **disk;  /* per block, NULL where not lent from NVMe (allocated on demand) */
     PyObject *blocks[];   /* per block, a reference to a lent RAM block (bytes), or NULL */
+};
+
+/* An entry Python published (publish_entry()): until expires_ns (CLOCK_MONOTONIC), a LOOKUP
+ * of (parent, name) is answered here with ino and attr, each answer's timeouts what is left
+ * of that (at most the session's).  Python keeps ino alive (its number, what it serves)
+ * until it has withdrawn the entry and taken the reports queued before that, so an answer
+ * never names an inode Python has let go.  Read under elock; changed under its write lock. */
+struct centry {
+    struct centry *next;  /* the bucket's chain */
+    fuse_ino_t parent, ino;
+    uint64_t expires_ns;
+    struct stat attr;
+    size_t len;
+    char name[];          /* NUL-terminated */
 };
 
 struct pending {
@@ -145,6 +164,8 @@ typedef struct {
     atomic_int exit_posted;
     pthread_rwlock_t hlock;  /* publications: READs read them, Python changes them */
     struct pub *pubs[PUB_BUCKETS];
+    pthread_rwlock_t elock;  /* entries: LOOKUPs read them, Python changes them */
+    struct centry *entries[ENTRY_BUCKETS];
     pthread_mutex_t lock;  /* the queue, the slots and the flusher's state */
     pthread_cond_t flush_cond;  /* CLOCK_MONOTONIC: the flusher waits on it */
     pthread_t flusher;
@@ -321,9 +342,13 @@ static void op_init(void *userdata, struct fuse_conn_info *conn)
     conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
 }
 
+static int answer_entry(Session *s, fuse_req_t req, fuse_ino_t parent, const char *name);
+
+/* A LOOKUP of a published entry is answered here; any other goes to Python. */
 static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name)
 {
-    forward(request(req, OP_LOOKUP, parent, name));
+    if (!answer_entry(of(req), req, parent, name))
+        forward(request(req, OP_LOOKUP, parent, name));
 }
 
 static void op_forget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup)
@@ -944,6 +969,13 @@ static void fail_outstanding(Session *s)
     pthread_mutex_unlock(&s->lock);
     fail_all(q);
     /* The readers have stopped: no lock is needed. */
+    for (size_t i = 0; i < ENTRY_BUCKETS; i++) {
+        while (s->entries[i]) {
+            struct centry *c = s->entries[i];
+            s->entries[i] = c->next;
+            free(c);
+        }
+    }
     for (size_t i = 0; i < PUB_BUCKETS; i++) {
         while (s->pubs[i]) {
             struct pub *pub = s->pubs[i];
@@ -983,6 +1015,7 @@ static void Session_dealloc(Session *s)
     pthread_mutex_destroy(&s->lock);
     pthread_cond_destroy(&s->flush_cond);
     pthread_rwlock_destroy(&s->hlock);
+    pthread_rwlock_destroy(&s->elock);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -1012,6 +1045,7 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     pthread_cond_init(&s->flush_cond, &monotonic);
     pthread_condattr_destroy(&monotonic);
     pthread_rwlock_init(&s->hlock, NULL);
+    pthread_rwlock_init(&s->elock, NULL);
     s->entry_timeout = entry_timeout;
     s->attr_timeout = attr_timeout;
     s->no_open = no_open;
@@ -1193,6 +1227,114 @@ static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat
     e->entry_timeout = timeout(valid_for, s->entry_timeout);
 }
 
+/* ---- entries ---- */
+
+static size_t entry_bucket(fuse_ino_t parent, const char *name, size_t len)
+{
+    uint64_t h = 1469598103934665603ULL ^ ((uint64_t)parent * 0x9E3779B97F4A7C15ULL);  /* FNV-1a over the name */
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 1099511628211ULL;
+    return (size_t)(h % ENTRY_BUCKETS);
+}
+
+/* Under elock (either mode): the link to (parent, name)'s entry, or to the chain's end. */
+static struct centry **entry_link(Session *s, fuse_ino_t parent, const char *name, size_t len)
+{
+    struct centry **link = &s->entries[entry_bucket(parent, name, len)];
+    while (*link && !((*link)->parent == parent && (*link)->len == len && memcmp((*link)->name, name, len) == 0))
+        link = &(*link)->next;
+    return link;
+}
+
+/* Answer a LOOKUP from its published entry, if there is one not expired: 1 (answered), or
+ * 0 (Python answers it).  The report is queued before the answer and under the read lock,
+ * so once withdraw_entry() returns, every answer made from the entry is in the queue. */
+static int answer_entry(Session *s, fuse_req_t req, fuse_ino_t parent, const char *name)
+{
+    size_t len = strlen(name);
+    uint64_t now = now_ns();
+    struct fuse_entry_param e;
+    struct pending *m = new_pending(NULL, OP_LOOKED, 0, NULL);
+    if (!m)
+        return 0;
+    pthread_rwlock_rdlock(&s->elock);
+    struct centry *c = *entry_link(s, parent, name, len);
+    if (!c || now >= c->expires_ns) {
+        pthread_rwlock_unlock(&s->elock);
+        free(m);
+        return 0;
+    }
+    fill_entry(s, &e, &c->attr, (double)(c->expires_ns - now) / 1e9);
+    m->ino = c->ino;
+    push(s, m, 0);
+    pthread_rwlock_unlock(&s->elock);
+    if (fuse_reply_entry(req, &e) == -ENOENT)  /* interrupted: the kernel counts no lookup */
+        message(s, OP_FORGET, e.ino, 1);
+    return 1;
+}
+
+/* publish_entry(parent, name, attr, expires_ns): LOOKUPs of (parent, name) are answered
+ * with attr (its ino field the inode) until expires_ns (CLOCK_MONOTONIC, time.monotonic_ns()),
+ * each reported (OP_LOOKED).  Replaces the name's earlier entry. */
+static PyObject *Session_publish_entry(Session *s, PyObject *args)
+{
+    unsigned long long parent, expires;
+    const char *name;
+    Py_ssize_t len;
+    PyObject *attr;
+    struct stat st;
+    if (!PyArg_ParseTuple(args, "Ky#O!K", &parent, &name, &len, &PyTuple_Type, &attr, &expires)
+        || fill_stat(attr, &st) < 0)
+        return NULL;
+    if (len == 0 || len > 255 || memchr(name, '/', (size_t)len) || memchr(name, '\0', (size_t)len))
+        return PyErr_Format(PyExc_ValueError, "an entry's name is 1-255 bytes without '/' or NUL");
+    struct centry *c = malloc(sizeof *c + (size_t)len + 1);
+    if (!c)
+        return PyErr_NoMemory();
+    c->parent = parent;
+    c->ino = st.st_ino;
+    c->expires_ns = expires;
+    c->attr = st;
+    c->len = (size_t)len;
+    memcpy(c->name, name, (size_t)len);
+    c->name[len] = '\0';
+    struct centry *old;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&s->elock);
+    struct centry **link = entry_link(s, parent, name, (size_t)len);
+    old = *link;
+    c->next = old ? old->next : NULL;
+    *link = c;
+    pthread_rwlock_unlock(&s->elock);
+    Py_END_ALLOW_THREADS
+    free(old);
+    Py_RETURN_NONE;
+}
+
+/* withdraw_entry(parent, name, expires_ns) -> bool: the entry published with that deadline
+ * answers no LOOKUP once this returns (a later publication of the name is left alone:
+ * False). */
+static PyObject *Session_withdraw_entry(Session *s, PyObject *args)
+{
+    unsigned long long parent, expires;
+    const char *name;
+    Py_ssize_t len;
+    if (!PyArg_ParseTuple(args, "Ky#K", &parent, &name, &len, &expires))
+        return NULL;
+    struct centry *old = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_rwlock_wrlock(&s->elock);
+    struct centry **link = entry_link(s, parent, name, (size_t)len);
+    if (*link && (*link)->expires_ns == expires) {
+        old = *link;
+        *link = old->next;
+    }
+    pthread_rwlock_unlock(&s->elock);
+    Py_END_ALLOW_THREADS
+    free(old);
+    return PyBool_FromLong(old != NULL);
+}
+
 /* The reply methods: each claims its request, writes the answer without the GIL (a write
  * to /dev/fuse), and frees it.  A reply the kernel no longer wants (the request was
  * interrupted, the connection is gone) fails there and is dropped: nothing to do. */
@@ -1222,7 +1364,14 @@ static PyObject *Session_reply_entry(Session *s, PyObject *args)
         return NULL;
     CLAIM(s, id);
     fill_entry(s, &e, &st, valid_for);
-    REPLY(fuse_reply_entry(p->req, &e));
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = fuse_reply_entry(p->req, &e);
+    Py_END_ALLOW_THREADS
+    free(p);
+    if (rc == -ENOENT)  /* the LOOKUP was interrupted: the kernel holds no count of this answer */
+        message(s, OP_FORGET, e.ino, 1);
+    Py_RETURN_NONE;
 }
 
 static PyObject *Session_reply_attr(Session *s, PyObject *args)
@@ -1560,6 +1709,10 @@ static PyMethodDef Session_methods[] = {
     {"lend", (PyCFunction)Session_lend, METH_VARARGS,
      "lend(ino, index, block) -> False if ino has no publication with that block"},
     {"withdraw", (PyCFunction)Session_withdraw, METH_VARARGS, "withdraw(ino): nothing of ino is served here"},
+    {"publish_entry", (PyCFunction)Session_publish_entry, METH_VARARGS,
+     "publish_entry(parent, name, attr, expires_ns): LOOKUPs of the name answered here until then"},
+    {"withdraw_entry", (PyCFunction)Session_withdraw_entry, METH_VARARGS,
+     "withdraw_entry(parent, name, expires_ns) -> False if the name has no entry with that deadline"},
     {"reply_buf", (PyCFunction)Session_reply_buf, METH_VARARGS, "reply_buf(id, data)"},
     {"reply_readlink", (PyCFunction)Session_reply_readlink, METH_VARARGS, "reply_readlink(id, target)"},
     {"reply_statfs", (PyCFunction)Session_reply_statfs, METH_VARARGS, "reply_statfs(id, fields)"},
@@ -1621,7 +1774,7 @@ PyMODINIT_FUNC PyInit__session(void)
         {"OP_OPENDIR", OP_OPENDIR}, {"OP_READDIR", OP_READDIR}, {"OP_RELEASEDIR", OP_RELEASEDIR},
         {"OP_OPEN", OP_OPEN}, {"OP_READ", OP_READ}, {"OP_RELEASE", OP_RELEASE},
         {"OP_STATFS", OP_STATFS}, {"OP_FORGET", OP_FORGET}, {"OP_INIT", OP_INIT}, {"OP_EXIT", OP_EXIT},
-        {"OP_SERVED", OP_SERVED},
+        {"OP_SERVED", OP_SERVED}, {"OP_LOOKED", OP_LOOKED},
     };
     for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++)
         if (PyModule_AddIntConstant(m, ops[i].name, ops[i].value) < 0) {

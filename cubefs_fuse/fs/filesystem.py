@@ -6,16 +6,18 @@ file is opened without the core (the kernel's no_open mode); a file's read by on
 counts from its first READ (offset 0), and a file changed at the source is found when its
 name is looked up again, which the kernel does once an entry's ``valid_for`` (as long as
 the metadata cache trusts the attributes) has passed. A borrower (the FUSE session in C)
-serves reads of the cached blocks the core lends it per inode; the core takes blocks back
-when they leave the RAM tier, and all of them when the inode goes."""
+serves reads of the cached blocks the core lends it per inode, and answers lookups of the
+names whose entries the core publishes to it while the attributes are trusted; the core
+takes blocks back when they leave the RAM tier, and all of them when the inode goes."""
 
 from __future__ import annotations
 
 import errno
+import heapq
 import math
 import os
 import time
-from collections.abc import Awaitable, Coroutine, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import count
 from typing import Any, Protocol
@@ -71,15 +73,21 @@ LentBlock = bytes | DiskBlock | None
 
 class Borrower(Protocol):
     """A reader that serves reads of an inode's lent blocks itself (the FUSE session in C,
-    fs/_session.c), reported afterwards (``Filesystem.served``).  What ``publish``,
-    ``lend`` and ``withdraw`` replace is unused once they return.  ``report`` hands over,
-    now, what it served and has not reported yet."""
+    fs/_session.c), reported afterwards (``Filesystem.served``), and answers lookups of a
+    published entry until its deadline (``expires_ns``, ``time.monotonic_ns``), reported
+    too (``Filesystem.looked_up``).  What ``publish``, ``lend``, ``withdraw`` and the
+    entry calls replace is unused once they return.  ``report`` hands over, now, what it
+    served and answered and has not reported yet."""
 
     def publish(self, inode: int, size: int, block_size: int, blocks: Sequence[LentBlock], /) -> None: ...
 
     def lend(self, inode: int, index: int, block: LentBlock, /) -> bool: ...
 
     def withdraw(self, inode: int, /) -> None: ...
+
+    def publish_entry(self, parent: int, name: str, inode: int, attr: Attr, expires_ns: int, /) -> None: ...
+
+    def withdraw_entry(self, parent: int, name: str, expires_ns: int, /) -> bool: ...
 
     def report(self) -> None: ...
 
@@ -106,6 +114,7 @@ class AccessObserver(Protocol):
 @dataclass(frozen=True, slots=True)
 class FilesystemStatistics:
     lookups: int
+    native_lookups: int  # of those, answered by the borrower from published entries (counted when reported)
     open_dirs: int
     reads: int
     read_bytes: int
@@ -125,6 +134,7 @@ class FilesystemStatistics:
 @dataclass(slots=True)
 class _Counters:
     lookups: int = 0
+    native_lookups: int = 0
     reads: int = 0
     read_bytes: int = 0
     native_reads: int = 0
@@ -166,6 +176,13 @@ class Filesystem:
         # loans, so that a block leaving the RAM tier is taken back from each.
         self._loans: dict[int, dict[int, bytes]] = {}
         self._lenders: dict[bytes, list[tuple[int, int]]] = {}
+        # Entries published to the borrower: a heap of (deadline, parent, name, inode), one
+        # per publication (each pins its inode until withdrawn), and per path its latest.
+        self._entry_deadlines: list[tuple[int, int, str, int]] = []
+        self._entry_of: dict[str, tuple[int, str, int]] = {}
+        # The borrower's clock for entry deadlines (CLOCK_MONOTONIC, as C reads it; trio's
+        # clock has an offset of its own).  Tests replace it.
+        self.clock_ns: Callable[[], int] = time.monotonic_ns
         # Lookups and getattrs that miss the metadata cache bring small files whole
         # (see _stat_fetching); off: they only stat, as operator tools do.
         self.lookup_fetch = True
@@ -176,7 +193,7 @@ class Filesystem:
         path = self._child(parent_inode, name)
         self._c.lookups += 1
         attr = await self._stat_fetching(path, "lookup")
-        return self.entry(path, attr)
+        return self._looked_up_here(parent_inode, name, path, attr)
 
     def lookup_now(self, parent_inode: int, name: str) -> Entry | None:
         """:meth:`lookup` when the metadata cache answers, without waiting (the session
@@ -186,7 +203,57 @@ class Filesystem:
         if attr is None:
             return None
         self._c.lookups += 1
-        return self.entry(path, attr)
+        return self._looked_up_here(parent_inode, name, path, attr)
+
+    def _looked_up_here(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
+        """The entry of a lookup answered here, published to the borrower for as long as
+        it is valid, so that the kernel's next lookups of the name (after it dropped its
+        own entry, under memory pressure) are answered without Python."""
+        entry = self.entry(path, attr)
+        if self.borrower is not None and 0 < entry.valid_for < math.inf and name not in (".", ".."):
+            expires = self.clock_ns() + int(entry.valid_for * 1e9)
+            self.inodes.pin(entry.inode)
+            heapq.heappush(self._entry_deadlines, (expires, parent_inode, name, entry.inode))
+            self._entry_of[path] = (parent_inode, name, expires)
+            self.borrower.publish_entry(parent_inode, name, entry.inode, attr, expires)
+        return entry
+
+    def looked_up(self, inode: int) -> None:
+        """The borrower answered a lookup from a published entry of ``inode``."""
+        self.inodes.looked_up(inode)
+        self._c.lookups += 1
+        self._c.native_lookups += 1
+
+    def expire_entries(self) -> None:
+        """Withdraw the published entries whose deadline has passed and let their inodes go:
+        first the entries (no answer is made from them once that returns), then the reports
+        of answers made before (each a lookup the inode must count), then the pins."""
+        due = self._entry_deadlines
+        now = self.clock_ns()
+        if not due or due[0][0] > now:
+            return
+        expired = []
+        while due and due[0][0] <= now:
+            expires, parent, name, inode = heapq.heappop(due)
+            if self.borrower is not None:
+                self.borrower.withdraw_entry(parent, name, expires)
+            expired.append(inode)
+            path = self.inodes.node(inode).path  # pinned by this entry: still there
+            if self._entry_of.get(path, (0, "", 0))[2] == expires:
+                del self._entry_of[path]
+        if self.borrower is not None:
+            self.borrower.report()
+        for inode in expired:
+            if self.inodes.unpin(inode):
+                self._next_block.pop(inode, None)
+                self._withdraw(inode)
+
+    def _withdraw_entry(self, path: str) -> None:
+        """The borrower stops answering lookups of ``path`` (its file changed): the kernel's
+        next lookup of it comes here."""
+        published = self._entry_of.pop(path, None)
+        if published is not None and self.borrower is not None:
+            self.borrower.withdraw_entry(*published)
 
     def _child(self, parent_inode: int, name: str) -> str:
         parent = self.inodes.node(parent_inode).path
@@ -585,6 +652,7 @@ class Filesystem:
             except StaleVersion:
                 self._c.stale_reads += 1
                 self.meta.invalidate(f.path)  # the next lookup sees the new version
+                self._withdraw_entry(f.path)
                 raise
             self._readahead(f, first, last)
             self._lend_read(inode, first, last)
@@ -616,7 +684,7 @@ class Filesystem:
 
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()
-        return FilesystemStatistics(c.lookups, len(self._dirs), c.reads, c.read_bytes, c.native_reads,
+        return FilesystemStatistics(c.lookups, c.native_lookups, len(self._dirs), c.reads, c.read_bytes, c.native_reads,
                                     dict(c.blocks_by_source), dict(c.bytes_by_source), c.stale_reads,
                                     i.inodes, i.retired, i.changes,
                                     c.file_requests, c.file_misses, c.stall_seconds,

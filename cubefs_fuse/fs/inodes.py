@@ -4,7 +4,8 @@ one identity of its path (a regular file's :class:`FileVersion`, else its file t
 the path is found with another identity the inode is retired: the path gets a new number, so
 new opens get a fresh inode, while the retired one serves its own version, attributes
 frozen, to the files still open on it until the kernel forgets it. Numbers are never reused
-(docs/contracts.md, "One inode per file version")."""
+(docs/contracts.md, "One inode per file version").  An inode is kept while the kernel holds
+it or a published entry may hand it to the kernel again (``pin``)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Node:
     attr: Attr | None  # what this inode serves (None: the root before its first getattr)
     lookups: int = 0
     retired: bool = False  # the path has moved on to another inode (its file changed)
+    pins: int = 0  # entries published to the FUSE session that may answer with this inode
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +104,33 @@ class InodeTable:
             del self._by_path[node.path]
         self._changes += 1
 
+    def looked_up(self, inode: int) -> None:
+        """One more lookup the kernel holds, answered from a published entry (the inode is
+        pinned by it, so it exists)."""
+        self._nodes[inode].lookups += 1
+
+    def pin(self, inode: int) -> None:
+        """Keep ``inode`` while an entry naming it is published (even at no lookups)."""
+        self._nodes[inode].pins += 1
+
+    def unpin(self, inode: int) -> bool:
+        """An entry naming ``inode`` was withdrawn; True if that freed the inode."""
+        node = self._nodes.get(inode)
+        if node is None:
+            return False
+        node.pins -= 1
+        return self._free_if_unused(inode, node)
+
     def forget(self, inode: int, n: int) -> bool:
         """Lower the kernel's lookup count; True if that freed the inode."""
         node = self._nodes.get(inode)
         if node is None or inode == ROOT_INODE:
             return False
         node.lookups -= n
-        if node.lookups > 0:
+        return self._free_if_unused(inode, node)
+
+    def _free_if_unused(self, inode: int, node: Node) -> bool:
+        if node.lookups > 0 or node.pins > 0 or inode == ROOT_INODE:
             return False
         del self._nodes[inode]
         if node.retired:

@@ -1,13 +1,13 @@
 """The kernel's requests that reach Python, answered by the filesystem core.
 
 The FUSE connection is the C extension's (``fs/_session.c``): its reader threads answer
-what needs no decision (and the reads of inodes the core published to it) and queue the
+what needs no decision (and the lookups and reads the core published to it) and queue the
 rest; this module takes the queue when its eventfd is readable and turns each request into
 one call of the core (``fs.filesystem``) and one reply, and each report of what C answered
-(a read it served, the release of a handle Python gave) into one call.  No logic lives here
-beyond type conversion: every exception becomes an errno through ``errors.errno_of`` (one
-place), and an unexpected one (a bug) is also logged with its traceback, once per
-exception type.
+(a read it served, a lookup it answered, the release of a handle Python gave) into one
+call.  No logic lives here beyond type conversion: every exception becomes an errno
+through ``errors.errno_of`` (one place), and an unexpected one (a bug) is also logged with
+its traceback, once per exception type.
 
 The core reads by inode, so files are opened by the kernel alone (its ``no_open`` mode: no
 OPEN, no RELEASE, pages kept across opens); an implementation that opens a file per open
@@ -103,6 +103,16 @@ class Operations(Protocol):
 
     def lend_to(self, borrower: Borrower) -> None: ...
 
+    def looked_up(self, inode: int) -> None:
+        """C answered a LOOKUP from an entry the implementation published (an OP_LOOKED
+        report): one more lookup of ``inode`` for the kernel to FORGET."""
+        ...
+
+    def expire_entries(self) -> None:
+        """Withdraw the published entries whose time is up (called after each take of the
+        queue, never inside one: it takes the queue itself)."""
+        ...
+
     def publish(self, inode: int) -> bool: ...
 
     def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
@@ -176,6 +186,8 @@ class KernelSession:
             while not self._ended:
                 await trio.lowlevel.wait_readable(native.fileno())
                 self._dispatch()
+                if not self._ended:
+                    self.ops.expire_entries()  # here, not inside _dispatch: it takes the queue itself
 
     def _dispatch(self) -> None:
         """Take what C queued: reports and quick requests handled here, the rest in tasks."""
@@ -202,6 +214,12 @@ class KernelSession:
 
     def withdraw(self, inode: int, /) -> None:
         self._native.withdraw(inode)
+
+    def publish_entry(self, parent: int, name: str, inode: int, attr: Attr, expires_ns: int, /) -> None:
+        self._native.publish_entry(parent, os.fsencode(name), attr_tuple(inode, attr), expires_ns)
+
+    def withdraw_entry(self, parent: int, name: str, expires_ns: int, /) -> bool:
+        return self._native.withdraw_entry(parent, os.fsencode(name), expires_ns)
 
     def report(self) -> None:
         if self._nursery is not None and not self._ended:
@@ -234,6 +252,13 @@ class KernelSession:
         assert self.opener is not None  # only an opener's handles are reported
         try:
             self.opener.release(r[3])
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the session
+            _log_bug(r, exc)
+
+    def _looked(self, r: Request) -> None:
+        # C answered a LOOKUP from a published entry: the inode's lookup count goes up.
+        try:
+            self.ops.looked_up(r[2])
         except Exception as exc:  # noqa: BLE001 - a bug must not end the session
             _log_bug(r, exc)
 
@@ -325,6 +350,7 @@ class KernelSession:
         _session.OP_RELEASEDIR: _releasedir,
         _session.OP_RELEASE: _release,
         _session.OP_SERVED: _served,
+        _session.OP_LOOKED: _looked,
         _session.OP_READDIR: _readdir,
     }
 

@@ -20,10 +20,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import trio
 
+from cubefs_fuse.attrs import Attr
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
+from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, LentBlock
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
@@ -35,6 +38,7 @@ class FakeBorrower:
 
     def __init__(self) -> None:
         self.table: dict[int, list[LentBlock]] = {}
+        self.entries: dict[tuple[int, str], tuple[int, int]] = {}  # (parent, name) -> (inode, deadline)
         self.publications = 0
         self.reports = 0
 
@@ -51,6 +55,15 @@ class FakeBorrower:
 
     def withdraw(self, inode: int, /) -> None:
         self.table.pop(inode, None)
+
+    def publish_entry(self, parent: int, name: str, inode: int, attr: Attr, expires_ns: int, /) -> None:
+        self.entries[(parent, name)] = (inode, expires_ns)
+
+    def withdraw_entry(self, parent: int, name: str, expires_ns: int, /) -> bool:
+        if self.entries.get((parent, name), (0, 0))[1] != expires_ns:
+            return False
+        del self.entries[(parent, name)]
+        return True
 
     def report(self) -> None:
         self.reports += 1
@@ -144,6 +157,8 @@ async def test_a_change_or_dropped_attributes_leave_the_loans_and_a_forgotten_in
     backend.write("f", b"old")
     backend.write("g", b"g")
     async with lent_stack(backend, attr_valid=0.05, lookup_valid=0.05) as (stack, borrower):
+        now = [10**12]
+        stack.fs.clock_ns = lambda: now[0]  # the entries' deadlines: moved past by hand below
         old = await published(stack, "f")
         old_blocks = borrower.table[old]
         backend.write("f", b"newer")
@@ -160,9 +175,11 @@ async def test_a_change_or_dropped_attributes_leave_the_loans_and_a_forgotten_in
         g = await published(stack, "g")
         assert stack.cache.memory.used_bytes == len(b"old" + b"newer" + b"g")  # nothing counted twice
         stack.fs.forget(g, 1)
-        assert g not in borrower.table
         old_key = block_key("f", (await stack.fs.getattr(old)).attr.version, 0)
-        stack.fs.forget(old, 1)  # the kernel lets the old version go: withdrawn, its block given back
+        stack.fs.forget(old, 1)  # the kernel lets the old version go ...
+        assert set(borrower.table) == {old, new, g}  # ... kept while their entries may name them
+        now[0] += 10**9
+        stack.fs.expire_entries()  # past the entries' deadlines: withdrawn, their blocks given back
         assert set(borrower.table) == {new}
         memory = stack.cache.memory
         assert memory.used_bytes == len(b"old" + b"newer" + b"g")
@@ -254,3 +271,59 @@ async def test_a_new_plan_first_takes_in_what_the_borrower_served() -> None:
         await stack.service.submit_plan(("job", 0), 0, dataset.id, np.asarray([0], dtype="<u4").tobytes(), "<u4")
         # The last epoch's reads, still queued in C, count for its plan, not for this one.
         assert borrower.reports == 1
+
+
+async def test_a_lookup_publishes_its_entry_which_keeps_the_inode_until_its_deadline_passes() -> None:
+    """An entry the core answered is published with its deadline (as long as the attributes
+    are trusted): the borrower answers the name's next lookups, reported one by one, and the
+    inode stays (its number, what it serves, its lent blocks) even once the kernel forgot
+    it, until the deadline has passed; then the entry is withdrawn, the reports made before
+    are taken in, and the inode goes if the kernel holds it no more."""
+    backend = FakeBackend()
+    backend.write("d/f", b"z" * 100)
+    async with lent_stack(backend, attr_valid=30.0) as (stack, borrower):
+        fs = stack.fs
+        now = [10**12]
+        fs.clock_ns = lambda: now[0]
+        d = (await fs.lookup(ROOT_INODE, "d")).inode
+        f = await fs.lookup(d, "f")
+        fs.publish(f.inode)
+        inode, deadline = borrower.entries[(d, "f")]
+        assert inode == f.inode and 29e9 < deadline - now[0] <= 30e9
+        assert (ROOT_INODE, "d") in borrower.entries and (d, ".") not in borrower.entries
+        fs.forget(f.inode, 1)  # the kernel dropped its inode (memory pressure) ...
+        assert f.inode in borrower.table and fs.inodes.node(f.inode).lookups == 0  # ... still published
+        fs.looked_up(f.inode)  # ... and the borrower handed it to the kernel again
+        stats = fs.statistics()
+        assert (stats.lookups, stats.native_lookups) == (3, 1)
+        fs.expire_entries()
+        assert (d, "f") in borrower.entries and borrower.reports == 0  # not due: nothing done
+        now[0] = deadline
+        fs.forget(f.inode, 1)
+        fs.expire_entries()
+        assert (d, "f") not in borrower.entries and borrower.reports == 1  # withdrawn, reports taken in
+        assert f.inode not in borrower.table  # no lookup held, no entry: the inode went
+        with pytest.raises(FsError):
+            fs.inodes.node(f.inode)
+        assert fs.inodes.node(d).path == "d"  # the directory: the kernel still holds it
+
+
+async def test_an_entry_republished_or_found_stale_is_answered_by_the_core_again() -> None:
+    backend = FakeBackend()
+    backend.write("f", b"1" * (2 * BLOCK))
+    async with lent_stack(backend, attr_valid=30.0) as (stack, borrower):
+        fs = stack.fs
+        now = [10**12]
+        fs.clock_ns = lambda: now[0]
+        first = await fs.lookup(ROOT_INODE, "f")
+        _, deadline = borrower.entries[(ROOT_INODE, "f")]
+        now[0] += 10**9
+        again = fs.lookup_now(ROOT_INODE, "f")  # a warm lookup here: published anew, a later deadline
+        assert again is not None and borrower.entries[(ROOT_INODE, "f")][1] > deadline
+        now[0] = deadline
+        fs.expire_entries()  # the first publication's time: the later one stays, the inode too
+        assert (ROOT_INODE, "f") in borrower.entries and fs.inodes.node(first.inode).pins == 1
+        backend.write("f", b"2" * (2 * BLOCK))  # changed at the source: a read of a block not held finds it
+        with pytest.raises(StaleVersion):
+            await fs.read(first.inode, 0, 0, BLOCK)
+        assert (ROOT_INODE, "f") not in borrower.entries  # the next lookup comes to the core

@@ -24,12 +24,13 @@ from tests.helpers import Mount, metric, wait_until
 BS = 64 * 1024
 
 
-def _drop_page_cache() -> None:
+def _drop_page_cache(what: str = "1") -> None:
+    """Drop the kernel's page cache (1), or its dentries and inodes too (3)."""
     with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("1")
+        f.write(what)
 
 
-def test_a_file_held_in_ram_is_read_through_the_session_without_python(make_mount: Callable[..., Mount]) -> None:
+def test_a_file_held_in_ram_is_looked_up_and_read_through_the_session_without_python(make_mount: Callable[..., Mount]) -> None:
     m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
     small, large = os.urandom(3 * BS + 123), os.urandom(70 * BS)  # 4 blocks; 70, read in several READs
     (m.source / "small").write_bytes(small)
@@ -37,10 +38,12 @@ def test_a_file_held_in_ram_is_read_through_the_session_without_python(make_moun
     m.mount()
     assert m.path("small").read_bytes() == small and m.path("large").read_bytes() == large  # cold: Python
     before = m.scrape()
-    _drop_page_cache()
+    _drop_page_cache("3")  # the kernel's entries too: its LOOKUPs are the session's (published entries)
     assert m.path("small").read_bytes() == small
     assert m.path("large").read_bytes() == large
     after = m.scrape()
+    for name in ("cubefs_fuse_lookups_total", "cubefs_fuse_native_lookups_total"):
+        assert metric(after, name) - metric(before, name) == 2, name  # one per file, both in C
     native = metric(after, "cubefs_fuse_native_reads_total") - metric(before, "cubefs_fuse_native_reads_total")
     reads = metric(after, "cubefs_fuse_reads_total") - metric(before, "cubefs_fuse_reads_total")
     assert reads > 2, "the large file is read in several READs"
@@ -101,8 +104,12 @@ def test_many_readers_see_whole_versions_while_the_source_changes_and_the_cache_
             time.sleep(0.01)
 
     def dropper() -> None:
+        drops = 0
         while time.monotonic() < stop and not problems:
-            _drop_page_cache()  # READs keep reaching the daemon (and the session)
+            # READs keep reaching the daemon (and the session); every other time the kernel's
+            # entries and inodes go too, so LOOKUPs reach it, answered from published entries.
+            _drop_page_cache("3" if drops % 2 else "1")
+            drops += 1
             time.sleep(0.05)
 
     threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
@@ -116,6 +123,7 @@ def test_many_readers_see_whole_versions_while_the_source_changes_and_the_cache_
     assert len(whole) > 20 * len(stale), f"{len(whole)} whole reads, {len(stale)} ESTALE"
     samples = m.scrape()
     assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "no READ went through the session"
+    assert metric(samples, "cubefs_fuse_native_lookups_total") > 0, "no LOOKUP was answered by the session"
     assert metric(samples, "cubefs_fuse_cache_evictions_total", tier="ram") > 0, "the RAM tier never evicted"
     m.umount()
 

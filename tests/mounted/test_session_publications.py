@@ -9,7 +9,8 @@ READ reaches Python.  The reads here use ``O_DIRECT``, so every one reaches the 
 the first OPEN is answered ENOSYS by C and no OPEN or RELEASE reaches Python after it;
 without it (an opener, as the remote emulator is) every OPEN reaches Python and the
 releases of Python's handles are reported.  An entry or attributes are kept by the kernel
-as long as the answer's ``valid_for`` says, at most the session's timeouts.
+as long as the answer's ``valid_for`` says, at most the session's timeouts.  A published
+entry answers the name's LOOKUPs in C until its deadline, each reported (OP_LOOKED).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class Server:
         self.python_reads = 0
         self.served: list[tuple[int, int, int, object]] = []  # OP_SERVED: (ino, pid, offset, served)
         self.releases: list[int] = []  # handles of OP_RELEASE reports
+        self.looked: list[int] = []  # inodes of OP_LOOKED reports
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -81,6 +83,8 @@ class Server:
             native.reply_buf(rid, PYTHON[r[4]:r[4] + r[5]])
         elif op == _session.OP_SERVED:
             self.served.append((r[2], r[7], r[4], r[11]))
+        elif op == _session.OP_LOOKED:
+            self.looked.append(r[2])
         elif op == _session.OP_RELEASE:
             self.releases.append(fh)
         elif r[0]:
@@ -196,3 +200,33 @@ def test_the_kernel_keeps_an_entry_as_long_as_its_answer_says_at_most_the_sessio
     for _ in range(3):
         os.stat(f3)
     assert capped.lookups == 3 and capped.valid_for == 3600.0
+
+
+def test_a_published_entry_answers_lookups_in_c_until_its_deadline_each_reported(
+        make_session: Callable[..., Served]) -> None:
+    native, server, f = make_session(timeout=0.0)  # the kernel keeps no entry: every stat looks up
+    native.publish_entry(1, b"f", attr_tuple(INODE, ATTR), time.monotonic_ns() + 3600 * 10**9)
+    for _ in range(3):
+        assert os.stat(f).st_ino == INODE
+    assert server.lookups == 0  # all three answered in C ...
+    wait_until(lambda: server.looked == [INODE] * 3, 10, "the lookups reported")  # ... and counted
+    with pytest.raises(FileNotFoundError):
+        os.stat(f.parent / "g")  # no entry for it: Python's answer
+    assert server.lookups == 1
+    assert not native.withdraw_entry(1, b"f", 1)  # another publication's deadline: left alone
+    deadline = time.monotonic_ns() + 10**9 // 5
+    native.publish_entry(1, b"f", attr_tuple(INODE, ATTR), deadline)  # replaces it
+    os.stat(f)
+    assert server.lookups == 1
+    time.sleep(0.25)  # past the deadline: Python answers (and says how long: an hour, capped at 0 here)
+    os.stat(f)
+    assert server.lookups == 2
+    hour = time.monotonic_ns() + 3600 * 10**9
+    native.publish_entry(1, b"f", attr_tuple(INODE, ATTR), hour)
+    os.stat(f)
+    assert server.lookups == 2
+    assert native.withdraw_entry(1, b"f", hour)  # the file changed: no answer from it once this returns
+    os.stat(f)
+    assert server.lookups == 3
+    with pytest.raises(ValueError):
+        native.publish_entry(1, b"a/b", attr_tuple(INODE, ATTR), deadline)  # no name with a slash

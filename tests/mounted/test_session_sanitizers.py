@@ -3,8 +3,9 @@
 The extension is built a second time with ``CUBEFS_FUSE_SANITIZE=1`` into a copy of the
 package, and a real daemon runs it (the sanitizer runtimes preloaded, since the Python
 interpreter itself is not instrumented) while readers on several threads list, stat,
-read, readlink, statfs and try to write through the mount, and the mount's FORGETs,
-releases and unmount run their course.  Any report of either sanitizer fails the test.
+read, readlink, statfs and try to write through the mount, with the kernel's caches
+dropped under them, and the mount's FORGETs, published entries and unmount run their
+course.  Any report of either sanitizer fails the test.
 """
 
 from __future__ import annotations
@@ -49,14 +50,20 @@ def _reports(folder: Path) -> str:
     return "\n".join(f"{p.name}:\n{p.read_text(errors='replace')[:4000]}" for p in sorted(folder.iterdir()))
 
 
+def _drop_caches(what: str) -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write(what)
+
+
 def _workload(m: Mount, names: list[str], contents: dict[str, bytes], seed: int, problems: list[str]) -> None:
     rng = random.Random(seed)
     try:
-        for _ in range(3):
+        for round_ in range(3):
             if seed == 0:
-                os.sync()
-                with open("/proc/sys/vm/drop_caches", "w") as f:
-                    f.write("1")  # pages only: READs reach the daemon, opens need no LOOKUP
+                # Pages (READs reach the daemon), and from the second round the kernel's
+                # entries and inodes too (LOOKUPs, some answered from published entries).
+                _drop_caches("3" if round_ else "1")
             for dirpath, _dirs, files in os.walk(m.mount_point):
                 for name in files:
                     os.stat(os.path.join(dirpath, name))
@@ -120,7 +127,15 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
         t.join(timeout=240)
     assert not any(t.is_alive() for t in threads), "a reader hung"
     assert not problems, problems[:10]
-    assert metric(m.scrape(), "cubefs_fuse_native_reads_total") > 0, "the session served no READ itself"
+    # The kernel's entries dropped twice under one reader that looks every name up: the
+    # second time, each LOOKUP is answered from the entry the first (or the readers) published.
+    for _ in range(2):
+        _drop_caches("3")
+        for rel in sorted(contents):
+            assert os.stat(m.path(rel)).st_size == len(contents[rel])
+    samples = m.scrape()
+    assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "the session served no READ itself"
+    assert metric(samples, "cubefs_fuse_native_lookups_total") > 0, "the session answered no LOOKUP itself"
     assert cli("umount", str(m.mount_point)).returncode == 0, m.log()
     m.mounted = False
     assert not _reports(reports), _reports(reports)

@@ -47,6 +47,7 @@ class FakeCore:
         self.observed: list[int] = []  # pids whose file requests the observer's part saw
         self.handle = 9  # what open() answers
         self.warm = False  # lookup_now and getattr_now answer (the metadata cache's hit)
+        self.expiries = 0  # expire_entries() calls
 
     def _maybe_fail(self) -> None:
         if self.fail is not None:
@@ -63,6 +64,13 @@ class FakeCore:
         self.calls.append(("lookup_now", parent, name))
         self._maybe_fail()
         return Entry(5, FILE, 12.5)
+
+    def looked_up(self, inode: int) -> None:
+        self.calls.append(("looked_up", inode))
+        self._maybe_fail()
+
+    def expire_entries(self) -> None:
+        self.expiries += 1
 
     def getattr_now(self, inode: int) -> Entry | None:
         if not self.warm:
@@ -152,7 +160,7 @@ class FakeNative(NativeSession):
 
     def push(self, op: int, ino: int = 1, *, fh: int = 0, offset: int = 0, size: int = 0, flags: int = 0,
              pid: int = 4242, name: bytes = b"", served: Served | None = None, signal: bool = True) -> int:
-        reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_SERVED)
+        reports = (c.OP_FORGET, c.OP_INIT, c.OP_EXIT, c.OP_RELEASE, c.OP_SERVED, c.OP_LOOKED)
         rid = self.next_id if op not in reports else 0
         self.next_id += 1
         self.queue.append((rid, op, ino, fh, offset, size, flags, pid, 0, 0, name, served))
@@ -206,6 +214,12 @@ class FakeNative(NativeSession):
 
     def withdraw(self, inode: int, /) -> None:
         pass
+
+    def publish_entry(self, parent: int, name: bytes, attr: AttrTuple, expires_ns: int, /) -> None:
+        self.published.append((parent, name, attr[0], expires_ns))
+
+    def withdraw_entry(self, parent: int, name: bytes, expires_ns: int, /) -> bool:
+        return True
 
     def reply_buf(self, id: int, data: bytes | bytearray | memoryview, /) -> None:
         self._reply(id, "buf", bytes(data))
@@ -354,6 +368,20 @@ async def test_a_read_c_served_is_counted_by_the_core_and_its_owner_looked_up_in
     assert core.calls == [("served", 5, 77, 0, 0, 6, 0b1, 0, 0), ("served", 6, 0, 4096, 1, 0, 0, 8, 0b11)]
     assert core.observed == [77]
     assert isinstance(core.borrower, KernelSession)  # the session is the core's borrower
+
+
+async def test_a_lookup_c_answered_is_counted_and_entries_expire_after_each_take() -> None:
+    native, core = FakeNative(), FakeCore()
+    s = KernelSession(core, native)
+    native.push(c.OP_LOOKED, 17)
+    native.push(c.OP_LOOKED, 18)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(s.serve)
+        with trio.fail_after(10):
+            while core.expiries == 0:  # after the take, outside it
+                await trio.sleep(0.001)
+        s.terminate()
+    assert core.calls == [("looked_up", 17), ("looked_up", 18)] and native.replies == {}
 
 
 async def test_report_hands_the_core_what_c_served_before_c_signals_it() -> None:
