@@ -306,7 +306,11 @@ class KernelSession:
     def _reply_entry(self, r: Request, entry: Entry) -> None:
         if entry.attr.is_file:
             self.ops.publish(entry.inode)  # before the answer: the READs that follow are C's where held
-        self._native.reply_entry(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
+        try:
+            self._native.reply_entry(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
+        except _session.Gone:
+            self.ops.forget(entry.inode, 1)  # answered EIO at its deadline: the kernel holds no lookup
+            raise
 
     def _spawn(self, r: Request) -> None:
         assert self._nursery is not None  # requests are taken only while serve() runs

@@ -450,10 +450,11 @@ async def test_an_answer_after_cs_deadline_is_counted_and_an_open_handle_release
     native.gone = True
     s = KernelSession(core, native, opener=core)
     await answer(native, core, (c.OP_OPEN, {"ino": 5}), (c.OP_GETATTR, {}), (c.OP_READDIR, {"fh": 3, "size": 4096}),
-                 session=s)
-    assert s.late_replies == 3
+                 (c.OP_LOOKUP, {"name": b"x"}), session=s)
+    assert s.late_replies == 4
     assert ("release", 9) in core.calls  # the kernel never saw handle 9: no RELEASE will come
-    assert sorted(core.forgotten) == [(101, 1), (102, 1), (103, 1)]  # nor will FORGETs of the listing
+    # Nor will FORGETs of the listing's entries or of the lookup's inode.
+    assert sorted(core.forgotten) == [(5, 1), (101, 1), (102, 1), (103, 1)]
 
 
 class FailingCore(FakeCore):
