@@ -187,7 +187,16 @@ class KernelSession:
                 await trio.lowlevel.wait_readable(native.fileno())
                 self._dispatch()
                 if not self._ended:
-                    self.ops.expire_entries()  # here, not inside _dispatch: it takes the queue itself
+                    self._expire_entries()
+
+    def _expire_entries(self) -> None:
+        # Here, after a take and never inside one: expiring takes the queue itself.
+        try:
+            self.ops.expire_entries()
+        except Exception as exc:  # noqa: BLE001 - a bug must not end the session
+            if type(exc) not in _logged_bugs:
+                _logged_bugs.add(type(exc))
+                log.error("unexpected error expiring published entries", exc_info=exc)
 
     def _dispatch(self) -> None:
         """Take what C queued: reports and quick requests handled here, the rest in tasks."""

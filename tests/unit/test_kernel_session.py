@@ -461,6 +461,9 @@ class FailingCore(FakeCore):
     def forget(self, inode: int, n: int) -> None:
         raise RuntimeError("a bug in forget")
 
+    def expire_entries(self) -> None:
+        raise KeyError("a bug in expiring")
+
     def served(self, inode: int, pid: int, offset: int, first: int, ram_bytes: int, ram_mask: int,
                disk_bytes: int, disk_mask: int) -> Coroutine[Any, Any, None] | None:
         raise FsError(errno.EBADF)
@@ -475,4 +478,5 @@ async def test_a_failing_report_is_logged_and_the_session_goes_on(caplog: pytest
     with caplog.at_level(logging.ERROR, logger=session.__name__):
         (attr,) = await answer(native, core, (c.OP_GETATTR, {"ino": 7}))
     assert attr == ("attr", attr_of(7), 12.5)
-    assert len(caplog.records) == 2  # one per exception type: the forget's and the report's
+    # One per exception type: the forget's, the report's and the expiry's (once, after every take).
+    assert len(caplog.records) == 3
