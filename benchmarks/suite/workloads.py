@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 import cube_torch
+from cube_torch import fastpath
 from tools import torchvision_shim
 from benchmarks.suite.remote import Remote, RemoteStats
 from benchmarks.suite.systems import OursCubeTorch, System
@@ -299,6 +300,8 @@ def run_epochs(result: RunResult, system: System, root: Path, remote: Remote | N
         if planned:
             assert isinstance(system, OursCubeTorch)
             os.environ["VOL_NAME"] = system.vol_name
+            if not system.fast_path:  # read in the workers, which the loader starts per epoch
+                os.environ[fastpath.ENV_SWITCH] = "0"
         for epoch in range(epochs):
             sampler.epoch = epoch
             if epoch == 0 or result.drop_page_cache_each_epoch:
@@ -333,4 +336,5 @@ def run_epochs(result: RunResult, system: System, root: Path, remote: Remote | N
     finally:
         torch.set_num_threads(threads)
         os.environ.pop("VOL_NAME", None)
+        os.environ.pop(fastpath.ENV_SWITCH, None)
         _shutdown(loader)

@@ -183,6 +183,19 @@ def test_ahead_of_each_peer_on_every_row(peer: str, title: str) -> None:
     assert absent["passed"] is None and f"{peer} not run" in absent["measured"]
 
 
+def test_the_fast_path_row_says_where_it_still_wins_over_the_native_plane() -> None:
+    starts = "cube_torch's fast path vs the native data plane"
+    rows = [_run("training", "cubefs+ct", [0.6, 0.9, 0.9], latency_us=300)]
+    wins = _with_locals(*rows, _run("training", "cubefs+ct-nofp", [0.5, 0.9, 0.95], latency_us=300))
+    row = _bar(report.evaluate_bars(wins), starts)
+    assert row["passed"] is True and "ahead on 1 of 3 epochs" in row["measured"]
+    assert "training 0.3 ms, 2 w epoch 3: 900 vs 950 files/s" in row["measured"]
+    never = _with_locals(*rows, _run("training", "cubefs+ct-nofp", [0.6, 0.95, 0.9], latency_us=300))
+    assert _bar(report.evaluate_bars(never), starts)["passed"] is False  # nowhere: the fast path goes
+    absent = _bar(report.evaluate_bars(_with_locals(*rows)), starts)
+    assert absent["passed"] is None and "cubefs+ct-nofp" in absent["measured"]
+
+
 def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
     runs = _with_locals(_run("cache", "cubefs", [0.1, 0.1, 0.1], workers=4, cache_fraction=0.5),
                         _run("cache", "cubefs+ct", [0.2, 0.2, 0.14], workers=4, cache_fraction=0.5,
@@ -192,8 +205,8 @@ def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
     assert _bar(bars, "cache = 0.5 × dataset: cube_torch ≥ 1.5")["passed"] is True  # 0.54 / 0.3 = 1.8 ×
     assert _bar(bars, "raw I/O, 8 workers, 2 ms: later epochs")["issues"] == "5"
     assert all(b["issues"] in ("5", "12", "5, 12", "15", "28") for b in bars)
-    # Every bar once: nothing superseded is left twice (17, and the sample cache's 2 per store).
-    assert len({b["bar"] for b in bars}) == len(bars) == 21
+    # Every bar once: nothing superseded is left twice (18 with the fast-path row, and the sample cache's 2 per store).
+    assert len({b["bar"] for b in bars}) == len(bars) == 22
 
 
 def _results(cpu: dict[str, Any] | None) -> dict[str, Any]:
