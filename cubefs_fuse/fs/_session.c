@@ -1229,6 +1229,14 @@ static void fill_entry(Session *s, struct fuse_entry_param *e, const struct stat
 
 /* ---- entries ---- */
 
+/* Answer a LOOKUP with e.  If the kernel does not take it (the LOOKUP was interrupted), it
+ * counts no lookup of e->ino: Python is told as if the kernel had sent a FORGET. */
+static void send_entry(Session *s, fuse_req_t req, const struct fuse_entry_param *e)
+{
+    if (fuse_reply_entry(req, e) == -ENOENT)
+        message(s, OP_FORGET, e->ino, 1);
+}
+
 static size_t entry_bucket(fuse_ino_t parent, const char *name, size_t len)
 {
     uint64_t h = 1469598103934665603ULL ^ ((uint64_t)parent * 0x9E3779B97F4A7C15ULL);  /* FNV-1a over the name */
@@ -1268,8 +1276,7 @@ static int answer_entry(Session *s, fuse_req_t req, fuse_ino_t parent, const cha
     m->ino = c->ino;
     push(s, m, 0);
     pthread_rwlock_unlock(&s->elock);
-    if (fuse_reply_entry(req, &e) == -ENOENT)  /* interrupted: the kernel counts no lookup */
-        message(s, OP_FORGET, e.ino, 1);
+    send_entry(s, req, &e);
     return 1;
 }
 
@@ -1312,8 +1319,8 @@ static PyObject *Session_publish_entry(Session *s, PyObject *args)
 }
 
 /* withdraw_entry(parent, name, expires_ns) -> bool: the entry published with that deadline
- * answers no LOOKUP once this returns (a later publication of the name is left alone:
- * False). */
+ * (0: with any) answers no LOOKUP once this returns (a later publication of the name is
+ * left alone: False). */
 static PyObject *Session_withdraw_entry(Session *s, PyObject *args)
 {
     unsigned long long parent, expires;
@@ -1325,7 +1332,7 @@ static PyObject *Session_withdraw_entry(Session *s, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     pthread_rwlock_wrlock(&s->elock);
     struct centry **link = entry_link(s, parent, name, (size_t)len);
-    if (*link && (*link)->expires_ns == expires) {
+    if (*link && (expires == 0 || (*link)->expires_ns == expires)) {
         old = *link;
         *link = old->next;
     }
@@ -1364,14 +1371,7 @@ static PyObject *Session_reply_entry(Session *s, PyObject *args)
         return NULL;
     CLAIM(s, id);
     fill_entry(s, &e, &st, valid_for);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fuse_reply_entry(p->req, &e);
-    Py_END_ALLOW_THREADS
-    free(p);
-    if (rc == -ENOENT)  /* the LOOKUP was interrupted: the kernel holds no count of this answer */
-        message(s, OP_FORGET, e.ino, 1);
-    Py_RETURN_NONE;
+    REPLY(send_entry(s, p->req, &e));
 }
 
 static PyObject *Session_reply_attr(Session *s, PyObject *args)

@@ -71,6 +71,10 @@ DiskBlock = tuple[bytes, int, int, bytes]
 LentBlock = bytes | DiskBlock | None
 
 
+# withdraw_entry's deadline for "whichever the name was published with".
+ANY_DEADLINE = 0
+
+
 class Borrower(Protocol):
     """A reader that serves reads of an inode's lent blocks itself (the FUSE session in C,
     fs/_session.c), reported afterwards (``Filesystem.served``), and answers lookups of a
@@ -177,9 +181,8 @@ class Filesystem:
         self._loans: dict[int, dict[int, bytes]] = {}
         self._lenders: dict[bytes, list[tuple[int, int]]] = {}
         # Entries published to the borrower: a heap of (deadline, parent, name, inode), one
-        # per publication (each pins its inode until withdrawn), and per path its latest.
+        # per publication (each pins its inode until withdrawn).
         self._entry_deadlines: list[tuple[int, int, str, int]] = []
-        self._entry_of: dict[str, tuple[int, str, int]] = {}
         # The borrower's clock for entry deadlines (CLOCK_MONOTONIC, as C reads it; trio's
         # clock has an offset of its own).  Tests replace it.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
@@ -214,7 +217,6 @@ class Filesystem:
             expires = self.clock_ns() + int(entry.valid_for * 1e9)
             self.inodes.pin(entry.inode)
             heapq.heappush(self._entry_deadlines, (expires, parent_inode, name, entry.inode))
-            self._entry_of[path] = (parent_inode, name, expires)
             self.borrower.publish_entry(parent_inode, name, entry.inode, attr, expires)
         return entry
 
@@ -238,9 +240,6 @@ class Filesystem:
             if self.borrower is not None:
                 self.borrower.withdraw_entry(parent, name, expires)
             expired.append(inode)
-            path = self.inodes.node(inode).path  # pinned by this entry: still there
-            if self._entry_of.get(path, (0, "", 0))[2] == expires:
-                del self._entry_of[path]
         if self.borrower is not None:
             self.borrower.report()
         for inode in expired:
@@ -249,11 +248,13 @@ class Filesystem:
                 self._withdraw(inode)
 
     def _withdraw_entry(self, path: str) -> None:
-        """The borrower stops answering lookups of ``path`` (its file changed): the kernel's
-        next lookup of it comes here."""
-        published = self._entry_of.pop(path, None)
-        if published is not None and self.borrower is not None:
-            self.borrower.withdraw_entry(*published)
+        """The borrower stops answering lookups of ``path`` (its file changed), whichever
+        deadline it was published with: the kernel's next lookup of it comes here.  The
+        inode stays pinned until that publication's deadline passes."""
+        parent, _, name = path.rpartition("/")
+        parent_inode = self.inodes.current(parent)
+        if parent_inode is not None and self.borrower is not None:
+            self.borrower.withdraw_entry(parent_inode, name, ANY_DEADLINE)
 
     def _child(self, parent_inode: int, name: str) -> str:
         parent = self.inodes.node(parent_inode).path

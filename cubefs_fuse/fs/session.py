@@ -194,9 +194,7 @@ class KernelSession:
         try:
             self.ops.expire_entries()
         except Exception as exc:  # noqa: BLE001 - a bug must not end the session
-            if type(exc) not in _logged_bugs:
-                _logged_bugs.add(type(exc))
-                log.error("unexpected error expiring published entries", exc_info=exc)
+            _log_once(exc, "unexpected error expiring published entries")
 
     def _dispatch(self) -> None:
         """Take what C queued: reports and quick requests handled here, the rest in tasks."""
@@ -285,10 +283,18 @@ class KernelSession:
 
     def _lookup(self, r: Request) -> None:
         # A warm lookup (the metadata cache answers) is answered in this step: no task.
+        self._now_or_in_a_task(r, lambda: self.ops.lookup_now(r[2], os.fsdecode(r[10])), self._reply_entry)
+
+    def _getattr(self, r: Request) -> None:
+        self._now_or_in_a_task(r, lambda: self.ops.getattr_now(r[2]), self._reply_attr)
+
+    def _now_or_in_a_task(self, r: Request, now: Callable[[], Entry | None],
+                          reply: Callable[[Request, Entry], None]) -> None:
+        """Answer ``r`` with ``now()``'s entry, or, if it would wait (None), in a task."""
         try:
-            entry = self.ops.lookup_now(r[2], os.fsdecode(r[10]))
+            entry = now()
             if entry is not None:
-                self._reply_entry(r, entry)
+                reply(r, entry)
                 return
         except _session.Gone:
             self._late(r)
@@ -298,19 +304,8 @@ class KernelSession:
             return
         self._spawn(r)
 
-    def _getattr(self, r: Request) -> None:
-        try:
-            entry = self.ops.getattr_now(r[2])
-            if entry is not None:
-                self._native.reply_attr(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
-                return
-        except _session.Gone:
-            self._late(r)
-            return
-        except Exception as exc:  # noqa: BLE001
-            self._fail(r, exc)
-            return
-        self._spawn(r)
+    def _reply_attr(self, r: Request, entry: Entry) -> None:
+        self._native.reply_attr(r[0], attr_tuple(entry.inode, entry.attr), entry.valid_for)
 
     def _reply_entry(self, r: Request, entry: Entry) -> None:
         if entry.attr.is_file:
@@ -379,8 +374,7 @@ class KernelSession:
             elif op == _session.OP_LOOKUP:
                 self._reply_entry(r, await ops.lookup(ino, os.fsdecode(r[10])))
             elif op == _session.OP_GETATTR:
-                entry = await ops.getattr(ino)
-                native.reply_attr(rid, attr_tuple(entry.inode, entry.attr), entry.valid_for)
+                self._reply_attr(r, await ops.getattr(ino))
             elif op == _session.OP_OPEN and opener is not None:  # C sends OPENs only with an opener
                 fh = await opener.open(ino, flags, pid)
                 opened = fh or None  # handle 0 has no RELEASE
@@ -428,7 +422,12 @@ async def _run(work: Coroutine[Any, Any, None]) -> None:
 
 
 def _log_bug(r: Request, exc: Exception) -> None:
+    """An unexpected exception (a bug) in a request, logged as :func:`_log_once` logs."""
+    _log_once(exc, "unexpected error in request %d (reported as EIO)", r[1])
+
+
+def _log_once(exc: Exception, message: str, *args: object) -> None:
     """An unexpected exception (a bug), logged with its traceback once per exception type."""
     if type(exc) not in _logged_bugs:
         _logged_bugs.add(type(exc))
-        log.error("unexpected error in request %d (reported as EIO)", r[1], exc_info=exc)
+        log.error(message, *args, exc_info=exc)

@@ -27,7 +27,7 @@ from cubefs_fuse.attrs import Attr
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
 from cubefs_fuse.errors import FsError, StaleVersion
-from cubefs_fuse.fs.filesystem import OWNER_UNKNOWN, FileRequest, LentBlock
+from cubefs_fuse.fs.filesystem import ANY_DEADLINE, OWNER_UNKNOWN, FileRequest, LentBlock
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, Stack, open_stack, stack_config
@@ -60,7 +60,7 @@ class FakeBorrower:
         self.entries[(parent, name)] = (inode, expires_ns)
 
     def withdraw_entry(self, parent: int, name: str, expires_ns: int, /) -> bool:
-        if self.entries.get((parent, name), (0, 0))[1] != expires_ns:
+        if (parent, name) not in self.entries or expires_ns not in (ANY_DEADLINE, self.entries[(parent, name)][1]):
             return False
         del self.entries[(parent, name)]
         return True
