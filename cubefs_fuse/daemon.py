@@ -65,9 +65,9 @@ class Daemon:
     data_plane: DataPlane | None = None  # the fast path's transport (ai_prefetch)
     samples: SampleStore | None = None  # the processed-sample cache's store (ai_prefetch)
 
-    def snapshot(self) -> Snapshot:
+    async def snapshot(self) -> Snapshot:
         c, plane = self.config, self.data_plane
-        self.fs.settle()  # the reads the FUSE session served count too
+        await self.fs.settle()  # the reads the FUSE session served count too
         return Snapshot(self.fs.statistics(), self.cache.statistics(), self.backend.statistics(),
                         self.meta.statistics(), self.service.job_samples() if self.service else (),
                         mount=MountInfo(c.vol_name, c.mount_point, c.source, c.profile),

@@ -1,8 +1,8 @@
 """Prometheus metrics: every name in one table (``METRICS``, which docs/metrics.md documents
 and a test keeps in step), values pulled from ``statistics()``. Components count with plain
 integers on the trio thread; at scrape time the exporter thread asks the trio thread
-(``trio.from_thread.run_sync``) for one consistent snapshot and turns it into metric
-families, so the FUSE hot path never takes a lock or calls into prometheus_client."""
+(``trio.from_thread.run``) for one consistent snapshot, taken once every read served so far
+is counted, and turns it into metric families, so the FUSE hot path never takes a lock or calls into prometheus_client."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import errno
 import logging
 import os
 import platform
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,13 +371,13 @@ def _errno_name(code: int) -> str:
 class DaemonCollector(Collector):
     """Collects from the daemon's components by running ``snapshot`` on the trio thread."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot], trio_token: trio.lowlevel.TrioToken) -> None:
+    def __init__(self, snapshot: Callable[[], Awaitable[Snapshot]], trio_token: trio.lowlevel.TrioToken) -> None:
         self._snapshot = snapshot
         self._token = trio_token
 
     def collect(self) -> Iterator[Metric]:
         try:
-            snap = trio.from_thread.run_sync(self._snapshot, trio_token=self._token)
+            snap = trio.from_thread.run(self._snapshot, trio_token=self._token)
         except trio.RunFinishedError:
             return
         yield from families(snap)

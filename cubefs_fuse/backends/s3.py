@@ -6,21 +6,22 @@ GET conditional on that ETag (If-Match), its answer checked again, so a block is
 another version (:class:`~cubefs_fuse.errors.StaleVersion`). Per-file requests (HEAD, GET)
 go through obstore, listings and probes through boto3, whose session also resolves the
 credentials and endpoint as the AWS CLI does (benchmarks/results/2026-11-29-s3-client.md
-says why two libraries); both retry throttling and 5xx answers with exponential backoff
-and jitter, and every call runs in a worker thread of :class:`~cubefs_fuse.backends.
+says why two libraries); both retry throttling and 5xx answers with one schedule
+(exponential backoff with jitter, within backendTimeout), and every call runs in a worker thread of :class:`~cubefs_fuse.backends.
 operations.Operations`. Nothing is ever written to the bucket."""
 
 from __future__ import annotations
 
 import errno
 import os
+import random
 import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
 
 import obstore
@@ -38,18 +39,28 @@ if TYPE_CHECKING:
     from obstore import GetOptions, ObjectMeta
     from obstore.store import ClientConfig, RetryConfig, S3Store
 
+T = TypeVar("T")
+
 # Keys per ListObjectsV2 page: 1,000 is S3's own maximum.  A listing holds one page of
 # the answer at a time besides the entries made from it (~200 bytes each), so a prefix
 # with millions of keys costs its entries, never its pages' XML.
 LIST_PAGE_SIZE = 1000
 # Retries of one request after a 5xx, a throttling answer (503 SlowDown) or a dropped
-# connection, with exponential backoff and jitter (each library's own: obstore's from
-# 50 ms doubling up to 2 s, boto3's standard mode's up to 20 s): ten cover a throttled
-# bucket's usual few seconds, and backendTimeout (backends/deadline.py) cuts whatever is
-# left of them anyway.
+# connection, with exponential backoff and jitter: the first after 50 ms, each next one
+# after a random time between 50 ms and twice the last, at most 2 s, and none once the
+# request's time (backendTimeout) would be spent.  Ten cover a throttled bucket's usual
+# few seconds.  obstore retries its requests so itself (retry_config); boto3's requests
+# are retried by retrying() on the same schedule, not by boto3's standard mode, which
+# waits up to 20 s between tries and knows no deadline: a listing given up at
+# backendTimeout (backends/deadline.py) kept its worker thread, and a probe the probe's
+# one token, for a minute of retries, so a bucket answering again went unnoticed as long.
 MAX_RETRIES = 10
 INITIAL_BACKOFF = timedelta(milliseconds=50)
 MAX_BACKOFF = timedelta(seconds=2)
+BACKOFF_BASE = 2
+# The error codes of 4xx answers that say "try again" (a 5xx or 429 always does).
+RETRIED_CODES = frozenset({"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout",
+                           "RequestLimitExceeded", "TooManyRequestsException"})
 # A connection that does not open within 5 s will not (a healthy endpoint answers in ms):
 # the retries then try again rather than wait out backendTimeout on one attempt.
 CONNECT_TIMEOUT = 5.0
@@ -158,6 +169,38 @@ def _is_library_error(exc: Exception) -> bool:
     return isinstance(exc, (ObstoreError, FileNotFoundError, BotoCoreError, ClientError))
 
 
+def worth_retrying(exc: Exception) -> bool:
+    """Whether a boto3 request's failure is worth another try: no answer (connection
+    refused or dropped, a timeout), a 5xx or 429, or a throttling code."""
+    from botocore.exceptions import ClientError, HTTPClientError
+    from botocore.exceptions import ConnectionError as BotoConnectionError
+
+    if isinstance(exc, (BotoConnectionError, HTTPClientError)):
+        return True
+    if isinstance(exc, ClientError):
+        status = _status_of(exc)
+        return (status is not None and (status >= 500 or status == 429)) or \
+            exc.response.get("Error", {}).get("Code") in RETRIED_CODES
+    return False
+
+
+def retrying(fn: Callable[[], T], retries: int, timeout: float, sleep: Callable[[float], None] = time.sleep) -> T:
+    """``fn()``, a boto3 request, tried again after a failure :func:`worth_retrying` accepts, at
+    most ``retries`` times and never past ``timeout`` seconds from the first try (the
+    schedule of MAX_RETRIES' comment).  Runs in a worker thread: it sleeps."""
+    deadline = time.monotonic() + timeout
+    wait = initial = INITIAL_BACKOFF.total_seconds()
+    for attempt in range(retries + 1):
+        try:
+            return fn()
+        except Exception as exc:
+            if attempt == retries or not worth_retrying(exc) or time.monotonic() + wait > deadline:
+                raise
+        sleep(wait)
+        wait = min(MAX_BACKOFF.total_seconds(), random.uniform(initial, wait * BACKOFF_BASE))
+    raise AssertionError("unreachable")
+
+
 def _timestamp(value: str) -> datetime:
     """A time in an answer boto3 parses: ListObjectsV2's ISO 8601 by the standard library,
     anything else by botocore's general parser (dateutil's, which took half of a listing's
@@ -201,10 +244,11 @@ class Clients:
         path_style = location.path_style if location.path_style is not None else not on_aws
         self.endpoint = endpoint
         self.anonymous = credentials is None  # a public bucket: requests go unsigned
+        self.retries, self.timeout = retries, timeout
         config = Config(
             signature_version=UNSIGNED if self.anonymous else None,
             s3={"addressing_style": "path" if path_style else "virtual"},
-            retries={"mode": "standard", "max_attempts": retries + 1},  # backoff with jitter
+            retries={"total_max_attempts": 1},  # retrying() retries (see MAX_RETRIES)
             connect_timeout=CONNECT_TIMEOUT, read_timeout=timeout, max_pool_connections=threads,
             # A listing's answer has no checksum to check; a GET goes through obstore.
             response_checksum_validation="when_required")
@@ -225,6 +269,14 @@ class Clients:
             self.store = S3Store(location.bucket, client_options=options, retry_config=retry,
                                  credential_provider=Boto3CredentialProvider(session, ttl=CREDENTIALS_TTL),
                                  **kwargs)
+
+
+    def list_objects(self, retries: int | None = None, **args: Any) -> dict[str, Any]:
+        """One ListObjectsV2 page through boto3, retried (``retries``: the client's unless
+        given).  Blocking: a worker thread's call."""
+        page: dict[str, Any] = retrying(lambda: self.boto.list_objects_v2(**args),
+                                         self.retries if retries is None else retries, self.timeout)
+        return page
 
 
 class S3Backend:
@@ -288,15 +340,17 @@ class S3Backend:
         key = self._key(path)
         return self._attr_of(self._call(f"HEAD {key}", lambda: obstore.head(self._clients.store, key)))
 
-    def _pages(self, prefix: str, *, max_keys: int | None = None) -> Iterator[dict[str, Any]]:
-        """ListObjectsV2 pages of ``prefix`` with the delimiter ``/``, one at a time."""
+    def _pages(self, prefix: str, *, max_keys: int | None = None,
+               retries: int | None = None) -> Iterator[dict[str, Any]]:
+        """ListObjectsV2 pages of ``prefix`` with the delimiter ``/``, one at a time; each
+        request retried ``retries`` times (the client's unless given)."""
         token: str | None = None
         while True:
             args: dict[str, Any] = {"Bucket": self.location.bucket, "Prefix": prefix, "Delimiter": "/",
                                     "MaxKeys": max_keys or self._page_size}
             if token:
                 args["ContinuationToken"] = token
-            page: dict[str, Any] = self._call(f"LIST {prefix!r}", lambda: self._clients.boto.list_objects_v2(**args))
+            page = self._call(f"LIST {prefix!r}", lambda: self._clients.list_objects(retries, **args))
             yield page
             token = page.get("NextContinuationToken")
             if max_keys is not None or not page.get("IsTruncated") or not token:
@@ -451,8 +505,10 @@ class S3Backend:
 
     async def probe(self) -> bool:
         """Check the bucket (ProbedBackend.probe): one ListObjectsV2 of one key under the
-        prefix.  Never "reopened": a bucket has no descriptor to renew."""
-        await self._ops.thread(lambda: next(self._pages(self.location.prefix, max_keys=1)), self._ops.probe_limiter)
+        prefix, not retried (the probe loop tries again).  Never "reopened": a bucket has no
+        descriptor to renew."""
+        await self._ops.thread(lambda: next(self._pages(self.location.prefix, max_keys=1, retries=0)),
+                               self._ops.probe_limiter)
         return False
 
     def statistics(self) -> BackendStatistics:
@@ -484,7 +540,7 @@ def check_location(location: S3Location, timeout: float) -> None:
     except BotoCoreError as exc:
         raise ConfigError(f"key 'source': cannot set up an S3 client for {location.url}: {exc}") from None
     try:
-        answer = clients.boto.list_objects_v2(Bucket=location.bucket, Prefix=location.prefix, MaxKeys=1)
+        answer = clients.list_objects(Bucket=location.bucket, Prefix=location.prefix, MaxKeys=1)
     except ClientError as exc:
         error = exc.response.get("Error", {})
         code = str(error.get("Code", ""))

@@ -103,7 +103,7 @@ class Routes:
 
     async def status(self, request: Request) -> Response:
         return Response.json({"version": __version__, "protocol_version": PROTOCOL_VERSION,
-                              "profile": "ai_prefetch" if self.ai_prefetch else "", **self.service.status(),
+                              "profile": "ai_prefetch" if self.ai_prefetch else "", **await self.service.status(),
                               "samples": self._sample_status(request)})
 
     def _sample_status(self, request: Request) -> dict[str, Any] | None:
@@ -178,7 +178,7 @@ class Routes:
         return Response.json({"job": job, "rank": rank, "loader": loader, "epoch": epoch, "samples": count})
 
     async def stats(self, request: Request) -> Response:
-        return Response.json(self.service.stats(request.query.get("job")))
+        return Response.json(await self.service.stats(request.query.get("job")))
 
     async def drop_cache(self, request: Request) -> Response:
         return Response.json({"dropped_bytes": await self.service.drop_cache()})

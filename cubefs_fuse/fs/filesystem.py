@@ -183,6 +183,9 @@ class Filesystem:
         # Entries published to the borrower: a heap of (deadline, parent, name, inode), one
         # per publication (each pins its inode until withdrawn).
         self._entry_deadlines: list[tuple[int, int, str, int]] = []
+        # File requests the borrower served whose owner is still being resolved (a process
+        # not seen before): each set once its request is counted (settle() waits on them).
+        self._observing: set[trio.Event] = set()
         # The borrower's clock for entry deadlines (CLOCK_MONOTONIC, as C reads it; trio's
         # clock has an offset of its own).  Tests replace it.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
@@ -429,19 +432,28 @@ class Filesystem:
         if self.observer is not None:
             self.observer.released(f)
 
-    async def _observed(self, f: FileRequest, pid: int) -> None:
+    async def _observed(self, f: FileRequest, pid: int, done: trio.Event) -> None:
         assert self.observer is not None
-        f.owner = await self.observer.opened(pid, f.path)
-        self._answered(f)
+        try:
+            f.owner = await self.observer.opened(pid, f.path)
+            self._answered(f)
+        finally:
+            self._observing.discard(done)
+            done.set()
 
     # -- publications ----------------------------------------------------------------
 
-    def settle(self) -> None:
-        """Take in the reads the borrower served and has not reported yet: before a
-        decision that must see every read so far (a new plan replacing a loader's last,
-        whose cursor and consumed files they move)."""
+    async def settle(self) -> None:
+        """Take in the reads the borrower served and has not reported yet, and wait until
+        each is counted (a read by a process not seen before is counted once its owner is
+        resolved): before a decision that must see every read so far (a new plan replacing
+        a loader's last, whose cursor and consumed files they move) and before counters are
+        shown (a status read after a read counts it).  Reads served after the call are not
+        waited for, so a steady stream of new readers cannot hold it."""
         if self.borrower is not None:
             self.borrower.report()
+        for done in list(self._observing):
+            await done.wait()
 
     def lend_to(self, borrower: Borrower) -> None:
         """From now on, publish inodes to ``borrower`` and take back what stops being good:
@@ -616,7 +628,9 @@ class Filesystem:
             return None
         owner = self.observer.opened_now(pid, f.path)
         if owner is OWNER_UNKNOWN:
-            return self._observed(f, pid)
+            done = trio.Event()
+            self._observing.add(done)
+            return self._observed(f, pid, done)
         f.owner = owner
         self._answered(f)
         return None

@@ -104,8 +104,8 @@ class PrefetchService:
 
     # -- status ------------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        self.fs.settle()  # count the reads the FUSE session served
+    async def status(self) -> dict[str, Any]:
+        await self.fs.settle()  # count the reads the FUSE session served
         cache = self.fs.cache.statistics()
         tiers = {"ram": {"used_bytes": cache.ram.used_bytes, "limit_bytes": cache.ram.limit_bytes,
                          "blocks": cache.ram.blocks}}
@@ -144,9 +144,9 @@ class PrefetchService:
             "prefetch_wasted": cache.prefetch_wasted,
         }
 
-    def stats(self, job: str | None) -> dict[str, Any]:
+    async def stats(self, job: str | None) -> dict[str, Any]:
         """Hit counters per job (``since_last`` restarts at each call) and prefetch counters."""
-        self.fs.settle()  # count the reads the FUSE session served
+        await self.fs.settle()  # count the reads the FUSE session served
         report = self.jobs.report(job)
         for entry in report["jobs"]:
             plans = [p.summary() for p in self.scheduler.plans_of((entry["job"], entry["rank"]))]
@@ -285,7 +285,7 @@ class PrefetchService:
         waits (at most ``FIRST_WAIT``) until they are in the cache."""
         if dtype not in PLAN_DTYPES:
             raise BadRequest(f"dtype must be one of {', '.join(PLAN_DTYPES)}")
-        self.fs.settle()  # the last epoch's reads count for its plan, not this one
+        await self.fs.settle()  # the last epoch's reads count for its plan, not this one
         dataset = self.datasets.get(dataset_ref)
         if dataset is None:
             raise NotFound("unknown dataset id: register the file list first (POST /v1/datasets)")

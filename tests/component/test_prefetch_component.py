@@ -495,9 +495,9 @@ async def test_two_zipped_loaders_keep_their_plans_and_both_hit(autojump_clock: 
             assert plan.counters.used == plan.cursor == LOADER_FILES and plan.counters.skipped == 0
             assert plan.counters.requests == LOADER_FILES and plan.counters.hits == sum(hits)
             assert sum(hits[5:]) / len(hits[5:]) >= 0.99, f"{hits.count(False)} misses"
-        summaries = [p["loader"] for p in s.service.status()["plans"]]
+        summaries = [p["loader"] for p in (await s.service.status())["plans"]]
         assert summaries == ["0", "1"]
-        job = s.service.stats(JOB)["jobs"][0]
+        job = (await s.service.stats(JOB))["jobs"][0]
         assert [p["loader"] for p in job["plans"]] == ["0", "1"] and job["plan"]["loader"] == "1"
 
     # Control: the same reads with both plans under one loader id (what every client sent

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.cache.disk import DiskTier
@@ -258,6 +259,52 @@ async def test_a_read_the_borrower_served_from_a_files_start_is_a_request_counte
         assert (stats.reads, stats.native_reads, stats.read_bytes, stats.file_requests) == (4, 4, 350, 3)
         # The first read of the block the lookup brought counts as the miss that brought it.
         assert (stats.bytes_by_source["backend"], stats.bytes_by_source["ram"], stats.file_misses) == (100, 250, 1)
+
+
+async def test_settle_waits_until_each_read_served_before_it_is_counted() -> None:
+    """A read the borrower served for a process not seen before is counted once its owner is
+    resolved, in a task: settle() (what status, stats and a scrape do first) returns only
+    once the reads served before it are counted, and does not wait for reads served after."""
+    backend = FakeBackend()
+    backend.write("f", b"y" * 100)
+    gates = {43: trio.Event(), 45: trio.Event()}
+
+    class Observer:
+        async def opened(self, pid: int, path: str) -> object:
+            await gates[pid].wait()  # resolving the owner waits (a /proc read in a thread)
+            return f"job-of-{pid}"
+
+        def opened_now(self, pid: int, path: str) -> object:
+            return OWNER_UNKNOWN
+
+        def released(self, f: FileRequest) -> None:
+            pass
+
+    async def run(rest: object) -> None:
+        assert rest is not None
+        await rest  # type: ignore[misc]
+
+    async with lent_stack(backend) as (stack, _), trio.open_nursery() as nursery:
+        fs = stack.fs
+        inode = await published(stack, "f")
+        fs.observer = Observer()
+        nursery.start_soon(run, fs.served(inode, 43, 0, 0, 100, 0b1, 0, 0))
+        settled = trio.Event()
+
+        async def settle() -> None:
+            await fs.settle()
+            settled.set()
+
+        nursery.start_soon(settle)
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.start_soon(run, fs.served(inode, 45, 0, 0, 100, 0b1, 0, 0))  # served after settle() began
+        await trio.testing.wait_all_tasks_blocked()
+        assert not settled.is_set() and fs.statistics().file_requests == 0
+        gates[43].set()
+        with trio.fail_after(5):
+            await settled.wait()
+        assert fs.statistics().file_requests == 1  # the later read is not waited for
+        gates[45].set()
 
 
 async def test_a_new_plan_first_takes_in_what_the_borrower_served() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import random
 import stat
+import time
 import tracemalloc
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -236,6 +237,20 @@ async def test_throttling_is_retried_and_only_reads_reach_the_bucket(s3_env: Sea
             await few.read_block("d/f", attr.version, 0, 7)
         assert info.value.errno == errno.EIO and proxy.failed == 12
         assert few.statistics().errors == {("read", errno.EIO): 1}
+        # Within the request's time (backendTimeout): a listing under a bucket that keeps
+        # throttling fails after a few spaced retries, not boto3's minute of them; a probe
+        # tries once (the probe loop is its retry).
+        short = make_backend(bucket, endpoint=proxy.endpoint, timeout=1.0)
+        proxy.fail_next(1_000_000)
+        sent, started = len(proxy.methods), time.monotonic()
+        with pytest.raises(OSError) as info:
+            await short.listdir("d")
+        assert info.value.errno == errno.EIO and time.monotonic() - started < 1.0 + 2.0
+        assert len(proxy.methods) - sent >= 3
+        sent = len(proxy.methods)
+        with pytest.raises(OSError):
+            await short.probe()
+        assert len(proxy.methods) == sent + 1
         proxy.fail_next(0)
         assert await few.probe() is False
     assert set(proxy.methods) <= {"GET", "HEAD"}  # nothing was ever written
