@@ -61,6 +61,12 @@ class Attr:
         return stat.S_ISLNK(self.mode)
 
 
+def attr_fields(attr: Attr) -> list[int]:
+    """The attributes as a list in field order (``Attr(*fields)`` makes them again)."""
+    return [attr.mode, attr.nlink, attr.uid, attr.gid, attr.rdev, attr.size, attr.blocks, attr.blksize,
+            attr.atime_ns, attr.mtime_ns, attr.ctime_ns, attr.ino]
+
+
 @dataclass(frozen=True, slots=True)
 class FsStats:
     block_size: int

@@ -62,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"how long to wait for the detached daemon to mount (default {READY_TIMEOUT:.0f}); "
                        "past it the command fails but the daemon keeps starting")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    mount.add_argument("--take-over", action="store_true", help=argparse.SUPPRESS)  # `upgrade`'s new daemon
+
+    upgrade = opscli.add_command(
+        sub, "upgrade", cmd_upgrade,
+        help="hand a live mount to a new daemon (this installation's version) without unmounting",
+        description="Start a new daemon for MOUNTPOINT with the client config it was mounted with, and "
+        "have the running daemon hand it the mount: readers pause (the pause is reported), no read "
+        "fails, open files stay open.  If the new daemon cannot start, the running one serves on.",
+    )
+    upgrade.add_argument("mount_point", nargs="?", metavar="MOUNTPOINT")
+    upgrade.add_argument("-c", "--config", metavar="CONFIG",
+                         help="upgrade the mountPoint of this client config (for systemd's ExecReload)")
+    upgrade.add_argument("--ready-timeout", type=_seconds, default=READY_TIMEOUT, metavar="SECONDS",
+                         help=f"how long to wait for the new daemon to serve (default {READY_TIMEOUT:.0f})")
 
     umount = opscli.add_command(
         sub, "umount", cmd_umount,
@@ -106,14 +120,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- mount ---------------------------------------------------------------------------
 
 
-def _load_and_check(path: str, *, warn: bool = True) -> ClientConfig:
+def _load_and_check(path: str, *, warn: bool = True, take_over: bool = False) -> ClientConfig:
     """The config, checked against the machine; a mistake raises ConfigError.  The checks
     that only read (a live daemon of the volume above all) come before check_environment,
-    which creates the cache and log directories: a refused mount writes nothing."""
+    which creates the cache and log directories: a refused mount writes nothing.
+    ``take_over``: the mount and its daemon are there, and to be taken over."""
     config = load_config(path)
-    mounts.prepare_mount_point(config.mount_point)
-    _refuse_a_second_daemon(config)
-    check_environment(config)
+    if not take_over:
+        mounts.prepare_mount_point(config.mount_point)
+        _refuse_a_second_daemon(config)
+    check_environment(config, mounted=take_over)
     check_source(config)
     check_fuse_access()
     if warn and os.geteuid() != 0 and not user_allow_other():
@@ -138,9 +154,9 @@ def _refuse_a_second_daemon(config: ClientConfig) -> None:
 
 def cmd_mount(args: argparse.Namespace) -> int:
     if args.foreground:
-        return _mount_foreground(args.config, args.ready_fd)
-    config = _load_and_check(args.config)
-    return _mount_background(args.config, config, args.ready_timeout)
+        return _mount_foreground(args.config, args.ready_fd, args.take_over)
+    config = _load_and_check(args.config, take_over=args.take_over)
+    return _mount_background(args.config, config, args.ready_timeout, args.take_over)
 
 
 def _log_file(config: ClientConfig) -> str:
@@ -166,20 +182,28 @@ def _open_log(path: str) -> int:
     return fd
 
 
-def _mount_background(config_path: str, config: ClientConfig, ready_timeout: float) -> int:
+def _mount_background(config_path: str, config: ClientConfig, ready_timeout: float, take_over: bool = False,
+                      previous: dict[str, Any] | None = None) -> int:
+    """Start the daemon detached and wait for its report.  ``take_over``: it takes the
+    mount over from the running daemon (``previous``: that daemon's registry entry)."""
     log_path = _log_file(config)
     read_fd, write_fd = os.pipe()
     with os.fdopen(_open_log(log_path), "ab") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cubefs_fuse", "mount", "-c", os.path.abspath(config_path),
-             "--foreground", f"--ready-fd={write_fd}"],
+             "--foreground", f"--ready-fd={write_fd}"] + (["--take-over"] if take_over else []),
             pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
             start_new_session=True, cwd="/",
         )
     os.close(write_fd)
     message = _read_ready(read_fd, proc, ready_timeout)
-    if message == "ok":
-        print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {proc.pid}, log {log_path})")
+    if message is not None and message.split(" ", 1)[0] == "ok":
+        if previous is None:
+            print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {proc.pid}, log {log_path})")
+        else:
+            print(f"{PROG}: upgraded {config.mount_point}: daemon pid {previous.get('pid')} (version "
+                  f"{previous.get('version', '?')}) handed it to pid {proc.pid} (version {__version__}); "
+                  f"{message[3:] or 'readers paused'} (log {log_path})")
         return 0
     if message is None:
         # Not killed: a daemon recovering a very large NVMe cache may just need longer, and
@@ -258,7 +282,25 @@ def _setup_logging(config: ClientConfig, *, detached: bool) -> None:
         logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
 
 
-def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    if (args.mount_point is None) == (args.config is None):
+        raise UserError("give either MOUNTPOINT or -c CONFIG")
+    mount_point = os.path.abspath(args.mount_point or load_config(args.config).mount_point)
+    info = mounts.registered(mount_point)
+    if info is None or not _alive(info):
+        raise UserError(f"no cubefs-fuse daemon serves {mount_point} (mount it: {PROG} mount -c CONFIG)")
+    config_path = info.get("config")
+    if not isinstance(config_path, str) or not config_path:
+        raise UserError(f"the daemon of {mount_point} (pid {info['pid']}) does not name its client config: "
+                        "it is of a version without upgrades; unmount and mount again")
+    config = _load_and_check(config_path, take_over=True)
+    if os.path.abspath(config.mount_point) != mount_point:
+        raise ConfigError(f"key 'mountPoint': {config_path} now names {config.mount_point}, not {mount_point}: "
+                          "an upgrade keeps the mount where it is (unmount, then mount with the new config)")
+    return _mount_background(config_path, config, args.ready_timeout, take_over=True, previous=info)
+
+
+def _mount_foreground(config_path: str, ready_fd: int | None, take_over: bool = False) -> int:
     import trio  # imported here so that `--help` stays fast
 
     from cubefs_fuse import daemon
@@ -276,9 +318,10 @@ def _mount_foreground(config_path: str, ready_fd: int | None) -> int:
 
     try:
         # Detached, the parent checked and warned already: the warning is said once.
-        config = _load_and_check(config_path, warn=ready_fd is None)
+        config = _load_and_check(config_path, warn=ready_fd is None, take_over=take_over)
         _setup_logging(config, detached=ready_fd is not None)
-        trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda: report("ok")))
+        trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda detail: report(f"ok {detail}".strip()),
+                                    take_over=take_over))
     except Exception as exc:  # report why the mount failed instead of a silent exit
         # Errors raised inside the daemon's nurseries arrive wrapped in exception groups.
         cause = _sole_exception(exc)
@@ -347,7 +390,8 @@ def _remove_leftovers(mount_point: str, info: dict[str, Any]) -> bool:
     if not isinstance(pid, int) or mounts.pid_alive(pid):
         return False
     control = info.get("controlSocket")
-    sockets = [control, mounts.data_socket_path(control)] if isinstance(control, str) and control else []
+    sockets = [control, mounts.data_socket_path(control), mounts.handover_socket_path(control)] \
+        if isinstance(control, str) and control else []
     for path in sockets:  # entries of older versions name no dataSocket: it is derived
         with contextlib.suppress(OSError):
             if stat.S_ISSOCK(os.lstat(path).st_mode) and not mounts.socket_in_use(path):

@@ -491,9 +491,10 @@ def load_config(path: str) -> ClientConfig:
         raise ConfigError(f"config file {path!r}: {exc}") from None
 
 
-def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = False) -> None:
+def check_environment(config: ClientConfig, *, mounted: bool = False) -> None:
     """Check that source, mount point and cache dir are usable; raises ConfigError.  An
-    ``s3://`` source is checked by ``sources.check_source`` (its bucket is listed once)."""
+    ``s3://`` source is checked by ``sources.check_source`` (its bucket is listed once).
+    ``mounted``: the mount point is a live mount of this volume (an upgrade takes it over)."""
     source = config.source
     if config.s3_source is None:
         if not os.path.exists(source):
@@ -506,7 +507,7 @@ def check_environment(config: ClientConfig, *, mount_point_may_be_stale: bool = 
             raise ConfigError("key 'mountPoint': must differ from 'source'")
     mount_point = config.mount_point
     _check_overlaps(config)
-    if not mount_point_may_be_stale:
+    if not mounted:
         if not os.path.isdir(mount_point):
             raise ConfigError(f"key 'mountPoint': {mount_point!r} does not exist or is not a directory")
         try:

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import signal
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError
-from cubefs_fuse.control import volfile
+from cubefs_fuse.control import handover, volfile
 from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
@@ -94,31 +95,79 @@ def mount_options(config: ClientConfig) -> set[str]:
     return options
 
 
-async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[], None]) -> None:
-    """Serve the mount until it is unmounted or a signal arrives."""
+async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str], None],
+              take_over: bool = False) -> None:
+    """Serve the mount until it is unmounted, a signal arrives or a successor takes it over
+    (control/handover.py); ``on_ready`` is told once it is served.  ``take_over``: the mount is
+    served by a running daemon now, which hands it over."""
     raise_fd_limit()
     # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
     backend = DeadlineBackend(source_backend(config), config.backend_timeout)
     try:
-        disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
-        record_block_size(config)
-        write_index = False
-        # What start-up leaves in shared places (the token file) is undone here, whether the
-        # daemon stops normally or fails half-way: nothing outlives it.
-        cleanup = contextlib.ExitStack()
-        try:
-            with cleanup:
-                write_index = await _build_and_serve(config, config_path, on_ready, backend, disk, cleanup)
-        finally:
-            await _close_disk(disk, write_index)
+        predecessor = await handover.take_over(handover_socket_path(config)) if take_over else None
+        adopted = predecessor.adopted if predecessor is not None else None
+        while True:
+            try:
+                outgoing = await _run_once(config, config_path, on_ready, backend, adopted, predecessor)
+            except BaseException as exc:
+                if predecessor is not None and not predecessor.answered:
+                    with trio.CancelScope(shield=True):  # the old daemon serves on: it must hear so
+                        await predecessor.answer(False, str(_sole_exception(exc)) or type(exc).__name__)
+                raise  # (the descriptor handed over closes with the process)
+            if outgoing is None:
+                return
+            # Handed over: this daemon exits, unless the successor failed (then it serves on).
+            adopted, predecessor = await outgoing.complete(), None
+            if adopted is None:
+                return
+            on_ready = _reported_already
     finally:
         backend.close()
 
 
-async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Callable[[], None],
-                           backend: DeadlineBackend, disk: DiskTier, cleanup: contextlib.ExitStack) -> bool:
-    """The components in one nursery, then mount and serve; True if the NVMe index is exact."""
+def _reported_already(_: str) -> None:
+    pass
+
+
+def _sole_exception(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+async def _run_once(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],
+                    backend: DeadlineBackend, adopted: handover.Adopted | None,
+                    predecessor: handover.Predecessor | None) -> handover.Outgoing | None:
+    """Open the NVMe tier, build, serve, close it; what to hand over if a successor asked."""
+    disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
+    record_block_size(config)
+    served = _Served()
+    # What start-up leaves in shared places (the token file) is undone here, whether the
+    # daemon stops normally or fails half-way: nothing outlives it.
+    cleanup = contextlib.ExitStack()
+    try:
+        with cleanup:
+            await _build_and_serve(config, config_path, on_ready, backend, disk, cleanup, adopted, predecessor,
+                                   served)
+    finally:
+        await _close_disk(disk, served.write_index)
+    return served.outgoing
+
+
+@dataclass
+class _Served:
+    """How serving ended: whether the NVMe index is exact, and a handover to complete."""
+
+    write_index: bool = False
+    outgoing: handover.Outgoing | None = None
+
+
+async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],
+                           backend: DeadlineBackend, disk: DiskTier, cleanup: contextlib.ExitStack,
+                           adopted: handover.Adopted | None, predecessor: handover.Predecessor | None,
+                           served: _Served) -> None:
+    """The components in one nursery, then mount (or adopt) and serve."""
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.supervise)
         cache = BlockCache(nursery, MemoryTier(config.mem_cache_size), disk,
@@ -140,9 +189,10 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
                 config.disk_free_ratio, shared=frozenset(config.sample_cache_shared))
         daemon.data_plane = await _start_control(nursery, service, config, cleanup, daemon.samples)
         service.reads = daemon.app_reads  # status and stats count every path, as /metrics does
-        write_index = await _serve(daemon, config_path, on_ready)
+        listener = handover.Listener(handover_socket_path(config))
+        await nursery.start(listener.serve)
+        await _serve(daemon, config_path, on_ready, adopted, predecessor, listener, served)
         nursery.cancel_scope.cancel()
-    return write_index
 
 
 async def _close_disk(disk: DiskTier, write_index: bool) -> None:
@@ -153,9 +203,16 @@ async def _close_disk(disk: DiskTier, write_index: bool) -> None:
             disk.release()
 
 
-async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None]) -> bool:
-    """Mount, serve, unmount; True if every NVMe write finished (the index is exact)."""
+async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], None], adopted: handover.Adopted | None,
+                 predecessor: handover.Predecessor | None, listener: handover.Listener, served: _Served) -> None:
+    """Mount (or adopt the connection handed over), serve, then unmount, or detach for a
+    successor; ``served`` says whether every NVMe write finished and what to hand over."""
     config = daemon.config
+    if adopted is not None:
+        try:
+            daemon.fs.restore(adopted.fs)
+        except ValueError as exc:
+            raise ConfigError(f"the handed-over state cannot be used: {exc}") from None
     # The connection is tuned once the kernel has processed the answer to its INIT
     # request: that answer sets the readahead to min(current, the daemon's max_readahead
     # = the kernel's own offer, 128 KiB) and would undo a tuning made before it.  The
@@ -164,9 +221,15 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
         session = kernel.mount(daemon.fs, config.mount_point, mount_options(config),
                                entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
                                request_timeout=STALLED_AFTER_TIMEOUTS * config.backend_timeout,
-                               on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point))
+                               on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point),
+                               adopted=adopted.connection if adopted is not None else None)
     except OSError as exc:
-        raise ConfigError(f"cannot mount {config.mount_point}: {exc}") from None
+        raise ConfigError(f"cannot {'adopt the mount of' if adopted else 'mount'} {config.mount_point}: {exc}") from None
+    finally:
+        if adopted is not None:
+            os.close(adopted.connection[0])  # the session holds its own duplicate
+    # Until the predecessor is told "ok" the mount is still its: a failure detaches, never unmounts.
+    confirmed = predecessor is None
     stop_exporter: Callable[[], None] | None = None
     ai_prefetch = config.profile == "ai_prefetch"
     try:
@@ -193,30 +256,67 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[], None])
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
         for key in config.unused_keys:
             log.info("config key %r is a CubeFS setting with no effect here", key)
-        log.info("mounted %s on %s (volume %s, pid %d)", config.source, config.mount_point,
-                 config.vol_name, os.getpid())
+        log.info("%s %s on %s (volume %s, pid %d)", "serving the mount handed over:" if adopted else "mounted",
+                 config.source, config.mount_point, config.vol_name, os.getpid())
         async with trio.open_nursery() as nursery:
             # Handle signals before reporting readiness: a SIGTERM sent as soon as `mount`
             # returns must unmount cleanly, not kill the process and leave a dead mount.
             await nursery.start(_terminate_on_signal, daemon.backend, session)
-            on_ready()
+            detail = ""
+            if predecessor is not None:
+                # Before the old daemon hears "ok" and exits: under systemd its exit must
+                # not be taken for the service's.
+                sdnotify.main_pid()
+                await predecessor.answer(True)
+                confirmed = True
+                paused = time.monotonic() - predecessor.paused_at
+                detail = f"readers paused {paused * 1000:.0f} ms"
+                log.info("took the mount over from the previous daemon: %s", detail)
+            listener.session = session
+            on_ready(detail)
             sdnotify.ready(f"serving {config.source} on {config.mount_point}")
             await session.serve()
             nursery.cancel_scope.cancel()
     finally:
-        sdnotify.stopping(f"unmounting {config.mount_point}")
-        session.close()
+        handing_over = listener.successor is not None
+        if handing_over:  # not STOPPING=1: the service goes on, in the successor
+            sdnotify.notify(f"STATUS=handing {config.mount_point} over to a new daemon")
+        else:
+            sdnotify.stopping(f"unmounting {config.mount_point}")
+        if handing_over or not confirmed:
+            _detach(session, daemon.fs, listener, served)
+        else:
+            session.close()
         mounts.unregister(config.mount_point)
         if ai_prefetch:
             volfile.remove(config.vol_name, config.config_dir)
         if stop_exporter is not None:
             await trio.to_thread.run_sync(stop_exporter)
-        log.info("unmounted %s", config.mount_point)
+        if not handing_over:
+            log.info("unmounted %s", config.mount_point)
     with trio.move_on_after(DRAIN_SECONDS):
         await daemon.cache.drain()
-        return True
+        served.write_index = True
+        return
     log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
-    return False
+
+
+def _detach(session: kernel.KernelSession, fs: Filesystem, listener: handover.Listener, served: _Served) -> None:
+    """Leave the mount in place: for the successor that asked (``served.outgoing``), or for
+    the predecessor that still serves it (this daemon failed before taking it over)."""
+    successor = listener.successor
+    try:
+        connection = session.detach()
+    except RuntimeError as exc:  # ended otherwise (unmounted meanwhile, or a bug): no handover
+        log.error("cannot hand the mount over: %s", exc)
+        if successor is not None:
+            successor.close()  # the successor hears the end and gives up
+        session.close()
+        return
+    if successor is None:
+        os.close(connection[0])  # the predecessor serves on with its own descriptor
+        return
+    served.outgoing = handover.Outgoing(successor, handover.Adopted(connection, fs.export(), listener.paused_at))
 
 
 async def _tune_connection(mount_point: str) -> None:
@@ -224,6 +324,10 @@ async def _tune_connection(mount_point: str) -> None:
         mounts.tune_connection(mount_point)  # sysfs and /proc only: in-memory, never the remote
     except Exception:  # a system task must not raise: tuning is best effort
         log.exception("could not tune the FUSE connection of %s", mount_point)
+
+
+def handover_socket_path(config: ClientConfig) -> str:
+    return mounts.handover_socket_path(control_socket_path(config))
 
 
 def control_socket_path(config: ClientConfig) -> str:

@@ -52,6 +52,11 @@ def data_socket_path(control_socket: str) -> str:
     return control_socket + ".data"
 
 
+def handover_socket_path(control_socket: str) -> str:
+    """Where a running daemon takes a successor's request for its mount (control/handover.py)."""
+    return control_socket + ".handover"
+
+
 def token_file_path(vol_name: str) -> str:
     """The bearer token of the loopback control port (profPort)."""
     return os.path.join(runtime_dir(), f"{vol_name}.token")

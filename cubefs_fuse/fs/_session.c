@@ -24,6 +24,15 @@
  * timeouts (as long as it trusts the attributes, no longer).  Without no_open (the remote
  * emulator, which opens a source file per open), OPENs go to Python, and every RELEASE is
  * answered here and reported only for a handle Python gave (OP_RELEASE).
+ *
+ * Handover (an upgrade: the connection passes to the next daemon, readers only pause):
+ * pause() stops the readers (the kernel queues what comes meanwhile), Python answers what
+ * it was given (busy turns 0), and detach() hands out a duplicate of the /dev/fuse
+ * descriptor and the kernel's INIT request as it came, then frees the session without
+ * unmounting.  The next session adopts the descriptor (Session(..., adopt_fd, init)):
+ * libfuse expects INIT first, so the saved INIT goes through libfuse again, which sets up
+ * the connection's parameters as the kernel negotiated them, and its answer (the kernel
+ * has one) is dropped by the session's own writev (fuse_session_custom_io).
  */
 #define PY_SSIZE_T_CLEAN
 #define FUSE_USE_VERSION 35
@@ -32,6 +41,8 @@
 /* xxHash compiled in (header only): the NVMe tier's checksums, checked before a byte is served. */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+/* The kernel's FUSE ABI: the INIT request kept for the next session (a handover). */
+#include <linux/fuse.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -46,6 +57,9 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/mount.h>
+#include <sys/wait.h>
+#include <spawn.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -125,6 +139,10 @@ struct centry {
     char name[];          /* NUL-terminated */
 };
 
+/* An INIT request: a 40-byte header and fuse_init_in (64 bytes since protocol 7.36); room
+ * for a later, longer one. */
+#define INIT_MAX 256
+
 struct pending {
     struct pending *next;  /* the queue's link */
     fuse_req_t req;        /* NULL for the messages that take no reply */
@@ -162,6 +180,11 @@ typedef struct {
     int watching;
     atomic_int init_posted;
     atomic_int exit_posted;
+    /* The kernel's INIT request as it came (header and fuse_init_in; a handover replays it). */
+    unsigned char init[INIT_MAX];
+    size_t init_len;
+    int replaying;   /* the adopted session's INIT goes through libfuse: its answer is dropped */
+    char *adopted;   /* the mount point of an adopted connection (closing unmounts it), else NULL */
     pthread_rwlock_t hlock;  /* publications: READs read them, Python changes them */
     struct pub *pubs[PUB_BUCKETS];
     pthread_rwlock_t elock;  /* entries: LOOKUPs read them, Python changes them */
@@ -736,6 +759,7 @@ static void *reader(void *arg)
     Session *s = arg;
     struct fuse_buf buf;
     memset(&buf, 0, sizeof buf);
+    int stopped = 0;  /* told to stop (stopfd), rather than the connection ending */
     /* EPOLLEXCLUSIVE: a new request wakes one idle reader, not all of them (measured: with
      * poll() every request woke the four readers, three of which found nothing to read). */
     int ep = epoll_create1(EPOLL_CLOEXEC);
@@ -754,10 +778,9 @@ static void *reader(void *arg)
                 continue;
             break;
         }
-        int stopping = 0;
         for (int i = 0; i < n; i++)
-            stopping |= events[i].data.fd == s->stopfd;
-        if (stopping)
+            stopped |= events[i].data.fd == s->stopfd;
+        if (stopped)
             break;
         /* The fd is non-blocking: a reader woken with another finds nothing (EAGAIN).
          * An unmounted connection reads ENODEV and exits the session. */
@@ -766,6 +789,11 @@ static void *reader(void *arg)
             continue;
         if (r <= 0)
             break;
+        if (!(buf.flags & FUSE_BUF_IS_FD) && (size_t)r >= sizeof(struct fuse_in_header)
+            && ((const struct fuse_in_header *)buf.mem)->opcode == FUSE_INIT && (size_t)r <= INIT_MAX) {
+            memcpy(s->init, buf.mem, (size_t)r);  /* one reader gets INIT, before any other request */
+            s->init_len = (size_t)r;
+        }
         fuse_session_process_buf(s->se, &buf);
         /* The first request of a connection is INIT, answered inside process_buf: only
          * now may Python tune the connection (the answer would undo an earlier tuning). */
@@ -776,7 +804,9 @@ out:
     if (ep >= 0)
         close(ep);
     free(buf.mem);
-    if (!atomic_exchange(&s->exit_posted, 1))
+    /* The connection ended (or failed): the session has.  Not when stopped (close(), or
+     * pause() for a handover, where the session goes on in the next process). */
+    if (!stopped && !atomic_exchange(&s->exit_posted, 1))
         message(s, OP_EXIT, 0, 0);
     return NULL;
 }
@@ -985,6 +1015,29 @@ static void fail_outstanding(Session *s)
     }
 }
 
+/* Unmount an adopted connection's mount point (libfuse only unmounts what it mounted), as
+ * libfuse does: nothing if the connection is gone already (POLLERR: unmounted, or aborted
+ * through /sys/fs/fuse/connections), else a lazy unmount, through fusermount3 when this
+ * process may not unmount itself.  Called without the GIL, the descriptor still open. */
+static void unmount_adopted(const char *mountpoint, int fd)
+{
+    struct pollfd pfd = {.fd = fd, .events = 0};
+    if (poll(&pfd, 1, 0) == 1 && (pfd.revents & POLLERR))
+        return;
+    if (umount2(mountpoint, MNT_DETACH) == 0 || errno == EINVAL || errno == ENOENT)
+        return;
+    char *argv[] = {"fusermount3", "-u", "-q", "-z", "--", (char *)mountpoint, NULL};
+    pid_t pid;
+    extern char **environ;
+    if (posix_spawnp(&pid, "fusermount3", NULL, NULL, argv, environ) != 0) {
+        fuse_log(FUSE_LOG_ERR, "cubefs-fuse: cannot unmount %s: %s\n", mountpoint, strerror(errno));
+        return;
+    }
+    int status;
+    while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
+        ;
+}
+
 static void session_close(Session *s)
 {
     stop_readers(s);
@@ -996,9 +1049,74 @@ static void session_close(Session *s)
             Py_END_ALLOW_THREADS
             s->mounted = 0;
         }
+        if (s->adopted) {
+            Py_BEGIN_ALLOW_THREADS
+            unmount_adopted(s->adopted, fuse_session_fd(s->se));
+            Py_END_ALLOW_THREADS
+        }
         fuse_session_destroy(s->se);
         s->se = NULL;
     }
+    free(s->adopted);
+    s->adopted = NULL;
+}
+
+/* The adopted connection's I/O (fuse_session_custom_io): plain read and writev, except
+ * that the answer to the replayed INIT is dropped (the kernel had its answer long ago). */
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata)
+{
+    (void)userdata;
+    return read(fd, buf, len);
+}
+
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata)
+{
+    Session *s = userdata;
+    if (s->replaying) {
+        ssize_t n = 0;
+        for (int i = 0; i < count; i++)
+            n += (ssize_t)iov[i].iov_len;
+        return n;
+    }
+    return writev(fd, iov, count);
+}
+
+/* Take over a connection another session detached: fd and its INIT request (what the kernel
+ * negotiated is set up again from it).  0, or -1 with a Python exception set. */
+static int adopt(Session *s, int fd, const char *mountpoint, const unsigned char *init, size_t len)
+{
+    const struct fuse_in_header *in = (const void *)init;
+    if (len < sizeof *in + sizeof(uint32_t) * 2 || len > INIT_MAX || in->opcode != FUSE_INIT || in->len != len) {
+        PyErr_SetString(PyExc_ValueError, "init is not a FUSE INIT request");
+        return -1;
+    }
+    s->adopted = strdup(mountpoint);
+    if (!s->adopted) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    static const struct fuse_custom_io io = {.read = io_read, .writev = io_writev};
+    int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (dup_fd < 0) {
+        raise_errno(errno, "cannot adopt the connection");
+        return -1;
+    }
+    if (fuse_session_custom_io(s->se, &io, dup_fd) != 0) {
+        close(dup_fd);
+        raise_errno(EINVAL, "fuse_session_custom_io");
+        return -1;
+    }
+    memcpy(s->init, init, len);
+    s->init_len = len;
+    /* libfuse may keep a pointer into the buffer while it processes it: a copy of its own. */
+    unsigned char copy[INIT_MAX];
+    memcpy(copy, init, len);
+    struct fuse_buf buf = {.size = len, .mem = copy};
+    s->replaying = 1;
+    fuse_session_process_buf(s->se, &buf);
+    s->replaying = 0;
+    atomic_store(&s->init_posted, 1);  /* the connection was tuned by the session before */
+    return 0;
 }
 
 static void Session_dealloc(Session *s)
@@ -1019,16 +1137,33 @@ static void Session_dealloc(Session *s)
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+static PyObject *new_session(PyTypeObject *type, const char *mountpoint, const char *options, int threads,
+                             double entry_timeout, double attr_timeout, double request_timeout, int no_open,
+                             int adopt_fd, const void *init, size_t init_len);
+
 static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"mountpoint", "options", "threads", "entry_timeout", "attr_timeout",
-                             "request_timeout", "no_open", NULL};
+                             "request_timeout", "no_open", "adopt_fd", "init", NULL};
     const char *mountpoint, *options;
-    int threads = 4, no_open = 0;
+    int threads = 4, no_open = 0, adopt_fd = -1;
     double entry_timeout = 1.0, attr_timeout = 1.0, request_timeout = 0.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|idddp", kwlist, &mountpoint, &options, &threads,
-                                     &entry_timeout, &attr_timeout, &request_timeout, &no_open))
+    Py_buffer init = {0};
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "ss|idddpiy*", kwlist, &mountpoint, &options, &threads,
+                                     &entry_timeout, &attr_timeout, &request_timeout, &no_open,
+                                     &adopt_fd, &init))
         return NULL;
+    PyObject *made = new_session(type, mountpoint, options, threads, entry_timeout, attr_timeout,
+                                 request_timeout, no_open, adopt_fd, init.buf, (size_t)init.len);
+    if (init.obj)
+        PyBuffer_Release(&init);
+    return made;
+}
+
+static PyObject *new_session(PyTypeObject *type, const char *mountpoint, const char *options, int threads,
+                             double entry_timeout, double attr_timeout, double request_timeout, int no_open,
+                             int adopt_fd, const void *init, size_t init_len)
+{
     if (!(request_timeout >= 0.0 && request_timeout < 1e6))
         return PyErr_Format(PyExc_ValueError, "request_timeout must be 0 (none) or seconds below 1e6");
     /* More readers than this only contend for one descriptor; the kernel queue is the buffer. */
@@ -1074,15 +1209,22 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
         Py_DECREF(s);
         return raise_errno(EINVAL, "fuse_session_new");
     }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fuse_session_mount(s->se, mountpoint);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
-        Py_DECREF(s);
-        return raise_errno(EIO, "cannot mount");
+    if (adopt_fd >= 0) {
+        if (adopt(s, adopt_fd, mountpoint, init, init_len) < 0) {
+            Py_DECREF(s);
+            return NULL;
+        }
+    } else {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = fuse_session_mount(s->se, mountpoint);
+        Py_END_ALLOW_THREADS
+        if (rc != 0) {
+            Py_DECREF(s);
+            return raise_errno(EIO, "cannot mount");
+        }
+        s->mounted = 1;
     }
-    s->mounted = 1;
     int fd = fuse_session_fd(s->se);
     if (fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK) < 0) {
         int err = errno;
@@ -1095,8 +1237,9 @@ static PyObject *Session_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static PyObject *Session_start(Session *s, PyObject *unused)
 {
     (void)unused;
-    if (!s->se || s->started)
-        return PyErr_Format(PyExc_RuntimeError, "the session is %s", s->se ? "running" : "closed");
+    if (!s->se || s->started || s->stopping)
+        return PyErr_Format(PyExc_RuntimeError, "the session is %s",
+                            !s->se ? "closed" : s->started ? "running" : "paused (for detach())");
     for (int i = 0; i < s->nthreads; i++) {
         int err = pthread_create(&s->threads[i], NULL, reader, s);
         if (err) {
@@ -1671,6 +1814,56 @@ static PyObject *Session_exit(Session *s, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *Session_pause(Session *s, PyObject *unused)
+{
+    (void)unused;
+    stop_readers(s);
+    wake(s);  /* Python looks at busy again */
+    Py_RETURN_NONE;
+}
+
+static PyObject *Session_busy(Session *s, void *closure)
+{
+    (void)closure;
+    pthread_mutex_lock(&s->lock);
+    size_t n = s->nslots - s->nfree;
+    for (struct pending *p = s->head; p; p = p->next)
+        n++;
+    pthread_mutex_unlock(&s->lock);
+    return PyLong_FromSize_t(n);
+}
+
+static PyObject *Session_detach(Session *s, PyObject *unused)
+{
+    (void)unused;
+    if (!s->se || s->started)
+        return PyErr_Format(PyExc_RuntimeError, "detach() needs a paused session (%s)",
+                            s->se ? "its readers run" : "it is closed");
+    PyObject *busy = Session_busy(s, NULL);
+    if (!busy)
+        return NULL;
+    int idle = PyLong_AsSsize_t(busy) == 0;
+    Py_DECREF(busy);
+    if (!idle)
+        return PyErr_Format(PyExc_RuntimeError, "detach() with requests or reports not taken or answered");
+    if (!s->init_len)
+        return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
+    int fd = fcntl(fuse_session_fd(s->se), F_DUPFD_CLOEXEC, 3);
+    if (fd < 0)
+        return raise_errno(errno, "cannot duplicate /dev/fuse");
+    PyObject *out = Py_BuildValue("(iy#)", fd, (const char *)s->init, (Py_ssize_t)s->init_len);
+    if (!out) {
+        close(fd);
+        return NULL;
+    }
+    /* Freed without unmounting: the descriptor handed out keeps the connection. */
+    s->mounted = 0;
+    free(s->adopted);
+    s->adopted = NULL;
+    session_close(s);
+    return out;
+}
+
 static PyObject *Session_close(Session *s, PyObject *unused)
 {
     (void)unused;
@@ -1719,6 +1912,11 @@ static PyMethodDef Session_methods[] = {
     {"reply_readdir", (PyCFunction)Session_reply_readdir, METH_VARARGS,
      "reply_readdir(id, entries) -> how many entries the kernel took"},
     {"exit", (PyCFunction)Session_exit, METH_NOARGS, "End the session: take() returns OP_EXIT."},
+    {"pause", (PyCFunction)Session_pause, METH_NOARGS,
+     "Stop the readers for a handover: the kernel keeps new requests; answer those given, then detach()."},
+    {"detach", (PyCFunction)Session_detach, METH_NOARGS,
+     "(fd, init): a duplicate of /dev/fuse and the kernel's INIT request; frees the paused, idle session "
+     "without unmounting (the next session adopts them)"},
     {"close", (PyCFunction)Session_close, METH_NOARGS,
      "Stop the readers, fail what is outstanding with EIO, unmount, free the connection."},
     {NULL, NULL, 0, NULL},
@@ -1726,6 +1924,7 @@ static PyMethodDef Session_methods[] = {
 
 static PyGetSetDef Session_getset[] = {
     {"exited", (getter)Session_exited, NULL, "True once the session has ended", NULL},
+    {"busy", (getter)Session_busy, NULL, "requests given to Python and not answered, and entries not taken", NULL},
     {"expired", (getter)Session_expired, NULL, "requests answered EIO at their deadline, Python too late", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import trio
 
-from cubefs_fuse.attrs import Attr, FileVersion, FsStats
+from cubefs_fuse.attrs import Attr, FileVersion, FsStats, attr_fields
 from cubefs_fuse.backends.base import Backend
 from cubefs_fuse.cache.blockcache import BlockCache, Source
 from cubefs_fuse.cache.keys import block_key, path_tag
@@ -440,6 +440,29 @@ class Filesystem:
         finally:
             self._observing.discard(done)
             done.set()
+
+    # -- a handover (control/handover.py) -------------------------------------------------------
+
+    def export(self) -> dict[str, Any]:
+        """What the next daemon needs to answer the kernel as this one would, as JSON-ready
+        data: the inode table and the open directory handles.  Called once the session is
+        paused and idle (every request answered, every report taken).  Caches are not in
+        it: the NVMe tier's index and the metadata cache's entries are found again."""
+        dirs = [[fh, path, [[name, attr_fields(attr)] for name, attr in entries]]
+                for fh, (path, entries) in self._dirs.items()]
+        return {"inodes": self.inodes.export(), "dirs": dirs, "next_handle": next(self._handles)}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take over what :meth:`export` gave (ValueError if it is not that), before the
+        session that adopted the connection serves its first request."""
+        try:
+            inodes = InodeTable.restore(state["inodes"])
+            dirs = {int(fh): (str(path), [(str(name), Attr(*map(int, fields_))) for name, fields_ in entries])
+                    for fh, path, entries in state["dirs"]}
+            handles = count(int(state["next_handle"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a filesystem state: {exc!r}") from None
+        self.inodes, self._dirs, self._handles = inodes, dirs, handles
 
     # -- publications ----------------------------------------------------------------
 

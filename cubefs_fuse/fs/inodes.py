@@ -13,8 +13,9 @@ import errno
 import stat
 from dataclasses import dataclass
 from itertools import count
+from typing import Any
 
-from cubefs_fuse.attrs import Attr, FileVersion
+from cubefs_fuse.attrs import Attr, FileVersion, attr_fields
 from cubefs_fuse.errors import FsError
 
 ROOT_INODE = 1
@@ -141,6 +142,36 @@ class InodeTable:
 
     def statistics(self) -> InodeStatistics:
         return InodeStatistics(len(self._nodes), self._retired, self._changes)
+
+    # -- a handover (control/handover.py): the kernel keeps its inode numbers and lookup counts ------
+
+    def export(self) -> dict[str, Any]:
+        """The table as JSON-ready data for the next daemon: every inode the kernel holds
+        (number, path, what it serves, lookups, retired) and the next number.  Pins are
+        left out: they keep inodes for entries published to this session, which the next
+        one does not have; an inode kept only by a pin is not handed over."""
+        nodes = [[inode, n.path, attr_fields(n.attr) if n.attr is not None else None, n.lookups, n.retired]
+                 for inode, n in self._nodes.items() if n.lookups > 0 or inode == ROOT_INODE]
+        return {"next": next(self._numbers), "changes": self._changes, "nodes": nodes}
+
+    @classmethod
+    def restore(cls, data: dict[str, Any]) -> InodeTable:
+        """The table :meth:`export` described (ValueError if it is not one)."""
+        table = cls()
+        try:
+            table._numbers = count(int(data["next"]))
+            table._changes = int(data["changes"])
+            for inode, path, fields_, lookups, retired in data["nodes"]:
+                node = Node(str(path), Attr(*map(int, fields_)) if fields_ is not None else None,
+                            int(lookups), bool(retired))
+                table._nodes[int(inode)] = node
+                if node.retired:
+                    table._retired += 1
+                else:
+                    table._by_path[node.path] = int(inode)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not an inode table: {exc!r}") from None
+        return table
 
 
 def child_path(parent: str, name: str) -> str:

@@ -43,6 +43,9 @@ READER_THREADS = 4
 # size // 160 + 1 entries, so no more are built (and counted as lookups) than can fit.
 _MIN_DIRENTPLUS = 160
 _logged_bugs: set[type[BaseException]] = set()
+# While a handover drains the requests in flight, how often serve() looks whether they are
+# all answered (answers do not wake it): 5 ms, against requests of ~0.1-100 ms.
+DRAIN_POLL = 0.005
 
 # What C packs into a struct stat: (ino, mode, nlink, uid, gid, rdev, size, blksize, blocks,
 # atime_ns, mtime_ns, ctime_ns).
@@ -50,6 +53,8 @@ AttrTuple = tuple[int, int, int, int, int, int, int, int, int, int, int, int]
 # What C served of a READ from lent blocks: (the READ's first block, the bytes from RAM and
 # a mask of the blocks read there, the same from NVMe); mask bit i is block first + i.
 Served = tuple[int, int, int, int, int]
+# A detached connection: a /dev/fuse descriptor and the kernel's INIT request as it came.
+Detached = tuple[int, bytes]
 # A request or report C queued: (id, op, ino, fh, offset, size, flags, pid, uid, gid, name,
 # served); served only in an OP_SERVED report.
 Request = tuple[int, int, int, int, int, int, int, int, int, int, bytes, Served | None]
@@ -143,17 +148,22 @@ def attr_tuple(inode: int, attr: Attr) -> AttrTuple:
 
 def mount(ops: Operations, mount_point: str, options: set[str], *, entry_timeout: float, attr_timeout: float,
           request_timeout: float = 0.0, on_init: Callable[[], object] | None = None,
-          threads: int = READER_THREADS, opener: Opener | None = None) -> KernelSession:
+          threads: int = READER_THREADS, opener: Opener | None = None,
+          adopted: Detached | None = None) -> KernelSession:
     """Mount ``mount_point`` (OSError, with libfuse's reason, if it cannot) and return the
-    session that serves it with ``ops``: run ``serve()``, then always ``close()``.
+    session that serves it with ``ops``: run ``serve()``, then always ``close()`` (or
+    ``detach()`` after a handover).  With ``adopted`` (what another session's ``detach()``
+    gave) the session serves that connection, mounted there already, instead.
+
 
     ``entry_timeout``, ``attr_timeout``: the longest the kernel keeps an entry or
     attributes (each answer's ``valid_for`` may say less).  ``request_timeout``: a request
     Python has not answered after that many seconds is answered EIO by C (0: never), so a
     stalled trio thread cannot hang the mount's readers.  ``opener``: who opens files
     (None: nobody, the kernel's no_open mode)."""
+    fd, init = adopted if adopted is not None else (-1, b"")
     native = _session.Session(mount_point, ",".join(sorted(options)), threads, entry_timeout, attr_timeout,
-                              request_timeout, opener is None)
+                              request_timeout, opener is None, fd, init)
     return KernelSession(ops, native, on_init=on_init, opener=opener)
 
 
@@ -170,6 +180,8 @@ class KernelSession:
         self.late_replies = 0  # answers that came after C's deadline had answered EIO
         self._nursery: trio.Nursery | None = None
         self._ended = False  # the session's end was taken from the queue
+        self._handing_over = False  # a handover was asked for
+        self._paused = False  # ... and the readers have stopped: serve() ends once nothing is in flight
         ops.lend_to(self)
 
     def _late(self, r: Request) -> None:
@@ -179,15 +191,38 @@ class KernelSession:
                         "was stalled; later ones are counted, not logged", r[1])
 
     async def serve(self) -> None:
+        """Answer requests until the mount goes away, ``terminate()`` is called, or, after
+        ``hand_over()``, every request given to Python is answered and every report taken."""
         native = self._native
         native.start()
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             while not self._ended:
-                await trio.lowlevel.wait_readable(native.fileno())
+                if self._handing_over:
+                    if self._paused and native.busy == 0:
+                        break
+                    # Answers do not wake the eventfd: look again soon.
+                    with trio.move_on_after(DRAIN_POLL):
+                        await trio.lowlevel.wait_readable(native.fileno())
+                else:
+                    await trio.lowlevel.wait_readable(native.fileno())
                 self._dispatch()
                 if not self._ended:
                     self._expire_entries()
+
+    async def hand_over(self) -> None:
+        """Stop reading requests (the kernel queues new ones for the next session) and let
+        ``serve()`` end once those in flight are answered; then ``detach()``."""
+        self._handing_over = True  # serve() looks at the session every DRAIN_POLL from now on
+        await trio.to_thread.run_sync(self._native.pause)  # joins the readers: not on the trio thread
+        self._paused = True  # no request comes in any more: serve() ends once none is in flight
+
+    def detach(self) -> Detached:
+        """After a handover's ``serve()``: the connection (a /dev/fuse descriptor and the
+        kernel's INIT) for the next session, which ``mount(..., adopted=)`` serves; this
+        session is freed, the mount left in place."""
+        fd, init = self._native.detach()
+        return fd, init
 
     def _expire_entries(self) -> None:
         # Here, after a take and never inside one: expiring takes the queue itself.

@@ -9,10 +9,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
@@ -236,7 +239,10 @@ def test_systemd_unit_keys() -> None:
     assert start[0] == stop[0] == BINARY
     assert service["Restart"] == "on-failure" and service["KillSignal"] == "SIGTERM"
     # Readiness: the daemon notifies systemd once the mount is live (sdnotify.py).
-    assert service["Type"] == "notify" and service.get("NotifyAccess", "main") == "main"
+    assert service["Type"] == "notify"
+    # Reload: a new daemon takes the mount over and names itself the main process.
+    assert unit_command(service["ExecReload"], {})[1:] == ["upgrade", "-c", "/etc/cubefs-fuse/%i.json"]
+    assert service["NotifyAccess"] == "all"
     assert "2" in service["RestartPreventExitStatus"].split()  # config errors do not loop
     assert int(service["TimeoutStopSec"]) > 60  # above umount's --timeout 60
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
@@ -314,10 +320,12 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     print("systemd-analyze verify: ran")
 
 
-def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
+def test_systemd_exec_start_reload_and_stop_commands(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
     """Runs the unit's ExecStart as systemd would (instance 'vol', $NOTIFY_SOCKET set): READY=1
-    arrives only once the mount is live; then ExecStop, or the KillSignal: both unmount
-    cleanly, STOPPING=1 arrives and the daemon exits 0."""
+    arrives only once the mount is live; then ExecReload: a new daemon says it is the main
+    process (MAINPID=) before the old one exits 0 (never STOPPING=1), then READY=1; then
+    ExecStop, or the KillSignal: both unmount cleanly, STOPPING=1 arrives and the daemon
+    exits."""
     m = make_mount(volName=f"unit-{uuid.uuid4().hex[:8]}")
     (m.source / "file").write_bytes(b"x" * 1000)
     etc = tmp_path / "etc"
@@ -327,6 +335,7 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
     service = {k: v[-1] for k, v in parse_unit(UNIT.read_text())["Service"].items()}
     subs = {"%i": "vol", "/etc/cubefs-fuse/": f"{etc}/", BINARY: binary}
     start, stop = unit_command(service["ExecStart"], subs), unit_command(service["ExecStop"], subs)
+    reload = unit_command(service["ExecReload"], subs)
     for how, kind in (("ExecStop", "path"), ("KillSignal", "abstract")):
         sock, address = notify_socket(kind, tmp_path)
         daemon = subprocess.Popen(start, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -338,14 +347,26 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
             assert mounts.find_mount(str(m.mount_point)) is not None
             assert m.path("file").read_bytes() == b"x" * 1000
             if how == "ExecStop":
+                result = subprocess.run(reload, capture_output=True, text=True, timeout=120,
+                                        env={**os.environ, "NOTIFY_SOCKET": address})
+                assert result.returncode == 0 and "upgraded" in result.stdout, result.stderr
+                notes = _notifications_until(sock, "READY", timeout=60)
+                new = [int(n["MAINPID"]) for n in notes if "MAINPID" in n]
+                assert new == [m.pid()] and new[0] != daemon.pid, notes
+                assert notes.index(next(n for n in notes if "MAINPID" in n)) < len(notes) - 1  # before READY
+                assert not any("STOPPING" in n for n in notes), notes  # the service never stopped
+                assert daemon.wait(timeout=30) == 0  # the old daemon exits once the new one serves
+                assert m.path("file").read_bytes() == b"x" * 1000
                 result = subprocess.run(stop, capture_output=True, text=True, timeout=120)
                 assert result.returncode == 0, result.stderr
                 assert f"unmounted {m.mount_point}" in result.stdout
+                assert _notifications_until(sock, "STOPPING", timeout=60)[-1]["STOPPING"] == "1"
+                assert mounts.wait_for_exit(new[0], timeout=90)
             else:
                 daemon.send_signal(getattr(signal, service["KillSignal"]))
-            stopping = next_notification(sock, daemon, timeout=60)
-            assert stopping["STOPPING"] == "1", stopping
-            assert daemon.wait(timeout=90) == 0
+                stopping = next_notification(sock, daemon, timeout=60)
+                assert stopping["STOPPING"] == "1", stopping
+                assert daemon.wait(timeout=90) == 0
             assert mounts.find_mount(str(m.mount_point)) is None
             assert mounts.registered(str(m.mount_point)) is None
         finally:
@@ -356,6 +377,18 @@ def test_systemd_exec_start_and_stop_commands(make_mount: Callable[..., Mount], 
                 daemon.wait()
             if daemon.stderr is not None:
                 daemon.stderr.close()  # read by next_notification only if the daemon died
+
+
+def _notifications_until(sock: socket.socket, key: str, timeout: float) -> list[dict[str, str]]:
+    """sd_notify datagrams, whichever process sent them, up to the first carrying ``key``."""
+    deadline = time.monotonic() + timeout
+    notes: list[dict[str, str]] = []
+    while time.monotonic() < deadline:
+        if select.select([sock], [], [], 0.2)[0]:
+            notes.append(dict(line.partition("=")[::2] for line in sock.recv(4096).decode().splitlines()))
+            if key in notes[-1]:
+                return notes
+    raise AssertionError(f"no {key}= within {timeout} s: {notes}")
 
 
 def _syscall_group(analyze: str, name: str, seen: dict[str, set[str]]) -> set[str]:

@@ -234,3 +234,64 @@ def test_a_published_entry_answers_lookups_in_c_until_its_deadline_each_reported
     assert server.lookups == 4
     with pytest.raises(ValueError):
         native.publish_entry(1, b"a/b", attr_tuple(INODE, ATTR), deadline)  # no name with a slash
+
+
+def test_a_paused_session_hands_its_connection_to_a_new_one_and_readers_only_wait(
+        make_session: Callable[..., Served]) -> None:
+    """A handover at the session's level: the first session pauses (its readers stop, the
+    kernel queues what comes), is idle once its server has answered what it was given, and
+    detaches (a descriptor and the kernel's INIT); a second session adopts them on the same
+    mount.  A reader reading all along, and a file kept open across, see no error: reads
+    wait while nobody reads the connection and go on once the new session serves."""
+    native, server, f = make_session()
+    held = os.open(f, os.O_RDONLY | os.O_DIRECT)
+    errors: list[object] = []
+    reads = [0]
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                fd = os.open(f, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    data = os.read(fd, 100)
+                finally:
+                    os.close(fd)
+                if data != PYTHON:
+                    errors.append(data)
+            except OSError as exc:
+                errors.append(exc)
+            reads[0] += 1
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    adopted: _session.Session | None = None
+    try:
+        wait_until(lambda: reads[0] >= 5, 10, "reads through the first session")
+        native.pause()
+        wait_until(lambda: native.busy == 0, 10, "the first session's requests answered")
+        server.stop()
+        with pytest.raises(RuntimeError):
+            native.start()  # a paused session does not start again: it detaches
+        fd, init = native.detach()
+        assert init[4:8] == (26).to_bytes(4, "little")  # the kernel's FUSE_INIT, as it came
+        paused = reads[0]
+        time.sleep(0.3)
+        assert reads[0] <= paused + 1  # nobody reads the connection: the reader waits
+        adopted = _session.Session(str(f.parent), "ro,fsname=publication-test", 2, 3600.0, 3600.0, 0.0, True,
+                                   fd, init)
+        os.close(fd)  # the session keeps its own duplicate
+        adopted.start()
+        new_server = Server(adopted)
+        wait_until(lambda: reads[0] >= paused + 5, 10, "reads through the adopted session")
+        stop.set()
+        thread.join(timeout=10)
+        assert errors == []
+        assert os.pread(held, 100, 0) == PYTHON  # a file opened before the handover reads on
+        new_server.stop()
+    finally:
+        stop.set()
+        os.close(held)
+        if adopted is not None:
+            adopted.close()  # unmounts: the adopted session owns the mount now
+    assert not os.path.ismount(f.parent)

@@ -4,8 +4,9 @@ The extension is built a second time with ``CUBEFS_FUSE_SANITIZE=1`` into a copy
 package, and a real daemon runs it (the sanitizer runtimes preloaded, since the Python
 interpreter itself is not instrumented) while readers on several threads list, stat,
 read, readlink, statfs and try to write through the mount, with the kernel's caches
-dropped under them, and the mount's FORGETs, published entries and unmount run their
-course.  Any report of either sanitizer fails the test.
+dropped under them, and the mount's FORGETs, published entries, a handover to a second
+daemon (``cubefs-fuse upgrade``) and the unmount run their course.  Any report of either
+sanitizer fails the test.
 """
 
 from __future__ import annotations
@@ -90,6 +91,19 @@ def _workload(m: Mount, names: list[str], contents: dict[str, bytes], seed: int,
         problems.append(f"reader {seed}: {exc!r}")
 
 
+def _readers(m: Mount, contents: dict[str, bytes]) -> None:
+    """READERS threads, each its own workload, all at once; none may hang or find a problem."""
+    problems: list[str] = []
+    threads = [threading.Thread(target=_workload, args=(m, sorted(contents), contents, seed, problems))
+               for seed in range(READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=240)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert not problems, problems[:10]
+
+
 def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers(
         tmp_path: Path, make_mount: Callable[..., Mount]) -> None:
     # One-block files and a RAM tier holding a few of them: READs are served by the session
@@ -118,15 +132,7 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     m.mounted = True
     maps = Path(f"/proc/{m.pid()}/maps").read_text()
     assert "libasan" in maps and str(pkg) in maps, "the daemon does not run the sanitized session"
-    problems: list[str] = []
-    threads = [threading.Thread(target=_workload, args=(m, sorted(contents), contents, seed, problems))
-               for seed in range(READERS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=240)
-    assert not any(t.is_alive() for t in threads), "a reader hung"
-    assert not problems, problems[:10]
+    _readers(m, contents)
     # The kernel's entries dropped twice under one reader that looks every name up: the
     # second time, each LOOKUP is answered from the entry the first (or the readers) published.
     for _ in range(2):
@@ -136,6 +142,15 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     samples = m.scrape()
     assert metric(samples, "cubefs_fuse_native_reads_total") > 0, "the session served no READ itself"
     assert metric(samples, "cubefs_fuse_native_lookups_total") > 0, "the session answered no LOOKUP itself"
+    # A handover under the sanitizers too (pause, detach; the new daemon's adoption, its
+    # replayed INIT), then every reader's workload through the daemon that took the mount
+    # over, and its unmount of a mount it did not make.
+    old = m.pid()
+    result = subprocess.run([sys.executable, "-m", "cubefs_fuse", "upgrade", str(m.mount_point)],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert result.returncode == 0, f"upgrade failed: {result.stderr}\n{_reports(reports)}\n{m.log()}"
+    assert m.pid() != old and "libasan" in Path(f"/proc/{m.pid()}/maps").read_text()
+    _readers(m, contents)
     assert cli("umount", str(m.mount_point)).returncode == 0, m.log()
     m.mounted = False
     assert not _reports(reports), _reports(reports)

@@ -502,23 +502,23 @@ def test_environment_log_dir_unusable(tmp_path: Path) -> None:
     assert env_error(cfg).startswith("key 'logDir': cannot create ")
 
 
-def test_environment_stale_mount_point_skips_mount_point_checks(tmp_path: Path) -> None:
-    # A stale FUSE mount point cannot be listed (ENOTCONN): the remount skips its checks ...
+def test_environment_of_a_mount_taken_over_skips_mount_point_checks(tmp_path: Path) -> None:
+    # An upgrade's mount point is the live mount it takes over: its checks are skipped ...
     missing = env_config(tmp_path, mountPoint=str(tmp_path / "nomnt"))
     assert "does not exist" in env_error(missing)
     assert not (tmp_path / "cache").exists()  # the failed check stopped before the cache dir
-    check_environment(missing, mount_point_may_be_stale=True)
+    check_environment(missing, mounted=True)
     assert (tmp_path / "cache").is_dir()  # ... and goes on to the checks after them
     (tmp_path / "mnt" / "leftover").write_text("x")
     not_empty = env_config(tmp_path)
     assert "is not empty" in env_error(not_empty)
-    check_environment(not_empty, mount_point_may_be_stale=True)
+    check_environment(not_empty, mounted=True)
     # ... but not the other checks.
     for changes, expected in (({"source": str(tmp_path / "gone")}, "key 'source': "),
                               ({"mountPoint": str(tmp_path / "source")}, "must differ from 'source'"),
                               ({"logDir": str(tmp_path / "mnt" / "leftover" / "log")}, "key 'logDir': ")):
         with pytest.raises(ConfigError, match=expected):
-            check_environment(env_config(tmp_path, **changes), mount_point_may_be_stale=True)
+            check_environment(env_config(tmp_path, **changes), mounted=True)
 
 
 def test_defaults_module_constants_are_consistent() -> None:

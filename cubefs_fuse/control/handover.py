@@ -1,0 +1,268 @@
+"""Handing a live mount to the next daemon (``cubefs-fuse upgrade``): readers see a pause,
+never an error.
+
+The running daemon listens on its handover socket (the control socket's path +
+``.handover``, mode 0600; a peer of another uid than the daemon's, root aside, is
+refused).  The successor, started with ``--take-over``, connects and sends one line: the
+state formats it reads.  The running daemon, if it writes one of them,
+
+1. stops reading the kernel's requests (the kernel queues new ones) and answers those in
+   flight (``KernelSession.hand_over``);
+2. releases what the successor takes: the control and data sockets, the metrics port,
+   the volume file, the NVMe tier (its index written, its lock released);
+3. sends one message: a header line (the state's length) carrying the /dev/fuse
+   descriptor (SCM_RIGHTS), then the state (JSON, ``FORMAT``): the kernel's INIT request
+   and the filesystem's inode table and directory handles (``Filesystem.export``);
+4. waits for the successor's one-line answer.  ``ok``: the successor serves the mount, and
+   the old daemon exits.  Anything else, or the connection closing (the successor died):
+   the old daemon adopts its own connection again, as the successor would have, and
+   serves on.  There is no timeout on this wait: the old daemon must not take the
+   connection back while the successor might still answer ``ok`` and start reading it.
+
+The successor builds its components, adopts the connection, restores the state and
+answers ``ok`` just before its readers start; if it fails before, it answers why (or
+dies) and leaves the mount as it was.  Readers pause from step 1 to that answer.
+"""
+
+from __future__ import annotations
+
+import array
+import base64
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from cubefs_fuse import __version__
+from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.fs.session import Detached, KernelSession
+
+log = logging.getLogger(__name__)
+
+# The state's format: a successor that reads none of the running daemon's formats is
+# refused before anything stops (then unmount and mount again).  1: init (base64), fs
+# (Filesystem.export: inodes, dirs, next_handle).
+FORMAT = 1
+FORMATS_READ = (1,)
+# A request line or an answer line is short JSON or a word: more than this is not ours.
+MAX_LINE = 4096
+# How long the running daemon waits for a connected peer's request line: a peer that
+# connects and says nothing must not hold the listener.
+REQUEST_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A connection to serve, the state that goes with it, and when its readers were paused
+    (time.monotonic(): CLOCK_MONOTONIC, one clock for every process of the machine)."""
+
+    connection: Detached
+    fs: dict[str, Any]
+    paused_at: float
+
+
+async def _read_line(sock: trio.socket.SocketType, prefix: bytes = b"") -> tuple[bytes, bytes]:
+    """One line (without its newline) and what came after it; b"" at end of stream."""
+    data = prefix
+    while b"\n" not in data:
+        if len(data) > MAX_LINE:
+            raise ValueError("line too long")
+        chunk = await sock.recv(MAX_LINE)
+        if not chunk:
+            return b"", b""
+        data += chunk
+    line, _, rest = data.partition(b"\n")
+    return line, rest
+
+
+async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await sock.send(view):]
+
+
+# -- the running daemon ----------------------------------------------------------------
+
+
+class Listener:
+    """The running daemon's side: takes one successor's request and pauses the session."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.session: KernelSession | None = None  # set once the session serves
+        self.successor: trio.socket.SocketType | None = None  # the peer being handed the mount
+        self.paused_at = 0.0  # when the readers were paused for it
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with sock, contextlib.ExitStack() as cleanup:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)  # a dead daemon's (the control socket's owner checked it is dead)
+            await sock.bind(self.path)
+            cleanup.callback(_unlink_if_ours, self.path, os.stat(self.path).st_ino)
+            os.chmod(self.path, 0o600)
+            sock.listen(4)
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                while True:
+                    peer, _ = await sock.accept()
+                    nursery.start_soon(self._handle, peer)
+
+    async def _handle(self, peer: trio.socket.SocketType) -> None:
+        keep = False
+        try:
+            pid, uid, _ = struct.unpack("3i", peer.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+            if uid not in (0, os.geteuid()):
+                await self._refuse(peer, f"uid {uid} may not take over this daemon's mount")
+                return
+            with trio.move_on_after(REQUEST_TIMEOUT):
+                line, _ = await _read_line(peer)
+                try:
+                    request = json.loads(line)
+                    formats = [int(f) for f in request["formats"]]
+                except (ValueError, KeyError, TypeError):
+                    await self._refuse(peer, "not a handover request")
+                    return
+                if FORMAT not in formats:
+                    await self._refuse(peer, f"this daemon ({__version__}) hands over state format {FORMAT}, "
+                                             f"which the new one ({request.get('version', '?')}) does not read "
+                                             f"(it reads {formats}): unmount and mount again instead")
+                    return
+                session = self.session
+                if session is None or self.successor is not None:
+                    await self._refuse(peer, "the daemon is not serving yet" if session is None
+                                       else "a handover is under way already")
+                    return
+                log.info("handing the mount over to daemon pid %d (version %s): pausing the readers",
+                         pid, request.get("version", "?"))
+                self.successor = peer
+                self.paused_at = time.monotonic()
+                keep = True
+                await session.hand_over()
+        except OSError as exc:
+            log.warning("handover request failed: %s", exc)
+        finally:
+            if not keep:
+                peer.close()
+
+    @staticmethod
+    async def _refuse(peer: trio.socket.SocketType, why: str) -> None:
+        log.warning("handover refused: %s", why)
+        with contextlib.suppress(OSError):
+            await _send_all(peer, json.dumps({"error": why}).encode() + b"\n")
+
+
+def _unlink_if_ours(path: str, inode: int) -> None:
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
+
+
+@dataclass
+class Outgoing:
+    """What the running daemon hands over, once it has released everything."""
+
+    successor: trio.socket.SocketType
+    adopted: Adopted
+
+    async def complete(self) -> Adopted | None:
+        """Send the connection and the state; None once the successor serves the mount,
+        else (it refused or died) the connection for this daemon to serve again."""
+        fd, init = self.adopted.connection
+        sock = self.successor
+        try:
+            state = json.dumps({"format": FORMAT, "version": __version__, "init": base64.b64encode(init).decode(),
+                                "paused_at": self.adopted.paused_at, "fs": self.adopted.fs}).encode()
+            header = json.dumps({"format": FORMAT, "state_bytes": len(state)}).encode() + b"\n"
+            await sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+            await _send_all(sock, state)
+            answer, _ = await _read_line(sock)
+        except (OSError, ValueError) as exc:
+            answer = f"no answer ({exc})".encode()
+        finally:
+            sock.close()
+        if answer == b"ok":
+            os.close(fd)
+            log.info("the new daemon serves the mount: exiting")
+            return None
+        log.warning("the handover failed (%s): serving the mount again",
+                    answer.decode(errors="replace") or "the new daemon exited")
+        return self.adopted
+
+
+# -- the successor ---------------------------------------------------------------------
+
+
+@dataclass
+class Predecessor:
+    """The successor's side: the running daemon's connection and state, and its answer."""
+
+    sock: trio.socket.SocketType
+    adopted: Adopted
+    answered: bool = False
+
+    @property
+    def paused_at(self) -> float:
+        return self.adopted.paused_at
+
+    async def answer(self, ok: bool, why: str = "") -> None:
+        """Tell the old daemon to exit (``ok``) or to serve on (``why``); once."""
+        assert not self.answered
+        self.answered = True
+        with contextlib.suppress(OSError):
+            await _send_all(self.sock, b"ok\n" if ok else f"abort: {why}\n".encode()[:MAX_LINE])
+        self.sock.close()
+
+
+async def take_over(path: str) -> Predecessor:
+    """Ask the daemon listening at ``path`` for its mount; returns once it has released
+    everything (ConfigError, saying why, if there is no such daemon or it refuses)."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        try:
+            await sock.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise ConfigError(f"no running daemon to take the mount over from ({path} does not answer)") from None
+        await _send_all(sock, json.dumps({"formats": list(FORMATS_READ), "version": __version__}).encode() + b"\n")
+        data, ancdata, _, _ = await sock.recvmsg(MAX_LINE, socket.CMSG_SPACE(struct.calcsize("i")))
+        fds = [fd for level, kind, payload in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+               for fd in array.array("i", payload[: len(payload) - len(payload) % 4])]
+        try:
+            line, rest = await _read_line(sock, data)
+            if not line:
+                raise ConfigError("the running daemon ended the handover without handing the mount over "
+                                  "(its log says why); it serves on")
+            header = json.loads(line)
+            if "error" in header:
+                raise ConfigError(f"the running daemon refused the handover: {header['error']}")
+            if len(fds) != 1:
+                raise ValueError(f"{len(fds)} descriptors came with the state")
+            size = int(header["state_bytes"])
+            while len(rest) < size:
+                chunk = await sock.recv(min(1 << 20, size - len(rest)))
+                if not chunk:
+                    raise ValueError("the state was cut short")
+                rest += chunk
+            state = json.loads(rest)
+            if state["format"] not in FORMATS_READ:
+                raise ValueError(f"state format {state['format']} is not one this release reads")
+            adopted = Adopted((fds[0], base64.b64decode(state["init"])), state["fs"], float(state["paused_at"]))
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return Predecessor(sock, adopted)
+    except (ValueError, KeyError, TypeError) as exc:
+        sock.close()
+        raise ConfigError(f"the running daemon's handover could not be read: {exc}") from None
+    except BaseException:
+        sock.close()
+        raise

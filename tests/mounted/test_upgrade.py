@@ -1,0 +1,159 @@
+"""Mounted: ``cubefs-fuse upgrade`` hands a live mount to a new daemon (control/handover.py).
+
+A reader reads every file of the mount in a loop, comparing each with the source, and
+keeps one file open throughout; the mount is handed over under it.  No read may fail or
+return other bytes, the file opened before stays readable, the new daemon serves what the
+old one cached (from the NVMe tier, whose index it reads: no backend read), the pause is
+reported, and the new daemon unmounts as any daemon does.  A new daemon that fails after
+the old one has stopped (a metrics port taken since) leaves the old one serving, with no
+failed read either; a new config that moved the mount point is refused before anything
+stops.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from cubefs_fuse import mounts
+from tests.helpers import Mount, cli, free_port, metric, wait_until
+
+FILES = 60
+SIZE = 100_000
+
+
+def fill(m: Mount) -> dict[str, bytes]:
+    rng = random.Random(5)
+    contents = {f"d/f{i}": rng.randbytes(SIZE + i) for i in range(FILES)}
+    (m.source / "d").mkdir()
+    for rel, data in contents.items():
+        (m.source / rel).write_bytes(data)
+    return contents
+
+
+class Reader:
+    """Reads every file in turn (open, read, close) until stopped; counts reads and
+    records every failure and every read that returned other bytes."""
+
+    def __init__(self, m: Mount, contents: dict[str, bytes]) -> None:
+        self.m, self.contents = m, contents
+        self.reads = 0
+        self.errors: list[str] = []
+        self.longest_wait = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        names = sorted(self.contents)
+        last = time.monotonic()
+        while not self._stop.is_set():
+            rel = names[self.reads % len(names)]
+            try:
+                if self.m.path(rel).read_bytes() != self.contents[rel]:
+                    self.errors.append(f"{rel}: other bytes")
+            except OSError as exc:
+                self.errors.append(f"{rel}: {exc!r}")
+            self.reads += 1
+            now = time.monotonic()
+            self.longest_wait, last = max(self.longest_wait, now - last), now
+
+    @contextmanager
+    def running(self) -> Iterator[Reader]:
+        self._thread.start()
+        try:
+            wait_until(lambda: self.reads >= 2 * FILES, 30, "the reader to read every file twice")
+            yield self
+            before = self.reads
+            wait_until(lambda: self.reads >= before + FILES, 30, "the reader to go on reading")
+        finally:
+            self._stop.set()
+            self._thread.join(timeout=30)
+
+
+def test_an_upgrade_hands_the_mount_over_and_no_read_fails(make_mount: Callable[..., Mount]) -> None:
+    m = make_mount()
+    contents = fill(m)
+    m.mount()
+    old = m.pid()
+    held = open(m.path("d/f0"), "rb")  # noqa: SIM115 - open across the handover
+    try:
+        with Reader(m, contents).running() as reader:
+            result = cli("upgrade", str(m.mount_point))
+            assert result.returncode == 0, result.stderr + m.log()
+            paused = re.search(r"readers paused (\d+) ms", result.stdout)
+            assert paused and f"pid {old}" in result.stdout, result.stdout
+            new = m.pid()
+            assert new != old and f"pid {new}" in result.stdout
+            assert mounts.wait_for_exit(old, timeout=30), "the old daemon did not exit"
+        assert reader.errors == [] and reader.reads > 3 * FILES
+        held.seek(0)
+        assert held.read() == contents["d/f0"]  # opened before, read after
+    finally:
+        held.close()
+    # The new daemon serves what the old one cached: the NVMe tier's blocks, no backend read.
+    for rel, data in contents.items():
+        assert m.path(rel).read_bytes() == data
+    assert metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") == 0
+    assert "loaded from index" in m.log()
+    print(f"handover: readers paused {paused.group(1)} ms, the reader's longest wait "
+          f"{reader.longest_wait * 1000:.0f} ms")  # the note's figures (pytest -s)
+    m.umount()
+    assert mounts.find_mount(str(m.mount_point)) is None
+    assert mounts.wait_for_exit(new, timeout=30)
+
+
+@pytest.mark.expected_daemon_errors(r"cannot listen on")
+def test_a_new_daemon_that_fails_leaves_the_old_one_serving(make_mount: Callable[..., Mount]) -> None:
+    m = make_mount()
+    contents = fill(m)
+    m.mount()
+    old = m.pid()
+    # The new daemon fails after the old one has stopped: the config names a metrics port
+    # that another process has taken.
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_port()))
+    taken.listen()
+    try:
+        config = json.loads(m.config_path.read_text())
+        m.config_path.write_text(json.dumps({**config, "exporterPort": taken.getsockname()[1]}))
+        with Reader(m, contents).running() as reader:
+            result = cli("upgrade", str(m.mount_point))
+            assert result.returncode != 0 and "cannot listen on" in result.stderr, result.stderr
+            assert m.pid() == old  # the old daemon serves on
+        assert reader.errors == []
+    finally:
+        taken.close()
+    assert "serving the mount again" in m.log()
+    assert metric(m.scrape(), "cubefs_fuse_backend_up") == 1  # its metrics port is its own again
+    m.config_path.write_text(json.dumps(config))
+    m.umount()
+
+
+def test_an_upgrade_that_would_move_the_mount_or_has_no_daemon_is_refused(make_mount: Callable[..., Mount],
+                                                                          tmp_path: Path) -> None:
+    m = make_mount()
+    fill(m)
+    result = cli("upgrade", str(m.mount_point))
+    assert result.returncode == 2 and "no cubefs-fuse daemon serves" in result.stderr
+    m.mount()
+    old = m.pid()
+    config = json.loads(m.config_path.read_text())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    m.config_path.write_text(json.dumps({**config, "mountPoint": str(elsewhere)}))
+    result = cli("upgrade", str(m.mount_point))
+    assert result.returncode == 2 and "an upgrade keeps the mount where it is" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1  # one line, no traceback
+    assert m.pid() == old and os.listdir(m.path("d"))
+    m.config_path.write_text(json.dumps(config))
+    m.umount()
