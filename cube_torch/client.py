@@ -31,6 +31,11 @@ log = logging.getLogger("cube_torch")
 REQUEST_TIMEOUT = 5.0
 # The background thread exits after this many idle seconds (and restarts on demand).
 IDLE_EXIT = 30.0
+# While an epoch is being read, how often the background thread looks whether the daemon
+# was replaced (an upgrade hands the mount to a new daemon; a restart starts one): the
+# volume file then names another pid, and the new daemon knows no plan, so the rest of
+# each epoch is sent again.  One read of a small file per second.
+WATCH_EVERY = 1.0
 # Pending plans kept per process; a loader's older one is superseded by its newest epoch
 # anyway (when full, that is dropped first; else the oldest of all).
 MAX_PENDING = 4
@@ -302,6 +307,10 @@ class Submitter:
         self._job_attempts: set[tuple[int, str, int]] = set()  # synchronous registrations tried
         self.last_job: JobIdentity | None = None  # of the last plan sent
         self.plans_sent = 0
+        self.replans = 0  # epochs' rests sent again to a new daemon
+        # The epochs being read, per loader: the plan as the loader made it, the samples a
+        # sample store holds, and the daemon (pid) that has the plan.  The thread's own.
+        self._epochs: dict[tuple[str, str, int, str], tuple[PlanRequest, np.ndarray | None, int]] = {}
         self._state = threading.Lock()
 
     def submit(self, request: PlanRequest) -> None:
@@ -372,10 +381,17 @@ class Submitter:
 
     def _run(self) -> None:
         while True:
+            watching = self._reading()
             try:
-                request = self._queue.get(timeout=IDLE_EXIT)
+                request = self._queue.get(timeout=WATCH_EVERY if watching else IDLE_EXIT)
             except queue.Empty:
-                return
+                if not watching:
+                    return
+                try:
+                    self._replan_for_a_new_daemon()
+                except Exception as exc:  # never let the thread die on a surprise
+                    warn_once("unexpected-replan", "could not plan the epoch again for a new daemon: %r", exc)
+                continue
             try:
                 # A CachedDataset's store gets the epoch's keys first (its eviction needs them
                 # before the epoch's puts); the samples it holds read no file, so the daemon
@@ -392,18 +408,48 @@ class Submitter:
                 request.handled.set()
                 self._queue.task_done()
 
-    def _send(self, request: PlanRequest, held: np.ndarray | None) -> None:
+    def _reading(self) -> bool:
+        """Whether an epoch planned with a daemon is still being read (then the thread watches)."""
+        for key, (request, _, _) in list(self._epochs.items()):
+            if request.reads is None or request.reads.done:
+                del self._epochs[key]
+        return bool(self._epochs)
+
+    def _replan_for_a_new_daemon(self) -> None:
+        """Send the rest of each epoch being read to a daemon that replaced the one that has
+        its plan (the rest: from the samples the training loop has received)."""
+        for key, (request, held, pid) in list(self._epochs.items()):
+            try:
+                volume = read_volume_config(request.vol_name)
+            except ProtocolError:
+                continue  # between daemons, or none: look again
+            if volume.pid == pid:
+                continue
+            assert request.reads is not None  # only such epochs are watched
+            start = request.reads.received()
+            rest = dataclasses.replace(request, order=request.order[start:], first=0, reads=None,
+                                       handled=threading.Event())
+            info_once(f"replan:{request.vol_name}:{volume.pid}",
+                      "the cubefs-fuse daemon of volume %r was replaced (pid %d, then %d): sending it the rest "
+                      "of the epoch's plan (%d samples)", request.vol_name, pid, volume.pid, len(rest.order))
+            if self._send(rest, held[start:] if held is not None else None, original=(request, held)):
+                self.replans += 1
+
+    def _send(self, request: PlanRequest, held: np.ndarray | None,
+              original: tuple[PlanRequest, np.ndarray | None] | None = None) -> bool:
         """Send the plan (``held``: the samples a sample store holds, whose files will not
-        be read), and tell the epoch's progress counter how many files each position reads."""
+        be read), and tell the epoch's progress counter how many files each position reads;
+        True if the daemon has it.  ``original``: the epoch's plan ``request`` is the rest of."""
         try:
             volume = read_volume_config(request.vol_name)
         except ProtocolError as exc:
             warn_no_volume(request.vol_name, exc)
-            return
+            return False
         client = ControlClient(volume.control_socket, timeout=REQUEST_TIMEOUT)
         files = self._dataset_files(request.dataset, volume.mount_point)
         if files is None:
-            return
+            return False
+        planned, planned_held = original or (request, held)
         if request.reads is not None:
             per_position = files.offsets[request.order + 1] - files.offsets[request.order]
             request.reads.set_files(per_position if held is None else np.where(held, 0, per_position))
@@ -416,7 +462,7 @@ class Submitter:
                                   "directly, without prefetch; read the dataset through the mount (or unset VOL_NAME)",
                                   type(request.dataset).__name__, files.outside_root, volume.mount_point,
                                   request.vol_name)
-            return
+            return False
         try:
             key = (volume.pid, volume.control_socket)
             dataset_id = files.registered.get(key)
@@ -431,7 +477,7 @@ class Submitter:
                 self._jobs.add(job_key)
             order = _file_order(files.offsets, request.order)
             if not len(order):
-                return  # none of this epoch's samples reads a file on the mount
+                return False  # none of this epoch's samples reads a file on the mount
             dtype = "<u4" if len(files.paths) < 2**32 else "<u8"
             # The daemon answers once the files of the first batches are local (bounded).
             first = len(_file_order(files.offsets, request.order[:request.first])) if request.first else 0
@@ -439,13 +485,18 @@ class Submitter:
                                order.astype(dtype).tobytes(), dtype, loader=request.loader, first=first)
             self.last_job = JobIdentity(request.job, request.rank, request.world_size, request.vol_name)
             self.plans_sent += 1
+            if planned.reads is not None:  # watched while it is read, in case the daemon is replaced
+                self._epochs[(planned.vol_name, planned.job, planned.rank, planned.loader)] = \
+                    (planned, planned_held, volume.pid)
+            return True
         except ProtocolError as exc:
             if exc.status == 404:
                 files.registered.clear()  # the daemon restarted and forgot the list: next epoch re-registers
                 self._jobs.clear()
             if exc.status == 0 and warn_if_daemon_down(request.vol_name, volume):
-                return
+                return False
             warn_once(f"daemon-error:{exc.status}", "the cubefs-fuse daemon refused the plan: %s", exc)
+            return False
 
     def _dataset_files(self, dataset: Any, mount_point: str) -> _DatasetFiles | None:
         try:

@@ -35,6 +35,7 @@ class EpochReads:
         # thread appends): the first is what the loop has received.
         self._handed: collections.deque[int] = collections.deque([0], maxlen=ahead + 1)
         self.complete = False  # the loader asked past the epoch's last sample
+        self.done = False  # the epoch ended (finish())
         # files_upto[n]: files of the first n positions (0 for a held sample); None until
         # the plan's files are known (none are counted before, and none without a daemon).
         self.files_upto: np.ndarray | None = None
@@ -49,14 +50,18 @@ class EpochReads:
         """The sampler gave the loader a batch of ``samples``."""
         self._handed.append(self._handed[-1] + samples)
 
+    def received(self) -> int:
+        """Samples the training loop has received so far (those handed out, less the
+        batches the loader keeps in flight)."""
+        handed = self._handed  # the sampler appends meanwhile: each deque operation is atomic
+        return handed[0] if len(handed) > self.ahead else 0
+
     def files(self) -> int:
         upto = self.files_upto
         if upto is None:
             return 0
         last = len(upto) - 1
-        handed = self._handed  # the sampler appends meanwhile: each deque operation is atomic
-        received = handed[0] if len(handed) > self.ahead else 0
-        return int(upto[last if self.complete else min(received, last)])
+        return int(upto[last if self.complete else min(self.received(), last)])
 
 
 def start(key: Key, ahead: int) -> EpochReads:
@@ -70,6 +75,7 @@ def finish(epoch: EpochReads, complete: bool) -> None:
     """The loader's epoch ended: ``complete`` if it asked past the last sample (all of its
     samples will reach the loop), else the loop left early."""
     epoch.complete = complete
+    epoch.done = True
     with _lock:
         running = _running.get(epoch.key, [])
         if epoch in running:

@@ -231,6 +231,16 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
     # Until the predecessor is told "ok" the mount is still its: a failure detaches, never unmounts.
     confirmed = predecessor is None
     stop_exporter: Callable[[], None] | None = None
+
+    async def release_exporter() -> None:
+        # Stopping it waits for the HTTP server's poll (up to 0.5 s): a handover does it
+        # before the readers pause, not during the pause.
+        nonlocal stop_exporter
+        stop, stop_exporter = stop_exporter, None
+        if stop is not None:
+            await trio.to_thread.run_sync(stop)
+
+    listener.before_pause = release_exporter
     ai_prefetch = config.profile == "ai_prefetch"
     try:
         if config.exporter_port:
@@ -290,8 +300,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         mounts.unregister(config.mount_point)
         if ai_prefetch:
             volfile.remove(config.vol_name, config.config_dir)
-        if stop_exporter is not None:
-            await trio.to_thread.run_sync(stop_exporter)
+        await release_exporter()
         if not handing_over:
             log.info("unmounted %s", config.mount_point)
     with trio.move_on_after(DRAIN_SECONDS):

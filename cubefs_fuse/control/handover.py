@@ -35,6 +35,7 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,9 @@ class Listener:
         self.session: KernelSession | None = None  # set once the session serves
         self.successor: trio.socket.SocketType | None = None  # the peer being handed the mount
         self.paused_at = 0.0  # when the readers were paused for it
+        # What to release before the readers pause (while the mount is still served): the
+        # metrics port, whose server takes a poll interval to stop.
+        self.before_pause: Callable[[], Awaitable[None]] | None = None
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -144,8 +148,10 @@ class Listener:
                 log.info("handing the mount over to daemon pid %d (version %s): pausing the readers",
                          pid, request.get("version", "?"))
                 self.successor = peer
-                self.paused_at = time.monotonic()
                 keep = True
+                if self.before_pause is not None:
+                    await self.before_pause()
+                self.paused_at = time.monotonic()
                 await session.hand_over()
         except OSError as exc:
             log.warning("handover request failed: %s", exc)

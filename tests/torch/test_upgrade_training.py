@@ -1,0 +1,106 @@
+"""A training job reads on while its mount is handed to a new daemon (``cubefs-fuse
+upgrade``, control/handover.py), with cube_torch installed: real DataLoader workers over a
+slow source (slowfs, 2 ms per operation), the fast path as cube_torch uses it.
+
+The upgrade runs in the middle of the first epoch.  Every sample of both epochs must come
+with its file's bytes (no failed read), cube_torch must send the new daemon the rest of
+the epoch (the new daemon has the job and a plan without a new epoch starting), and the
+second epoch must be served from the cache the old daemon filled: every file request a
+hit, no read of the source.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from subprocess import CompletedProcess
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module)
+from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
+
+import cube_torch
+from cube_torch import client as ct_client
+from cubefs_fuse.control.protocol import ControlClient, read_volume_config
+from tests.helpers import cli, wait_until
+from tests.torch_datasets import keep
+
+CLASSES, PER_CLASS = 4, 40
+FILE = 16 * 1024
+# Seconds per training step (40 steps an epoch): the upgrade (a new daemon's start, ~2 s)
+# and cube_torch's look at the volume file (every WATCH_EVERY) fit in the first epoch.
+STEP = 0.15
+
+
+def path_and_bytes(path: str) -> tuple[str, bytes]:
+    with open(path, "rb") as f:
+        return path, f.read()
+
+
+def test_training_reads_on_through_an_upgrade_and_its_plan_follows(make_slow_mount: Callable[..., Any],
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = make_slow_mount(latency_us=2000, profile="ai_prefetch")
+    name = slow.mount.config()["volName"]
+    rng = random.Random(23)
+    for c in range(CLASSES):
+        for i in range(PER_CLASS):
+            path = slow.real / f"class{c}" / f"{i:02d}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(rng.randbytes(FILE))
+    slow.mount.mount()
+    old = slow.mount.pid()
+    monkeypatch.setenv("VOL_NAME", name)
+    monkeypatch.setenv("CUBE_TORCH_JOB", f"upgrade-{os.getpid()}")
+    monkeypatch.setattr(ct_client, "_warned", set())
+    cube_torch.install()
+    mount_point = slow.mount.mount_point
+    try:
+        dataset = datasets.DatasetFolder(str(mount_point), loader=path_and_bytes, extensions=(".bin",))
+        torch.manual_seed(5)
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, collate_fn=keep)
+        upgrade: list[CompletedProcess[str]] = []
+        replans = ct_client.submitter.replans
+        seen: list[str] = []
+        for epoch in range(2):
+            started = None
+            for n, batch in enumerate(loader):
+                for (path, data), _ in batch:
+                    real = slow.real / Path(path).relative_to(mount_point)
+                    assert data == real.read_bytes(), f"epoch {epoch}: {path} came with other bytes"
+                    seen.append(path)
+                time.sleep(STEP)  # the training step: the epoch outlasts the upgrade
+                if epoch == 0 and n == 5:  # a few batches in: the mount goes to a new daemon
+                    started = threading.Thread(target=lambda: upgrade.append(cli("upgrade", str(mount_point))))
+                    started.start()
+            if started is not None:
+                started.join(timeout=120)
+                result = upgrade[0]
+                assert result.returncode == 0, result.stderr + slow.mount.log()
+                new = slow.mount.pid()
+                assert new != old
+                control = ControlClient(read_volume_config(name).control_socket, timeout=10)
+                # The rest of epoch 0 reached the new daemon without a new epoch starting.
+                assert ct_client.submitter.replans > replans
+                jobs = control.status()["jobs"]
+                assert [j["job"] for j in jobs] == [f"upgrade-{os.getpid()}"] and jobs[0]["loaders"] == 1, jobs
+                remote_before = slow.slowfs.stats()["ops"].get("read", 0)
+                hits_before = control.status()["hits"]
+        assert len(seen) == 2 * CLASSES * PER_CLASS
+        # Epoch 1, entirely on the new daemon: the cache the old one filled serves it.
+        wait_until(lambda: control.status()["hits"]["requests"] - hits_before["requests"] >= CLASSES * PER_CLASS,
+                   what="the new daemon to count epoch 1's file requests")
+        hits = control.status()["hits"]
+        assert hits["hits"] - hits_before["hits"] == hits["requests"] - hits_before["requests"], (hits_before, hits)
+        assert slow.slowfs.stats()["ops"].get("read", 0) == remote_before, "epoch 1 read data from the source"
+        print(f"\nupgrade during epoch 0: {result.stdout.strip()}")
+    finally:
+        if slow.mount.mounted:
+            slow.mount.umount()
