@@ -21,7 +21,7 @@ from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, check_fuse_access, load_config, user_allow_other
 from cubefs_fuse.sources import check_source
 from cubefs_fuse.control import volfile
-from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.errors import ConfigError, sole_exception
 
 log = logging.getLogger("cubefs_fuse")
 PROG = "cubefs-fuse"
@@ -324,7 +324,7 @@ def _mount_foreground(config_path: str, ready_fd: int | None, take_over: bool = 
                                     take_over=take_over))
     except Exception as exc:  # report why the mount failed instead of a silent exit
         # Errors raised inside the daemon's nurseries arrive wrapped in exception groups.
-        cause = _sole_exception(exc)
+        cause = sole_exception(exc)
         report(f"error: {cause}")
         if isinstance(cause, ConfigError):
             print(f"{PROG}: error: {cause}", file=sys.stderr)
@@ -332,13 +332,6 @@ def _mount_foreground(config_path: str, ready_fd: int | None, take_over: bool = 
         log.exception("daemon failed")
         return 1
     return 0
-
-
-def _sole_exception(exc: BaseException) -> BaseException:
-    """The one exception inside (nested) exception groups, else ``exc`` itself."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 # -- umount --------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
-from cubefs_fuse.errors import ConfigError
+from cubefs_fuse.errors import ConfigError, sole_exception
 from cubefs_fuse.control import handover, volfile
 from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
@@ -113,7 +113,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str
             except BaseException as exc:
                 if predecessor is not None and not predecessor.answered:
                     with trio.CancelScope(shield=True):  # the old daemon serves on: it must hear so
-                        await predecessor.answer(False, str(_sole_exception(exc)) or type(exc).__name__)
+                        await predecessor.answer(False, str(sole_exception(exc)) or type(exc).__name__)
                 raise  # (the descriptor handed over closes with the process)
             if outgoing is None:
                 return
@@ -128,12 +128,6 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str
 
 def _reported_already(_: str) -> None:
     pass
-
-
-def _sole_exception(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
 
 
 async def _run_once(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],

@@ -88,3 +88,11 @@ def errno_of(exc: BaseException) -> int:
     # Anything else is a bug or an unexpected failure: the application sees EIO and the
     # adapter logs the traceback.
     return errno.EIO
+
+
+def sole_exception(exc: BaseException) -> BaseException:
+    """The one exception inside (nested) exception groups, else ``exc`` itself: what a
+    nursery raised, as the user should read it."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc

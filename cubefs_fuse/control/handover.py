@@ -10,9 +10,10 @@ state formats it reads.  The running daemon, if it writes one of them,
    flight (``KernelSession.hand_over``);
 2. releases what the successor takes: the control and data sockets, the metrics port,
    the volume file, the NVMe tier (its index written, its lock released);
-3. sends one message: a header line (the state's length) carrying the /dev/fuse
+3. sends one message: a header line (the lengths of what follows) carrying the /dev/fuse
    descriptor (SCM_RIGHTS), then the state (JSON, ``FORMAT``): the kernel's INIT request
-   and the filesystem's inode table and directory handles (``Filesystem.export``);
+   and the filesystem's inode table and directory handles (``Filesystem.export``), whose
+   bytes values (the inode table's columns) follow the JSON raw;
 4. waits for the successor's one-line answer.  ``ok``: the successor serves the mount, and
    the old daemon exits.  Anything else, or the connection closing (the successor died):
    the old daemon adopts its own connection again, as the successor would have, and
@@ -89,6 +90,34 @@ async def _send_all(sock: trio.socket.SocketType, data: bytes) -> None:
         view = view[await sock.send(view):]
 
 
+# The state is JSON but for its bytes values (the inode table's columns), which go raw after
+# it, each named in the JSON by {BLOB: its index}.
+BLOB = "$blob"
+
+
+def without_blobs(value: Any, blobs: list[bytes]) -> Any:
+    """``value`` for JSON: each bytes value appended to ``blobs`` and named by its index."""
+    if isinstance(value, bytes):
+        blobs.append(value)
+        return {BLOB: len(blobs) - 1}
+    if isinstance(value, dict):
+        return {k: without_blobs(v, blobs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_blobs(v, blobs) for v in value]
+    return value
+
+
+def with_blobs(value: Any, blobs: list[bytes]) -> Any:
+    """What :func:`without_blobs` was given, from its result (read from JSON) and ``blobs``."""
+    if isinstance(value, dict):
+        if set(value) == {BLOB}:
+            return blobs[int(value[BLOB])]
+        return {k: with_blobs(v, blobs) for k, v in value.items()}
+    if isinstance(value, list):
+        return [with_blobs(v, blobs) for v in value]
+    return value
+
+
 # -- the running daemon ----------------------------------------------------------------
 
 
@@ -128,8 +157,8 @@ class Listener:
                 await self._refuse(peer, f"uid {uid} may not take over this daemon's mount")
                 return
             with trio.move_on_after(REQUEST_TIMEOUT):
-                line, _ = await _read_line(peer)
                 try:
+                    line, _ = await _read_line(peer)
                     request = json.loads(line)
                     formats = [int(f) for f in request["formats"]]
                 except (ValueError, KeyError, TypeError):
@@ -155,6 +184,8 @@ class Listener:
                 await session.hand_over()
         except OSError as exc:
             log.warning("handover request failed: %s", exc)
+        except Exception:  # a bug must not end the daemon: the mount is served on
+            log.exception("unexpected error taking a handover request")
         finally:
             if not keep:
                 peer.close()
@@ -185,11 +216,14 @@ class Outgoing:
         fd, init = self.adopted.connection
         sock = self.successor
         try:
+            blobs: list[bytes] = []
             state = json.dumps({"format": FORMAT, "version": __version__, "init": base64.b64encode(init).decode(),
-                                "paused_at": self.adopted.paused_at, "fs": self.adopted.fs}).encode()
-            header = json.dumps({"format": FORMAT, "state_bytes": len(state)}).encode() + b"\n"
+                                "paused_at": self.adopted.paused_at, "fs": without_blobs(self.adopted.fs, blobs)}).encode()
+            header = json.dumps({"format": FORMAT, "state_bytes": len(state),
+                                 "blob_bytes": [len(b) for b in blobs]}).encode() + b"\n"
             await sock.sendmsg([header], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            await _send_all(sock, state)
+            for part in (state, *blobs):
+                await _send_all(sock, part)
             answer, _ = await _read_line(sock)
         except (OSError, ValueError) as exc:
             answer = f"no answer ({exc})".encode()
@@ -251,22 +285,29 @@ async def take_over(path: str) -> Predecessor:
                 raise ConfigError(f"the running daemon refused the handover: {header['error']}")
             if len(fds) != 1:
                 raise ValueError(f"{len(fds)} descriptors came with the state")
-            size = int(header["state_bytes"])
-            while len(rest) < size:
-                chunk = await sock.recv(min(1 << 20, size - len(rest)))
+            sizes = [int(header["state_bytes"]), *map(int, header["blob_bytes"])]
+            received = bytearray(rest)
+            while len(received) < sum(sizes):
+                chunk = await sock.recv(min(1 << 20, sum(sizes) - len(received)))
                 if not chunk:
                     raise ValueError("the state was cut short")
-                rest += chunk
-            state = json.loads(rest)
+                received += chunk
+            parts, start = [], 0
+            for size in sizes:
+                parts.append(bytes(received[start:start + size]))
+                start += size
+            del received
+            state = json.loads(parts[0])
             if state["format"] not in FORMATS_READ:
                 raise ValueError(f"state format {state['format']} is not one this release reads")
-            adopted = Adopted((fds[0], base64.b64decode(state["init"])), state["fs"], float(state["paused_at"]))
+            adopted = Adopted((fds[0], base64.b64decode(state["init"])), with_blobs(state["fs"], parts[1:]),
+                              float(state["paused_at"]))
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         return Predecessor(sock, adopted)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
         sock.close()
         raise ConfigError(f"the running daemon's handover could not be read: {exc}") from None
     except BaseException:

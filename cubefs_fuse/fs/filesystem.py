@@ -444,8 +444,9 @@ class Filesystem:
     # -- a handover (control/handover.py) -------------------------------------------------------
 
     def export(self) -> dict[str, Any]:
-        """What the next daemon needs to answer the kernel as this one would, as JSON-ready
-        data: the inode table and the open directory handles.  Called once the session is
+        """What the next daemon needs to answer the kernel as this one would, as data the
+        handover sends (JSON values, and bytes): the inode table and the open directory
+        handles.  Called once the session is
         paused and idle (every request answered, every report taken).  Caches are not in
         it: the NVMe tier's index and the metadata cache's entries are found again."""
         dirs = [[fh, path, [[name, attr_fields(attr)] for name, attr in entries]]

@@ -1,5 +1,6 @@
 """What a daemon hands its successor about the kernel's view (Filesystem.export/restore,
-control/handover.py): after the state has gone through JSON to a second filesystem, every
+control/handover.py): after the state has gone as the handover sends it (JSON, its bytes
+values raw) to a second filesystem, every
 inode the kernel holds means what it meant (number, path, version, retired or not, lookup
 count), an open directory handle goes on from its offset, numbers are not reused, and
 nothing else comes across."""
@@ -8,11 +9,15 @@ from __future__ import annotations
 
 import errno
 import json
+import os
+import stat
 
 import pytest
 
+from cubefs_fuse.attrs import Attr
+from cubefs_fuse.control import handover
 from cubefs_fuse.errors import FsError
-from cubefs_fuse.fs.inodes import ROOT_INODE
+from cubefs_fuse.fs.inodes import ROOT_INODE, InodeTable
 from tests.fakes import FakeBackend
 from tests.stack import open_stack
 
@@ -34,7 +39,8 @@ async def test_what_the_kernel_holds_means_the_same_after_a_handover() -> None:
         a_new = (await fs.lookup(d, "a")).inode
         assert a_new != a and fs.inodes.node(a).retired
         fs.forget(b, 1)  # the kernel let b go
-        state = json.loads(json.dumps(fs.export()))  # as it goes over the socket
+        blobs: list[bytes] = []
+        state = handover.with_blobs(json.loads(json.dumps(handover.without_blobs(fs.export(), blobs))), blobs)
 
     async with open_stack(backend) as new:
         fs = new.fs
@@ -58,11 +64,30 @@ async def test_what_the_kernel_holds_means_the_same_after_a_handover() -> None:
         assert await fs.opendir(d) > fh  # nor directory handles
 
 
+def test_the_inode_table_goes_over_whole_whatever_its_paths_and_numbers() -> None:
+    """Names with any byte but NUL and "/" (newlines, invalid UTF-8), source inode numbers
+    past 2^63 (st_ino is unsigned), timestamps before 1970."""
+    table = InodeTable()
+    names = ["a\nb", os.fsdecode(b"\xff\xfe"), "plain"]
+    for i, name in enumerate(names):
+        attr = Attr(stat.S_IFREG | 0o444, 1, 0, 0, 0, i, 1, 4096, -5, -5, -5, (1 << 64) - 1 - i)
+        for _ in range(i + 1):
+            table.remember(f"d/{name}", attr)
+    copy = InodeTable.restore(table.export())
+    for path in (f"d/{name}" for name in names):
+        inode = table.current(path)
+        assert inode is not None and copy.current(path) == inode
+        assert copy.node(inode) == table.node(inode)
+    assert len(copy) == len(table)
+
+
 async def test_a_state_that_is_not_one_is_refused_whole() -> None:
     async with open_stack(FakeBackend()) as stack:
         before = stack.fs.inodes
-        for broken in ({}, {"inodes": {"next": 2, "changes": 0, "nodes": [[2, "x", [1, 2], 1, False]]},
-                            "dirs": [], "next_handle": 1}):
+        good = stack.fs.inodes.export()
+        for broken in ({}, {"inodes": {**good, "count": 2}, "dirs": [], "next_handle": 1},
+                       {"inodes": {**good, "numbers": good["numbers"][:-8]}, "dirs": [], "next_handle": 1},
+                       {"inodes": {**good, "paths": "not bytes"}, "dirs": [], "next_handle": 1}):
             with pytest.raises(ValueError):
                 stack.fs.restore(broken)
         assert stack.fs.inodes is before  # nothing was taken

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -165,4 +166,39 @@ def test_an_upgrade_that_would_move_the_mount_or_has_no_daemon_is_refused(make_m
     assert result.stderr.count("\n") == 1  # one line, no traceback
     assert m.pid() == old and os.listdir(m.path("d"))
     m.config_path.write_text(json.dumps(config))
+    m.umount()
+
+
+def test_the_handover_socket_refuses_what_is_not_a_successor(make_mount: Callable[..., Mount]) -> None:
+    """Only the daemon's uid (or root) may connect (mode 0600, and the peer's uid is
+    checked); a request that is not one, too long, or of a format the daemon does not
+    write is answered with the reason, and the daemon serves on as before."""
+    m = make_mount()
+    contents = fill(m)
+    m.mount()
+    path = mounts.handover_socket_path(mounts.registered(str(m.mount_point))["controlSocket"])  # type: ignore[index]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+    def ask(data: bytes) -> str:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(30)
+            s.connect(path)
+            s.sendall(data)
+            return s.makefile("rb").readline().decode()
+
+    assert "not a handover request" in ask(b"hello\n")
+    assert "not a handover request" in ask(b"x" * 10_000)  # no newline within the limit
+    answer = ask(json.dumps({"formats": [99], "version": "9.9"}).encode() + b"\n")
+    assert "does not read" in answer and "unmount and mount again" in answer
+    # Another uid, even with a way in (mode relaxed), is refused by its credentials.
+    os.chmod(path, 0o666)
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child reports through its exit status
+        try:
+            os.setuid(65534)
+            os._exit(0 if "may not take over" in ask(b'{"formats": [1]}\n') else 1)
+        except BaseException:
+            os._exit(2)
+    assert os.waitpid(child, 0)[1] == 0
+    assert m.path("d/f1").read_bytes() == contents["d/f1"]  # served on, by the same daemon
     m.umount()
