@@ -293,6 +293,10 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
     if not isinstance(config_path, str) or not config_path:
         raise UserError(f"the daemon of {mount_point} (pid {info['pid']}) does not name its client config: "
                         "it is of a version without upgrades; unmount and mount again")
+    control = info.get("controlSocket")
+    if not isinstance(control, str) or not os.path.exists(mounts.handover_socket_path(control)):
+        raise UserError(f"the daemon of {mount_point} (pid {info['pid']}, version {info.get('version', '?')}) "
+                        "takes no handovers (a version before upgrades): unmount and mount again")
     config = _load_and_check(config_path, take_over=True)
     if os.path.abspath(config.mount_point) != mount_point:
         raise ConfigError(f"key 'mountPoint': {config_path} now names {config.mount_point}, not {mount_point}: "

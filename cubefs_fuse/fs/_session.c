@@ -184,6 +184,7 @@ typedef struct {
     unsigned char init[INIT_MAX];
     size_t init_len;
     int replaying;   /* the adopted session's INIT goes through libfuse: its answer is dropped */
+    int initialized; /* libfuse took the connection's INIT (op_init ran) */
     char *adopted;   /* the mount point of an adopted connection (closing unmounts it), else NULL */
     pthread_rwlock_t hlock;  /* publications: READs read them, Python changes them */
     struct pub *pubs[PUB_BUCKETS];
@@ -357,7 +358,7 @@ static struct pending *request(fuse_req_t req, int op, fuse_ino_t ino, const cha
 
 static void op_init(void *userdata, struct fuse_conn_info *conn)
 {
-    (void)userdata;
+    ((Session *)userdata)->initialized = 1;  /* libfuse accepted the INIT (a replayed one too) */
     /* Every directory listing is READDIRPLUS: one request gives the kernel the names and
      * their attributes, so `ls -l` or a dataset scan costs no LOOKUP per entry. */
     if (conn->capable & FUSE_CAP_READDIRPLUS)
@@ -1090,19 +1091,23 @@ static int adopt(Session *s, int fd, const char *mountpoint, const unsigned char
         PyErr_SetString(PyExc_ValueError, "init is not a FUSE INIT request");
         return -1;
     }
-    s->adopted = strdup(mountpoint);
-    if (!s->adopted) {
+    /* s->adopted (closing unmounts) is set last: a session that fails to adopt must never
+     * unmount the mount it was to serve, which its predecessor still serves. */
+    char *adopted = strdup(mountpoint);
+    if (!adopted) {
         PyErr_NoMemory();
         return -1;
     }
     static const struct fuse_custom_io io = {.read = io_read, .writev = io_writev};
     int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 3);
     if (dup_fd < 0) {
+        free(adopted);
         raise_errno(errno, "cannot adopt the connection");
         return -1;
     }
     if (fuse_session_custom_io(s->se, &io, dup_fd) != 0) {
         close(dup_fd);
+        free(adopted);
         raise_errno(EINVAL, "fuse_session_custom_io");
         return -1;
     }
@@ -1115,7 +1120,13 @@ static int adopt(Session *s, int fd, const char *mountpoint, const unsigned char
     s->replaying = 1;
     fuse_session_process_buf(s->se, &buf);
     s->replaying = 0;
+    if (!s->initialized) {  /* libfuse refused it (a protocol it does not speak): not servable */
+        free(adopted);
+        PyErr_SetString(PyExc_ValueError, "libfuse refused the connection's INIT request");
+        return -1;
+    }
     atomic_store(&s->init_posted, 1);  /* the connection was tuned by the session before */
+    s->adopted = adopted;
     return 0;
 }
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from cubefs_fuse import mounts
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.fs import _session
 from cubefs_fuse.fs.session import Request, attr_tuple
@@ -275,6 +276,13 @@ def test_a_paused_session_hands_its_connection_to_a_new_one_and_readers_only_wai
             native.start()  # a paused session does not start again: it detaches
         fd, init = native.detach()
         assert init[4:8] == (26).to_bytes(4, "little")  # the kernel's FUSE_INIT, as it came
+        # What is not an INIT, or one libfuse refuses (protocol major 1), is not adopted,
+        # and the failed session leaves the mount alone.
+        major_1 = init[:40] + (1).to_bytes(4, "little") + init[44:]
+        for bad, error in ((b"\0" * 40, ValueError), (major_1, ValueError)):
+            with pytest.raises(error):
+                _session.Session(str(f.parent), "ro,fsname=publication-test", 2, 3600.0, 3600.0, 0.0, True, fd, bad)
+            assert mounts.find_mount(str(f.parent)) is not None  # (a stat would wait: nobody serves now)
         paused = reads[0]
         time.sleep(0.3)
         assert reads[0] <= paused + 1  # nobody reads the connection: the reader waits

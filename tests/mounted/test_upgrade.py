@@ -166,6 +166,11 @@ def test_an_upgrade_that_would_move_the_mount_or_has_no_daemon_is_refused(make_m
     assert result.stderr.count("\n") == 1  # one line, no traceback
     assert m.pid() == old and os.listdir(m.path("d"))
     m.config_path.write_text(json.dumps(config))
+    # A daemon of a version before upgrades has no handover socket.
+    os.unlink(mounts.handover_socket_path(mounts.registered(str(m.mount_point))["controlSocket"]))  # type: ignore[index]
+    result = cli("upgrade", str(m.mount_point))
+    assert result.returncode == 2 and "takes no handovers" in result.stderr, result.stderr
+    assert m.pid() == old
     m.umount()
 
 
