@@ -418,12 +418,15 @@ class Submitter:
     def _replan_for_a_new_daemon(self) -> None:
         """Send the rest of each epoch being read to a daemon that replaced the one that has
         its plan (the rest: from the samples the training loop has received)."""
+        volumes: dict[str, VolumeConfig | None] = {}  # each volume's file read once per look
         for key, (request, held, pid) in list(self._epochs.items()):
-            try:
-                volume = read_volume_config(request.vol_name)
-            except ProtocolError:
-                continue  # between daemons, or none: look again
-            if volume.pid == pid:
+            if request.vol_name not in volumes:
+                try:
+                    volumes[request.vol_name] = read_volume_config(request.vol_name)
+                except ProtocolError:
+                    volumes[request.vol_name] = None  # between daemons, or none: look again
+            volume = volumes[request.vol_name]
+            if volume is None or volume.pid == pid:
                 continue
             assert request.reads is not None  # only such epochs are watched
             start = request.reads.received()

@@ -29,7 +29,7 @@
  * pause() stops the readers (the kernel queues what comes meanwhile), Python answers what
  * it was given (busy turns 0), and detach() hands out a duplicate of the /dev/fuse
  * descriptor and the kernel's INIT request as it came, then frees the session without
- * unmounting.  The next session adopts the descriptor (Session(..., adopt_fd, init)):
+ * unmounting.  The successor's session adopts the descriptor (Session(..., adopt_fd, init)):
  * libfuse expects INIT first, so the saved INIT goes through libfuse again, which sets up
  * the connection's parameters as the kernel negotiated them, and its answer (the kernel
  * has one) is dropped by the session's own writev (fuse_session_custom_io).
@@ -41,7 +41,7 @@
 /* xxHash compiled in (header only): the NVMe tier's checksums, checked before a byte is served. */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
-/* The kernel's FUSE ABI: the INIT request kept for the next session (a handover). */
+/* The kernel's FUSE ABI: the INIT request kept for a successor's session (a handover). */
 #include <linux/fuse.h>
 
 #include <errno.h>
@@ -1833,15 +1833,21 @@ static PyObject *Session_pause(Session *s, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static PyObject *Session_busy(Session *s, void *closure)
+/* Requests given to Python and not answered, and entries queued and not taken. */
+static size_t busy(Session *s)
 {
-    (void)closure;
     pthread_mutex_lock(&s->lock);
     size_t n = s->nslots - s->nfree;
     for (struct pending *p = s->head; p; p = p->next)
         n++;
     pthread_mutex_unlock(&s->lock);
-    return PyLong_FromSize_t(n);
+    return n;
+}
+
+static PyObject *Session_busy(Session *s, void *closure)
+{
+    (void)closure;
+    return PyLong_FromSize_t(busy(s));
 }
 
 static PyObject *Session_detach(Session *s, PyObject *unused)
@@ -1850,12 +1856,7 @@ static PyObject *Session_detach(Session *s, PyObject *unused)
     if (!s->se || s->started)
         return PyErr_Format(PyExc_RuntimeError, "detach() needs a paused session (%s)",
                             s->se ? "its readers run" : "it is closed");
-    PyObject *busy = Session_busy(s, NULL);
-    if (!busy)
-        return NULL;
-    int idle = PyLong_AsSsize_t(busy) == 0;
-    Py_DECREF(busy);
-    if (!idle)
+    if (busy(s))
         return PyErr_Format(PyExc_RuntimeError, "detach() with requests or reports not taken or answered");
     if (!s->init_len)
         return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
@@ -1927,7 +1928,7 @@ static PyMethodDef Session_methods[] = {
      "Stop the readers for a handover: the kernel keeps new requests; answer those given, then detach()."},
     {"detach", (PyCFunction)Session_detach, METH_NOARGS,
      "(fd, init): a duplicate of /dev/fuse and the kernel's INIT request; frees the paused, idle session "
-     "without unmounting (the next session adopts them)"},
+     "without unmounting (a successor's session adopts them)"},
     {"close", (PyCFunction)Session_close, METH_NOARGS,
      "Stop the readers, fail what is outstanding with EIO, unmount, free the connection."},
     {NULL, NULL, 0, NULL},

@@ -211,7 +211,7 @@ class KernelSession:
                     self._expire_entries()
 
     async def hand_over(self) -> None:
-        """Stop reading requests (the kernel queues new ones for the next session) and let
+        """Stop reading requests (the kernel queues new ones for the successor's session) and let
         ``serve()`` end once those in flight are answered; then ``detach()``."""
         self._handing_over = True  # serve() looks at the session every DRAIN_POLL from now on
         await trio.to_thread.run_sync(self._native.pause)  # joins the readers: not on the trio thread
@@ -219,10 +219,9 @@ class KernelSession:
 
     def detach(self) -> Detached:
         """After a handover's ``serve()``: the connection (a /dev/fuse descriptor and the
-        kernel's INIT) for the next session, which ``mount(..., adopted=)`` serves; this
+        kernel's INIT) for the successor's session, which ``mount(..., adopted=)`` serves; this
         session is freed, the mount left in place."""
-        fd, init = self._native.detach()
-        return fd, init
+        return self._native.detach()
 
     def _expire_entries(self) -> None:
         # Here, after a take and never inside one: expiring takes the queue itself.

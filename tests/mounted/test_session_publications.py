@@ -284,8 +284,10 @@ def test_a_paused_session_hands_its_connection_to_a_new_one_and_readers_only_wai
                 _session.Session(str(f.parent), "ro,fsname=publication-test", 2, 3600.0, 3600.0, 0.0, True, fd, bad)
             assert mounts.find_mount(str(f.parent)) is not None  # (a stat would wait: nobody serves now)
         paused = reads[0]
+        # Nobody reads the connection now: no read completes.  (What is checked is an
+        # absence, so it is watched for a while rather than waited for.)
         time.sleep(0.3)
-        assert reads[0] <= paused + 1  # nobody reads the connection: the reader waits
+        assert reads[0] <= paused + 1
         adopted = _session.Session(str(f.parent), "ro,fsname=publication-test", 2, 3600.0, 3600.0, 0.0, True,
                                    fd, init)
         os.close(fd)  # the session keeps its own duplicate
