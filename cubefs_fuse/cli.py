@@ -21,6 +21,7 @@ from cubefs_fuse import __version__, mounts, opscli
 from cubefs_fuse.config import ClientConfig, check_environment, check_fuse_access, load_config, user_allow_other
 from cubefs_fuse.sources import check_source
 from cubefs_fuse.control import volfile
+from cubefs_fuse.control.keeper import keeper_socket_path, request_upgrade
 from cubefs_fuse.errors import ConfigError, sole_exception
 
 log = logging.getLogger("cubefs_fuse")
@@ -62,7 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"how long to wait for the detached daemon to mount (default {READY_TIMEOUT:.0f}); "
                        "past it the command fails but the daemon keeps starting")
     mount.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    mount.add_argument("--take-over", action="store_true", help=argparse.SUPPRESS)  # `upgrade`'s new daemon
+    # The daemon itself, run by the keeper (control/keeper.py) over a channel: to mount, to
+    # take the mount over from the running daemon (an upgrade) or to recover a dead one's.
+    mount.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    mount.add_argument("--channel-fd", type=int, default=None, help=argparse.SUPPRESS)
+    mount.add_argument("--detached", action="store_true", help=argparse.SUPPRESS)  # log to the log file
+    role = mount.add_mutually_exclusive_group()
+    role.add_argument("--take-over", action="store_true", help=argparse.SUPPRESS)
+    role.add_argument("--recover", action="store_true", help=argparse.SUPPRESS)
 
     upgrade = opscli.add_command(
         sub, "upgrade", cmd_upgrade,
@@ -153,10 +161,15 @@ def _refuse_a_second_daemon(config: ClientConfig) -> None:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
+    if args.serve:
+        if args.channel_fd is None:
+            raise UserError("--serve is run by cubefs-fuse itself (with --channel-fd)")
+        return _serve(args.config, args.channel_fd, "take-over" if args.take_over else
+                      "recover" if args.recover else "start", args.detached)
     if args.foreground:
-        return _mount_foreground(args.config, args.ready_fd, args.take_over)
-    config = _load_and_check(args.config, take_over=args.take_over)
-    return _mount_background(args.config, config, args.ready_timeout, args.take_over)
+        return _keep(args.config, args.ready_fd)
+    config = _load_and_check(args.config)
+    return _mount_background(args.config, config, args.ready_timeout)
 
 
 def _log_file(config: ClientConfig) -> str:
@@ -182,28 +195,23 @@ def _open_log(path: str) -> int:
     return fd
 
 
-def _mount_background(config_path: str, config: ClientConfig, ready_timeout: float, take_over: bool = False,
-                      previous: dict[str, Any] | None = None) -> int:
-    """Start the daemon detached and wait for its report.  ``take_over``: it takes the
-    mount over from the running daemon (``previous``: that daemon's registry entry)."""
+def _mount_background(config_path: str, config: ClientConfig, ready_timeout: float) -> int:
+    """Start the keeper and its daemon detached and wait for the daemon's report."""
     log_path = _log_file(config)
     read_fd, write_fd = os.pipe()
     with os.fdopen(_open_log(log_path), "ab") as log_file:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cubefs_fuse", "mount", "-c", os.path.abspath(config_path),
-             "--foreground", f"--ready-fd={write_fd}"] + (["--take-over"] if take_over else []),
+             "--foreground", f"--ready-fd={write_fd}"],
             pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
             start_new_session=True, cwd="/",
         )
     os.close(write_fd)
     message = _read_ready(read_fd, proc, ready_timeout)
     if message is not None and message.split(" ", 1)[0] == "ok":
-        if previous is None:
-            print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {proc.pid}, log {log_path})")
-        else:
-            print(f"{PROG}: upgraded {config.mount_point}: daemon pid {previous.get('pid')} (version "
-                  f"{previous.get('version', '?')}) handed it to pid {proc.pid} (version {__version__}); "
-                  f"{message[3:] or 'readers paused'} (log {log_path})")
+        info = mounts.registered(config.mount_point) or {}
+        print(f"{PROG}: mounted {config.source} on {config.mount_point} (pid {info.get('pid', '?')}, "
+              f"keeper pid {proc.pid}, log {log_path})")
         return 0
     if message is None:
         # Not killed: a daemon recovering a very large NVMe cache may just need longer, and
@@ -294,42 +302,84 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
         raise UserError(f"the daemon of {mount_point} (pid {info['pid']}) does not name its client config: "
                         "it is of a version without upgrades; unmount and mount again")
     control = info.get("controlSocket")
-    if not isinstance(control, str) or not os.path.exists(mounts.handover_socket_path(control)):
+    if not isinstance(control, str) or not os.path.exists(keeper_socket_path(control)):
         raise UserError(f"the daemon of {mount_point} (pid {info['pid']}, version {info.get('version', '?')}) "
-                        "takes no handovers (a version before upgrades): unmount and mount again")
+                        "has no keeper to start a new daemon (a version before upgrades): unmount and mount again")
     config = _load_and_check(config_path, take_over=True)
     if os.path.abspath(config.mount_point) != mount_point:
         raise ConfigError(f"key 'mountPoint': {config_path} now names {config.mount_point}, not {mount_point}: "
                           "an upgrade keeps the mount where it is (unmount, then mount with the new config)")
-    return _mount_background(config_path, config, args.ready_timeout, take_over=True, previous=info)
+
+    def progress(waited: float) -> None:
+        print(f"{PROG}: waiting for the new daemon to take {mount_point} over: {waited:.0f} s so far",
+              file=sys.stderr, flush=True)
+
+    try:
+        reply = request_upgrade(control, args.ready_timeout, progress)
+    except (OSError, ValueError) as exc:
+        raise opscli.OpsError(f"the keeper of {mount_point} did not answer the upgrade: {exc}") from None
+    log_path = _log_file(config)
+    if not reply.get("ok"):
+        print(f"{PROG}: error: {reply.get('error', 'the upgrade failed')} (log: {log_path})", file=sys.stderr)
+        return 1
+    print(f"{PROG}: upgraded {mount_point}: daemon pid {reply.get('previous')} (version "
+          f"{info.get('version', '?')}) handed it to pid {reply.get('pid')} (version {__version__}); "
+          f"{reply.get('detail') or 'readers paused'} (log {log_path})")
+    return 0
 
 
-def _mount_foreground(config_path: str, ready_fd: int | None, take_over: bool = False) -> int:
-    import trio  # imported here so that `--help` stays fast
+def _keep(config_path: str, ready_fd: int | None) -> int:
+    """Run the keeper (control/keeper.py): the daemon as its child, recovered if it dies.
+    The first line the daemon reports (``ok ...`` or ``error: ...``) goes to ``ready_fd``."""
+    from cubefs_fuse.control.keeper import Keeper
 
-    from cubefs_fuse import daemon
+    reported = False
 
     def report(message: str) -> None:
-        nonlocal ready_fd
-        if ready_fd is not None:
-            fd, ready_fd = ready_fd, None
+        nonlocal reported
+        if ready_fd is not None and not reported:
             try:
-                os.write(fd, (message + "\n").encode())
+                os.write(ready_fd, (message + "\n").encode())
             except OSError:
                 pass  # the parent is gone (interrupted): keep serving, it can be unmounted as usual
             finally:
-                os.close(fd)
+                os.close(ready_fd)
+        reported = True
 
     try:
         # Detached, the parent checked and warned already: the warning is said once.
-        config = _load_and_check(config_path, warn=ready_fd is None, take_over=take_over)
-        _setup_logging(config, detached=ready_fd is not None)
-        trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=lambda detail: report(f"ok {detail}".strip()),
-                                    take_over=take_over))
+        config = _load_and_check(config_path, warn=ready_fd is None)
+    except ConfigError as exc:
+        report(f"error: {exc}")
+        raise
+    _setup_logging(config, detached=ready_fd is not None)
+    keeper = Keeper(os.path.abspath(config_path), config.mount_point,
+                    mounts.control_socket_path(config.vol_name, config.control_socket), report,
+                    ["--detached"] if ready_fd is not None else [])
+    code = keeper.run()
+    report("")  # a daemon that ended without a word: the parent says how it exited
+    return code
+
+
+def _serve(config_path: str, channel_fd: int, role: str, detached: bool) -> int:
+    """The daemon, run by its keeper over ``channel_fd``: ``role`` "start" mounts, "take-over"
+    takes the mount from the running daemon, "recover" serves a dead daemon's."""
+    import trio  # imported here so that `--help` stays fast
+
+    from cubefs_fuse import daemon
+    from cubefs_fuse.control.keeper import Link
+
+    link = Link(channel_fd)
+    try:
+        recovery = link.recovery() if role == "recover" else None
+        config = _load_and_check(config_path, warn=False, take_over=role != "start")
+        _setup_logging(config, detached=detached)
+        trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=link.ready,
+                                    take_over=role == "take-over", keeper=link, recovery=recovery))
     except Exception as exc:  # report why the mount failed instead of a silent exit
         # Errors raised inside the daemon's nurseries arrive wrapped in exception groups.
         cause = sole_exception(exc)
-        report(f"error: {cause}")
+        link.failed(str(cause))
         if isinstance(cause, ConfigError):
             print(f"{PROG}: error: {cause}", file=sys.stderr)
             return 2

@@ -503,10 +503,10 @@ def check_environment(config: ClientConfig, *, mounted: bool = False) -> None:
             raise ConfigError(f"key 'source': {source!r} is not a directory")
         if not os.access(source, os.R_OK | os.X_OK):
             raise ConfigError(f"key 'source': {source!r} is not readable")
-        if os.path.realpath(config.mount_point) == os.path.realpath(source):
+        if _resolved_mount_point(config, mounted) == os.path.realpath(source):
             raise ConfigError("key 'mountPoint': must differ from 'source'")
     mount_point = config.mount_point
-    _check_overlaps(config)
+    _check_overlaps(config, mounted)
     if not mounted:
         if not os.path.isdir(mount_point):
             raise ConfigError(f"key 'mountPoint': {mount_point!r} does not exist or is not a directory")
@@ -593,12 +593,22 @@ def _inside(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
-def _check_overlaps(config: ClientConfig) -> None:
+def _resolved_mount_point(config: ClientConfig, mounted: bool) -> str:
+    """The mount point, symlinks resolved.  A live mount's own root is never looked at: the
+    daemon that serves it may be the one starting (a recovery), or paused (a handover), and
+    the kernel would wait for its answer; a mount point is a directory, not a symlink."""
+    path = os.path.abspath(config.mount_point)
+    if mounted:
+        return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    return os.path.realpath(path)
+
+
+def _check_overlaps(config: ClientConfig, mounted: bool) -> None:
     """No two of source, mount point and cache dir may be one inside the other (after
     resolving symlinks), nor the log dir inside the source or the mount point: the cache
     would write into the dataset, the mount would show itself inside itself, and so on."""
     # The key named first is the one blamed: the cache dir is the likeliest to be changed.
-    paths = {"diskCacheDir": os.path.realpath(config.cache_dir), "mountPoint": os.path.realpath(config.mount_point)}
+    paths = {"diskCacheDir": os.path.realpath(config.cache_dir), "mountPoint": _resolved_mount_point(config, mounted)}
     if config.s3_source is None:
         paths["source"] = os.path.realpath(config.source)
     for key, path in paths.items():

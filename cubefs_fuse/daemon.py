@@ -29,12 +29,12 @@ from cubefs_fuse.control.sampleplane import SamplePlane
 from cubefs_fuse.control.routes import Routes
 from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.errors import ConfigError, sole_exception
-from cubefs_fuse.control import handover, volfile
+from cubefs_fuse.control import handover, keeper as keeping, volfile
 from cubefs_fuse.prefetch.batches import BatchResolver
 from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
-from cubefs_fuse.fs import session as kernel
+from cubefs_fuse.fs import journal as journals, session as kernel
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 # at backendTimeout by DeadlineBackend, but past four the trio thread is stalled, and the
 # mount's readers must not hang with it.
 STALLED_AFTER_TIMEOUTS = 4
+# How often the inode journal is looked at for a compaction (fs/journal.py): it grows by
+# ~130 bytes per inode created, so at a few thousand new inodes a second a look every
+# ten seconds lets it grow by a few MB at most past its bound.
+JOURNAL_CHECK_EVERY = 10.0
 # How long shutdown waits for queued NVMe writes before giving up on them (the next
 # start then rescans the directory instead of reading the index).
 DRAIN_SECONDS = 10.0
@@ -96,10 +100,13 @@ def mount_options(config: ClientConfig) -> set[str]:
 
 
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str], None],
-              take_over: bool = False) -> None:
+              take_over: bool = False, keeper: keeping.Link | None = None,
+              recovery: keeping.Recovery | None = None) -> None:
     """Serve the mount until it is unmounted, a signal arrives or a successor takes it over
     (control/handover.py); ``on_ready`` is told once it is served.  ``take_over``: the mount is
-    served by a running daemon now, which hands it over."""
+    served by a running daemon now, which hands it over.  ``keeper``: the parent process that
+    keeps the connection and the inode journal for a recovery (control/keeper.py), and is
+    told how serving ended; ``recovery``: the mount of a daemon that died, to serve on."""
     raise_fd_limit()
     # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
@@ -109,17 +116,22 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str
         adopted = predecessor.adopted if predecessor is not None else None
         while True:
             try:
-                outgoing = await _run_once(config, config_path, on_ready, backend, adopted, predecessor)
+                outgoing = await _run_once(config, config_path, on_ready, backend, adopted, predecessor,
+                                           _Kept(keeper, recovery))
             except BaseException as exc:
                 if predecessor is not None and not predecessor.answered:
                     with trio.CancelScope(shield=True):  # the old daemon serves on: it must hear so
                         await predecessor.answer(False, str(sole_exception(exc)) or type(exc).__name__)
                 raise  # (the descriptor handed over closes with the process)
             if outgoing is None:
+                if keeper is not None:
+                    keeper.bye(handed_over=False)
                 return
             # Handed over: this daemon exits, unless the successor failed (then it serves on).
-            adopted, predecessor = await outgoing.complete(), None
+            adopted, predecessor, recovery = await outgoing.complete(), None, None
             if adopted is None:
+                if keeper is not None:
+                    keeper.bye(handed_over=True)
                 return
             on_ready = _reported_already
     finally:
@@ -130,9 +142,18 @@ def _reported_already(_: str) -> None:
     pass
 
 
+@dataclass(frozen=True)
+class _Kept:
+    """The keeper of this daemon's mount (None: none, the daemon run without one) and the
+    dead daemon's mount it recovers, if it does."""
+
+    keeper: keeping.Link | None
+    recovery: keeping.Recovery | None
+
+
 async def _run_once(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],
                     backend: DeadlineBackend, adopted: handover.Adopted | None,
-                    predecessor: handover.Predecessor | None) -> handover.Outgoing | None:
+                    predecessor: handover.Predecessor | None, kept: _Kept) -> handover.Outgoing | None:
     """Open the NVMe tier, build, serve, close it; what to hand over if a successor asked."""
     disk = await DiskTier.open(config.cache_dir, config.disk_cache_size, config.disk_free_ratio)
     record_block_size(config)
@@ -143,7 +164,7 @@ async def _run_once(config: ClientConfig, config_path: str, on_ready: Callable[[
     try:
         with cleanup:
             await _build_and_serve(config, config_path, on_ready, backend, disk, cleanup, adopted, predecessor,
-                                   served)
+                                   served, kept)
     finally:
         await _close_disk(disk, served.write_index)
     return served.outgoing
@@ -160,7 +181,7 @@ class _Served:
 async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],
                            backend: DeadlineBackend, disk: DiskTier, cleanup: contextlib.ExitStack,
                            adopted: handover.Adopted | None, predecessor: handover.Predecessor | None,
-                           served: _Served) -> None:
+                           served: _Served, kept: _Kept) -> None:
     """The components in one nursery, then mount (or adopt) and serve."""
     async with trio.open_nursery() as nursery:
         await nursery.start(backend.supervise)
@@ -185,7 +206,7 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
         service.reads = daemon.app_reads  # status and stats count every path, as /metrics does
         listener = handover.Listener(handover_socket_path(config))
         await nursery.start(listener.serve)
-        await _serve(daemon, config_path, on_ready, adopted, predecessor, listener, served)
+        await _serve(daemon, config_path, on_ready, adopted, predecessor, listener, served, kept)
         nursery.cancel_scope.cancel()
 
 
@@ -198,15 +219,36 @@ async def _close_disk(disk: DiskTier, write_index: bool) -> None:
 
 
 async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], None], adopted: handover.Adopted | None,
-                 predecessor: handover.Predecessor | None, listener: handover.Listener, served: _Served) -> None:
-    """Mount (or adopt the connection handed over), serve, then unmount, or detach for a
-    successor; ``served`` says whether every NVMe write finished and what to hand over."""
+                 predecessor: handover.Predecessor | None, listener: handover.Listener, served: _Served,
+                 kept: _Kept) -> None:
+    """Mount (or adopt the connection handed over, or the dead daemon's), serve, then
+    unmount, or detach for a successor; ``served`` says whether every NVMe write finished
+    and what to hand over."""
     config = daemon.config
+    recovery = kept.recovery
     if adopted is not None:
         try:
             daemon.fs.restore(adopted.fs)
         except ValueError as exc:
             raise ConfigError(f"the handed-over state cannot be used: {exc}") from None
+    elif recovery is not None:
+        try:
+            replayed = await trio.to_thread.run_sync(journals.read, recovery.journal_fd)
+        except (OSError, journals.JournalError) as exc:
+            raise ConfigError(f"the dead daemon's inode journal cannot be used: {exc}") from None
+        finally:
+            os.close(recovery.journal_fd)
+        daemon.fs.recover(replayed)
+    # Every inode from here on is written to the journal before the kernel can learn of it.
+    journal = journals.InodeJournal.of(daemon.fs.inodes) if kept.keeper is not None else None
+    daemon.fs.inodes.journal = journal
+    connection = adopted.connection if adopted is not None else recovery.connection if recovery is not None else None
+
+    def on_init() -> None:
+        trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point)
+        if kept.keeper is not None and journal is not None:
+            kept.keeper.deposit(session.connection(), journal.fd)
+
     # The connection is tuned once the kernel has processed the answer to its INIT
     # request: that answer sets the readahead to min(current, the daemon's max_readahead
     # = the kernel's own offer, 128 KiB) and would undo a tuning made before it.  The
@@ -215,13 +257,20 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         session = kernel.mount(daemon.fs, config.mount_point, mount_options(config),
                                entry_timeout=config.lookup_valid, attr_timeout=config.attr_valid,
                                request_timeout=STALLED_AFTER_TIMEOUTS * config.backend_timeout,
-                               on_init=lambda: trio.lowlevel.spawn_system_task(_tune_connection, config.mount_point),
-                               adopted=adopted.connection if adopted is not None else None)
+                               on_init=on_init, adopted=connection)
     except OSError as exc:
-        raise ConfigError(f"cannot {'adopt the mount of' if adopted else 'mount'} {config.mount_point}: {exc}") from None
+        raise ConfigError(f"cannot {'adopt the mount of' if connection else 'mount'} {config.mount_point}: {exc}") from None
     finally:
-        if adopted is not None:
-            os.close(adopted.connection[0])  # the session holds its own duplicate
+        if connection is not None:
+            os.close(connection[0])  # the session holds its own duplicate
+    if connection is not None and kept.keeper is not None and journal is not None:
+        kept.keeper.deposit(session.connection(), journal.fd)  # an adopted INIT calls no on_init
+    if recovery is not None:
+        try:
+            session.resend()  # the requests the dead daemon read come again, to this session
+        except OSError as exc:
+            log.error("the kernel cannot send again the requests the dead daemon had read (%s, kernel 6.9 "
+                      "or later needed): their readers wait until the mount is unmounted", exc)
     # Until the predecessor is told "ok" the mount is still its: a failure detaches, never unmounts.
     confirmed = predecessor is None
     stop_exporter: Callable[[], None] | None = None
@@ -248,7 +297,8 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
                                              "controlSocket": control_socket_path(config),
                                              "tokenFile": token_file_path(config) if config.prof_port else "",
                                              "profile": config.profile,
-                                             "configDir": config.config_dir if ai_prefetch else ""})
+                                             "configDir": config.config_dir if ai_prefetch else "",
+                                             "keeper": os.getppid() if kept.keeper is not None else 0})
         if ai_prefetch:
             volume = VolumeConfig(
                 prof=config.prof_port or 0, mount_point=config.mount_point, vol_name=config.vol_name,
@@ -260,22 +310,27 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
             log.info("ai_prefetch: control API on %s, volume config %s", control_socket_path(config), written)
         for key in config.unused_keys:
             log.info("config key %r is a CubeFS setting with no effect here", key)
-        log.info("%s %s on %s (volume %s, pid %d)", "serving the mount handed over:" if adopted else "mounted",
+        log.info("%s %s on %s (volume %s, pid %d)", "serving the mount handed over:" if adopted else
+                 "serving the mount of a daemon that died:" if recovery else "mounted",
                  config.source, config.mount_point, config.vol_name, os.getpid())
         async with trio.open_nursery() as nursery:
             # Handle signals before reporting readiness: a SIGTERM sent as soon as `mount`
             # returns must unmount cleanly, not kill the process and leave a dead mount.
             await nursery.start(_terminate_on_signal, daemon.backend, session)
+            if journal is not None and kept.keeper is not None:
+                nursery.start_soon(_compact_journal, daemon.fs, journal, kept.keeper)
             detail = ""
             if predecessor is not None:
-                # Before the old daemon hears "ok" and exits: under systemd its exit must
-                # not be taken for the service's.
-                sdnotify.main_pid()
                 await predecessor.answer(True)
                 confirmed = True
                 paused = time.monotonic() - predecessor.paused_at
                 detail = f"readers paused {paused * 1000:.0f} ms"
                 log.info("took the mount over from the previous daemon: %s", detail)
+            elif recovery is not None:
+                paused = time.monotonic() - recovery.died_at
+                detail = f"readers paused {paused * 1000:.0f} ms"
+                log.warning("recovered the mount after daemon pid %d died (%d inodes from its journal): %s",
+                            recovery.previous_pid, len(daemon.fs.inodes), detail)
             listener.session = session
             on_ready(detail)
             sdnotify.ready(f"serving {config.source} on {config.mount_point}")
@@ -295,6 +350,9 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         if ai_prefetch:
             volfile.remove(config.vol_name, config.config_dir)
         await release_exporter()
+        if journal is not None:  # the keeper has its own descriptor of it
+            daemon.fs.inodes.journal = None
+            journal.close()
         if not handing_over:
             log.info("unmounted %s", config.mount_point)
     with trio.move_on_after(DRAIN_SECONDS):
@@ -302,6 +360,17 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         served.write_index = True
         return
     log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
+
+
+async def _compact_journal(fs: Filesystem, journal: journals.InodeJournal, keeper: keeping.Link) -> None:
+    """Rewrite the inode journal once it holds far more records than the table has inodes,
+    and give the keeper the new one."""
+    while True:
+        await trio.sleep(JOURNAL_CHECK_EVERY)
+        if journal.worth_compacting(len(fs.inodes)):
+            old = await journal.compact(fs.inodes)
+            keeper.journal(journal.fd)
+            os.close(old)
 
 
 def _detach(session: kernel.KernelSession, fs: Filesystem, listener: handover.Listener, served: _Served) -> None:

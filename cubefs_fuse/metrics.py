@@ -77,6 +77,8 @@ METRICS: dict[str, MetricSpec] = {
         MetricSpec("cubefs_fuse_checksum_failures_total", "counter", "Disk blocks whose checksum did not match (discarded and refetched)."),
         MetricSpec("cubefs_fuse_disk_write_errors_total", "counter", "Disk tier block writes that failed."),
         MetricSpec("cubefs_fuse_disk_writes_skipped_total", "counter", "Blocks not written to disk because too many writes were pending."),
+        MetricSpec("cubefs_fuse_disk_pending_write_bytes", "gauge",
+                   "Bytes fetched and waiting to be written to the disk tier (lost if the daemon dies now)."),
         MetricSpec("cubefs_fuse_disk_startup_seconds", "gauge", "Seconds the disk tier took to load its block list at start-up."),
         MetricSpec("cubefs_fuse_disk_startup_discarded_files", "gauge",
                    "Files the disk tier deleted at start-up (partial writes, junk, blocks shorter than a header)."),
@@ -269,6 +271,7 @@ def families(s: Snapshot) -> Iterator[Metric]:
     f.add("cubefs_fuse_disk_startup_seconds", d.startup_seconds if d else 0.0)
     f.add("cubefs_fuse_disk_startup_discarded_files", d.startup_discarded if d else 0)
     f.add("cubefs_fuse_disk_writes_skipped_total", c.disk_writes_skipped)
+    f.add("cubefs_fuse_disk_pending_write_bytes", c.pending_disk_bytes)
     f.add("cubefs_fuse_stale_reads_total", s.fs.stale_reads)
     f.add("cubefs_fuse_prefetch_issued_total", c.prefetch_issued)
     f.add("cubefs_fuse_prefetch_completed_total", c.prefetch_completed)

@@ -1,6 +1,7 @@
 """systemd's readiness protocol (sd_notify(3)) in a few lines of stdlib: under a
 ``Type=notify`` unit, ``READY=1`` once the mount is live, ``STOPPING=1`` when it starts to
-unmount, ``MAINPID=`` when a new daemon takes the mount over, and ``STATUS=`` lines, as one non-blocking datagram to ``$NOTIFY_SOCKET`` (a path,
+unmount, and ``STATUS=`` lines (sent by the daemon, the keeper's child: the unit needs
+``NotifyAccess=all``), as one non-blocking datagram to ``$NOTIFY_SOCKET`` (a path,
 or an abstract name written with a leading ``@``); without it every call is a no-op, and a
 call never blocks or raises, so it is safe on the trio thread."""
 
@@ -46,12 +47,6 @@ def notify(*lines: str) -> bool:
 
 def ready(status: str) -> bool:
     return notify("READY=1", f"STATUS={status}")
-
-
-def main_pid() -> bool:
-    """This process becomes the unit's main process (a daemon taking a mount over, started
-    by ``ExecReload``: the unit needs ``NotifyAccess=all``, as it is not systemd's child)."""
-    return notify(f"MAINPID={os.getpid()}")
 
 
 def stopping(status: str) -> bool:

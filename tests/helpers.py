@@ -3,6 +3,7 @@ real daemons on real mounts (:class:`Mount`) and their metrics."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -122,15 +123,23 @@ def force_unmount(m: Mount) -> None:
     if mounts.find_mount(str(m.mount_point)) is None and info is None:
         return
     if info:
-        try:
-            os.kill(int(info["pid"]), 9)
-        except ProcessLookupError:
-            pass
-        mounts.wait_for_exit(int(info["pid"]), timeout=10)
+        kill_for_good(info)
     result = cli("umount", "--lazy", str(m.mount_point))
     if result.returncode != 0 and mounts.find_mount(str(m.mount_point)) is not None:
         subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True)
     m.mounted = False
+
+
+def kill_for_good(info: dict[str, Any]) -> None:
+    """SIGKILL a mount's keeper, then its daemon (registry entry ``info``): the mount is
+    left stale (ENOTCONN), as after a crash of the whole node's service.  The daemon alone
+    would be recovered by its keeper."""
+    for key in ("keeper", "pid"):
+        pid = int(info.get(key) or 0)
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+            mounts.wait_for_exit(pid, timeout=10)
 
 
 @dataclass

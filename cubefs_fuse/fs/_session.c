@@ -1876,6 +1876,47 @@ static PyObject *Session_detach(Session *s, PyObject *unused)
     return out;
 }
 
+/* A duplicate of /dev/fuse and the kernel's INIT request, the session serving on: what the
+ * daemon's keeper holds so that a daemon that recovers after a crash can adopt them. */
+static PyObject *Session_connection(Session *s, PyObject *unused)
+{
+    (void)unused;
+    if (!s->se)
+        return PyErr_Format(PyExc_RuntimeError, "connection() of a closed session");
+    if (!s->init_len)
+        return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
+    int fd = fcntl(fuse_session_fd(s->se), F_DUPFD_CLOEXEC, 3);
+    if (fd < 0)
+        return raise_errno(errno, "cannot duplicate /dev/fuse");
+    PyObject *out = Py_BuildValue("(iy#)", fd, (const char *)s->init, (Py_ssize_t)s->init_len);
+    if (!out)
+        close(fd);
+    return out;
+}
+
+/* FUSE_NOTIFY_RESEND (kernel 6.9): the kernel queues again every request it gave to a
+ * reader of the connection and has no answer for, with FUSE_UNIQUE_RESEND set in its
+ * unique id (libfuse answers it with that id, as any other).  A daemon that recovers a
+ * connection after its predecessor died calls it once: the requests the dead daemon had
+ * read would otherwise never be answered, and their readers would wait forever. */
+#ifndef FUSE_NOTIFY_RESEND
+#define FUSE_NOTIFY_RESEND 7
+#endif
+static PyObject *Session_resend(Session *s, PyObject *unused)
+{
+    (void)unused;
+    if (!s->se)
+        return PyErr_Format(PyExc_RuntimeError, "resend() of a closed session");
+    struct fuse_out_header out = {.len = sizeof(out), .error = FUSE_NOTIFY_RESEND, .unique = 0};
+    ssize_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = write(fuse_session_fd(s->se), &out, sizeof(out));
+    Py_END_ALLOW_THREADS
+    if (n < 0)
+        return raise_errno(errno, "FUSE_NOTIFY_RESEND");
+    Py_RETURN_NONE;
+}
+
 static PyObject *Session_close(Session *s, PyObject *unused)
 {
     (void)unused;
@@ -1929,6 +1970,10 @@ static PyMethodDef Session_methods[] = {
     {"detach", (PyCFunction)Session_detach, METH_NOARGS,
      "(fd, init): a duplicate of /dev/fuse and the kernel's INIT request; frees the paused, idle session "
      "without unmounting (a successor's session adopts them)"},
+    {"connection", (PyCFunction)Session_connection, METH_NOARGS,
+     "(fd, init): a duplicate of /dev/fuse and the kernel's INIT request, while the session serves"},
+    {"resend", (PyCFunction)Session_resend, METH_NOARGS,
+     "Have the kernel send again the requests read and not answered (by a daemon that died): FUSE_NOTIFY_RESEND"},
     {"close", (PyCFunction)Session_close, METH_NOARGS,
      "Stop the readers, fail what is outstanding with EIO, unmount, free the connection."},
     {NULL, NULL, 0, NULL},

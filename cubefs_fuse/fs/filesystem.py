@@ -30,7 +30,7 @@ from cubefs_fuse.cache.blockcache import BlockCache, Source
 from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.errors import FsError, StaleVersion
 from cubefs_fuse.fs.blocks import FileBlocks
-from cubefs_fuse.fs.inodes import InodeTable, child_path
+from cubefs_fuse.fs.inodes import InodeTable, Replayed, child_path
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.fs.outage import Outage, StaleIfError
 
@@ -464,6 +464,12 @@ class Filesystem:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a filesystem state: {exc!r}") from None
         self.inodes, self._dirs, self._handles = inodes, dirs, handles
+
+    def recover(self, replayed: Replayed) -> None:
+        """Take the inode table a dead daemon's journal describes (fs/journal.py), before the
+        session that adopted its connection serves.  Its directory handles died with it: a
+        READDIR of one is answered EBADF (the listing is opened again by the reader)."""
+        self.inodes = InodeTable.recovered(replayed)
 
     # -- publications ----------------------------------------------------------------
 

@@ -14,15 +14,27 @@ import os
 import stat
 from array import array
 from dataclasses import dataclass
-from itertools import count
-from typing import Any
+from typing import Any, Protocol
 
 from cubefs_fuse.attrs import Attr, FileVersion, attr_fields
 from cubefs_fuse.errors import FsError
 
 ROOT_INODE = 1
+# A recovered inode's lookup count (InodeTable.recovered): the real one died with the daemon
+# that knew it, so it is one no stream of the kernel's FORGETs can bring to zero.
+RECOVERED_LOOKUPS = 1 << 40
 
 Identity = tuple[int, FileVersion | None]
+# What a journal replays (fs/journal.py): {inode: (path, attributes, retired)}, the next number.
+Replayed = tuple[dict[int, tuple[str, Attr, bool]], int]
+
+
+class InodeLog(Protocol):
+    """Where the table writes each inode it creates, retires or frees (fs/journal.py)."""
+
+    def created(self, inode: int, path: str, attr: Attr) -> None: ...
+    def retired(self, inode: int) -> None: ...
+    def freed(self, inode: int) -> None: ...
 
 
 def identity(attr: Attr) -> Identity:
@@ -53,9 +65,12 @@ class InodeTable:
     def __init__(self) -> None:
         self._nodes: dict[int, Node] = {ROOT_INODE: Node("", None, lookups=1)}
         self._by_path: dict[str, int] = {"": ROOT_INODE}  # the current inode of each path
-        self._numbers = count(ROOT_INODE + 1)
+        self._next = ROOT_INODE + 1  # numbers are never reused
         self._retired = 0
         self._changes = 0
+        # Where every inode created, retired or freed is written before the kernel can learn
+        # of it, for a daemon that recovers the mount after this one died (fs/journal.py).
+        self.journal: InodeLog | None = None
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -77,9 +92,12 @@ class InodeTable:
         gets a new inode."""
         inode = self._by_path.get(path)
         if inode is None or not self.serves(inode, attr):
-            inode = next(self._numbers)
+            inode = self._next
+            self._next += 1
             self._by_path[path] = inode
             self._nodes[inode] = Node(path, attr)
+            if self.journal is not None:
+                self.journal.created(inode, path, attr)
         self._nodes[inode].lookups += 1
         return inode
 
@@ -106,6 +124,8 @@ class InodeTable:
         if self._by_path.get(node.path) == inode:
             del self._by_path[node.path]
         self._changes += 1
+        if self.journal is not None:
+            self.journal.retired(inode)
 
     def looked_up(self, inode: int) -> None:
         """One more lookup the kernel holds, answered from a published entry (the inode is
@@ -140,6 +160,8 @@ class InodeTable:
             self._retired -= 1
         elif self._by_path.get(node.path) == inode:
             del self._by_path[node.path]
+        if self.journal is not None:
+            self.journal.freed(inode)
         return True
 
     def statistics(self) -> InodeStatistics:
@@ -160,7 +182,7 @@ class InodeTable:
             attr = n.attr
             numbers.extend((inode, n.lookups, n.retired, attr is not None))
             numbers.extend(_signed(attr_fields(attr)) if attr is not None else _NO_ATTR)
-        return {"next": next(self._numbers), "changes": self._changes, "count": len(kept),
+        return {"next": self._next, "changes": self._changes, "count": len(kept),
                 "paths": b"\0".join(os.fsencode(n.path) for _, n in kept), "numbers": numbers.tobytes()}
 
     @classmethod
@@ -168,7 +190,7 @@ class InodeTable:
         """The table :meth:`export` described (ValueError if it is not one)."""
         table = cls()
         try:
-            table._numbers = count(int(data["next"]))
+            table._next = int(data["next"])
             table._changes = int(data["changes"])
             rows = int(data["count"])
             paths = data["paths"].split(b"\0")
@@ -189,6 +211,34 @@ class InodeTable:
                     by_path[node.path] = inode
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not an inode table: {exc!r}") from None
+        return table
+
+
+    # -- a recovery (fs/journal.py): the kernel keeps the numbers a dead daemon gave ---------------
+
+    def snapshot(self) -> list[tuple[int, Node]]:
+        """Every inode and its node, for a journal's snapshot (a copy of references: the
+        nodes are read later, maybe from a worker thread)."""
+        return list(self._nodes.items())
+
+    def next_number(self) -> int:
+        return self._next
+
+    @classmethod
+    def recovered(cls, replayed: Replayed) -> InodeTable:
+        """The table a journal describes (``journal.read``).  Lookup counts are unknown: each
+        inode keeps ``RECOVERED_LOOKUPS``, so it stays until the mount ends."""
+        nodes, next_number = replayed
+        table = cls()
+        table._next = max(next_number, table._next)
+        for inode, (path, attr, retired) in nodes.items():
+            if inode == ROOT_INODE:
+                continue
+            table._nodes[inode] = Node(path, attr, RECOVERED_LOOKUPS, retired)
+            if retired:
+                table._retired += 1
+            else:
+                table._by_path[path] = inode
         return table
 
 

@@ -223,6 +223,16 @@ class KernelSession:
         session is freed, the mount left in place."""
         return self._native.detach()
 
+    def connection(self) -> Detached:
+        """A duplicate of the /dev/fuse descriptor and the kernel's INIT, the session serving
+        on: what the keeper holds for a recovery (control/keeper.py)."""
+        return self._native.connection()
+
+    def resend(self) -> None:
+        """Have the kernel send again what it gave a reader and has no answer for (a daemon
+        that died had read it); OSError on a kernel before 6.9."""
+        self._native.resend()
+
     def _expire_entries(self) -> None:
         # Here, after a take and never inside one: expiring takes the queue itself.
         try:

@@ -34,7 +34,7 @@ from cubefs_fuse import mounts
 from cubefs_fuse.config import parse_config, parse_size
 from cubefs_fuse.metrics import METRICS
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.helpers import REPO, Mount, cli, wait_until
+from tests.helpers import REPO, Mount, cli, kill_for_good, wait_until
 from tests.systemd_units import next_notification, notify_socket, parse_unit, unit_command
 
 DEPLOY = REPO / "deploy"
@@ -322,10 +322,10 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
 
 def test_systemd_exec_start_reload_and_stop_commands(make_mount: Callable[..., Mount], tmp_path: Path) -> None:
     """Runs the unit's ExecStart as systemd would (instance 'vol', $NOTIFY_SOCKET set): READY=1
-    arrives only once the mount is live; then ExecReload: a new daemon says it is the main
-    process (MAINPID=) before the old one exits 0 (never STOPPING=1), then READY=1; then
-    ExecStop, or the KillSignal: both unmount cleanly, STOPPING=1 arrives and the daemon
-    exits."""
+    arrives only once the mount is live; then ExecReload: the keeper (the main process)
+    starts a new daemon, which says READY=1 once the old one has handed it the mount (never
+    STOPPING=1; the main process stays); then ExecStop, or the KillSignal: both unmount
+    cleanly, STOPPING=1 arrives and the keeper exits."""
     m = make_mount(volName=f"unit-{uuid.uuid4().hex[:8]}")
     (m.source / "file").write_bytes(b"x" * 1000)
     etc = tmp_path / "etc"
@@ -347,21 +347,25 @@ def test_systemd_exec_start_reload_and_stop_commands(make_mount: Callable[..., M
             assert mounts.find_mount(str(m.mount_point)) is not None
             assert m.path("file").read_bytes() == b"x" * 1000
             if how == "ExecStop":
+                first = m.pid()
                 result = subprocess.run(reload, capture_output=True, text=True, timeout=120,
                                         env={**os.environ, "NOTIFY_SOCKET": address})
                 assert result.returncode == 0 and "upgraded" in result.stdout, result.stderr
                 notes = _notifications_until(sock, "READY", timeout=60)
-                new = [int(n["MAINPID"]) for n in notes if "MAINPID" in n]
-                assert new == [m.pid()] and new[0] != daemon.pid, notes
-                assert notes.index(next(n for n in notes if "MAINPID" in n)) < len(notes) - 1  # before READY
+                # The main process is the keeper, before and after: no MAINPID= to send.
+                assert not any("MAINPID" in n for n in notes), notes
                 assert not any("STOPPING" in n for n in notes), notes  # the service never stopped
-                assert daemon.wait(timeout=30) == 0  # the old daemon exits once the new one serves
+                assert mounts.wait_for_exit(first, timeout=30)  # the old daemon exits once the new one serves
+                new = m.pid()
+                assert new != first and daemon.poll() is None
+                assert mounts.registered(str(m.mount_point))["keeper"] == daemon.pid  # type: ignore[index]
                 assert m.path("file").read_bytes() == b"x" * 1000
                 result = subprocess.run(stop, capture_output=True, text=True, timeout=120)
                 assert result.returncode == 0, result.stderr
                 assert f"unmounted {m.mount_point}" in result.stdout
                 assert _notifications_until(sock, "STOPPING", timeout=60)[-1]["STOPPING"] == "1"
-                assert mounts.wait_for_exit(new[0], timeout=90)
+                assert mounts.wait_for_exit(new, timeout=90)
+                assert daemon.wait(timeout=30) == 0  # the keeper ends with the mount
             else:
                 daemon.send_signal(getattr(signal, service["KillSignal"]))
                 stopping = next_notification(sock, daemon, timeout=60)
@@ -690,7 +694,7 @@ def test_k8s_probe_checks_the_mount(make_mount: Callable[..., Mount]) -> None:
         assert run() != 0  # not mounted yet: a plain directory
         m.mount()
         assert run() == 0
-        os.kill(m.pid(), signal.SIGKILL)
+        kill_for_good(mounts.registered(str(m.mount_point)) or {})
         wait_until(lambda: mounts.is_stale(str(m.mount_point)), timeout=30, what="a stale mount")
         assert run() != 0
         # Detached as an operator would (docs/operations.md, "Stale mount"), which also

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from cubefs_fuse import mounts
-from tests.helpers import REPO, Mount, cli, wait_until
+from tests.helpers import REPO, Mount, cli, kill_for_good, wait_until
 
 CONTENT = b"survives restarts\n" * 1000
 
@@ -60,7 +60,7 @@ def test_foreground_logs_to_stderr_and_exits_zero_on_signal(make_mount: Callable
                    timeout=60, what="the foreground daemon to mount")
         assert proc.poll() is None, stderr_path.read_text()
         info = mounts.registered(str(m.mount_point))
-        assert info is not None and info["pid"] == proc.pid  # no fork: this is the daemon
+        assert info is not None and info["keeper"] == proc.pid  # no fork: this is the keeper, the daemon its child
         assert m.path("file.bin").read_bytes() == CONTENT
         proc.send_signal(signum)
         assert proc.wait(timeout=30) == 0
@@ -80,8 +80,7 @@ def test_kill_9_leaves_a_stale_mount_that_the_next_mount_recovers(make_mount: Ca
     m.mount()
     assert m.path("file.bin").read_bytes() == CONTENT
     pid = m.pid()
-    os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: not mounts.pid_alive(pid), what="the killed daemon to die")
+    kill_for_good(mounts.registered(str(m.mount_point)) or {})
     assert mounts.find_mount(str(m.mount_point)) is not None
     assert mounts.is_stale(str(m.mount_point))  # ENOTCONN: the mount outlived its daemon
     result = cli("mount", "-c", str(m.config_path))

@@ -23,7 +23,7 @@ import numpy as np
 from cubefs_fuse import mounts
 from cubefs_fuse.cache.disk import DIR_SLACK
 from cubefs_fuse.control.protocol import ControlClient, config_file_path
-from tests.helpers import REPO, Mount, cli, metric, wait_until, write_tree
+from tests.helpers import REPO, Mount, cli, kill_for_good, metric, wait_until, write_tree
 
 # Small RAM tier: the tests' files are a few hundred KiB in all.
 AI_PREFETCH = {"profile": "ai_prefetch", "memCacheSize": "64MiB"}
@@ -304,10 +304,9 @@ def test_clear_errors_not_a_mount_stale_and_permission(make_mount: Callable[...,
     _one_line_error(as_nobody("drop-cache", str(m.mount_point)), "permission denied")
     assert _check(m, "a")["files_total"] == 8  # root still gets in
 
-    # Stale mount: the daemon dies without unmounting.
+    # Stale mount: the daemon and its keeper die without unmounting.
     pid = m.pid()
-    os.kill(pid, 9)
-    wait_until(lambda: not mounts.pid_alive(pid), timeout=30, what="the killed daemon to be gone")
+    kill_for_good(mounts.registered(str(m.mount_point)) or {})
     assert mounts.find_mount(str(m.mount_point)) is not None  # the kernel mount is still there
     try:
         for args in (("status", str(m.mount_point)), ("warmup", str(m.mount_point), "a")):
@@ -344,9 +343,7 @@ def test_leftovers_of_a_crashed_daemon_are_listed_and_removed_by_umount(make_mou
     m, _ = _mount(make_mount, **AI_PREFETCH)
     info = mounts.registered(str(m.mount_point))
     assert info is not None
-    pid = m.pid()
-    os.kill(pid, 9)
-    wait_until(lambda: not mounts.pid_alive(pid), timeout=30, what="the killed daemon to be gone")
+    kill_for_good(info)  # the daemon and its keeper
     subprocess.run(["fusermount3", "-u", "-z", str(m.mount_point)], capture_output=True, check=True)
     m.mounted = False
     volume_file = config_file_path(m.config()["volName"])

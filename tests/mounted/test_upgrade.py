@@ -14,72 +14,18 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import socket
 import stat
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from cubefs_fuse import mounts
+from cubefs_fuse.control.keeper import keeper_socket_path
+from tests.continuous_reads import FILES, Reader, fill
 from tests.helpers import Mount, cli, free_port, metric, wait_until
-
-FILES = 60
-SIZE = 100_000
-
-
-def fill(m: Mount) -> dict[str, bytes]:
-    rng = random.Random(5)
-    contents = {f"d/f{i}": rng.randbytes(SIZE + i) for i in range(FILES)}
-    (m.source / "d").mkdir()
-    for rel, data in contents.items():
-        (m.source / rel).write_bytes(data)
-    return contents
-
-
-class Reader:
-    """Reads every file in turn (open, read, close) until stopped; counts reads and
-    records every failure and every read that returned other bytes."""
-
-    def __init__(self, m: Mount, contents: dict[str, bytes]) -> None:
-        self.m, self.contents = m, contents
-        self.reads = 0
-        self.errors: list[str] = []
-        self.longest_wait = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        names = sorted(self.contents)
-        last = time.monotonic()
-        while not self._stop.is_set():
-            rel = names[self.reads % len(names)]
-            try:
-                if self.m.path(rel).read_bytes() != self.contents[rel]:
-                    self.errors.append(f"{rel}: other bytes")
-            except OSError as exc:
-                self.errors.append(f"{rel}: {exc!r}")
-            self.reads += 1
-            now = time.monotonic()
-            self.longest_wait, last = max(self.longest_wait, now - last), now
-
-    @contextmanager
-    def running(self) -> Iterator[Reader]:
-        self._thread.start()
-        try:
-            wait_until(lambda: self.reads >= 2 * FILES, 30, "the reader to read every file twice")
-            yield self
-            before = self.reads
-            wait_until(lambda: self.reads >= before + FILES, 30, "the reader to go on reading")
-        finally:
-            self._stop.set()
-            self._thread.join(timeout=30)
-
 
 UPGRADES = 10  # in a row, under one reader
 
@@ -166,10 +112,17 @@ def test_an_upgrade_that_would_move_the_mount_or_has_no_daemon_is_refused(make_m
     assert result.stderr.count("\n") == 1  # one line, no traceback
     assert m.pid() == old and os.listdir(m.path("d"))
     m.config_path.write_text(json.dumps(config))
-    # A daemon of a version before upgrades has no handover socket.
-    os.unlink(mounts.handover_socket_path(mounts.registered(str(m.mount_point))["controlSocket"]))  # type: ignore[index]
+    control = mounts.registered(str(m.mount_point))["controlSocket"]  # type: ignore[index]
+    # A daemon that takes no handovers: the new daemon the keeper starts says so, and ends.
+    os.unlink(mounts.handover_socket_path(control))
     result = cli("upgrade", str(m.mount_point))
-    assert result.returncode == 2 and "takes no handovers" in result.stderr, result.stderr
+    assert result.returncode == 1 and "no running daemon to take the mount over from" in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1
+    assert m.pid() == old and os.listdir(m.path("d"))
+    # A mount of a version before keepers: nobody to start a new daemon.
+    os.unlink(keeper_socket_path(control))
+    result = cli("upgrade", str(m.mount_point))
+    assert result.returncode == 2 and "has no keeper" in result.stderr, result.stderr
     assert m.pid() == old
     m.umount()
 

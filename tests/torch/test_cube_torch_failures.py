@@ -31,8 +31,9 @@ import cube_torch
 from cube_torch import client as ct_client
 from cube_torch import reporter
 from cube_torch.client import JobIdentity, submitter
+from cubefs_fuse import mounts
 from cubefs_fuse.control.protocol import VolumeConfig, config_file_path
-from tests.helpers import Mount, wait_until
+from tests.helpers import Mount, kill_for_good, wait_until
 from tests.torch_datasets import ListDataset, keep
 
 SEED = 77
@@ -283,14 +284,14 @@ def test_daemon_killed_mid_epoch(make_mount: Callable[..., Mount], quick_exit: s
     dataset = SourceBacked(m.mount_point, m.source, names)
     expected = reference(dataset)
     pid = m.pid()
+    info = mounts.registered(str(m.mount_point)) or {}
     killed: list[int] = []
 
     def kill_after_first_batch(epoch: int, step: int) -> None:
         if (epoch, step) == (0, 0):
             assert submitter.wait_idle(30)  # epoch 0's plan reached the daemon ...
             assert submitter.plans_sent >= 1 and submitter.last_job is not None
-            os.kill(pid, signal.SIGKILL)  # ... which dies mid-epoch
-            wait_until(lambda: not os.path.exists(f"/proc/{pid}") or "Z" in _state(pid), what="the daemon to die")
+            kill_for_good(info)  # ... which dies mid-epoch, with its keeper: the mount for good
             with pytest.raises(OSError):
                 os.close(os.open(m.mount_point / names[1], os.O_RDONLY))  # the mount is dead
             killed.append(pid)
@@ -310,10 +311,3 @@ def test_daemon_killed_mid_epoch(make_mount: Callable[..., Mount], quick_exit: s
         config = config_file_path(name)
         if os.path.exists(config):
             os.unlink(config)  # a killed daemon cannot remove its own file
-
-
-def _state(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
-    except (OSError, IndexError):
-        return "Z"

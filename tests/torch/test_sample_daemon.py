@@ -30,12 +30,13 @@ import tests.torchvision_shim  # noqa: F401  (before torchvision: see the module
 from torchvision import datasets, transforms  # type: ignore[import-untyped]  # noqa: E402
 
 import cube_torch
+from cubefs_fuse import mounts
 from cube_torch import client as ct_client
 from cube_torch.samples.cache import RETRY_AFTER
 from tests.sample_pipeline import (  # noqa: F401  (worker_log: a fixture)
     assert_a_changed_file_is_recomputed, two_ranks_share, wait_until_seen, SEED, FILES, CLASSES, WORKERS, BATCH, TTL, CountingFolder, computed, served_by_fast_path, DECODE_RESIZE, AUGMENT, augment, sample_volume, loader, epochs, reference, assert_same, worker_log, warning_lines, status, cache_counts,
 )
-from tests.helpers import Mount, cli, force_unmount, free_port, wait_until
+from tests.helpers import Mount, cli, force_unmount, free_port, kill_for_good, wait_until
 from tools.harness import drop_page_cache
 
 
@@ -309,7 +310,7 @@ def test_daemon_killed_mid_training_warns_once_and_training_continues(tmp_path: 
         for x, y in dl:
             batches.append((x.clone(), y.clone()))
             if len(batches) == 1:
-                os.kill(pid, signal.SIGKILL)
+                kill_for_good(mounts.registered(str(m.mount_point)) or {})
                 wait_until(lambda: not Path(f"/proc/{pid}").exists(), what="the daemon's death")
         got.append(batches)
         torch.manual_seed(SEED + 2)

@@ -1,8 +1,10 @@
-"""A training job reads on while its mount is handed to a new daemon (``cubefs-fuse
-upgrade``, control/handover.py), with cube_torch installed: real DataLoader workers over a
-slow source (slowfs, 2 ms per operation), the fast path as cube_torch uses it.
+"""A training job reads on while its mount goes to a new daemon: handed over (``cubefs-fuse
+upgrade``, control/handover.py), or after its daemon was SIGKILLed (the keeper starts one that
+recovers the mount, control/keeper.py), with cube_torch installed: real DataLoader workers over
+a slow source (slowfs, 2 ms per operation), the fast path as cube_torch uses it.
 
-The upgrade runs in the middle of the first epoch.  Every sample of both epochs must come
+The upgrade or the kill comes in the middle of the first epoch (a kill once the NVMe tier has
+written what was fetched: blocks still on their way to it die with the daemon).  Every sample of both epochs must come
 with its file's bytes (no failed read), cube_torch must send the new daemon the rest of
 the epoch (the new daemon has the job and a plan without a new epoch starting), and the
 second epoch must be served from the cache the old daemon filled: every file request a
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +33,8 @@ from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
 import cube_torch
 from cube_torch import client as ct_client
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.helpers import cli, wait_until
+from cubefs_fuse import mounts
+from tests.helpers import Mount, cli, metric, wait_until
 from tests.torch_datasets import keep
 
 CLASSES, PER_CLASS = 4, 40
@@ -45,8 +49,20 @@ def path_and_bytes(path: str) -> tuple[str, bytes]:
         return path, f.read()
 
 
-def test_training_reads_on_through_an_upgrade_and_its_plan_follows(make_slow_mount: Callable[..., Any],
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _kill(mount: Mount) -> CompletedProcess[str]:
+    """SIGKILL the daemon once its NVMe writes are done; returns when a new one serves."""
+    wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
+               "the NVMe writes to drain")
+    old = mount.pid()
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (mounts.registered(str(mount.mount_point)) or {}).get("pid") not in (None, old), 60,
+               "a daemon recovering the mount")
+    return CompletedProcess(["kill", str(old)], 0, f"killed {old}", "")
+
+
+@pytest.mark.parametrize("how", ["upgrade", "kill"])
+def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_mount: Callable[..., Any],
+                                                                      monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     slow = make_slow_mount(latency_us=2000, profile="ai_prefetch")
     name = slow.mount.config()["volName"]
     rng = random.Random(23)
@@ -78,7 +94,8 @@ def test_training_reads_on_through_an_upgrade_and_its_plan_follows(make_slow_mou
                     seen.append(path)
                 time.sleep(STEP)  # the training step: the epoch outlasts the upgrade
                 if epoch == 0 and n == 5:  # a few batches in: the mount goes to a new daemon
-                    started = threading.Thread(target=lambda: upgrade.append(cli("upgrade", str(mount_point))))
+                    started = threading.Thread(target=lambda: upgrade.append(
+                        cli("upgrade", str(mount_point)) if how == "upgrade" else _kill(slow.mount)))
                     started.start()
             if started is not None:
                 started.join(timeout=120)
@@ -100,7 +117,7 @@ def test_training_reads_on_through_an_upgrade_and_its_plan_follows(make_slow_mou
         hits = control.status()["hits"]
         assert hits["hits"] - hits_before["hits"] == hits["requests"] - hits_before["requests"], (hits_before, hits)
         assert slow.slowfs.stats()["ops"].get("read", 0) == remote_before, "epoch 1 read data from the source"
-        print(f"\nupgrade during epoch 0: {result.stdout.strip()}")
+        print(f"\n{how} during epoch 0: {result.stdout.strip()}")
     finally:
         if slow.mount.mounted:
             slow.mount.umount()

@@ -1,0 +1,163 @@
+"""The inode journal: what a daemon that dies (SIGKILL, the OOM killer, a crash) leaves for
+the daemon that recovers its mount.  The kernel keeps the inode numbers the dead daemon
+gave; the new one must know what each still means, so every inode the table creates,
+retires or frees is written here, at once, before the kernel can learn its number.
+
+The journal is a memfd (RAM, no disk): the daemon's keeper process holds a descriptor of
+it, with the /dev/fuse one (control/keeper.py), so it outlives the daemon.  A write to it is
+complete when ``write()`` returns, whatever happens to the writer next.
+
+Records (little-endian): ``H`` next number (a snapshot's first record), ``N`` inode, its 12
+attribute fields (``attr_fields``; st_ino as its int64 bits), the path's length and bytes;
+``R`` inode (retired: its path moved on to a new inode); ``F`` inode (freed).  Lookup
+counts are not written (a LOOKUP answered in C would need a write): a replayed inode is
+kept until the mount ends (``inodes.RECOVERED_LOOKUPS``), a bounded leak of what the kernel held
+when the daemon died.
+
+The journal grows with every inode ever created; ``compact()`` rewrites it as a snapshot of
+the live table into a new memfd, the serialisation in a worker thread, the records written
+meanwhile appended after it."""
+
+from __future__ import annotations
+
+import os
+import struct
+import trio
+
+from cubefs_fuse.attrs import Attr, attr_fields
+from cubefs_fuse.fs.inodes import ROOT_INODE, InodeTable, Node, Replayed
+
+_HEAD = struct.Struct("<cQ")  # kind, inode (or next number)
+_NEW = struct.Struct("<cQ12qI")  # kind, inode, attribute fields, path length
+_INO = 11  # attr_fields' index of the source inode number: unsigned, written as its bits
+_WRAP = 1 << 64
+# compact() is worth it once the journal holds this many records more than the table has
+# inodes (and at least this many: a small journal costs nothing to keep).
+COMPACT_AFTER = 1 << 16
+
+
+class JournalError(ValueError):
+    """The journal cannot be read (not one, or cut inside a record)."""
+
+
+class InodeJournal:
+    """Appends the inode table's changes to a memfd; ``fd`` is the descriptor to keep."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = fd if fd is not None else os.memfd_create("cubefs-fuse-inodes", os.MFD_CLOEXEC)
+        self.records = 0  # records written since the last snapshot
+        self._tail: list[bytes] | None = None  # records also owed to a snapshot being written
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def _write(self, record: bytes) -> None:
+        os.write(self.fd, record)  # memfd: never short, never blocks
+        self.records += 1
+        if self._tail is not None:
+            self._tail.append(record)
+
+    def created(self, inode: int, path: str, attr: Attr) -> None:
+        self._write(_new_record(inode, path, attr))
+
+    def retired(self, inode: int) -> None:
+        self._write(_HEAD.pack(b"R", inode))
+
+    def freed(self, inode: int) -> None:
+        self._write(_HEAD.pack(b"F", inode))
+
+    def worth_compacting(self, live: int) -> bool:
+        return self._tail is None and self.records > max(2 * live, COMPACT_AFTER)
+
+    async def compact(self, table: InodeTable) -> int:
+        """Rewrite the journal as a snapshot of ``table`` in a new memfd, which becomes this
+        journal's ``fd`` (returned; the caller hands it to the keeper, then closes the old
+        one, which it gets back).  The table is copied on the trio thread (a list of
+        references), serialised in a worker thread; a node changed meanwhile is also in the
+        records written since, which follow the snapshot and win when replayed."""
+        self._tail = []
+        try:
+            nodes = table.snapshot()
+            data = await trio.to_thread.run_sync(_snapshot, nodes, table.next_number())
+            fd = os.memfd_create("cubefs-fuse-inodes", os.MFD_CLOEXEC)
+            try:
+                os.write(fd, data)
+                for record in self._tail:
+                    os.write(fd, record)
+            except BaseException:
+                os.close(fd)
+                raise
+        finally:
+            tail, self._tail = self._tail, None
+        old, self.fd, self.records = self.fd, fd, len(tail)
+        return old
+
+    @classmethod
+    def of(cls, table: InodeTable) -> InodeJournal:
+        """A new journal that starts as a snapshot of ``table`` (a table restored from a
+        handover or a recovery, before the mount is served)."""
+        journal = cls()
+        os.write(journal.fd, _snapshot(table.snapshot(), table.next_number()))
+        return journal
+
+
+def _new_record(inode: int, path: str, attr: Attr) -> bytes:
+    fields = attr_fields(attr)
+    if fields[_INO] >= 1 << 63:
+        fields[_INO] -= _WRAP
+    raw = os.fsencode(path)
+    return _NEW.pack(b"N", inode, *fields, len(raw)) + raw
+
+
+def _snapshot(nodes: list[tuple[int, Node]], next_number: int) -> bytes:
+    parts = [_HEAD.pack(b"H", next_number)]
+    for inode, node in nodes:
+        attr = node.attr  # read once: the trio thread may replace it meanwhile
+        if attr is None or inode == ROOT_INODE:  # the root: every table has it
+            continue
+        parts.append(_new_record(inode, node.path, attr))
+        if node.retired:
+            parts.append(_HEAD.pack(b"R", inode))
+    return b"".join(parts)
+
+
+def read(fd: int) -> Replayed:
+    """Every inode the journal at ``fd`` says is live: {inode: (path, attributes, retired)},
+    and the next number to give.  JournalError if it is not a journal."""
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0)
+    nodes: dict[int, tuple[str, Attr, bool]] = {}
+    highest, at = 0, 0
+    head, new = _HEAD.size, _NEW.size
+    try:
+        while at < size:
+            kind = data[at:at + 1]
+            if kind == b"N":
+                fields = list(_NEW.unpack_from(data, at))
+                inode, length = fields[1], fields[14]
+                attr_values = fields[2:14]
+                if attr_values[_INO] < 0:
+                    attr_values[_INO] += _WRAP
+                start = at + new
+                raw = data[start:start + length]
+                if len(raw) != length:
+                    raise JournalError(f"a path cut at byte {start}")
+                nodes[inode] = (os.fsdecode(raw), Attr(*attr_values), False)
+                at = start + length
+            elif kind in (b"R", b"F", b"H"):
+                _, inode = _HEAD.unpack_from(data, at)
+                at += head
+                if kind == b"H":
+                    highest = max(highest, inode - 1)
+                    continue
+                if kind == b"F":
+                    nodes.pop(inode, None)
+                elif inode in nodes:
+                    path, attr, _ = nodes[inode]
+                    nodes[inode] = (path, attr, True)
+            else:
+                raise JournalError(f"unknown record {kind!r} at byte {at}")
+            highest = max(highest, inode)
+    except struct.error as exc:
+        raise JournalError(f"a record cut at byte {at}: {exc}") from None
+    return nodes, highest + 1
