@@ -54,11 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="mount a volume described by a JSON client config",
         description="Mount the volume described by CONFIG (`cubefs-fuse example-config` prints examples). "
         "Without --foreground the daemon detaches and the command returns once the mount "
-        "is live, or fails with the reason.",
+        "is live, or fails with the reason.  The daemon runs under a keeper process, which "
+        "holds the mount and has a standby daemon take it over if the daemon dies (readers pause).",
     )
     mount.add_argument("-c", "--config", required=True, metavar="CONFIG", help="JSON client config file")
     mount.add_argument("-f", "--foreground", action="store_true",
-                       help="stay in the foreground and log to stderr (for systemd and Kubernetes)")
+                       help="stay in the foreground (the keeper) and log to stderr (for systemd and Kubernetes)")
     mount.add_argument("--ready-timeout", type=_seconds, default=READY_TIMEOUT, metavar="SECONDS",
                        help=f"how long to wait for the detached daemon to mount (default {READY_TIMEOUT:.0f}); "
                        "past it the command fails but the daemon keeps starting")
@@ -371,11 +372,17 @@ def _serve(config_path: str, channel_fd: int, role: str, detached: bool) -> int:
 
     link = Link(channel_fd)
     try:
+        if role == "recover":
+            link.standing_by()  # the imports above are most of a start: done
         recovery = link.recovery() if role == "recover" else None
+        if role == "recover" and recovery is None:
+            return 0  # a standby the keeper no longer needs
+        journal = link.journal_to_continue() if role == "take-over" else None
         config = _load_and_check(config_path, warn=False, take_over=role != "start")
         _setup_logging(config, detached=detached)
         trio.run(lambda: daemon.run(config, config_path=config_path, on_ready=link.ready,
-                                    take_over=role == "take-over", keeper=link, recovery=recovery))
+                                    take_over=role == "take-over", keeper=link, recovery=recovery,
+                                    journal=journal))
     except Exception as exc:  # report why the mount failed instead of a silent exit
         # Errors raised inside the daemon's nurseries arrive wrapped in exception groups.
         cause = sole_exception(exc)
@@ -437,8 +444,8 @@ def _remove_leftovers(mount_point: str, info: dict[str, Any]) -> bool:
     if not isinstance(pid, int) or mounts.pid_alive(pid):
         return False
     control = info.get("controlSocket")
-    sockets = [control, mounts.data_socket_path(control), mounts.handover_socket_path(control)] \
-        if isinstance(control, str) and control else []
+    sockets = [control, mounts.data_socket_path(control), mounts.handover_socket_path(control),
+               keeper_socket_path(control)] if isinstance(control, str) and control else []
     for path in sockets:  # entries of older versions name no dataSocket: it is derived
         with contextlib.suppress(OSError):
             if stat.S_ISSOCK(os.lstat(path).st_mode) and not mounts.socket_in_use(path):

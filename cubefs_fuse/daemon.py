@@ -35,6 +35,7 @@ from cubefs_fuse.prefetch.service import PrefetchService
 from cubefs_fuse.control.protocol import VolumeConfig
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs import journal as journals, session as kernel
+from cubefs_fuse.fs.inodes import InodeTable
 from cubefs_fuse.fs.metadata import MetadataCache
 from cubefs_fuse.metrics import DaemonCollector, MountInfo, Snapshot, start_exporter
 from cubefs_fuse.samples.store import SampleStore
@@ -101,12 +102,13 @@ def mount_options(config: ClientConfig) -> set[str]:
 
 async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str], None],
               take_over: bool = False, keeper: keeping.Link | None = None,
-              recovery: keeping.Recovery | None = None) -> None:
+              recovery: keeping.Recovery | None = None, journal: int | None = None) -> None:
     """Serve the mount until it is unmounted, a signal arrives or a successor takes it over
     (control/handover.py); ``on_ready`` is told once it is served.  ``take_over``: the mount is
     served by a running daemon now, which hands it over.  ``keeper``: the parent process that
     keeps the connection and the inode journal for a recovery (control/keeper.py), and is
-    told how serving ended; ``recovery``: the mount of a daemon that died, to serve on."""
+    told how serving ended; ``recovery``: the mount of a daemon that died, to serve on;
+    ``journal``: the inode journal of the daemon whose mount is taken over, to continue."""
     raise_fd_limit()
     # Every backend operation has a deadline (docs/concurrency.md, "Never stuck"): a hung remote
     # costs readers EIO, never a stuck process or an unmountable mount.
@@ -117,7 +119,7 @@ async def run(config: ClientConfig, *, config_path: str, on_ready: Callable[[str
         while True:
             try:
                 outgoing = await _run_once(config, config_path, on_ready, backend, adopted, predecessor,
-                                           _Kept(keeper, recovery))
+                                           _Kept(keeper, recovery, journal if predecessor is not None else None))
             except BaseException as exc:
                 if predecessor is not None and not predecessor.answered:
                     with trio.CancelScope(shield=True):  # the old daemon serves on: it must hear so
@@ -149,6 +151,7 @@ class _Kept:
 
     keeper: keeping.Link | None
     recovery: keeping.Recovery | None
+    journal: int | None  # the journal of the daemon whose mount this one takes over
 
 
 async def _run_once(config: ClientConfig, config_path: str, on_ready: Callable[[str], None],
@@ -235,12 +238,14 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         try:
             replayed = await trio.to_thread.run_sync(journals.read, recovery.journal_fd)
         except (OSError, journals.JournalError) as exc:
-            raise ConfigError(f"the dead daemon's inode journal cannot be used: {exc}") from None
-        finally:
             os.close(recovery.journal_fd)
+            raise ConfigError(f"the dead daemon's inode journal cannot be used: {exc}") from None
         daemon.fs.recover(replayed)
-    # Every inode from here on is written to the journal before the kernel can learn of it.
-    journal = journals.InodeJournal.of(daemon.fs.inodes) if kept.keeper is not None else None
+    # Every inode from here on is written to the journal before the kernel can learn of it:
+    # the dead or handing daemon's, continued (it describes the table rebuilt from it or
+    # handed over already), else a new one.
+    journal = None if kept.keeper is None else _journal(daemon.fs.inodes, recovery.journal_fd if recovery is not None
+                                                       else kept.journal if adopted is not None else None)
     daemon.fs.inodes.journal = journal
     connection = adopted.connection if adopted is not None else recovery.connection if recovery is not None else None
 
@@ -360,6 +365,18 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         served.write_index = True
         return
     log.warning("NVMe writes still pending after %.0f s; the next start will rescan the cache", DRAIN_SECONDS)
+
+
+def _journal(table: InodeTable, continued: int | None) -> journals.InodeJournal:
+    """The journal ``continued`` (a dead or handing daemon's, which describes ``table``), else a
+    new one that starts as a snapshot of ``table`` (and for a journal of another format)."""
+    if continued is not None:
+        try:
+            return journals.InodeJournal(continued, records=len(table))
+        except journals.JournalError as exc:
+            log.info("a new inode journal: %s", exc)
+            os.close(continued)
+    return journals.InodeJournal.of(table)
 
 
 async def _compact_journal(fs: Filesystem, journal: journals.InodeJournal, keeper: keeping.Link) -> None:

@@ -156,7 +156,8 @@ HINTS = {
 def _report(state: mounts.MountState) -> dict[str, Any]:
     info = state.info or {}
     report: dict[str, Any] = {"mount_point": state.mount_point, "state": state.state, "volume": info.get("volName"),
-                              "source": info.get("source"), "pid": info.get("pid"), "control_api": False}
+                              "source": info.get("source"), "pid": info.get("pid"), "keeper": info.get("keeper"),
+                              "control_api": False}
     if state.state != "live":
         report["hint"] = HINTS[state.state].format(path=state.mount_point)
         return report
@@ -176,7 +177,8 @@ def _print_status(console: Console, r: dict[str, Any]) -> None:
                       f"pid {r['pid'] or '?'}")
         console.print(f"  {r['hint']}")
         return
-    console.print(f"[bold]{r['mount_point']}[/bold]  volume {r['volume']}  source {r['source']}  pid {r['pid']}")
+    keeper = f" (keeper {r['keeper']})" if r.get("keeper") else ""
+    console.print(f"[bold]{r['mount_point']}[/bold]  volume {r['volume']}  source {r['source']}  pid {r['pid']}{keeper}")
     if not r["control_api"]:
         console.print("  " + (r.get("error") or 'control API off (set "profile": "ai_prefetch" for cache and job details)'))
         return

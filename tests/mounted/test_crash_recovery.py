@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,22 @@ from tests.helpers import Mount, cli, metric, wait_until
 
 KILLS = 10  # in a row, under one reader
 UPGRADE_AT = 5  # the daemon upgraded before this kill: its successor is recovered next
+
+
+def standbys(keeper: int, serving: int) -> list[int]:
+    """The keeper's standby daemons: its children started to recover the mount (--recover)
+    other than the one ``serving`` it."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = Path(f"/proc/{entry}/status").read_text()
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"\nPPid:\t{keeper}\n" in status and b"--recover" in cmdline and int(entry) != serving:
+                found.append(int(entry))
+    return sorted(found)
 
 
 def _kill_and_wait_for_the_next(m: Mount) -> int:
@@ -67,7 +84,12 @@ def test_a_daemon_killed_ten_times_is_recovered_and_no_read_fails(make_mount: Ca
                 # drained) before the daemon dies: the next one must not fetch any again.
                 wait_until(lambda: metric(m.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
                            "the NVMe writes to drain")
+                # The keeper keeps a daemon started in advance: it is the one that recovers.
+                wait_until(lambda: len(standbys(keeper, m.pid())) == 1, 30, "a standby daemon")
+                [standby] = standbys(keeper, m.pid())
+                wait_until(lambda: f"standby daemon pid {standby} ready" in m.log(), 30, "the standby's start")
                 new = _kill_and_wait_for_the_next(m)
+                assert new == standby
                 reads = reader.reads
                 wait_until(lambda: reader.reads > reads + FILES, 30, "reads through the recovered daemon")
                 assert metric(m.scrape(), "cubefs_fuse_backend_operations_total", op="read") == 0, \
@@ -83,9 +105,11 @@ def test_a_daemon_killed_ten_times_is_recovered_and_no_read_fails(make_mount: Ca
     print(f"{KILLS} crashes: readers paused {pauses[0]}-{pauses[-1]} ms (median {pauses[len(pauses) // 2]}), "
           f"the reader's longest wait {reader.longest_wait * 1000:.0f} ms")  # the note's figures (pytest -s)
     last = m.pid()
+    waiting = standbys(keeper, last)
     m.umount()
     assert mounts.find_mount(str(m.mount_point)) is None
     assert mounts.wait_for_exit(last, timeout=30) and mounts.wait_for_exit(keeper, timeout=30)
+    assert all(mounts.wait_for_exit(pid, timeout=30) for pid in waiting)  # the standby ends with its keeper
 
 
 @pytest.mark.parametrize("waiting", ["lookup", "read"])

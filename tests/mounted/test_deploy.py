@@ -243,6 +243,7 @@ def test_systemd_unit_keys() -> None:
     # Reload: a new daemon takes the mount over and names itself the main process.
     assert unit_command(service["ExecReload"], {})[1:] == ["upgrade", "-c", "/etc/cubefs-fuse/%i.json"]
     assert service["NotifyAccess"] == "all"
+    assert service["OOMPolicy"] == "continue"  # the keeper recovers an OOM-killed daemon: the unit must not stop
     assert "2" in service["RestartPreventExitStatus"].split()  # config errors do not loop
     assert int(service["TimeoutStopSec"]) > 60  # above umount's --timeout 60
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]

@@ -111,6 +111,7 @@ def test_status_one_mount_and_all_mounts(make_mount: Callable[..., Mount]) -> No
     assert (report["volume"], report["source"], report["mount_point"]) == (
         m.config()["volName"], str(m.source), str(m.mount_point))
     assert report["pid"] == m.pid() and report["uptime"] > 0
+    assert report["keeper"] == mounts.registered(str(m.mount_point))["keeper"] != m.pid()  # type: ignore[index]
     ram, disk = report["cache"]["ram"], report["cache"]["disk"]
     assert ram["limit_bytes"] == 64 * 2**20 and disk["limit_bytes"] > 0
     warmed = sum(len(files[p]) for p in files if p.startswith("a/")) + len(files["b/g0"]) + len(files["b/g1"])

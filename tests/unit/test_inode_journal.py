@@ -56,17 +56,21 @@ def test_a_recovered_table_holds_every_inode_the_kernel_may_hold_and_no_freed_on
     journal.close()
 
 
-def test_a_journal_of_a_recovered_table_recovers_it_again() -> None:
+@pytest.mark.parametrize("journal_of_the_recovered", ["continued", "a snapshot"])
+def test_a_recovered_table_recovers_again(journal_of_the_recovered: str) -> None:
     table, journal = journalled()
     for i in range(50):
         table.remember(f"f{i}", attr(i))
     again = InodeTable.recovered(journals.read(journal.fd))
-    again.journal = journals.InodeJournal.of(again)  # the recovering daemon's own journal
+    own = journals.InodeJournal(os.dup(journal.fd), records=len(again)) if journal_of_the_recovered == "continued" \
+        else journals.InodeJournal.of(again)
+    again.journal = own
     again.remember("later", attr(1))
-    third = InodeTable.recovered(journals.read(again.journal.fd))
+    again.remember("f3", attr(1000))  # retires f3's inode
+    third = InodeTable.recovered(journals.read(own.fd))
     assert_same(again, third)
     journal.close()
-    again.journal.close()
+    own.close()
 
 
 def test_compaction_while_the_table_changes_loses_nothing() -> None:
@@ -121,3 +125,16 @@ def test_what_is_not_a_journal_is_refused(damage: str) -> None:
     finally:
         os.close(fd)
         journal.close()
+
+
+def test_a_journal_of_another_format_is_neither_read_nor_continued() -> None:
+    table, journal = journalled()
+    table.remember("some/file", attr(5))
+    os.pwrite(journal.fd, b"CFJ9", 0)  # what a release with another format would have written
+    with pytest.raises(journals.JournalError, match="format"):
+        journals.read(journal.fd)
+    other = os.dup(journal.fd)
+    with pytest.raises(journals.JournalError, match="format"):
+        journals.InodeJournal(other)
+    os.close(other)
+    journal.close()
