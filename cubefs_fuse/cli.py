@@ -362,9 +362,23 @@ def _keep(config_path: str, ready_fd: int | None) -> int:
     return code
 
 
+def _idle(idle: bool) -> None:
+    """This process runs only when a CPU has nothing else to do (SCHED_IDLE), or as any other
+    again.  Root only: an unprivileged process may not take the normal policy back."""
+    if os.geteuid() == 0:
+        # Every thread: the imports start some (numpy's BLAS pool), which took the policy.
+        for thread in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(int(thread), os.SCHED_IDLE if idle else os.SCHED_OTHER, os.sched_param(0))
+
+
 def _serve(config_path: str, channel_fd: int, role: str, detached: bool) -> int:
     """The daemon, run by its keeper over ``channel_fd``: ``role`` "start" mounts, "take-over"
-    takes the mount from the running daemon, "recover" serves a dead daemon's."""
+    takes the mount from the running daemon, "recover" serves a dead daemon's (started in
+    advance: a standby, which imports what it needs, then waits for the keeper's word)."""
+    standby = role == "recover"
+    if standby:
+        _idle(True)  # ~1 s of CPU to import, which the serving daemon and training need more
     import trio  # imported here so that `--help` stays fast
 
     from cubefs_fuse import daemon
@@ -372,11 +386,13 @@ def _serve(config_path: str, channel_fd: int, role: str, detached: bool) -> int:
 
     link = Link(channel_fd)
     try:
-        if role == "recover":
+        recovery = None
+        if standby:
             link.standing_by()  # the imports above are most of a start: done
-        recovery = link.recovery() if role == "recover" else None
-        if role == "recover" and recovery is None:
-            return 0  # a standby the keeper no longer needs
+            recovery = link.recovery()
+            if recovery is None:
+                return 0  # a standby the keeper no longer needs
+            _idle(False)
         journal = link.journal_to_continue() if role == "take-over" else None
         config = _load_and_check(config_path, warn=False, take_over=role != "start")
         _setup_logging(config, detached=detached)
