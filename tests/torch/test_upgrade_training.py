@@ -4,7 +4,9 @@ recovers the mount, control/keeper.py), with cube_torch installed: real DataLoad
 a slow source (slowfs, 2 ms per operation), the fast path as cube_torch uses it.
 
 The upgrade or the kill comes in the middle of the first epoch (a kill once the NVMe tier has
-written what was fetched: blocks still on their way to it die with the daemon).  Every sample of both epochs must come
+written what was fetched: blocks still on their way to it die with the daemon); "kill
+mid-miss" makes the source hang first, so that the daemon dies with the requests the workers
+and the prefetch are waiting on (the kernel sends those again to the new daemon).  Every sample of both epochs must come
 with its file's bytes (no failed read), cube_torch must send the new daemon the rest of
 the epoch (the new daemon has the job and a plan without a new epoch starting), and the
 second epoch must be served from the cache the old daemon filled: every file request a
@@ -49,18 +51,33 @@ def path_and_bytes(path: str) -> tuple[str, bytes]:
         return path, f.read()
 
 
-def _kill(mount: Mount) -> CompletedProcess[str]:
-    """SIGKILL the daemon once its NVMe writes are done; returns when a new one serves."""
-    wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
-               "the NVMe writes to drain")
+def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
+    """SIGKILL the daemon once its NVMe writes are done; returns when a new one serves.
+    With ``source`` (the slowfs process), the source hangs first, as soon as the epoch's
+    plan is sent: the daemon dies with the misses in flight that the prefetch and the
+    workers were waiting on (nothing the loop has received is lost with it)."""
     old = mount.pid()
-    os.kill(old, signal.SIGKILL)
+    if source is None:
+        wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
+                   "the NVMe writes to drain")
+    else:
+        fetched = source.stats()["ops"].get("read", 0)
+        assert fetched < CLASSES * PER_CLASS, "the epoch's files were all fetched already: no miss to be in flight"
+        print(f"\n{fetched} source reads when the source hung and the daemon was killed")
+        source.hang()
+        time.sleep(0.5)  # the workers' next files and the prefetch ahead of them wait on it now
+    try:
+        os.kill(old, signal.SIGKILL)
+        assert mounts.wait_for_exit(old, 30)
+    finally:
+        if source is not None:
+            source.resume()
     wait_until(lambda: (mounts.registered(str(mount.mount_point)) or {}).get("pid") not in (None, old), 60,
                "a daemon recovering the mount")
     return CompletedProcess(["kill", str(old)], 0, f"killed {old}", "")
 
 
-@pytest.mark.parametrize("how", ["upgrade", "kill"])
+@pytest.mark.parametrize("how", ["upgrade", "kill", "kill mid-miss"])
 def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_mount: Callable[..., Any],
                                                                       monkeypatch: pytest.MonkeyPatch, how: str) -> None:
     slow = make_slow_mount(latency_us=2000, profile="ai_prefetch")
@@ -87,15 +104,25 @@ def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_m
         seen: list[str] = []
         for epoch in range(2):
             started = None
+            if epoch == 0 and how == "kill mid-miss":
+                plans = ct_client.submitter.plans_sent
+
+                def kill_once_planned() -> None:
+                    wait_until(lambda: ct_client.submitter.plans_sent > plans, 30, "epoch 0's plan")
+                    upgrade.append(_kill(slow.mount, slow.slowfs))
+
+                started = threading.Thread(target=kill_once_planned)
+                started.start()
             for n, batch in enumerate(loader):
                 for (path, data), _ in batch:
                     real = slow.real / Path(path).relative_to(mount_point)
                     assert data == real.read_bytes(), f"epoch {epoch}: {path} came with other bytes"
                     seen.append(path)
                 time.sleep(STEP)  # the training step: the epoch outlasts the upgrade
-                if epoch == 0 and n == 5:  # a few batches in: the mount goes to a new daemon
+                if epoch == 0 and n == 5 and how != "kill mid-miss":  # a few batches in: to a new daemon
                     started = threading.Thread(target=lambda: upgrade.append(
-                        cli("upgrade", str(mount_point)) if how == "upgrade" else _kill(slow.mount)))
+                        cli("upgrade", str(mount_point)) if how == "upgrade" else
+                        _kill(slow.mount, slow.slowfs if how == "kill mid-miss" else None)))
                     started.start()
             if started is not None:
                 started.join(timeout=120)
