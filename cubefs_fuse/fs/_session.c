@@ -1850,6 +1850,20 @@ static PyObject *Session_busy(Session *s, void *closure)
     return PyLong_FromSize_t(busy(s));
 }
 
+/* (fd, init): a duplicate of the session's /dev/fuse and the kernel's INIT request as it came. */
+static PyObject *connection_of(Session *s)
+{
+    if (!s->init_len)
+        return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
+    int fd = fcntl(fuse_session_fd(s->se), F_DUPFD_CLOEXEC, 3);
+    if (fd < 0)
+        return raise_errno(errno, "cannot duplicate /dev/fuse");
+    PyObject *out = Py_BuildValue("(iy#)", fd, (const char *)s->init, (Py_ssize_t)s->init_len);
+    if (!out)
+        close(fd);
+    return out;
+}
+
 static PyObject *Session_detach(Session *s, PyObject *unused)
 {
     (void)unused;
@@ -1858,16 +1872,9 @@ static PyObject *Session_detach(Session *s, PyObject *unused)
                             s->se ? "its readers run" : "it is closed");
     if (busy(s))
         return PyErr_Format(PyExc_RuntimeError, "detach() with requests or reports not taken or answered");
-    if (!s->init_len)
-        return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
-    int fd = fcntl(fuse_session_fd(s->se), F_DUPFD_CLOEXEC, 3);
-    if (fd < 0)
-        return raise_errno(errno, "cannot duplicate /dev/fuse");
-    PyObject *out = Py_BuildValue("(iy#)", fd, (const char *)s->init, (Py_ssize_t)s->init_len);
-    if (!out) {
-        close(fd);
+    PyObject *out = connection_of(s);
+    if (!out)
         return NULL;
-    }
     /* Freed without unmounting: the descriptor handed out keeps the connection. */
     s->mounted = 0;
     free(s->adopted);
@@ -1883,15 +1890,7 @@ static PyObject *Session_connection(Session *s, PyObject *unused)
     (void)unused;
     if (!s->se)
         return PyErr_Format(PyExc_RuntimeError, "connection() of a closed session");
-    if (!s->init_len)
-        return PyErr_Format(PyExc_RuntimeError, "the connection's INIT was never seen");
-    int fd = fcntl(fuse_session_fd(s->se), F_DUPFD_CLOEXEC, 3);
-    if (fd < 0)
-        return raise_errno(errno, "cannot duplicate /dev/fuse");
-    PyObject *out = Py_BuildValue("(iy#)", fd, (const char *)s->init, (Py_ssize_t)s->init_len);
-    if (!out)
-        close(fd);
-    return out;
+    return connection_of(s);
 }
 
 /* FUSE_NOTIFY_RESEND (kernel 6.9): the kernel queues again every request it gave to a
