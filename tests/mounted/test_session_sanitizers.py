@@ -5,8 +5,8 @@ package, and a real daemon runs it (the sanitizer runtimes preloaded, since the 
 interpreter itself is not instrumented) while readers on several threads list, stat,
 read, readlink, statfs and try to write through the mount, with the kernel's caches
 dropped under them, and the mount's FORGETs, published entries, a handover to a second
-daemon (``cubefs-fuse upgrade``) and the unmount run their course.  Any report of either
-sanitizer fails the test.
+daemon (``cubefs-fuse upgrade``), a SIGKILL and the standby's recovery, and the unmount
+run their course.  Any report of either sanitizer fails the test.
 """
 
 from __future__ import annotations
@@ -16,13 +16,15 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import REPO, Mount, cli, metric
+from cubefs_fuse import mounts
+from tests.helpers import REPO, Mount, cli, metric, wait_until
 
 READERS = 8
 FILES = 60
@@ -146,10 +148,20 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     # replayed INIT), then every reader's workload through the daemon that took the mount
     # over, and its unmount of a mount it did not make.
     old = m.pid()
+    standbys = m.log().count("standby daemon pid")
     result = subprocess.run([sys.executable, "-m", "cubefs_fuse", "upgrade", str(m.mount_point)],
                             capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert result.returncode == 0, f"upgrade failed: {result.stderr}\n{_reports(reports)}\n{m.log()}"
     assert m.pid() != old and "libasan" in Path(f"/proc/{m.pid()}/maps").read_text()
+    _readers(m, contents)
+    # A crash under the sanitizers too: the standby adopts the dead daemon's connection and
+    # has the kernel resend what it had read; every reader's workload through it.
+    old = m.pid()
+    wait_until(lambda: m.log().count("standby daemon pid") > standbys, 60, "the standby that follows the upgrade")
+    os.kill(old, signal.SIGKILL)
+    wait_until(lambda: (mounts.registered(str(m.mount_point)) or {}).get("pid") not in (None, old), 60,
+               "the standby to recover the mount")
+    assert "libasan" in Path(f"/proc/{m.pid()}/maps").read_text()
     _readers(m, contents)
     assert cli("umount", str(m.mount_point)).returncode == 0, m.log()
     m.mounted = False
