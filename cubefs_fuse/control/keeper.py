@@ -215,6 +215,7 @@ class Keeper:
     children: list[_Child] = field(default_factory=list)
     retired: list[subprocess.Popen[bytes]] = field(default_factory=list)  # standbys told to end
     failed_recoveries: int = 0
+    stopping: bool = False  # SIGTERM or SIGINT came: the mount is being unmounted, not recovered
     exit_code: int | None = None
 
     def run(self) -> int:
@@ -244,7 +245,7 @@ class Keeper:
                             self._forward(selector, signals.pop(0))
                     elif key.data == "upgrade":
                         self._upgrade(selector, listener)  # type: ignore[arg-type]
-                    else:
+                    elif key.data in self.children:  # (not a standby retired by an earlier key)
                         self._on_channel(selector, key.data)
                 self._reap()
             return self.exit_code
@@ -274,8 +275,8 @@ class Keeper:
         if role != "start":
             command.append(f"--{role}")
         try:
-            # Its own process group: a terminal's Ctrl-C reaches the keeper, which passes on
-            # one SIGTERM (two signals would kill the daemon in the middle of its unmount).
+            # Its own process group: a terminal's Ctrl-C reaches the keeper only, which passes
+            # it on once (a second signal would kill the daemon in the middle of its unmount).
             proc = subprocess.Popen(command, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
                                     process_group=0)
         finally:
@@ -375,7 +376,7 @@ class Keeper:
     def _recover(self, selector: selectors.BaseSelector, child: _Child, code: int) -> None:
         """``child`` served the mount and ended without ``bye``: a daemon takes the mount over."""
         how = f"exit status {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        if self.connection is None or mounts.find_mount(self.mount_point) is None:
+        if self.connection is None or self.stopping or mounts.find_mount(self.mount_point) is None:
             self.exit_code = code if code > 0 else 1
             return
         if child.role == "recover" and not child.ready:
@@ -425,6 +426,7 @@ class Keeper:
         if signum == signal.SIGHUP:
             log.info("SIGHUP ignored: `cubefs-fuse upgrade %s` starts a new daemon on the mount", self.mount_point)
             return
+        self.stopping = True
         self._retire_standby(selector)
         for child in self.children:
             with contextlib.suppress(ProcessLookupError):
