@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -77,11 +78,9 @@ def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
     return CompletedProcess(["kill", str(old)], 0, f"killed {old}", "")
 
 
-@pytest.mark.parametrize("how", ["upgrade", "kill", "kill mid-miss"])
-def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_mount: Callable[..., Any],
-                                                                      monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+def _training_mount(make_slow_mount: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The slow mount of the dataset (mounted), cube_torch installed for its volume."""
     slow = make_slow_mount(latency_us=2000, profile="ai_prefetch")
-    name = slow.mount.config()["volName"]
     rng = random.Random(23)
     for c in range(CLASSES):
         for i in range(PER_CLASS):
@@ -89,11 +88,19 @@ def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_m
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(rng.randbytes(FILE))
     slow.mount.mount()
-    old = slow.mount.pid()
-    monkeypatch.setenv("VOL_NAME", name)
+    monkeypatch.setenv("VOL_NAME", slow.mount.config()["volName"])
     monkeypatch.setenv("CUBE_TORCH_JOB", f"upgrade-{os.getpid()}")
     monkeypatch.setattr(ct_client, "_warned", set())
     cube_torch.install()
+    return slow
+
+
+@pytest.mark.parametrize("how", ["upgrade", "kill", "kill mid-miss"])
+def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_mount: Callable[..., Any],
+                                                                      monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    slow = _training_mount(make_slow_mount, monkeypatch)
+    name = slow.mount.config()["volName"]
+    old = slow.mount.pid()
     mount_point = slow.mount.mount_point
     try:
         dataset = datasets.DatasetFolder(str(mount_point), loader=path_and_bytes, extensions=(".bin",))
@@ -121,8 +128,7 @@ def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_m
                 time.sleep(STEP)  # the training step: the epoch outlasts the upgrade
                 if epoch == 0 and n == 5 and how != "kill mid-miss":  # a few batches in: to a new daemon
                     started = threading.Thread(target=lambda: upgrade.append(
-                        cli("upgrade", str(mount_point)) if how == "upgrade" else
-                        _kill(slow.mount, slow.slowfs if how == "kill mid-miss" else None)))
+                        cli("upgrade", str(mount_point)) if how == "upgrade" else _kill(slow.mount)))
                     started.start()
             if started is not None:
                 started.join(timeout=120)
@@ -146,5 +152,69 @@ def test_training_reads_on_through_a_new_daemon_and_its_plan_follows(make_slow_m
         assert slow.slowfs.stats()["ops"].get("read", 0) == remote_before, "epoch 1 read data from the source"
         print(f"\n{how} during epoch 0: {result.stdout.strip()}")
     finally:
+        if slow.mount.mounted:
+            slow.mount.umount()
+
+
+DEATHS = 10  # in a row, while the job trains
+
+
+def test_training_reads_on_through_ten_daemon_deaths_in_a_row(make_slow_mount: Callable[..., Any],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon is SIGKILLed ten times while epochs run, each time once the standby that
+    recovers it is ready: every epoch gives every file once, with its bytes; the epoch after
+    the last death is served from the cache the dead daemons filled (all hits, no source
+    read), and the job's hit counts go on in the last daemon."""
+    slow = _training_mount(make_slow_mount, monkeypatch)
+    mount_point = slow.mount.mount_point
+    deaths: list[CompletedProcess[str]] = []
+    failure: list[BaseException] = []
+
+    def kill_ten_times() -> None:
+        try:
+            while len(deaths) < DEATHS:
+                # One standby per daemon so far (the first mount's, then one per recovery).
+                wait_until(lambda: slow.mount.log().count("standby daemon pid") > len(deaths), 60, "a standby")
+                deaths.append(_kill(slow.mount))
+        except BaseException as exc:  # noqa: BLE001 - the main thread asserts it
+            failure.append(exc)
+
+    killer = threading.Thread(target=kill_ten_times)
+    try:
+        dataset = datasets.DatasetFolder(str(mount_point), loader=path_and_bytes, extensions=(".bin",))
+        loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=2, collate_fn=keep)
+        everything = sorted(path for path, _ in dataset.samples)
+        killer.start()
+        epochs, last_epoch_done = 0, False
+        while not last_epoch_done:
+            after_the_last = len(deaths) == DEATHS  # this epoch starts after the last death
+            if after_the_last:
+                control = ControlClient(read_volume_config(slow.mount.config()["volName"]).control_socket, timeout=10)
+                remote_before = slow.slowfs.stats()["ops"].get("read", 0)
+                hits_before = control.status()["hits"]
+            seen = []
+            for batch in loader:
+                for (path, data), _ in batch:
+                    real = slow.real / Path(path).relative_to(mount_point)
+                    assert data == real.read_bytes(), f"epoch {epochs}: {path} came with other bytes"
+                    seen.append(path)
+                time.sleep(STEP / 3)
+            assert sorted(seen) == everything, f"epoch {epochs}"
+            epochs += 1
+            last_epoch_done = after_the_last
+            assert not failure, failure
+        killer.join(timeout=60)
+        wait_until(lambda: control.status()["hits"]["requests"] - hits_before["requests"] >= len(everything),
+                   what="the last daemon to count the last epoch's file requests")
+        hits = control.status()["hits"]
+        assert hits["hits"] - hits_before["hits"] == hits["requests"] - hits_before["requests"], (hits_before, hits)
+        assert slow.slowfs.stats()["ops"].get("read", 0) == remote_before, "the last epoch read from the source"
+        pauses = sorted(int(ms) for ms in re.findall(r"died .*readers paused (\d+) ms", slow.mount.log()))
+        assert len(pauses) == DEATHS
+        print(f"\n{DEATHS} deaths over {epochs} epochs: readers paused {pauses[0]}-{pauses[-1]} ms "
+              f"(median {pauses[len(pauses) // 2]})")
+    finally:
+        deaths.extend([CompletedProcess([], 0)] * DEATHS)  # the killer stops
+        killer.join(timeout=60)
         if slow.mount.mounted:
             slow.mount.umount()
