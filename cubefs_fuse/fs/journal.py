@@ -11,7 +11,8 @@ The file starts with ``MAGIC``, which names its format: a release that reads ano
 refuses it (a recovery then fails with the reason) and never appends to it.  Records
 (little-endian): ``H`` next number (a snapshot's first record), ``N`` inode, its 12
 attribute fields (``attr_fields``; st_ino as its int64 bits), the path's length and bytes;
-``R`` inode (retired: its path moved on to a new inode); ``F`` inode (freed).  Lookup
+``R`` inode (retired: its path moved on to a new inode); ``F`` inode (freed); ``X``
+(superseded: the last record of a journal a compaction replaced, which nobody may continue).  Lookup
 counts are not written (a LOOKUP answered in C would need a write): a replayed inode is
 kept until the mount ends (``inodes.RECOVERED_LOOKUPS``), a bounded leak of what the kernel held
 when the daemon died.
@@ -33,6 +34,7 @@ from cubefs_fuse.fs.inodes import ROOT_INODE, InodeTable, Node, Replayed, bulk
 
 MAGIC = b"CFJ1"  # cubefs-fuse inode journal, format 1
 _HEAD = struct.Struct("<cQ")  # kind, inode (or next number)
+_SUPERSEDED = _HEAD.pack(b"X", 0)  # (unambiguous at the end: a path, the end of an N, has no NUL)
 _NEW = struct.Struct("<cQ12qI")  # kind, inode, attribute fields, path length
 _INO = 11  # attr_fields' index of the source inode number: unsigned, written as its bits
 _WRAP = 1 << 64
@@ -54,7 +56,9 @@ class InodeJournal:
             fd = _new_memfd()
         else:
             _check_magic(fd)
-            os.lseek(fd, 0, os.SEEK_END)
+            end = os.lseek(fd, 0, os.SEEK_END)
+            if end >= len(MAGIC) + _HEAD.size and os.pread(fd, _HEAD.size, end - _HEAD.size) == _SUPERSEDED:
+                raise JournalError("a journal a compaction has replaced")
         self.fd = fd
         self.records = records  # records written since the last snapshot
         self._tail: list[bytes] | None = None  # records also owed to a snapshot being written
@@ -100,6 +104,7 @@ class InodeJournal:
                 raise
         finally:
             tail, self._tail = self._tail, None
+        os.write(self.fd, _SUPERSEDED)  # a successor given this one must not continue it
         old, self.fd, self.records = self.fd, fd, len(tail)
         return old
 
@@ -174,6 +179,9 @@ def _read(fd: int) -> Replayed:
                 nodes[inode] = (data[start:at].decode("utf-8", "surrogateescape"),
                                 Attr(mode, nlink, uid, gid, rdev, length_, blocks, blksize, atime, mtime, ctime, ino),
                                 False)
+            elif kind == _X:
+                at += head
+                continue
             elif kind == _R or kind == _F or kind == _H:
                 _, inode = unpack_head(data, at)
                 at += head
@@ -193,4 +201,4 @@ def _read(fd: int) -> Replayed:
     return nodes, highest + 1
 
 
-_N, _R, _F, _H = b"NRFH"  # the record kinds as the bytes of the journal hold them
+_N, _R, _F, _H, _X = b"NRFHX"  # the record kinds as the bytes of the journal hold them

@@ -93,7 +93,13 @@ def test_compaction_while_the_table_changes_loses_nothing() -> None:
             old = await journal.compact(table)
         os.close(old)
 
+    replaced = os.dup(journal.fd)
     trio.run(main)
+    # The replaced journal is complete, and marked: a recovery may read it, nobody continue it.
+    assert len(journals.read(replaced)[0]) > 0
+    with pytest.raises(journals.JournalError, match="compaction"):
+        journals.InodeJournal(replaced)
+    os.close(replaced)
     assert 0 < journal.records <= 600  # 3 per step at most: only the records written while the snapshot was made count as growth
     assert_same(table, InodeTable.recovered(journals.read(journal.fd)))
     assert os.fstat(journal.fd).st_size < 20_000 * 130  # the forgotten half is gone
