@@ -186,8 +186,8 @@ def test_a_start_that_fails_after_the_control_api_opened_leaves_nothing(env: Env
     assert result.returncode == 0, result.stderr
     try:
         token_file = Path(mounts.runtime_dir()) / f"{vol}.token"
-        # The control and data sockets, the token, the volume file and the registry entry.
-        assert token_file.exists() and len(leftovers(config)) == 5, leftovers(config)
+        # The control, data and handover sockets, the keeper's, the token, the volume file and the registry entry.
+        assert token_file.exists() and len(leftovers(config)) == 7, leftovers(config)
         log_file = env.base / "log" / f"{vol}.log"
         assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
     finally:
