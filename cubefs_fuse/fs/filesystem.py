@@ -468,8 +468,12 @@ class Filesystem:
     def recover(self, replayed: Replayed) -> None:
         """Take the inode table a dead daemon's journal describes (fs/journal.py), before the
         session that adopted its connection serves.  Its directory handles died with it: a
-        READDIR of one is answered EBADF (the listing is opened again by the reader)."""
+        READDIR of one is answered EBADF (the reader opens the directory again).  New handles
+        start at the clock's nanoseconds, above every number the dead daemon gave (it gave
+        fewer handles than nanoseconds passed since it started), so that an old handle never
+        names a new listing."""
         self.inodes = InodeTable.recovered(replayed)
+        self._handles = count(time.monotonic_ns())
 
     # -- publications ----------------------------------------------------------------
 
