@@ -67,8 +67,12 @@ def _send(sock: socket.socket, message: dict[str, Any], fds: tuple[int, ...] = (
 
 
 def _receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
-    """One message and the descriptors that came with it; None at the end of the channel."""
-    data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * struct.calcsize("i")))
+    """One message and the descriptors that came with it; None at the end of the channel
+    (a peer that closed with a message of ours unread resets it: an end too)."""
+    try:
+        data, ancdata, _, _ = sock.recvmsg(MAX_MESSAGE, socket.CMSG_SPACE(2 * struct.calcsize("i")))
+    except ConnectionResetError:
+        return None
     fds = [fd for level, kind, payload in ancdata if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
            for fd in array.array("i", payload[: len(payload) - len(payload) % 4])]
     if not data:
@@ -110,17 +114,17 @@ class Link:
         os.set_inheritable(fd, False)  # the channel ends when this process does, not a child's
         self._warned = False
 
-    def _say(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> None:
+    def _say(self, message: dict[str, Any], fds: tuple[int, ...] = (), quiet: bool = False) -> None:
         try:
             _send(self.sock, message, fds)
         except OSError as exc:
-            if not self._warned:
+            if not self._warned and not quiet:
                 self._warned = True
                 log.warning("cannot reach the keeper (%s): a crash of this daemon would end the mount", exc)
 
     def standing_by(self) -> None:
         """A standby has imported what a daemon needs: from now on it takes over at once."""
-        self._say({"kind": "standby", "pid": os.getpid()})
+        self._say({"kind": "standby", "pid": os.getpid()}, quiet=True)  # a keeper gone: recovery() says it
 
     def recovery(self) -> Recovery | None:
         """The keeper's first message to a daemon started to recover a mount (it may wait
