@@ -136,9 +136,16 @@ def test_every_view_counts_what_a_cube_torch_job_reads(volume: tuple[Mount, str]
     dataset = cube_torch.CachedDataset(CountingFolder(mount.mount_point / "train", counts, DECODE_RESIZE),
                                        name=f"views-{os.getpid()}", transform=augment)
     dl = loader(dataset)
-    stats = subprocess.Popen([sys.executable, "-m", "cubefs_fuse", "stats", str(mount.mount_point),
-                              "-i", str(STATS_INTERVAL_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, cwd=REPO)
+    # Run as a background job of a non-interactive shell (`.ci/run &`), this process has
+    # SIGINT ignored, and a child would inherit that (Python then never raises
+    # KeyboardInterrupt): a handler here makes the child's disposition the default again.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        stats = subprocess.Popen([sys.executable, "-m", "cubefs_fuse", "stats", str(mount.mount_point),
+                                  "-i", str(STATS_INTERVAL_S)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True, cwd=REPO)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert stats.stdout is not None
     # Its first line comes one interval after its first status call: every request from
     # here on falls into one of its lines.
@@ -161,7 +168,12 @@ def test_every_view_counts_what_a_cube_torch_job_reads(volume: tuple[Mount, str]
         time.sleep(2 * STATS_INTERVAL_S + 0.5)
     finally:
         stats.send_signal(signal.SIGINT)
-        out, err = stats.communicate(timeout=60)
+        try:
+            out, err = stats.communicate(timeout=60)
+        finally:
+            if stats.poll() is None:  # it did not stop: no process left behind for later tests
+                stats.kill()
+                stats.communicate()
     assert stats.returncode == 0, err
     rows = stats_rows(header + out)
     total = history[-1]
