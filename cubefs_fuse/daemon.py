@@ -272,7 +272,7 @@ async def _serve(daemon: Daemon, config_path: str, on_ready: Callable[[str], Non
         kept.keeper.deposit(session.connection(), journal.fd)  # an adopted INIT calls no on_init
     if recovery is not None:
         try:
-            session.resend()  # the requests the dead daemon read come again, to this session
+            session.resend()  # the requests the dead daemon read come again, to this daemon
         except OSError as exc:
             log.error("the kernel cannot send again the requests the dead daemon had read (%s, kernel 6.9 "
                       "or later needed): their readers wait until the mount is unmounted", exc)

@@ -5,6 +5,7 @@ without scanning processes."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -55,6 +56,14 @@ def data_socket_path(control_socket: str) -> str:
 def handover_socket_path(control_socket: str) -> str:
     """Where a running daemon takes a successor's request for its mount (control/handover.py)."""
     return control_socket + ".handover"
+
+
+def unlink_if_same(path: str, inode: int) -> None:
+    """Remove the socket a process bound at ``path`` (inode ``inode``) when it stops listening,
+    unless another process has replaced it since (a new daemon or keeper of the volume)."""
+    with contextlib.suppress(OSError):
+        if os.stat(path).st_ino == inode:
+            os.unlink(path)
 
 
 def token_file_path(vol_name: str) -> str:

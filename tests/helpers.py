@@ -130,6 +130,32 @@ def force_unmount(m: Mount) -> None:
     m.mounted = False
 
 
+def waits_on_fuse(pid: int) -> bool:
+    """Whether a thread of process ``pid`` waits for a FUSE daemon's answer (in the kernel's
+    request_wait_answer)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            if (task / "wchan").read_text() == "request_wait_answer":
+                return True
+        except OSError:
+            continue  # the thread ended meanwhile
+    return False
+
+
+def kill_daemon(m: Mount, after_death: Callable[[], object] | None = None) -> int:
+    """SIGKILL ``m``'s daemon (not its keeper); the pid of the daemon that recovers the mount,
+    once it is registered (it serves from then on).  ``after_death`` runs once the old
+    daemon is gone, before the wait (e.g. to let a hung source answer the new one)."""
+    old = m.pid()
+    os.kill(old, 9)
+    assert mounts.wait_for_exit(old, timeout=30)
+    if after_death is not None:
+        after_death()
+    wait_until(lambda: (mounts.registered(str(m.mount_point)) or {}).get("pid") not in (None, old), 60,
+               "a daemon recovering the mount")
+    return m.pid()
+
+
 def kill_for_good(info: dict[str, Any]) -> None:
     """SIGKILL a mount's keeper, then its daemon (registry entry ``info``): the mount is
     left stale (ENOTCONN), as after a crash of the whole node's service.  The daemon alone

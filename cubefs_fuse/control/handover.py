@@ -42,7 +42,7 @@ from typing import Any
 
 import trio
 
-from cubefs_fuse import __version__
+from cubefs_fuse import __version__, mounts
 from cubefs_fuse.errors import ConfigError
 from cubefs_fuse.fs.session import Detached, KernelSession
 
@@ -139,7 +139,7 @@ class Listener:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)  # a dead daemon's (the control socket's owner checked it is dead)
             await sock.bind(self.path)
-            cleanup.callback(_unlink_if_ours, self.path, os.stat(self.path).st_ino)
+            cleanup.callback(mounts.unlink_if_same, self.path, os.stat(self.path).st_ino)
             os.chmod(self.path, 0o600)
             sock.listen(4)
             task_status.started()
@@ -195,12 +195,6 @@ class Listener:
         log.warning("handover refused: %s", why)
         with contextlib.suppress(OSError):
             await _send_all(peer, json.dumps({"error": why}).encode() + b"\n")
-
-
-def _unlink_if_ours(path: str, inode: int) -> None:
-    with contextlib.suppress(OSError):
-        if os.stat(path).st_ino == inode:
-            os.unlink(path)
 
 
 @dataclass

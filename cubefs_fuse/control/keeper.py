@@ -219,6 +219,7 @@ class Keeper:
     children: list[_Child] = field(default_factory=list)
     retired: list[subprocess.Popen[bytes]] = field(default_factory=list)  # standbys told to end
     failed_recoveries: int = 0
+    socket_inode: int = 0  # of the upgrade socket this keeper bound (removed at exit if still its own)
     stopping: bool = False  # SIGTERM or SIGINT came: the mount is being unmounted, not recovered
     exit_code: int | None = None
 
@@ -258,7 +259,7 @@ class Keeper:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
             if listener is not None:
-                _unlink_if_ours(listener)
+                mounts.unlink_if_same(keeper_socket_path(self.control_socket), self.socket_inode)
                 listener.close()
             for fd in (self.connection, self.journal):
                 if fd is not None:
@@ -391,7 +392,9 @@ class Keeper:
             self.exit_code = 1
             return
         if self.failed_recoveries:
-            time.sleep(RECOVERY_BACKOFF[self.failed_recoveries - 1])  # nothing else to do meanwhile
+            # The keeper's loop waits too (signals and upgrade requests are taken after it):
+            # at most the last pause, and only while no daemon serves the mount anyway.
+            time.sleep(RECOVERY_BACKOFF[self.failed_recoveries - 1])
         log.warning("the daemon of %s (pid %d) ended without unmounting (%s): starting a daemon that "
                     "recovers the mount", self.mount_point, child.proc.pid, how)
         died_at = time.monotonic()
@@ -446,6 +449,7 @@ class Keeper:
                 os.unlink(path)  # a dead keeper's (the control socket's owner checked it is dead)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             sock.bind(path)
+            self.socket_inode = os.stat(path).st_ino
             os.chmod(path, 0o600)
             sock.listen(4)
         except OSError as exc:
@@ -494,13 +498,6 @@ def _replace(child: _Child, name: str, fd: int) -> None:
 
 def _nobody(_: dict[str, Any]) -> None:
     pass
-
-
-def _unlink_if_ours(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        path = sock.getsockname()
-        if isinstance(path, str) and path:
-            os.unlink(path)
 
 
 def request_upgrade(control_socket: str, timeout: float,

@@ -31,7 +31,7 @@ import pytest
 from cubefs_fuse import mounts
 from cubefs_fuse.control.keeper import RECOVERY_BACKOFF
 from tests.continuous_reads import FILES, Reader, fill
-from tests.helpers import Mount, cli, metric, wait_until
+from tests.helpers import Mount, cli, kill_daemon, metric, wait_until, waits_on_fuse
 
 KILLS = 10  # in a row, under one reader
 UPGRADE_AT = 5  # the daemon upgraded before this kill: its successor is recovered next
@@ -51,16 +51,6 @@ def standbys(keeper: int, serving: int) -> list[int]:
             if f"\nPPid:\t{keeper}\n" in status and b"--recover" in cmdline and int(entry) != serving:
                 found.append(int(entry))
     return sorted(found)
-
-
-def _kill_and_wait_for_the_next(m: Mount) -> int:
-    """SIGKILL the daemon; the pid of the daemon that recovers the mount once it serves."""
-    old = m.pid()
-    os.kill(old, signal.SIGKILL)
-    assert mounts.wait_for_exit(old, timeout=30)
-    wait_until(lambda: (mounts.registered(str(m.mount_point)) or {}).get("pid") not in (None, old), 60,
-               "a daemon recovering the mount")
-    return m.pid()
 
 
 def _pauses(log: str) -> list[int]:
@@ -88,7 +78,7 @@ def test_a_daemon_killed_ten_times_is_recovered_and_no_read_fails(make_mount: Ca
                 wait_until(lambda: len(standbys(keeper, m.pid())) == 1, 30, "a standby daemon")
                 [standby] = standbys(keeper, m.pid())
                 wait_until(lambda: f"standby daemon pid {standby} ready" in m.log(), 30, "the standby's start")
-                new = _kill_and_wait_for_the_next(m)
+                new = kill_daemon(m)
                 assert new == standby
                 reads = reader.reads
                 wait_until(lambda: reader.reads > reads + FILES, 30, "reads through the recovered daemon")
@@ -138,11 +128,11 @@ def test_a_request_in_flight_when_the_daemon_dies_is_answered_by_the_next(make_s
     reader = threading.Thread(target=read, daemon=True)
     try:
         reader.start()
-        time.sleep(0.5)
-        assert reader.is_alive() and not got, got  # the daemon has the request and waits on the source
         old = m.pid()
-        os.kill(old, signal.SIGKILL)
-        assert mounts.wait_for_exit(old, timeout=30)
+        # The daemon has the request: one of its threads waits on the source for it.
+        wait_until(lambda: waits_on_fuse(old), 30, "the daemon to ask the hung source")
+        assert reader.is_alive() and not got, got
+        kill_daemon(m, after_death=slow.slowfs.resume)
     finally:
         slow.slowfs.resume()
     reader.join(timeout=60)

@@ -16,15 +16,13 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from cubefs_fuse import mounts
-from tests.helpers import REPO, Mount, cli, metric, wait_until
+from tests.helpers import REPO, Mount, cli, kill_daemon, metric, wait_until
 
 READERS = 8
 FILES = 60
@@ -158,9 +156,7 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     # has the kernel resend what it had read; every reader's workload through it.
     old = m.pid()
     wait_until(lambda: m.log().count("standby daemon pid") > standbys, 60, "the standby that follows the upgrade")
-    os.kill(old, signal.SIGKILL)
-    wait_until(lambda: (mounts.registered(str(m.mount_point)) or {}).get("pid") not in (None, old), 60,
-               "the standby to recover the mount")
+    kill_daemon(m)
     assert "libasan" in Path(f"/proc/{m.pid()}/maps").read_text()
     _readers(m, contents)
     assert cli("umount", str(m.mount_point)).returncode == 0, m.log()

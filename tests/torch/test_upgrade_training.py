@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import random
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +35,7 @@ from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
 import cube_torch
 from cube_torch import client as ct_client
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from cubefs_fuse import mounts
-from tests.helpers import Mount, cli, metric, wait_until
+from tests.helpers import Mount, cli, kill_daemon, metric, wait_until, waits_on_fuse
 from tests.torch_datasets import keep
 
 CLASSES, PER_CLASS = 4, 40
@@ -61,20 +59,18 @@ def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
     if source is None:
         wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
                    "the NVMe writes to drain")
+        kill_daemon(mount)
     else:
         fetched = source.stats()["ops"].get("read", 0)
         assert fetched < CLASSES * PER_CLASS, "the epoch's files were all fetched already: no miss to be in flight"
         print(f"\n{fetched} source reads when the source hung and the daemon was killed")
         source.hang()
-        time.sleep(0.5)  # the workers' next files and the prefetch ahead of them wait on it now
-    try:
-        os.kill(old, signal.SIGKILL)
-        assert mounts.wait_for_exit(old, 30)
-    finally:
-        if source is not None:
+        try:
+            # The prefetch ahead of the workers waits on the source now.
+            wait_until(lambda: waits_on_fuse(old), 30, "the daemon to ask the hung source")
+            kill_daemon(mount, after_death=source.resume)
+        finally:
             source.resume()
-    wait_until(lambda: (mounts.registered(str(mount.mount_point)) or {}).get("pid") not in (None, old), 60,
-               "a daemon recovering the mount")
     return CompletedProcess(["kill", str(old)], 0, f"killed {old}", "")
 
 
