@@ -45,6 +45,24 @@ class FileBlocks:
                                 next_use=next_use, tag=tag, urgent=urgent)
         return attr.size
 
+    def plan_if_resident(self, path: str, next_use: int) -> int | None:
+        """:meth:`prefetch_file` for a file with nothing to fetch, without a task or a wait:
+        its attributes cached and every block of that version in RAM; each block is ranked
+        at ``next_use`` (as the prefetch would rank it) and the file's size returned.  None,
+        with nothing done, for any other file (:meth:`prefetch_file` then decides)."""
+        attr = self.meta.peek(path)
+        if attr is None:
+            return None
+        if not attr.is_file:
+            return 0
+        version, memory = attr.version, self.cache.memory
+        keys = [block_key(path, version, index) for index in range(self.count(attr.size))]
+        if not all(key in memory for key in keys):
+            return None
+        for key in keys:
+            self.cache.plan(key, next_use)
+        return attr.size
+
     def promote_file(self, path: str) -> None:
         """A reader is about to ask for ``path``: its blocks' prefetches, if still waiting
         behind the prefetch slots, wait as foreground fetches (``BlockCache.promote``).

@@ -59,6 +59,9 @@ UNPLAN_STEP = 1024
 # so the data of one chunk is issued after a few round trips, while the previous chunk's
 # fetches are still running.
 META_CHUNK = 32
+# Positions issued from RAM (no task, ~10-20 us each: a few dict lookups per block) between
+# two checkpoints: 64 keep a step near 1 ms; a window is at most MAX_WINDOW_FILES of them.
+RESIDENT_STEP = 64
 # Backend stats in flight while a chunk is stat'ed: with the prefetch's 16 fetch slots,
 # 8 of the default 32 backend threads stay free for foreground reads.  At 1 ms per round
 # trip that is ~8,000 stats/s, far above the cold files/s the daemon's CPU can fetch.
@@ -100,6 +103,7 @@ class Plan:
     cursor: int = 0  # first position not yet consumed
     issued_upto: int = 0  # positions below this have been issued (or consumed)
     warmed_upto: int = 0  # positions below this have had their files stat'ed
+    resident_run: int = 0  # positions issued from RAM without a task (a checkpoint every RESIDENT_STEP)
     indexed_upto: int = 0  # positions below this are in ``index``
     consumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     index: dict[str, list[int]] = field(default_factory=dict)
@@ -486,12 +490,36 @@ class Scheduler:
 
     async def _start_issue(self, nursery: trio.Nursery, plan: Plan, position: int, slots: trio.Semaphore) -> None:
         """Count ``position`` into the window (its size as cached, else a guess that its
-        stat corrects) and issue it in a task of its own once a slot is free."""
+        stat corrects) and issue it in a task of its own once a slot is free; a position
+        whose files are all in RAM already (every later epoch of a dataset the tier holds)
+        is issued here, with no task: nothing is fetched for it."""
+        if self._issue_resident(plan, position):
+            plan.resident_run += 1
+            if plan.resident_run % RESIDENT_STEP == 0:
+                await trio.lowlevel.checkpoint()
+            return
         estimate = self._estimate(plan, position)
         plan.bytes_at[position] = estimate
         plan.window_bytes += estimate
         await slots.acquire()
         nursery.start_soon(self._issue, plan, position, slots)
+
+    def _issue_resident(self, plan: Plan, position: int) -> bool:
+        """:meth:`_issue` for a position whose files are all in RAM (``FileBlocks.plan_if_resident``):
+        ranked and counted into the window at their sizes; False, with nothing done, if
+        one is not."""
+        blocks, next_use = self.fs.blocks, plan.origin + position
+        paths = plan.dataset.sample_paths(int(plan.order[position]))
+        if not all(self.fs.meta.peek(path) is not None for path in paths):
+            return False
+        sizes = [blocks.plan_if_resident(path, next_use) for path in paths]
+        if None in sizes:
+            return False  # the files checked before stay ranked: the task ranks them again
+        size = sum(s for s in sizes if s is not None)
+        plan.counters.issued += 1
+        plan.bytes_at[position] = size
+        plan.window_bytes += size
+        return True
 
     async def _warm_metadata(self, plan: Plan, start: int, end: int, concurrency: int) -> None:
         """Stat the files of positions ``start`` to ``end`` that are not cached, in parallel

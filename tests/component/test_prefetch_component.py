@@ -178,6 +178,48 @@ async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: tri
         assert backend.operations["stat"] <= len(paths) + directories + 10
 
 
+async def test_a_later_epoch_of_a_resident_dataset_is_issued_without_a_task_per_file(
+        autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the RAM tier holds the dataset, a new epoch's window issues each position in
+    the scheduler's own step (nothing to fetch: no task, no prefetch call), counts it into
+    the window at its real size and ranks its blocks at their new positions; the epoch
+    still reads as hits.  A position with a block gone from RAM takes the task path."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 200)
+    async with open_system(backend, ram=4 * len(paths) * BLOCK) as s:
+        dataset = await register(s, paths)
+        await submit(s, dataset, list(range(len(paths))), epoch=0)
+        for path in paths:
+            await read_file(s.fs, path)
+        tasks: list[str] = []
+        real = s.fs.blocks.prefetch_file
+
+        async def counted(path: str, next_use: int | None = None, urgent: bool = False) -> int:
+            tasks.append(path)
+            return await real(path, next_use, urgent)
+
+        monkeypatch.setattr(s.fs.blocks, "prefetch_file", counted)
+        gone = paths[7]
+        attr = s.fs.meta.peek(gone)
+        assert attr is not None
+        s.cache.memory.discard(block_key(gone, attr.version, 0))
+        order = list(reversed(range(len(paths))))
+        await submit(s, dataset, order, epoch=1)
+        plan = s.service.scheduler.plans[(JOB, 0, "0")]
+        await eventually(lambda: plan.counters.issued >= len(paths) - 1)
+        assert tasks == [gone]
+        ram = s.cache.memory.policy
+        for position in (0, 1, len(paths) - 1):
+            path = paths[order[position]]
+            key = block_key(path, s.fs.meta.peek(path).version, 0)  # type: ignore[union-attr]
+            assert ram.next_use(key) == plan.origin + position
+        assert plan.window_bytes == sum(plan.bytes_at.values()) == len(plan.bytes_at) * BLOCK
+        before = s.service.jobs.report(JOB)["jobs"][0]["cumulative"]["misses"]
+        for sample in order:
+            await read_file(s.fs, paths[sample])
+        assert s.service.jobs.report(JOB)["jobs"][0]["cumulative"]["misses"] - before <= 1
+
+
 async def run_epochs(plans: bool, prefetch_slots: int, epochs: int = 4, files: int = 400) -> list[float]:
     """Hit rate per epoch of a reader with no think time, cache = 0.5 x dataset."""
     backend = FakeBackend(latency=LATENCY)
