@@ -82,10 +82,11 @@ class FileBlocks:
         for index in range(self.count(attr.size)):
             await self.cache.settled(block_key(path, attr.version, index))
 
-    def unplan_file(self, path: str, version: FileVersion) -> None:
-        """No plan reads this version of ``path`` again (it was just consumed)."""
-        for index in range(self.count(version.size)):
-            self.cache.unplan(block_key(path, version, index))
+    def unplan_file(self, path: str, version: FileVersion, keys: tuple[bytes, ...] = ()) -> None:
+        """No plan reads this version of ``path`` again (it was just consumed); ``keys``:
+        its blocks' keys if the caller has them."""
+        for key in keys or [block_key(path, version, index) for index in range(self.count(version.size))]:
+            self.cache.unplan(key)
 
     async def warm_file(self, path: str) -> int:
         """Bring every block of ``path`` into the cache and wait; its size (0 if not a file)."""

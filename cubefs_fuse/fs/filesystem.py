@@ -63,6 +63,18 @@ class FileRequest:
     owner: object = None  # the observer's context for the reading process
     waited: bool = False  # the READ waited on the backend
     stall: float = 0.0  # seconds it waited
+    keys: tuple[bytes, ...] = ()  # its blocks' keys at ``version`` when known (() : compute them)
+
+
+@dataclass(frozen=True, slots=True)
+class _FileOf:
+    """What every READ of an inode needs, computed at its first: an inode serves one
+    version of one path (fs/inodes.py), so none of it changes until the inode is freed."""
+
+    path: str
+    version: FileVersion
+    tag: int  # path_tag(path)
+    keys: tuple[bytes, ...]  # the version's block keys; () for a file of more than MAX_LENT_BLOCKS
 
 
 # An NVMe entry lent by its place: (segment path, offset, allocated bytes, block key).
@@ -175,6 +187,9 @@ class Filesystem:
         # Per inode Python has read: the block a sequential reader asks for next.
         self._next_block: dict[int, int] = {}
         self._published: set[int] = set()  # inodes published to the borrower
+        # Per inode read since it was created: its path, version, tag and block keys (one
+        # entry per inode the kernel holds; gone with the inode, _withdraw).
+        self._files: dict[int, _FileOf] = {}
         self._incomplete: set[int] = set()  # published inodes with a block not lent (not held then)
         # RAM blocks lent: per inode, block index -> key; per key, its (inode, index)
         # loans, so that a block leaving the RAM tier is taken back from each.
@@ -416,11 +431,17 @@ class Filesystem:
     # -- files -----------------------------------------------------------------------
 
     def _request(self, inode: int) -> FileRequest:
-        node = self.inodes.node(inode)
-        attr = node.attr
-        if attr is None or not attr.is_file:
-            raise FsError(errno.EISDIR if attr is not None and attr.is_dir else errno.EINVAL)
-        return FileRequest(inode, node.path, attr.version, tag=path_tag(node.path))
+        file = self._files.get(inode)
+        if file is None:
+            node = self.inodes.node(inode)
+            attr = node.attr
+            if attr is None or not attr.is_file:
+                raise FsError(errno.EISDIR if attr is not None and attr.is_dir else errno.EINVAL)
+            version = attr.version
+            n = self.blocks.count(version.size)
+            keys = tuple(block_key(node.path, version, i) for i in range(n)) if n <= MAX_LENT_BLOCKS else ()
+            file = self._files[inode] = _FileOf(node.path, version, path_tag(node.path), keys)
+        return FileRequest(inode, file.path, file.version, tag=file.tag, keys=file.keys)
 
     def _answered(self, f: FileRequest) -> None:
         """A file request (a READ at offset 0) was answered: counted, and shown to the observer."""
@@ -597,7 +618,8 @@ class Filesystem:
                 del self._lenders[key]
 
     def _withdraw(self, inode: int) -> None:
-        """Nothing of ``inode`` is served by the borrower any more."""
+        """Nothing of ``inode`` is served by the borrower any more (it is freed)."""
+        self._files.pop(inode, None)
         self._incomplete.discard(inode)
         if inode in self._published:
             self._published.discard(inode)
@@ -645,7 +667,9 @@ class Filesystem:
             last = max(last, first + mask.bit_length() - 1)
             # What each block counts as (a RAM block brought by admit counts as the read
             # that brought it); the bytes are shared out over the blocks read.
-            counted = [self.cache.served(block_key(f.path, f.version, first + i), source, f.tag)
+            keys = f.keys
+            counted = [self.cache.served(keys[first + i] if keys else block_key(f.path, f.version, first + i),
+                                         source, f.tag)
                        for i in range(mask.bit_length()) if mask >> i & 1]
             n = len(counted)
             for i, (actual, stall) in enumerate(counted):

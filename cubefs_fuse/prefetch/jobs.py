@@ -233,9 +233,20 @@ class JobRegistry:
         if job is None:
             self.total.record(waited, stall)
             return
-        before = job.counters
-        job.reads.seen.record(waited, stall)
-        self.total.add(job.counters.minus(before))  # a read the job had reported adds no request
+        # What the job's counters gain (JobReads.counters), added to the total without
+        # building them twice: a request only if the daemon's count passes the job's
+        # report (a read the job had reported adds none); a miss is always one.
+        reads = job.reads
+        gained = 1 if reads.seen.requests >= reads.reported else 0
+        reads.seen.record(waited, stall)
+        total = self.total
+        total.requests += gained
+        if waited:
+            total.misses += 1
+            total.hits += gained - 1
+            total.stall_seconds += stall
+        else:
+            total.hits += gained
 
     def report_reads(self, key: JobKey, files: int, data_wait: DataWait | None = None) -> HitCounters | None:
         """The job's cube_torch says its loaders have read ``files`` files so far (a

@@ -92,7 +92,7 @@ class PrefetchService:
         self.jobs.record(key, f.waited, f.stall)
         if key is not None:
             self.scheduler.observe_release(key, f.path, f.waited)  # the loader's own counters
-            self.fs.blocks.unplan_file(f.path, f.version)  # consumed: evict it before anything planned
+            self.fs.blocks.unplan_file(f.path, f.version, f.keys)  # consumed: evict it before anything planned
 
     def job_samples(self) -> tuple[JobSample, ...]:
         samples = []
