@@ -51,6 +51,7 @@ class Resolved:
     parts: list[bytes] | None = None
     size: int = 0
     version: FileVersion | None = None
+    keys: tuple[bytes, ...] = ()  # the served version's block keys (the consumed file's, to unplan)
     owner: object = None  # the job the open was attributed to
     waited: bool = False  # a block waited on the backend
     stall: float = 0.0
@@ -144,7 +145,7 @@ class BatchResolver:
                 else:
                     self.stats.served_hits += 1
                 self.stats.served_bytes += r.size
-                self.service.released(FileRequest(0, r.path, r.version, owner=r.owner, waited=waited,
+                self.service.released(FileRequest(0, r.path, r.version, owner=r.owner, waited=waited, keys=r.keys,
                                                stall=r.stall if waited else 0.0))
 
     def _to_mount(self, count: int, reason: str) -> None:
@@ -193,7 +194,7 @@ class BatchResolver:
             meta.invalidate(path)
             self._send_back(entry, "changed at the source")
             return True
-        entry.version, entry.size, entry.parts = version, attr.size, parts
+        entry.version, entry.size, entry.parts, entry.keys = version, attr.size, parts, tuple(keys)
         return True
 
     async def _one(self, caller: Caller, key: JobKey | None, entry: Resolved, budget: list[int]) -> None:
