@@ -59,8 +59,9 @@ UNPLAN_STEP = 1024
 # so the data of one chunk is issued after a few round trips, while the previous chunk's
 # fetches are still running.
 META_CHUNK = 32
-# Positions issued from RAM (no task, ~10-20 us each: a few dict lookups per block) between
-# two checkpoints: 64 keep a step near 1 ms; a window is at most MAX_WINDOW_FILES of them.
+# Positions issued from RAM (no task; 25-45 us each on the 2-core VM, a few dict lookups and
+# a key per block) between two checkpoints: 64 keep a step near 2-3 ms, far below the 20 ms
+# a FUSE request may wait on the trio thread.
 RESIDENT_STEP = 64
 # Backend stats in flight while a chunk is stat'ed: with the prefetch's 16 fetch slots,
 # 8 of the default 32 backend threads stay free for foreground reads.  At 1 ms per round
@@ -506,8 +507,8 @@ class Scheduler:
 
     def _issue_resident(self, plan: Plan, position: int) -> bool:
         """:meth:`_issue` for a position whose files are all in RAM (``FileBlocks.plan_if_resident``):
-        ranked and counted into the window at their sizes; False, with nothing done, if
-        one is not."""
+        ranked and counted into the window at their sizes.  False if one is not (the files
+        checked before it stay ranked; the task that issues the position ranks them again)."""
         blocks, next_use = self.fs.blocks, plan.origin + position
         paths = plan.dataset.sample_paths(int(plan.order[position]))
         if not all(self.fs.meta.peek(path) is not None for path in paths):
