@@ -667,9 +667,8 @@ class Filesystem:
             last = max(last, first + mask.bit_length() - 1)
             # What each block counts as (a RAM block brought by admit counts as the read
             # that brought it); the bytes are shared out over the blocks read.
-            keys = f.keys
-            counted = [self.cache.served(keys[first + i] if keys else block_key(f.path, f.version, first + i),
-                                         source, f.tag)
+            # A lent file has at most MAX_LENT_BLOCKS blocks, so _request knows its keys.
+            counted = [self.cache.served(f.keys[first + i], source, f.tag)
                        for i in range(mask.bit_length()) if mask >> i & 1]
             n = len(counted)
             for i, (actual, stall) in enumerate(counted):

@@ -510,13 +510,12 @@ class Scheduler:
         ranked and counted into the window at their sizes.  False if one is not (the files
         checked before it stay ranked; the task that issues the position ranks them again)."""
         blocks, next_use = self.fs.blocks, plan.origin + position
-        paths = plan.dataset.sample_paths(int(plan.order[position]))
-        if not all(self.fs.meta.peek(path) is not None for path in paths):
-            return False
-        sizes = [blocks.plan_if_resident(path, next_use) for path in paths]
-        if None in sizes:
-            return False  # the files checked before stay ranked: the task ranks them again
-        size = sum(s for s in sizes if s is not None)
+        size = 0
+        for path in plan.dataset.sample_paths(int(plan.order[position])):
+            file_size = blocks.plan_if_resident(path, next_use)
+            if file_size is None:
+                return False  # the files checked before stay ranked: the task ranks them again
+            size += file_size
         plan.counters.issued += 1
         plan.bytes_at[position] = size
         plan.window_bytes += size
