@@ -480,6 +480,8 @@ async def _start_control(nursery: trio.Nursery, service: PrefetchService, config
     data_plane = DataPlane(BatchResolver(service, allow_other="allow_other" in mount_options(config)),
                            samples=SamplePlane(samples).serve if samples is not None else None) \
         if ai_prefetch else None
+    if data_plane is not None:
+        service.fs.settle_reports_of(data_plane.settle)  # a status counts releases already sent
     try:
         await nursery.start(server.serve_unix, socket_path)
         if data_plane is not None:

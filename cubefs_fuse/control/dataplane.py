@@ -9,7 +9,9 @@ against shrinking and growing sent by SCM_RIGHTS; ``batch`` with relative paths 
 each served file's open count, which is when the opens are counted. A response's bytes
 belong to the worker until its next message and a connection has one batch in flight, so the
 daemon never rewrites bytes a worker may read; the sample store's ops share the connection
-(control/sampleplane.py). A hello is due within ``HEAD_DEADLINE``, an idle connection closes
+(control/sampleplane.py). A worker sends its release before its batch reaches the loader,
+so a count shown after the loader has it must include it: :meth:`DataPlane.settle` (part of
+the filesystem's settle) waits until every message already in a socket is taken in. A hello is due within ``HEAD_DEADLINE``, an idle connection closes
 after :data:`IDLE_DEADLINE`, and a malformed message closes the connection."""
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import logging
 import mmap
 import os
+import select
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -44,6 +47,11 @@ IDLE_DEADLINE = 60.0
 # Bytes copied into a ring between two checkpoints of the trio thread: 8 MiB is ~1 ms of
 # memcpy, so a large batch never holds the thread (FUSE requests) for longer.
 COPY_STEP = 8 * 1024 * 1024
+# The longest a settle waits for connections to take in the messages already in their
+# sockets: each is taken at the connection task's next step (well under a millisecond);
+# the bound keeps a status or metrics answer from waiting on a trio thread that is
+# overloaded for seconds (its counts then miss those releases, as before they arrive).
+SETTLE_WAIT = 1.0
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -80,6 +88,26 @@ class Ring:
         os.close(self.fd)
 
 
+class _Connection:
+    """One data connection as :meth:`DataPlane.settle` sees it: its socket, and an event
+    set each time its task has taken in a message (then replaced)."""
+
+    __slots__ = ("sock", "took")
+
+    def __init__(self, sock: trio.socket.SocketType) -> None:
+        self.sock = sock
+        self.took = trio.Event()
+
+    def taken(self) -> None:
+        self.took.set()
+        self.took = trio.Event()
+
+    def holds_a_message(self) -> bool:
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
+
+
 class DataPlane:
     """Serves admitted data-socket connections (``ControlServer.serve_data``'s handler)."""
 
@@ -92,12 +120,23 @@ class DataPlane:
         self.rings = 0
         self.batches = 0
         self.protocol_errors = 0
+        self._open: set[_Connection] = set()
+
+    async def settle(self) -> None:
+        """Wait until every connection has taken in the messages already in its socket
+        (at most :data:`SETTLE_WAIT`): a release sent before this call is counted after it."""
+        sent = [c.took for c in self._open if c.holds_a_message()]
+        with trio.move_on_after(SETTLE_WAIT):
+            for took in sent:
+                await took.wait()
 
     def statistics(self) -> DataPlaneStatistics:
         return DataPlaneStatistics(self.connections, self.rings, self.batches, self.protocol_errors)
 
     async def serve(self, sock: trio.socket.SocketType, peer: Peer, slot: Slot) -> None:
         self.connections += 1
+        connection = _Connection(sock)
+        self._open.add(connection)
         ring: Ring | None = None
         caller = Caller(peer.pid, peer.uid, peer.gid)
         pending: list[Resolved] | None = None  # served, not yet released (nor counted)
@@ -122,6 +161,7 @@ class DataPlane:
                 if pending is not None:
                     self.resolver.commit(pending, opens if op == "release" else None)
                     pending = None
+                connection.taken()
                 if op == "release":
                     continue
                 if op == "sample":
@@ -168,6 +208,8 @@ class DataPlane:
         finally:
             if pending is not None:
                 self.resolver.commit(pending)  # delivered; the worker left without saying which it used
+            self._open.discard(connection)
+            connection.taken()
             self.connections -= 1
             if ring is not None:
                 self.rings -= 1

@@ -201,6 +201,9 @@ class Filesystem:
         # File requests the borrower served whose owner is still being resolved (a process
         # not seen before): each set once its request is counted (settle() waits on them).
         self._observing: set[trio.Event] = set()
+        # Other servers of reads whose reports may still be on their way (the fast path's
+        # releases, sent before the batch reached the loader): settle() awaits each.
+        self._reporters: list[Callable[[], Awaitable[None]]] = []
         # The borrower's clock for entry deadlines (CLOCK_MONOTONIC, as C reads it; trio's
         # clock has an offset of its own).  Tests replace it.
         self.clock_ns: Callable[[], int] = time.monotonic_ns
@@ -505,10 +508,17 @@ class Filesystem:
         a loader's last, whose cursor and consumed files they move) and before counters are
         shown (a status read after a read counts it).  Reads served after the call are not
         waited for, so a steady stream of new readers cannot hold it."""
+        for reporter in self._reporters:
+            await reporter()
         if self.borrower is not None:
             self.borrower.report()
         for done in list(self._observing):
             await done.wait()
+
+    def settle_reports_of(self, reporter: Callable[[], Awaitable[None]]) -> None:
+        """:meth:`settle` also awaits ``reporter()``: another server of reads taking in the
+        reports already sent to it (the fast path's releases, control/dataplane.py)."""
+        self._reporters.append(reporter)
 
     def lend_to(self, borrower: Borrower) -> None:
         """From now on, publish inodes to ``borrower`` and take back what stops being good:

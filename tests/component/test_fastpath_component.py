@@ -29,7 +29,9 @@ from cube_torch import fastpath
 from cube_torch.fastpath import Channel
 from cubefs_fuse.cache.disk import DiskTier
 from cubefs_fuse.cache.keys import block_key
+from cubefs_fuse.control.dataplane import DataPlane
 from cubefs_fuse.control.protocol import ProtocolError
+from cubefs_fuse.control.server import AccessPolicy, ControlServer
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.prefetch.batches import BatchResolver, Caller
 from tests.fakes import FakeBackend
@@ -91,6 +93,29 @@ async def test_hits_and_misses_are_counted_once_per_file(autojump_clock: trio.te
         resolver.commit(third)
         assert counters(resolver) == (11, 6, 5)
         assert resolver.stats.by_reason == {"not a regular file": 1, "error": 1, "ring full": 4}
+
+
+async def test_a_release_sent_before_a_status_is_counted_by_it(tmp_path: Path) -> None:
+    """A worker sends its release before its batch reaches the loader, so counters shown
+    after that (the filesystem's settle, as a status or a metrics scrape does) include the
+    release even when the connection's task has not run since it arrived."""
+    backend, files = five_files()
+    async with open_resolver(backend) as resolver, trio.open_nursery() as nursery:
+        plane = DataPlane(resolver)
+        resolver.fs.settle_reports_of(plane.settle)
+        path = str(tmp_path / "data.sock")
+        await nursery.start(ControlServer(AccessPolicy()).serve_data, path, plane.serve)
+        channel = await trio.to_thread.run_sync(Channel, path)
+        try:
+            for epoch in range(3):
+                answers = await trio.to_thread.run_sync(channel.batch, list(files))
+                assert answers == list(files.values())
+                channel.release([1] * len(files))  # from the trio thread: its task cannot run before the settle
+                await resolver.fs.settle()
+                assert counters(resolver)[0] == 5 * (epoch + 1)
+        finally:
+            channel.close()
+        nursery.cancel_scope.cancel()
 
 
 async def test_a_batch_moves_the_plan_past_its_files_when_it_asks(autojump_clock: trio.testing.MockClock) -> None:
