@@ -1,9 +1,12 @@
 """Whole-file block operations: the blocks of one version of a file in the cache. The read
-path takes its keys (``cache.keys.block_key``) and fetchers from here; ai_prefetch and
+path takes its keys (``cache.keys.block_key``) and fetchers from here; a metadata miss on a
+small file brings its bytes in the same backend call (``stat_bringing``); ai_prefetch and
 warmup bring whole files in (``prefetch_file``, ``warm_file``), mark consumed ones
 (``unplan_file``) and ask what is held (``cached_fraction``)."""
 
 from __future__ import annotations
+
+import time
 
 from cubefs_fuse.attrs import Attr, FileVersion
 from cubefs_fuse.backends.base import Backend
@@ -27,6 +30,45 @@ class FileBlocks:
             return await self.backend.read_block(path, version, index * bs, length)
 
         return fetch
+
+    async def stat_bringing(self, path: str) -> Attr:
+        """``path``'s attributes for a reader about to read it (``MetadataCache.stat``); on
+        a miss, a regular file of at most one block that no tier holds comes with them in
+        the same backend call (``Backend.stat_read``: over S3 one ranged GET instead of a
+        HEAD and a GET; over a directory one thread hop instead of two), if a fetch slot
+        is free now (never waited for: without one it only stats).  The reader's first
+        read of it counts as the miss it waited for (``BlockCache.admit``); a block found
+        on NVMe instead is read in the same thread call and counts as an NVMe hit."""
+        cache, meta = self.cache, self.meta
+        if meta.peek(path) is not None:
+            return await meta.stat(path)
+        slot = cache.try_fetch_slot()
+        if slot is None:
+            return await meta.stat(path)
+
+        on_disk: list[bytes] = []
+
+        def want(attr: Attr) -> bool:
+            # Runs in the backend's worker thread, between the stat and the source read:
+            # a block on NVMe is read right here (same thread call), not from the source.
+            key = block_key(path, attr.version, 0)
+            local = cache.disk_block_in_thread(key)
+            if local is not None:
+                on_disk.append(local)
+                return False
+            return cache.wanted(key)
+
+        start = time.perf_counter()
+        try:
+            attr, data = await meta.stat_read(path, self.block_size, want)
+        finally:
+            cache.release_fetch_slot(slot)
+        if data is not None:
+            cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path),
+                        stall=time.perf_counter() - start)
+        elif on_disk and len(on_disk[0]) == attr.size:
+            cache.admit(block_key(path, attr.version, 0), on_disk[0], tag=path_tag(path), from_disk=True)
+        return attr
 
     def count(self, size: int) -> int:
         return -(-size // self.block_size)

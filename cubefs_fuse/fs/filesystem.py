@@ -305,41 +305,13 @@ class Filesystem:
 
     async def _stat_from_source(self, path: str) -> Attr:
         """``path``'s attributes past the metadata cache's hit.  A metadata miss on a
-        regular file of at most one block that no tier holds brings the file too, in the
-        same backend call (``Backend.stat_read``): the open and read that usually follow
-        are then served from RAM.  The process that waited counts the file as a miss
-        (``BlockCache.admit``), exactly as if its read had fetched it."""
-        if not self.lookup_fetch or self.meta.peek(path) is not None:
+        regular file of at most one block that no tier holds brings the file too
+        (``FileBlocks.stat_bringing``): the open and read that usually follow are then
+        served from RAM, and the process that waited counts the file as a miss, exactly as
+        if its read had fetched it."""
+        if not self.lookup_fetch:
             return await self.meta.stat(path)
-        cache = self.cache
-        # A fetch slot, as any fetch has (never waited for: without one it only stats).
-        slot = cache.try_fetch_slot()
-        if slot is None:
-            return await self.meta.stat(path)
-
-        on_disk: list[bytes] = []
-
-        def want(attr: Attr) -> bool:
-            # Runs in the backend's worker thread, between the stat and the source read:
-            # a block on NVMe is read right here (same thread call), not from the source.
-            key = block_key(path, attr.version, 0)
-            local = cache.disk_block_in_thread(key)
-            if local is not None:
-                on_disk.append(local)
-                return False
-            return cache.wanted(key)
-
-        start = time.perf_counter()
-        try:
-            attr, data = await self.meta.stat_read(path, self.block_size, want)
-        finally:
-            cache.release_fetch_slot(slot)
-        if data is not None:
-            cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path),
-                        stall=time.perf_counter() - start)
-        elif on_disk and len(on_disk[0]) == attr.size:
-            cache.admit(block_key(path, attr.version, 0), on_disk[0], tag=path_tag(path), from_disk=True)
-        return attr
+        return await self.blocks.stat_bringing(path)
 
     def entry(self, path: str, attr: Attr) -> Entry:
         """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:

@@ -189,7 +189,9 @@ async def test_a_batch_waits_for_in_flight_prefetches_and_sends_late_files_to_th
         assert served(results) == [b"f" * 100]
         assert backend.statistics().operations.get("read", 0) == reads + 1
         # A file the remote takes 10 s for: after the batch's 2 s it goes to the mount,
-        # its fetch goes on, and the next batch serves it from RAM (a hit).
+        # its fetch goes on, and the next batch serves it from RAM (a hit).  (Its
+        # attributes are cached first: a cold small file would come with its stat.)
+        await fs.meta.stat("slow.jpg")
         backend.op_latency["read"] = 10.0
         start = trio.current_time()
         results = await resolver.resolve(ME, ["slow.jpg"], 1 << 20)
@@ -200,6 +202,25 @@ async def test_a_batch_waits_for_in_flight_prefetches_and_sends_late_files_to_th
         backend.op_latency["read"] = 0.0
         results = await resolver.resolve(ME, ["slow.jpg"], 1 << 20)
         assert served(results) == [b"s" * 100] and not results[0].waited
+
+
+async def test_a_cold_small_file_of_a_batch_costs_one_backend_call(autojump_clock: trio.testing.MockClock) -> None:
+    """A batch's file whose attributes are not cached comes with its stat when it fits in
+    one block (``Backend.stat_read``: over S3 one ranged GET, not a HEAD and a GET), and
+    still counts as the miss it is; a larger one is stat'ed, then read by blocks."""
+    backend = FakeBackend(latency=LATENCY)
+    small, large = b"s" * 1000, bytes(range(256)) * (3 * BLOCK // 256)
+    backend.write("small.jpg", small)
+    backend.write("large.bin", large)
+    async with open_resolver(backend) as resolver:
+        results = await resolver.resolve(ME, ["small.jpg"], 1 << 20)
+        assert served(results) == [small] and results[0].waited
+        assert (backend.operations["stat"], backend.operations["read"], backend.stat_reads) == (1, 0, 1)
+        resolver.commit(results)
+        assert counters(resolver) == (1, 0, 1)
+        results = await resolver.resolve(ME, ["large.bin"], 1 << 20)
+        assert served(results) == [large]
+        assert (backend.operations["stat"], backend.operations["read"], backend.stat_reads) == (2, 3, 1)
 
 
 async def test_a_batchs_nvme_blocks_are_read_in_one_thread_call(tmp_path: Path,
