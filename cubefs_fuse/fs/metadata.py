@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 import trio
@@ -37,44 +37,68 @@ class MetadataCache:
         self._attrs: OrderedDict[str, tuple[float, Attr | None]] = OrderedDict()
         self._listings: OrderedDict[str, tuple[float, list[tuple[str, Attr]]]] = OrderedDict()
         self._listing_names = 0
+        # Per path whose stat is in flight, set when it ends (stat's single flight).
+        self._flights: dict[str, trio.Event] = {}
         self._attr_hits = self._attr_misses = self._negative_hits = 0
         self._listing_hits = self._listing_misses = 0
 
     async def stat(self, path: str) -> Attr:
-        """Attributes of ``path``; FsError(ENOENT) if it does not exist."""
-        now = trio.current_time()
-        cached = self._attrs.get(path)
-        if cached is not None and cached[0] > now:
-            attr = cached[1]
-            if attr is None:
-                self._negative_hits += 1
-                raise FsError(errno.ENOENT)
-            self._attr_hits += 1
-            return attr
-        self._attr_misses += 1
-        try:
-            attr = await self.backend.stat(path)
-        except FileNotFoundError:
-            self._remember(path, None, now + self.lookup_ttl if self.lookup_ttl else 0.0)
-            raise FsError(errno.ENOENT) from None
-        self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
+        """Attributes of ``path``; FsError(ENOENT) if it does not exist.  A miss while a
+        stat of ``path`` is in flight waits for that one (single flight: a window's stat
+        and a reader's lookup of the same file make one backend call), then answers from
+        what it cached (its own call if it cached nothing: it failed, or no TTL)."""
+        while True:
+            now = trio.current_time()
+            cached = self._attrs.get(path)
+            if cached is not None and cached[0] > now:
+                attr = cached[1]
+                if attr is None:
+                    self._negative_hits += 1
+                    raise FsError(errno.ENOENT)
+                self._attr_hits += 1
+                return attr
+            flight = self._flights.get(path)
+            if flight is None:
+                break
+            await flight.wait()
+
+        async def call(p: str) -> tuple[Attr, bytes | None]:
+            return await self.backend.stat(p), None
+
+        attr, _ = await self._from_backend(path, call)
         return attr
 
     async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
         """As :meth:`stat`; on a miss the backend's ``stat_read`` may also bring the whole
-        file (see ``Backend.stat_read``): one backend call for a cold small file."""
-        now = trio.current_time()
+        file (see ``Backend.stat_read``): one backend call for a cold small file.  While a
+        stat of ``path`` is in flight it waits for that one and brings no bytes."""
         cached = self._attrs.get(path)
-        if cached is not None and cached[0] > now:
+        if (cached is not None and cached[0] > trio.current_time()) or path in self._flights:
             return await self.stat(path), None
+
+        async def call(p: str) -> tuple[Attr, bytes | None]:
+            return await self.backend.stat_read(p, max_size, want)
+
+        return await self._from_backend(path, call)
+
+    async def _from_backend(self, path: str,
+                            call: Callable[[str], Awaitable[tuple[Attr, bytes | None]]]) -> tuple[Attr, bytes | None]:
+        """``call(path)`` as the one stat of ``path`` in flight, its answer cached (an
+        absent file as absent, FsError(ENOENT)); waiters are woken however it ends."""
         self._attr_misses += 1
+        now = trio.current_time()
+        done = self._flights[path] = trio.Event()
         try:
-            attr, data = await self.backend.stat_read(path, max_size, want)
+            result = await call(path)
         except FileNotFoundError:
             self._remember(path, None, now + self.lookup_ttl if self.lookup_ttl else 0.0)
             raise FsError(errno.ENOENT) from None
-        self._remember(path, attr, now + self.attr_ttl if self.attr_ttl else 0.0)
-        return attr, data
+        finally:
+            if self._flights.get(path) is done:  # a fresh_stat may have started a newer one
+                del self._flights[path]
+            done.set()
+        self._remember(path, result[0], now + self.attr_ttl if self.attr_ttl else 0.0)
+        return result
 
     async def warm(self, paths: Iterable[str], concurrency: int) -> int:
         """Bring the attributes of those ``paths`` that are not cached, ``concurrency``
@@ -157,9 +181,15 @@ class MetadataCache:
         return cached[0] - (self.attr_ttl if cached[1] is not None else self.lookup_ttl)
 
     async def fresh_stat(self, path: str) -> Attr:
-        """Attributes straight from the backend (and cached for the next caller)."""
+        """Attributes straight from the backend (and cached for the next caller): never
+        the answer of a stat that was in flight before this call."""
         self.invalidate(path)
-        return await self.stat(path)
+
+        async def call(p: str) -> tuple[Attr, bytes | None]:
+            return await self.backend.stat(p), None
+
+        attr, _ = await self._from_backend(path, call)
+        return attr
 
     async def listdir(self, path: str) -> list[tuple[str, Attr]]:
         now = trio.current_time()

@@ -210,3 +210,57 @@ async def test_warm_stats_in_parallel_each_uncached_path_once(autojump_clock: tr
         await meta.stat("d/missing")
     assert backend.operations["stat"] == 101
     assert await meta.warm(paths, 10) == 0  # everything cached now
+
+
+async def test_concurrent_stats_of_one_path_make_one_backend_call(autojump_clock: trio.testing.MockClock) -> None:
+    """Single flight: a window's stat and readers' lookups of the same file while its stat
+    is in flight wait for that one (one HEAD over S3, one hop over a directory); a
+    stat_read then brings no bytes of its own; a failed stat leaves each waiter to ask the
+    backend itself; a fresh_stat never takes the answer of a stat begun before it."""
+    backend = FakeBackend(latency=1.0)
+    backend.write("a", b"one")
+    meta = make(backend)
+    answers: list[object] = []
+
+    async def stat() -> None:
+        answers.append((await meta.stat("a")).size)
+
+    async def stat_read() -> None:
+        answers.append(await meta.stat_read("a", 1 << 20, lambda attr: True))
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(5):
+            nursery.start_soon(stat)
+        await trio.sleep(0.5)
+        nursery.start_soon(stat_read)
+    read = [a for a in answers if isinstance(a, tuple)]
+    assert sorted(a for a in answers if isinstance(a, int)) == [3] * 5
+    assert len(read) == 1 and read[0][0].size == 3 and read[0][1] is None
+    assert (backend.operations["stat"], backend.stat_reads) == (1, 0)
+    assert meta.statistics().attr_misses == 1
+
+    backend.write("b", b"two")
+    backend.fail("b", errno.EIO, ops=("stat",))
+    outcomes: list[object] = []
+
+    async def stat_b() -> None:
+        try:
+            outcomes.append((await meta.stat("b")).size)
+        except OSError as exc:
+            outcomes.append(exc.errno)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stat_b)
+        await trio.sleep(0.5)
+        nursery.start_soon(stat_b)  # waits for the first, which fails: then asks itself
+        await trio.sleep(0.6)
+        backend.heal("b")
+    assert outcomes == [errno.EIO, 3] and backend.operations["stat"] == 3
+
+    backend.write("c", b"old")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(meta.stat, "c")  # in flight with the old attributes
+        await trio.sleep(0.1)
+        backend.write("c", b"changed")
+        assert (await meta.fresh_stat("c")).size == 7
+    assert backend.operations["stat"] == 5
