@@ -11,8 +11,9 @@ belong to the worker until its next message and a connection has one batch in fl
 daemon never rewrites bytes a worker may read; the sample store's ops share the connection
 (control/sampleplane.py). A worker sends its release before its batch reaches the loader,
 so a count shown after the loader has it must include it: :meth:`DataPlane.settle` (part of
-the filesystem's settle) waits until every message already in a socket is taken in. A hello is due within ``HEAD_DEADLINE``, an idle connection closes
-after :data:`IDLE_DEADLINE`, and a malformed message closes the connection."""
+the filesystem's settle) waits until every message already in a socket is taken in. A
+hello is due within ``HEAD_DEADLINE``, an idle connection closes after
+:data:`IDLE_DEADLINE`, and a malformed message closes the connection."""
 
 from __future__ import annotations
 

@@ -61,11 +61,7 @@ class MetadataCache:
             if flight is None:
                 break
             await flight.wait()
-
-        async def call(p: str) -> tuple[Attr, bytes | None]:
-            return await self.backend.stat(p), None
-
-        attr, _ = await self._from_backend(path, call)
+        attr, _ = await self._from_backend(path, self._backend_stat)
         return attr
 
     async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
@@ -80,6 +76,9 @@ class MetadataCache:
             return await self.backend.stat_read(p, max_size, want)
 
         return await self._from_backend(path, call)
+
+    async def _backend_stat(self, path: str) -> tuple[Attr, bytes | None]:
+        return await self.backend.stat(path), None
 
     async def _from_backend(self, path: str,
                             call: Callable[[str], Awaitable[tuple[Attr, bytes | None]]]) -> tuple[Attr, bytes | None]:
@@ -184,11 +183,7 @@ class MetadataCache:
         """Attributes straight from the backend (and cached for the next caller): never
         the answer of a stat that was in flight before this call."""
         self.invalidate(path)
-
-        async def call(p: str) -> tuple[Attr, bytes | None]:
-            return await self.backend.stat(p), None
-
-        attr, _ = await self._from_backend(path, call)
+        attr, _ = await self._from_backend(path, self._backend_stat)
         return attr
 
     async def listdir(self, path: str) -> list[tuple[str, Attr]]:
