@@ -50,15 +50,20 @@ def path_and_bytes(path: str) -> tuple[str, bytes]:
         return path, f.read()
 
 
+def _nvme_written(mount: Mount) -> None:
+    wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
+               "the NVMe writes to drain")
+
+
 def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
     """SIGKILL the daemon once its NVMe writes are done; returns when a new one serves.
     With ``source`` (the slowfs process), the source hangs first, as soon as the epoch's
     plan is sent: the daemon dies with the misses in flight that the prefetch and the
-    workers were waiting on (nothing the loop has received is lost with it)."""
+    workers were waiting on, once what it had fetched before the hang is on NVMe (nothing
+    the loop has received is lost with it)."""
     old = mount.pid()
     if source is None:
-        wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
-                   "the NVMe writes to drain")
+        _nvme_written(mount)
         kill_daemon(mount)
     else:
         fetched = source.stats()["ops"].get("read", 0)
@@ -68,6 +73,7 @@ def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
         try:
             # The prefetch ahead of the workers waits on the source now.
             wait_until(lambda: waits_on_fuse(old), 30, "the daemon to ask the hung source")
+            _nvme_written(mount)  # the fetches before the hang: their write-behind is local
             kill_daemon(mount, after_death=source.resume)
         finally:
             source.resume()
