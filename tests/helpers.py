@@ -115,6 +115,12 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
     return samples.get(name, 0.0)
 
 
+def nvme_written(m: Mount) -> None:
+    """Wait until ``m``'s daemon has no NVMe write-behind pending: every block it fetched is
+    on NVMe (what a daemon killed after this leaves for the next one)."""
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30, "the NVMe writes to drain")
+
+
 def force_unmount(m: Mount) -> None:
     """Kill ``m``'s daemon and detach its mount if it is still there (teardown after a
     failure); `cubefs-fuse umount --lazy` then removes the files the killed daemon left

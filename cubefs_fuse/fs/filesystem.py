@@ -297,21 +297,16 @@ class Filesystem:
             return stale
 
     async def _stat_fetching(self, path: str, op: str) -> Attr:
-        """``path``'s attributes for the kernel (``op``: lookup, getattr)."""
-        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
-        if attr is not None:
-            return attr
-        return await self._or_stale(path, op, self._stat_from_source(path))
-
-    async def _stat_from_source(self, path: str) -> Attr:
-        """``path``'s attributes past the metadata cache's hit.  A metadata miss on a
-        regular file of at most one block that no tier holds brings the file too
+        """``path``'s attributes for the kernel (``op``: lookup, getattr).  Past the metadata
+        cache's hit, a regular file of at most one block that no tier holds comes too
         (``FileBlocks.stat_bringing``): the open and read that usually follow are then
         served from RAM, and the process that waited counts the file as a miss, exactly as
         if its read had fetched it."""
-        if not self.lookup_fetch:
-            return await self.meta.stat(path)
-        return await self.blocks.stat_bringing(path)
+        attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
+        if attr is not None:
+            return attr
+        answer = self.blocks.stat_bringing(path) if self.lookup_fetch else self.meta.stat(path)
+        return await self._or_stale(path, op, answer)
 
     def entry(self, path: str, attr: Attr) -> Entry:
         """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:

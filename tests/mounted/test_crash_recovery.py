@@ -31,7 +31,7 @@ import pytest
 from cubefs_fuse import mounts
 from cubefs_fuse.control.keeper import RECOVERY_BACKOFF
 from tests.continuous_reads import FILES, Reader, fill
-from tests.helpers import Mount, cli, kill_daemon, metric, wait_until, waits_on_fuse
+from tests.helpers import Mount, cli, kill_daemon, metric, nvme_written, wait_until, waits_on_fuse
 
 KILLS = 10  # in a row, under one reader
 UPGRADE_AT = 5  # the daemon upgraded before this kill: its successor is recovered next
@@ -72,8 +72,7 @@ def test_a_daemon_killed_ten_times_is_recovered_and_no_read_fails(make_mount: Ca
                     assert cli("upgrade", str(m.mount_point)).returncode == 0, m.log()
                 # The NVMe tier has every block (the reader read each file twice, writes
                 # drained) before the daemon dies: the next one must not fetch any again.
-                wait_until(lambda: metric(m.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
-                           "the NVMe writes to drain")
+                nvme_written(m)
                 # The keeper keeps a daemon started in advance: it is the one that recovers.
                 wait_until(lambda: len(standbys(keeper, m.pid())) == 1, 30, "a standby daemon")
                 [standby] = standbys(keeper, m.pid())

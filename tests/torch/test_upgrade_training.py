@@ -35,7 +35,7 @@ from torchvision import datasets  # type: ignore[import-untyped]  # noqa: E402
 import cube_torch
 from cube_torch import client as ct_client
 from cubefs_fuse.control.protocol import ControlClient, read_volume_config
-from tests.helpers import Mount, cli, kill_daemon, metric, wait_until, waits_on_fuse
+from tests.helpers import Mount, cli, kill_daemon, nvme_written, wait_until, waits_on_fuse
 from tests.torch_datasets import keep
 
 CLASSES, PER_CLASS = 4, 40
@@ -50,11 +50,6 @@ def path_and_bytes(path: str) -> tuple[str, bytes]:
         return path, f.read()
 
 
-def _nvme_written(mount: Mount) -> None:
-    wait_until(lambda: metric(mount.scrape(), "cubefs_fuse_disk_pending_write_bytes") == 0, 30,
-               "the NVMe writes to drain")
-
-
 def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
     """SIGKILL the daemon once its NVMe writes are done; returns when a new one serves.
     With ``source`` (the slowfs process), the source hangs first, as soon as the epoch's
@@ -63,7 +58,7 @@ def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
     the loop has received is lost with it)."""
     old = mount.pid()
     if source is None:
-        _nvme_written(mount)
+        nvme_written(mount)
         kill_daemon(mount)
     else:
         fetched = source.stats()["ops"].get("read", 0)
@@ -73,7 +68,7 @@ def _kill(mount: Mount, source: Any = None) -> CompletedProcess[str]:
         try:
             # The prefetch ahead of the workers waits on the source now.
             wait_until(lambda: waits_on_fuse(old), 30, "the daemon to ask the hung source")
-            _nvme_written(mount)  # the fetches before the hang: their write-behind is local
+            nvme_written(mount)  # the fetches before the hang: their write-behind is local
             kill_daemon(mount, after_death=source.resume)
         finally:
             source.resume()
