@@ -426,7 +426,7 @@ class SlowFS:
         st = await self._remote("lookup", path, lambda: os.stat(rel, dir_fd=self._root_fd, follow_symlinks=False))
         return self._remember(path, st)
 
-    def entry(self, path: str, attr: Attr) -> _Entry:
+    def entry(self, parent_inode: int, name: str, path: str, attr: Attr) -> _Entry:
         """A listed child handed to the kernel by READDIRPLUS (its lookup count goes up)."""
         return self._remember(path, self._listed[path])
 

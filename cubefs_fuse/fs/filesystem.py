@@ -217,7 +217,7 @@ class Filesystem:
         path = self._child(parent_inode, name)
         self._c.lookups += 1
         attr = await self._stat_fetching(path, "lookup")
-        return self._looked_up_here(parent_inode, name, path, attr)
+        return self.entry(parent_inode, name, path, attr)
 
     def lookup_now(self, parent_inode: int, name: str) -> Entry | None:
         """:meth:`lookup` when the metadata cache answers, without waiting (the session
@@ -227,13 +227,16 @@ class Filesystem:
         if attr is None:
             return None
         self._c.lookups += 1
-        return self._looked_up_here(parent_inode, name, path, attr)
+        return self.entry(parent_inode, name, path, attr)
 
-    def _looked_up_here(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
-        """The entry of a lookup answered here, published to the borrower for as long as
+    def entry(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
+        """The entry of ``name`` handed to the kernel, by a lookup or a listing (READDIRPLUS):
+        it raises the lookup count of the inode serving ``attr`` (a new one if the path's
+        file changed, see fs/inodes.py), and it is published to the borrower for as long as
         it is valid, so that the kernel's next lookups of the name (after it dropped its
-        own entry, under memory pressure) are answered without Python."""
-        entry = self.entry(path, attr)
+        own entry: memory pressure, a drop of caches, a listed name never looked up) are
+        answered without Python."""
+        entry = self._entry(path, attr)
         if self.borrower is not None and 0 < entry.valid_for < math.inf and name not in (".", ".."):
             expires = self.clock_ns() + int(entry.valid_for * 1e9)
             self.inodes.pin(entry.inode)
@@ -308,9 +311,7 @@ class Filesystem:
         answer = self.blocks.stat_bringing(path) if self.lookup_fetch else self.meta.stat(path)
         return await self._or_stale(path, op, answer)
 
-    def entry(self, path: str, attr: Attr) -> Entry:
-        """An entry handed to the kernel (raises the lookup count of the inode serving ``attr``:
-        a new one if the path's file changed, see fs/inodes.py)."""
+    def _entry(self, path: str, attr: Attr) -> Entry:
         return Entry(self.inodes.remember(path, attr), attr, self._valid_for(path))
 
     def _valid_for(self, path: str) -> float:

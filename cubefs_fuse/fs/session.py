@@ -84,7 +84,9 @@ class Operations(Protocol):
         """``lookup``'s answer if it needs no wait, else None (then ``lookup`` is awaited)."""
         ...
 
-    def entry(self, path: str, attr: Attr) -> Entry: ...
+    def entry(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
+        """A listing's entry handed to the kernel (READDIRPLUS): one more lookup of its inode."""
+        ...
 
     def forget(self, inode: int, n: int) -> None: ...
 
@@ -365,12 +367,12 @@ class KernelSession:
         self._nursery.start_soon(self._answer, r)
 
     def _readdir(self, r: Request) -> None:
-        rid, _, _, fh, offset, size = r[:6]
+        rid, _, ino, fh, offset, size = r[:6]
         ops = self.ops
         try:
             entries = []
             for next_id, name, path, attr in itertools.islice(ops.readdir(fh, offset), size // _MIN_DIRENTPLUS + 1):
-                entry = ops.entry(path, attr)
+                entry = ops.entry(ino, name, path, attr)
                 entries.append((os.fsencode(name), attr_tuple(entry.inode, attr), next_id, entry.valid_for))
         except Exception as exc:  # noqa: BLE001 - every failure is an errno for the kernel
             self._fail(r, exc)

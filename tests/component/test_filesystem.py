@@ -205,7 +205,7 @@ async def test_readdir_never_hands_back_an_older_version_than_the_current_inode(
         listing = await fs.opendir(ROOT_INODE)  # the cached listing still says "old"
         [(_, name, path, attr)] = list(fs.readdir(listing, 0))
         assert (name, attr.size) == ("f", 5)
-        assert fs.entry(path, attr).inode == new.inode
+        assert fs.entry(ROOT_INODE, name, path, attr).inode == new.inode
 
 
 async def test_the_observer_sees_each_read_from_a_files_start_with_its_owner() -> None:
@@ -255,7 +255,7 @@ async def test_entries_are_valid_as_long_as_the_metadata_cache_trusts_them(
         assert (await fs.getattr(first.inode)).valid_for == pytest.approx(1)
         backend.write("f", b"2" * 20)
         await trio.sleep(1)  # the attributes are no longer trusted: the next lookup asks the source
-        assert fs.meta.peek("f") is None and fs.entry("f", first.attr).valid_for == 0
+        assert fs.meta.peek("f") is None and fs.entry(ROOT_INODE, "f", "f", first.attr).valid_for == 0
         new = await fs.lookup(ROOT_INODE, "f")
         assert new.inode != first.inode and new.attr.size == 20 and new.valid_for == pytest.approx(ttl)
         assert bytes(await fs.read(new.inode, 0, 0, 100)) == b"2" * 20

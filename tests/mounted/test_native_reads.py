@@ -54,6 +54,29 @@ def test_a_file_held_in_ram_is_looked_up_and_read_through_the_session_without_py
     m.umount()
 
 
+def test_a_listed_name_is_looked_up_through_the_session_without_python(make_mount: Callable[..., Mount]) -> None:
+    """A listing (READDIRPLUS) publishes its entries as a lookup does: once the kernel drops
+    its own (a drop of caches, memory pressure), its LOOKUPs of the listed names, never
+    looked up before, are the session's; the bytes are the source's."""
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    files = {f"f{i}": os.urandom(1000 + i) for i in range(20)}
+    (m.source / "d").mkdir()
+    for name, data in files.items():
+        (m.source / "d" / name).write_bytes(data)
+    m.mount()
+    assert sorted(os.listdir(m.path("d"))) == sorted(files)
+    before = m.scrape()
+    _drop_page_cache("3")
+    for name, data in files.items():
+        assert m.path(f"d/{name}").read_bytes() == data
+    after = m.scrape()
+    looked_up = metric(after, "cubefs_fuse_lookups_total") - metric(before, "cubefs_fuse_lookups_total")
+    in_c = metric(after, "cubefs_fuse_native_lookups_total") - metric(before, "cubefs_fuse_native_lookups_total")
+    assert looked_up >= len(files), "the kernel kept its entries: nothing was tested"
+    assert in_c == looked_up, f"{looked_up - in_c} of {looked_up} lookups were left to Python"
+    m.umount()
+
+
 def _content(name: str, generation: int, size: int) -> bytes:
     """A version of a file: its generation in the first 8 bytes, the rest derived from it."""
     head = generation.to_bytes(8, "little")

@@ -86,7 +86,7 @@ class FakeCore:
     async def readlink(self, inode: int) -> str:
         return "target"
 
-    def entry(self, path: str, attr: Attr) -> Entry:
+    def entry(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
         return Entry(100 + len(path), attr, 12.5)
 
     def forget(self, inode: int, n: int) -> None:
