@@ -12,8 +12,9 @@ hundred MB instead of 10^6 real blocks; re-ranking and indexing cost the same pe
 whatever the block size.  While ``submit_plan`` runs (and its task indexes the plan and
 re-ranks every cached block), a request task loops: checkpoint (a request arriving),
 getattr, read from the file's start (attributed to the registered job: the plan's
-request path); each loop's wall time is one request latency.  The run ends when the plan's task has
-issued its first prefetch (re-ranking done).  ``--earlier-plan``: every cached block was
+request path); each loop's wall time is one request latency.  Two times are reported: from
+the submit to the plan's first prefetch (the window fills beside a long re-ranking,
+``scheduler.RERANK_HEAD_START``), and to the end of the re-ranking, when the run ends.  ``--earlier-plan``: every cached block was
 ranked by an earlier epoch's plan first, as at every epoch after the first, so the
 submit moves each one to a new position.  Reports the longest and the 99th
 percentile latency; the contract is a longest latency under 20 ms.
@@ -186,6 +187,8 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
         with trio.fail_after(600):
             while plan.counters.issued == 0 and plan.counters.errors == 0:
                 await trio.sleep(0.001)
+            first_s = time.perf_counter() - submit_start
+            await plan.reranked.wait()
         rerank_s = time.perf_counter() - submit_start
         collections.on = False
         trio.lowlevel.remove_instrument(steps)
@@ -198,7 +201,8 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
     ms = np.array(latencies) * 1000
     pauses = collections.pauses or [(0.0, 0)]
     longest_gc = max(pauses)
-    return {"blocks": blocks, "files": files, "fill_s": fill_s, "rerank_s": rerank_s, "requests": len(ms),
+    return {"blocks": blocks, "files": files, "fill_s": fill_s, "first_s": first_s, "rerank_s": rerank_s,
+            "requests": len(ms),
             "max_ms": float(ms.max()), "p99_ms": float(np.percentile(ms, 99)), "median_ms": float(np.median(ms)),
             "gc_max_ms": longest_gc[0] * 1000, "gc_max_generation": longest_gc[1],
             "gc_count": len(collections.pauses), "gc_total_ms": sum(p for p, _ in collections.pauses) * 1000,
@@ -219,7 +223,7 @@ def main() -> int:
           f"plan of {r['files']:,} files: cache filled in {r['fill_s']:.1f} s "
           f"(longest insert {r['longest_put_ms']:.1f} ms of CPU), {r['bytes_per_block']:.0f} bytes resident per block "
           f"({r['bytes_per_planned_block']:.0f} once planned)")
-    print(f"submit -> first prefetch issued (indexing + re-ranking): {r['rerank_s']:.2f} s")
+    print(f"submit -> first prefetch issued: {r['first_s']:.2f} s; -> every cached block re-ranked: {r['rerank_s']:.2f} s")
     print(f"{r['requests']:,} requests: median {r['median_ms']:.3f} ms, p99 {r['p99_ms']:.2f} ms, "
           f"longest {r['max_ms']:.1f} ms (contract: < {LIMIT_MS:.0f} ms)")
     print(f"meanwhile: {r['gc_count']} garbage collections ({r['gc_total_ms']:.1f} ms), the longest "

@@ -47,6 +47,12 @@ RERANK_STEP = 512
 # Blocks gathered (a shard at a time) before their positions are computed in one worker
 # call: 64k tags take ~5 ms of numpy there, and a 10^6-block cache needs 16 calls.
 RERANK_BATCH = 65536
+# How long a new plan's window waits for the re-ranking before it fills beside it.  A cache
+# of up to ~10^5 blocks is re-ranked within it (~2-4 us a block), so the window then fills
+# with every block ranked, as if in sequence; a larger cache (10^6 blocks: ~14 s of
+# trio-thread CPU on the 2-core VM, more on a busy loop) would otherwise hold the window
+# back that long while the loader reads unprefetched (docs/ai_prefetch.md, "Re-rank").
+RERANK_HEAD_START = 0.5
 # Plan positions indexed for matching opens per checkpoint of the plan's task (~5 us each
 # for a one-file sample: ~1 ms per step), and at most per open (an open that arrives
 # before the task first ran still finds the first positions; ~80 us at worst).
@@ -114,6 +120,7 @@ class Plan:
     first_end: int = 0  # positions below this are brought in before anything else (``wait_first``)
     depth: int = 0  # positions past the cursor fetched as foreground reads (``Scheduler.depth``)
     first_ready: trio.Event = field(default_factory=trio.Event)  # set once they are in (or failed)
+    reranked: trio.Event = field(default_factory=trio.Event)  # set once the cache is ranked for it
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     counters: PlanCounters = field(default_factory=PlanCounters)
     open_paths: dict[str, int] = field(default_factory=dict)  # matched opens not yet released
@@ -360,11 +367,19 @@ class Scheduler:
                         await self._issue_first(plan)
                     finally:
                         nursery.start_soon(self._signal_first, plan)
-                    await self._rerank(plan)
+                    nursery.start_soon(self._rerank_then, plan)
+                    with trio.move_on_after(RERANK_HEAD_START):
+                        await plan.reranked.wait()
                     await self._fill(plan)
             except Exception:
                 log.exception("prefetch for job %s rank %d loader %s failed; reads continue unprefetched",
                               *plan.key)
+
+    async def _rerank_then(self, plan: Plan) -> None:
+        try:
+            await self._rerank(plan)
+        finally:
+            plan.reranked.set()
 
     async def _rerank(self, plan: Plan | None) -> None:
         """Give every cached block the soonest position at which an active plan reads it
@@ -373,7 +388,10 @@ class Scheduler:
 
         The cache changes between steps: plan() and unplan() ignore blocks evicted since
         their shard was copied, and a block added since got its position (or none) from
-        whoever added it."""
+        whoever added it.  The plans move on too (a large cache is re-ranked while the new
+        window fills, ``RERANK_HEAD_START``): a position its plan has passed or consumed
+        since the snapshot is left as it is (consumption unplanned it already), so that no
+        block read meanwhile is protected again as if it were still ahead."""
         if plan is not None and self.plans.get(plan.key) is not plan:
             return  # replaced before it started
         cache = self.fs.cache
@@ -397,16 +415,25 @@ class Scheduler:
             positions[listed] = np.where(unread, at + p.origin, -1)
             return positions
 
-        def positions_of(tags: np.ndarray) -> np.ndarray:
+        def positions_of(tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            """Each tag's soonest position, and which of ``live`` reads it there."""
             if not live:
-                return np.full(len(tags), -1, dtype=np.int64)
+                return np.full(len(tags), -1, dtype=np.int64), np.zeros(len(tags), dtype=np.int64)
             if not inverse:
                 inverse.extend(unread_inverse(p) for p in live)
             best = live[0].dataset.positions_of(tags, inverse[0])
-            for p, p_inverse in zip(live[1:], inverse[1:]):
+            which = np.zeros(len(tags), dtype=np.int64)
+            for i, (p, p_inverse) in enumerate(zip(live[1:], inverse[1:]), 1):
                 at = p.dataset.positions_of(tags, p_inverse)
-                best = np.where((at >= 0) & ((best < 0) | (at < best)), at, best)
-            return best
+                sooner = (at >= 0) & ((best < 0) | (at < best))
+                best = np.where(sooner, at, best)
+                which[sooner] = i
+            return best, which
+
+        def passed(position: int, reader: Plan) -> bool:
+            """``reader`` has read (or passed) ``position`` since the snapshot."""
+            at = position - reader.origin
+            return at < reader.cursor or bool(reader.consumed[at])
 
         keys: list[bytes] = []
         tags: list[int] = []
@@ -427,16 +454,18 @@ class Scheduler:
             if not keys:
                 continue
             tag_array = np.array(tags, dtype=np.uint64)
-            positions = (await trio.to_thread.run_sync(positions_of, tag_array)).tolist()
+            found, readers = await trio.to_thread.run_sync(positions_of, tag_array)
+            positions, by = found.tolist(), readers.tolist()
             for start in range(0, len(keys), RERANK_STEP):
-                for key, tag, position in zip(keys[start : start + RERANK_STEP], tags[start : start + RERANK_STEP],
-                                              positions[start : start + RERANK_STEP]):
+                end = start + RERANK_STEP
+                for key, tag, position, reader in zip(keys[start:end], tags[start:end], positions[start:end],
+                                                      by[start:end]):
                     if not tag:
                         continue  # a block whose file is unknown (after a crash scan) cannot be ranked
-                    if position >= 0:
-                        cache.plan(key, position)
-                    else:
+                    if position < 0:
                         cache.unplan(key)
+                    elif not passed(position, live[reader]):
+                        cache.plan(key, position)
                 await trio.lowlevel.checkpoint()
             keys, tags = [], []
 
