@@ -381,14 +381,6 @@ class BlockCache:
         assert isinstance(slot, _Waiter)
         self.slots.release(slot)
 
-    def disk_block_in_thread(self, key: bytes) -> bytes | None:
-        """For a worker thread: the block from NVMe if it is there and not in RAM or in
-        flight (``DiskTier.read_in_thread``), else None.  Hand the bytes back to the trio
-        thread with ``admit(..., from_disk=True)``."""
-        if self.disk is None or key in self.memory or key in self._flights:
-            return None
-        return self.disk.read_in_thread(key)
-
     async def load_from_disk(self, blocks: list[tuple[bytes, int]]) -> int:
         """Those of ``blocks`` ((key, tag) pairs) that are on NVMe and neither in RAM nor in
         flight, read in **one** worker-thread call (``DiskTier.read_in_thread``: checksum

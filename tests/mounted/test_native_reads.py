@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.helpers import Mount, metric, wait_until
+from tests.helpers import Mount, metric, nvme_written, wait_until
 
 BS = 64 * 1024
 
@@ -74,6 +74,32 @@ def test_a_listed_name_is_looked_up_through_the_session_without_python(make_moun
     in_c = metric(after, "cubefs_fuse_native_lookups_total") - metric(before, "cubefs_fuse_native_lookups_total")
     assert looked_up >= len(files), "the kernel kept its entries: nothing was tested"
     assert in_c == looked_up, f"{looked_up - in_c} of {looked_up} lookups were left to Python"
+    m.umount()
+
+
+def test_after_a_restart_a_small_file_is_read_from_nvme_by_the_session(make_mount: Callable[..., Mount]) -> None:
+    """A restarted daemon's first lookup of a file held on NVMe stats it and leaves the
+    block there: the session serves the READ from the NVMe entry (its checksum checked in
+    C), with no copy into the RAM tier and nothing from the source."""
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    files = {f"f{i}": os.urandom(5000 + i) for i in range(10)}
+    for name, data in files.items():
+        (m.source / name).write_bytes(data)
+    m.mount()
+    for name, data in files.items():
+        assert m.path(name).read_bytes() == data
+    nvme_written(m)
+    m.umount()
+    m.mount()
+    _drop_page_cache()
+    for name, data in files.items():
+        assert m.path(name).read_bytes() == data
+    after = m.scrape()
+    assert metric(after, "cubefs_fuse_native_reads_total") == metric(after, "cubefs_fuse_reads_total") >= len(files)
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="disk") == sum(map(len, files.values()))
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="backend") == 0
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="ram") == 0
+    assert metric(after, "cubefs_fuse_cache_blocks", tier="ram") == 0, "the lookups copied NVMe blocks into RAM"
     m.umount()
 
 
