@@ -108,9 +108,12 @@ class BatchResolver:
             key = await self.service.jobs.resolve(caller.pid)  # as an open's attribution
             if key is not None:
                 self.service.jobs.touch(key)
-            await self._load_from_disk(caller, paths, room)
-            # A later epoch's batch is all in RAM: resolved here, without a task per file.
+            # A later epoch's batch is all in RAM: resolved here, without a task per file
+            # and without looking for its blocks on NVMe.
             waiting = [entry for entry in results if not self._one_now(caller, key, entry, budget)]
+            if waiting:
+                await self._load_from_disk(caller, [entry.path for entry in waiting], budget[0])
+                waiting = [entry for entry in waiting if not self._one_now(caller, key, entry, budget)]
             if waiting:
                 async with trio.open_nursery() as nursery:
                     for entry in waiting:
