@@ -217,7 +217,7 @@ class Filesystem:
         path = self._child(parent_inode, name)
         self._c.lookups += 1
         attr = await self._stat_fetching(path, "lookup")
-        return self.entry(parent_inode, name, path, attr)
+        return self._looked_up_here(parent_inode, name, path, attr)
 
     def lookup_now(self, parent_inode: int, name: str) -> Entry | None:
         """:meth:`lookup` when the metadata cache answers, without waiting (the session
@@ -227,22 +227,33 @@ class Filesystem:
         if attr is None:
             return None
         self._c.lookups += 1
-        return self.entry(parent_inode, name, path, attr)
+        return self._looked_up_here(parent_inode, name, path, attr)
 
     def entry(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
-        """The entry of ``name`` handed to the kernel, by a lookup or a listing (READDIRPLUS):
-        it raises the lookup count of the inode serving ``attr`` (a new one if the path's
-        file changed, see fs/inodes.py), and it is published to the borrower for as long as
-        it is valid, so that the kernel's next lookups of the name (after it dropped its
-        own entry: memory pressure, a drop of caches, a listed name never looked up) are
-        answered without Python."""
+        """The entry of a listed name handed to the kernel (READDIRPLUS), published to the
+        borrower as a lookup's is (:meth:`_looked_up_here`), unless its inode is pinned
+        already: an inode serves one path's version, so its name is published, and a
+        listing read again and again (``ls`` in a loop: the kernel does not cache listings)
+        adds no publication per pass; they stay bounded by the names."""
         entry = self._entry(path, attr)
+        if not self.inodes.node(entry.inode).pins:
+            self._publish_entry(parent_inode, name, entry)
+        return entry
+
+    def _looked_up_here(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:
+        """The entry of a lookup answered here, published to the borrower for as long as
+        it is valid, so that the kernel's next lookups of the name (after it dropped its
+        own entry: memory pressure, a drop of caches) are answered without Python."""
+        entry = self._entry(path, attr)
+        self._publish_entry(parent_inode, name, entry)
+        return entry
+
+    def _publish_entry(self, parent_inode: int, name: str, entry: Entry) -> None:
         if self.borrower is not None and 0 < entry.valid_for < math.inf and name not in (".", ".."):
             expires = self.clock_ns() + int(entry.valid_for * 1e9)
             self.inodes.pin(entry.inode)
             heapq.heappush(self._entry_deadlines, (expires, parent_inode, name, entry.inode))
-            self.borrower.publish_entry(parent_inode, name, entry.inode, attr, expires)
-        return entry
+            self.borrower.publish_entry(parent_inode, name, entry.inode, entry.attr, expires)
 
     def looked_up(self, inode: int) -> None:
         """The borrower answered a lookup from a published entry of ``inode``."""

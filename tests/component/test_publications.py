@@ -320,6 +320,26 @@ async def test_a_new_plan_first_takes_in_what_the_borrower_served() -> None:
         assert borrower.reports == 1
 
 
+async def test_a_listing_publishes_its_names_once_however_often_it_is_read() -> None:
+    """READDIRPLUS publishes each listed name as a lookup does (the borrower then answers
+    its lookups); a listing read again (``ls`` in a loop) while they are published adds no
+    publication, so the deadlines kept stay one per name."""
+    backend = FakeBackend()
+    for i in range(3):
+        backend.write(f"d/f{i}", b"z" * 10)
+    async with lent_stack(backend, attr_valid=30.0) as (stack, borrower):
+        fs = stack.fs
+        d = (await fs.lookup(ROOT_INODE, "d")).inode
+        for _ in range(5):
+            handle = await fs.opendir(d)
+            listed = [fs.entry(d, name, path, attr) for _, name, path, attr in fs.readdir(handle, 0)]
+            fs.releasedir(handle)
+            assert {(d, f"f{i}") for i in range(3)} <= set(borrower.entries)
+            assert all(borrower.entries[(d, f"f{i}")][0] == listed[i].inode for i in range(3))
+        assert len(fs._entry_deadlines) == 4  # d and its three names, once each
+        assert all(fs.inodes.node(e.inode).lookups == 5 for e in listed)  # each listing the kernel took counts
+
+
 async def test_a_lookup_publishes_its_entry_which_keeps_the_inode_until_its_deadline_passes() -> None:
     """An entry the core answered is published with its deadline (as long as the attributes
     are trusted): the borrower answers the name's next lookups, reported one by one, and the
