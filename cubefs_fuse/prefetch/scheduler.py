@@ -415,10 +415,12 @@ class Scheduler:
             positions[listed] = np.where(unread, at + p.origin, -1)
             return positions
 
-        def positions_of(tags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """Each tag's soonest position, and which of ``live`` reads it there."""
+        def positions_of(tag_list: list[int]) -> tuple[list[int], list[int]]:
+            """Each tag's soonest position, and which of ``live`` reads it there, as lists
+            (converted here: 2 x 64k ints are a few ms the trio thread does not spend)."""
             if not live:
-                return np.full(len(tags), -1, dtype=np.int64), np.zeros(len(tags), dtype=np.int64)
+                return [-1] * len(tag_list), [0] * len(tag_list)
+            tags = np.array(tag_list, dtype=np.uint64)
             if not inverse:
                 inverse.extend(unread_inverse(p) for p in live)
             best = live[0].dataset.positions_of(tags, inverse[0])
@@ -428,7 +430,7 @@ class Scheduler:
                 sooner = (at >= 0) & ((best < 0) | (at < best))
                 best = np.where(sooner, at, best)
                 which[sooner] = i
-            return best, which
+            return best.tolist(), which.tolist()
 
         def passed(position: int, reader: Plan) -> bool:
             """``reader`` has read (or passed) ``position`` since the snapshot."""
@@ -453,9 +455,7 @@ class Scheduler:
                 continue
             if not keys:
                 continue
-            tag_array = np.array(tags, dtype=np.uint64)
-            found, readers = await trio.to_thread.run_sync(positions_of, tag_array)
-            positions, by = found.tolist(), readers.tolist()
+            positions, by = await trio.to_thread.run_sync(positions_of, tags)
             for start in range(0, len(keys), RERANK_STEP):
                 end = start + RERANK_STEP
                 for key, tag, position, reader in zip(keys[start:end], tags[start:end], positions[start:end],
