@@ -146,6 +146,20 @@ async def window_started(plan: Any) -> None:
             await trio.sleep(0 if _threads_out else LATENCY / 20)
 
 
+@asynccontextmanager
+async def resident_after_one_epoch(files: int) -> AsyncIterator[tuple[System, list[str], str]]:
+    """A system whose RAM tier holds a ``files``-file dataset, read once in order under an
+    epoch-0 plan: (the system, the paths, the dataset's id)."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, files)
+    async with open_system(backend, ram=4 * len(paths) * BLOCK) as s:
+        dataset = await register(s, paths)
+        await submit(s, dataset, list(range(len(paths))), epoch=0)
+        for path in paths:
+            await read_file(s.fs, path)
+        yield s, paths, dataset
+
+
 async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: trio.testing.MockClock) -> None:
     backend = FakeBackend(latency=LATENCY)
     paths = make_dataset(backend, 600)
@@ -187,13 +201,7 @@ async def test_a_later_epoch_of_a_resident_dataset_is_issued_without_a_task_per_
     the scheduler's own step (nothing to fetch: no task, no prefetch call), counts it into
     the window at its real size and ranks its blocks at their new positions; the epoch
     still reads as hits.  A position with a block gone from RAM takes the task path."""
-    backend = FakeBackend(latency=LATENCY)
-    paths = make_dataset(backend, 200)
-    async with open_system(backend, ram=4 * len(paths) * BLOCK) as s:
-        dataset = await register(s, paths)
-        await submit(s, dataset, list(range(len(paths))), epoch=0)
-        for path in paths:
-            await read_file(s.fs, path)
+    async with resident_after_one_epoch(200) as (s, paths, dataset):
         tasks: list[str] = []
         real = s.fs.blocks.prefetch_file
 
@@ -646,13 +654,7 @@ async def test_a_long_re_ranking_runs_beside_the_window_and_protects_nothing_rea
         return found
 
     monkeypatch.setattr(Dataset, "positions_of", slow_positions)
-    backend = FakeBackend(latency=LATENCY)
-    paths = make_dataset(backend, 200)
-    async with open_system(backend, ram=4 * len(paths) * BLOCK) as s:
-        dataset = await register(s, paths)
-        await submit(s, dataset, list(range(len(paths))), epoch=0)
-        for path in paths:
-            await read_file(s.fs, path)
+    async with resident_after_one_epoch(200) as (s, paths, dataset):
         keys = {}  # each file's block, as read (virtual time may pass the attributes' TTL below)
         for path in paths:
             attr = s.fs.meta.peek(path)
