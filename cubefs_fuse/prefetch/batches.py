@@ -111,8 +111,7 @@ class BatchResolver:
             # A later epoch's batch is all in RAM: resolved here, without a task per file
             # and without looking for its blocks on NVMe.
             waiting = [entry for entry in results if not self._one_now(caller, key, entry, budget)]
-            if waiting:
-                await self._load_from_disk(caller, [entry.path for entry in waiting], budget[0])
+            if waiting and await self._load_from_disk(caller, [entry.path for entry in waiting], budget[0]):
                 waiting = [entry for entry in waiting if not self._one_now(caller, key, entry, budget)]
             if waiting:
                 async with trio.open_nursery() as nursery:
@@ -242,10 +241,10 @@ class BatchResolver:
             entry.stall = time.perf_counter() - start
         entry.version, entry.size, entry.parts = version, attr.size, parts
 
-    async def _load_from_disk(self, caller: Caller, paths: list[str], room: int) -> None:
-        """The batch's blocks that are only on NVMe, read in **one** worker-thread call
-        (``BlockCache.load_from_disk``) before the files are resolved, instead of one thread
-        hop per block.  Only for files whose attributes are cached (as the plan's listings
+    async def _load_from_disk(self, caller: Caller, paths: list[str], room: int) -> int:
+        """The blocks only on NVMe of the batch's files not served from RAM, read in **one**
+        worker-thread call (``BlockCache.load_from_disk``) before those files are resolved,
+        instead of one thread hop per block; how many were brought into RAM.  Only for files whose attributes are cached (as the plan's listings
         leave them) and that the caller may read by them, within the ring's room; whatever
         is left out, :meth:`_one` reads as before.  The bytes are only brought into RAM:
         :meth:`_one` checks every file again and serves or refuses it."""
@@ -258,8 +257,7 @@ class BatchResolver:
             room -= attr.size
             version, tag = attr.version, path_tag(path)
             wanted += [(block_key(path, version, i), tag) for i in range(blocks.count(attr.size))]
-        if wanted:
-            await self.fs.cache.load_from_disk(wanted)
+        return await self.fs.cache.load_from_disk(wanted) if wanted else 0
 
     def _permitted_cached(self, caller: Caller, path: str, attr: Attr) -> bool:
         """:meth:`_permitted` from cached attributes only (False where one is not cached)."""

@@ -29,7 +29,6 @@ from cubefs_fuse.cache.disk import DiskTier, allocated_bytes
 from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.limits import MAX_LOADERS
-from cubefs_fuse.prefetch import scheduler as scheduler_module
 from cubefs_fuse.prefetch.datasets import Dataset
 from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
 from cubefs_fuse.prefetch.service import FIRST_WAIT
@@ -636,24 +635,22 @@ async def test_a_later_loader_starts_at_the_clock_of_the_reads_so_far(
 
 async def test_a_long_re_ranking_runs_beside_the_window_and_protects_nothing_read_meanwhile(
         autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A cache whose re-ranking outlasts ``RERANK_HEAD_START`` (here: slowed, a step of a
-    few blocks, no head start) does not hold the new plan's window back: it issues while
-    the re-ranking goes on.  And a file the loader reads meanwhile, after the re-ranking
-    took its snapshot of the plan, is not ranked again at its passed position (it would
-    then outrank every block still ahead until the next epoch)."""
-    monkeypatch.setattr(scheduler_module, "RERANK_HEAD_START", 0.0)
-    monkeypatch.setattr(scheduler_module, "RERANK_BATCH", 16)
-    monkeypatch.setattr(scheduler_module, "RERANK_STEP", 4)
+    """A cache whose re-ranking outlasts ``RERANK_HEAD_START`` (here: its worker thread held
+    until the test lets it go, as a large cache's numpy pass would take long) does not
+    hold the new plan's window back: it issues while the re-ranking goes on.  And a file
+    the loader reads meanwhile, after the re-ranking took its snapshot of the plan, is not
+    ranked again at its passed position (it would then outrank every block still ahead
+    until the next epoch)."""
     real_positions = Dataset.positions_of
     snapshot = threading.Event()  # the re-ranking has taken the plan's cursor (before its first pass)
+    go_on = threading.Event()  # the test lets the re-ranking's worker thread return
 
-    def slow_positions(self: Dataset, tags: np.ndarray, inverse: np.ndarray) -> np.ndarray:
+    def held_positions(self: Dataset, tags: np.ndarray, inverse: np.ndarray) -> np.ndarray:
         found = real_positions(self, tags, inverse)
         snapshot.set()
-        time.sleep(0.05)  # in the worker thread: a large cache's numpy pass
+        assert go_on.wait(60), "the test never let the re-ranking go on"
         return found
 
-    monkeypatch.setattr(Dataset, "positions_of", slow_positions)
     async with resident_after_one_epoch(200) as (s, paths, dataset):
         keys = {}  # each file's block, as read (virtual time may pass the attributes' TTL below)
         for path in paths:
@@ -662,22 +659,26 @@ async def test_a_long_re_ranking_runs_beside_the_window_and_protects_nothing_rea
             keys[path] = block_key(path, attr.version, 0)
         scheduler = s.service.scheduler
         await scheduler.plans[(JOB, 0, "0")].reranked.wait()
-        order = list(range(len(paths)))
-        random.Random(2).shuffle(order)
-        snapshot.clear()  # (the first epoch's re-ranking set it)
-        await submit(s, dataset, order, epoch=1)
-        plan = scheduler.plans[(JOB, 0, "0")]
-        await eventually(lambda: plan.counters.issued > 0)
-        assert not plan.reranked.is_set(), "the window waited for the whole re-ranking"
-        await eventually(snapshot.is_set)
-        read = [paths[i] for i in order[:40]]
-        for path in read:
-            assert await read_file(s.fs, path)
-        assert not plan.reranked.is_set(), "the re-ranking ended before the reads: nothing was tested"
-        await plan.reranked.wait()
-        policy = s.cache.memory.policy
-        assert [p for p in read if policy.next_use(keys[p]) is not None] == []
-        assert all(policy.next_use(keys[paths[i]]) == plan.origin + at for at, i in enumerate(order) if at >= len(read))
+        monkeypatch.setattr(Dataset, "positions_of", held_positions)
+        try:
+            order = list(range(len(paths)))
+            random.Random(2).shuffle(order)
+            await submit(s, dataset, order, epoch=1)
+            plan = scheduler.plans[(JOB, 0, "0")]
+            await eventually(lambda: plan.counters.issued > 0)
+            assert not plan.reranked.is_set(), "the window waited for the whole re-ranking"
+            await eventually(snapshot.is_set)
+            read = [paths[i] for i in order[:40]]
+            for path in read:
+                assert await read_file(s.fs, path)
+            assert not plan.reranked.is_set(), "the re-ranking ended before the reads: nothing was tested"
+            go_on.set()
+            await plan.reranked.wait()
+            policy = s.cache.memory.policy
+            assert [p for p in read if policy.next_use(keys[p]) is not None] == []
+            assert all(policy.next_use(keys[paths[i]]) == plan.origin + at for at, i in enumerate(order) if at >= len(read))
+        finally:
+            go_on.set()  # a failed assertion above must not leave the thread held
 
 
 async def test_a_files_read_advances_the_plan_that_reads_it_next(autojump_clock: trio.testing.MockClock) -> None:
