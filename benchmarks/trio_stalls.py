@@ -123,7 +123,7 @@ async def run(blocks: int, files: int, earlier_plan: bool = False) -> dict[str, 
         memory = MemoryTier(1 << 40)
         cache = BlockCache(nursery, memory, None, fetch_slots=8, prefetch_slots=4)
         meta = MetadataCache(backend, attr_ttl=3600.0, lookup_ttl=3600.0, max_entries=10_000_000)
-        fs = Filesystem(meta, cache, backend, block_size=BLOCK)
+        fs = Filesystem(nursery, meta, cache, backend, block_size=BLOCK)
         config = ClientConfig(mount_point="/mnt/bench", vol_name="bench", source="/src", profile="ai_prefetch",
                               mem_cache_size=1 << 30, block_size=BLOCK)
         service = PrefetchService(nursery, fs, config)

@@ -192,7 +192,7 @@ async def _build_and_serve(config: ClientConfig, config_path: str, on_ready: Cal
                            fetch_slots=config.backend_threads, prefetch_slots=config.prefetch_threads)
         meta = MetadataCache(backend, attr_ttl=config.attr_valid, lookup_ttl=config.lookup_valid,
                              max_entries=config.meta_cache_entries)
-        fs = Filesystem(meta, cache, backend, block_size=config.block_size,
+        fs = Filesystem(nursery, meta, cache, backend, block_size=config.block_size,
                         outage=backend if config.stale_if_error else None)
         daemon = Daemon(config, backend, disk, cache, meta, fs)
         # The control API is always there (status, stats, warmup, drop-cache work on any

@@ -76,7 +76,7 @@ async def open_stack(backend: B, config: ClientConfig | None = None, *, disk: Di
                              max_entries=config.meta_cache_entries)
         # Stale-if-error as the daemon has it: over a DeadlineBackend, unless the config turns it off.
         outage = backend if isinstance(backend, DeadlineBackend) and config.stale_if_error else None
-        fs = Filesystem(meta, cache, backend, block_size=config.block_size, outage=outage)
+        fs = Filesystem(nursery, meta, cache, backend, block_size=config.block_size, outage=outage)
         prefetch = None
         if service:
             prefetch = PrefetchService(nursery, fs, config)

@@ -31,8 +31,9 @@ class FileBlocks:
 
         return fetch
 
-    async def stat_bringing(self, path: str) -> Attr:
-        """``path``'s attributes for a reader about to read it (``MetadataCache.stat``); on
+    async def stat_bringing(self, path: str) -> tuple[Attr, bool]:
+        """``path``'s attributes for a reader about to read it (``MetadataCache.stat``), and
+        whether its bytes came with them; on
         a miss, a regular file of at most one block that no tier holds comes with them in
         the same backend call (``Backend.stat_read``: over S3 one ranged GET instead of a
         HEAD and a GET; over a directory one thread hop instead of two), if a fetch slot
@@ -44,10 +45,10 @@ class FileBlocks:
         trio thread an admission with its evictions: ~350 us per file, 2-core VM)."""
         cache, meta = self.cache, self.meta
         if meta.peek(path) is not None:
-            return await meta.stat(path)
+            return await meta.stat(path), False
         slot = cache.try_fetch_slot()
         if slot is None:
-            return await meta.stat(path)
+            return await meta.stat(path), False
 
         def want(attr: Attr) -> bool:
             # Runs in the backend's worker thread, between the stat and the source read.
@@ -58,10 +59,10 @@ class FileBlocks:
             attr, data = await meta.stat_read(path, self.block_size, want)
         finally:
             cache.release_fetch_slot(slot)
-        if data is not None:
-            cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path),
-                        stall=time.perf_counter() - start)
-        return attr
+        if data is None:
+            return attr, False
+        cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path), stall=time.perf_counter() - start)
+        return attr, True
 
     def count(self, size: int) -> int:
         return -(-size // self.block_size)

@@ -202,7 +202,7 @@ class BatchResolver:
     async def _one(self, caller: Caller, key: JobKey | None, entry: Resolved, budget: list[int]) -> None:
         path = entry.path
         try:
-            attr = await self.fs.blocks.stat_bringing(path)  # a small cold file comes with its stat
+            attr, _ = await self.fs.blocks.stat_bringing(path)  # a small cold file comes with its stat
             if not attr.is_file:
                 self._send_back(entry, "not a regular file")
                 return

@@ -340,6 +340,56 @@ async def test_a_listing_publishes_its_names_once_however_often_it_is_read() -> 
         assert all(fs.inodes.node(e.inode).lookups == 5 for e in listed)  # each listing the kernel took counts
 
 
+async def test_a_lookup_missing_on_a_held_file_publishes_its_directory_once_per_attr_valid(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A lookup that misses the metadata cache on a file a tier holds (a restarted daemon,
+    or a later epoch past the attributes' time) lists its directory in the background and
+    publishes every name with its held blocks, the kernel holding no lookup of them, so the
+    borrower answers the next lookups and reads.  Once per directory per ``attrValid``
+    however many lookups miss in it; a cold file's miss lists nothing, nor does a miss in
+    a directory of more than MAX_LISTED_NAMES names (it publishes nothing of it)."""
+    backend = FakeBackend()
+    for i in range(5):
+        backend.write(f"d/f{i}", bytes([i]) * 100)
+        backend.write(f"cold/f{i}", b"c" * 100)
+        backend.write(f"big/f{i}", b"b" * 100)
+    async with lent_stack(backend, attr_valid=30.0) as (stack, borrower):
+        fs = stack.fs
+        for directory in ("d", "big"):
+            for i in range(5):  # held, as a restarted daemon finds its NVMe tier
+                path = f"{directory}/f{i}"
+                stack.cache.admit(block_key(path, backend.version(path), 0), bytes([i]) * 100 if directory == "d" else b"b" * 100)
+        fs.meta.clear()
+        d, cold, big = [(await fs.lookup(ROOT_INODE, name)).inode for name in ("d", "cold", "big")]
+        await fs.lookup(cold, "f0")  # brings the file: nothing held, nothing listed
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.operations["listdir"] == 0 and (cold, "f1") not in borrower.entries
+        f0 = await fs.lookup(d, "f0")
+        await fs.lookup(d, "f1")  # a second miss while the listing runs: no second listing
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.operations["listdir"] == 1
+        for i in range(5):
+            inode, _ = borrower.entries[(d, f"f{i}")]
+            assert borrower.table[inode] == [bytes([i]) * 100]  # its held block lent with it
+            node = fs.inodes.node(inode)
+            assert node.pins == 1 and node.lookups == (1 if i < 2 else 0)  # the kernel holds what it looked up
+        assert borrower.entries[(d, "f0")][0] == f0.inode
+        fs.meta.clear()
+        await fs.lookup(d, "f2")  # within attrValid: not listed again
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.operations["listdir"] == 1
+        autojump_clock.jump(31.0)
+        fs.meta.clear()
+        await fs.lookup(d, "f3")
+        await trio.testing.wait_all_tasks_blocked()
+        assert backend.operations["listdir"] == 2
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr("cubefs_fuse.fs.filesystem.MAX_LISTED_NAMES", 4)
+            await fs.lookup(big, "f0")
+            await trio.testing.wait_all_tasks_blocked()
+        assert backend.operations["listdir"] == 3 and (big, "f1") not in borrower.entries
+
+
 async def test_a_lookup_publishes_its_entry_which_keeps_the_inode_until_its_deadline_passes() -> None:
     """An entry the core answered is published with its deadline (as long as the attributes
     are trusted): the borrower answers the name's next lookups, reported one by one, and the

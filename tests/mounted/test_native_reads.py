@@ -103,6 +103,41 @@ def test_after_a_restart_a_small_file_is_read_from_nvme_by_the_session(make_moun
     m.umount()
 
 
+def test_after_a_restart_the_first_lookup_in_a_directory_publishes_its_names(make_mount: Callable[..., Mount]) -> None:
+    """A restarted daemon's first lookup of a held file, in a directory nobody lists, lists
+    that directory in the background and publishes its names with their NVMe places: the
+    session answers the lookups and READs of the others, and the bytes are the source's."""
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    files = {f"d/f{i:02d}": os.urandom(3000 + i) for i in range(30)}
+    (m.source / "d").mkdir()
+    for name, data in files.items():
+        (m.source / name).write_bytes(data)
+    m.mount()
+    for name, data in files.items():
+        assert m.path(name).read_bytes() == data
+    nvme_written(m)
+    m.umount()
+    m.mount()
+    _drop_page_cache()
+    names = sorted(files)
+    random.Random(7).shuffle(names)
+    assert m.path(names[0]).read_bytes() == files[names[0]]  # the first: Python's, and the listing
+    wait_until(lambda: metric(m.scrape(), "cubefs_fuse_inodes") >= 2 + len(files), what="the names published")
+    before = m.scrape()
+    for name in names[1:]:
+        assert m.path(name).read_bytes() == files[name]
+    after = m.scrape()
+
+    def grew(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    assert grew("cubefs_fuse_lookups_total") == grew("cubefs_fuse_native_lookups_total") == len(files) - 1
+    assert grew("cubefs_fuse_reads_total") == grew("cubefs_fuse_native_reads_total") >= len(files) - 1
+    assert grew("cubefs_fuse_served_bytes_total", source="disk") == sum(len(files[n]) for n in names[1:])
+    assert metric(after, "cubefs_fuse_backend_operations_total", op="listdir") == 1
+    m.umount()
+
+
 def _content(name: str, generation: int, size: int) -> bytes:
     """A version of a file: its generation in the first 8 bytes, the rest derived from it."""
     head = generation.to_bytes(8, "little")
