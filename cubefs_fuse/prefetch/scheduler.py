@@ -40,17 +40,20 @@ MATCH_AHEAD = 4 * MAX_WINDOW_FILES
 ISSUE_CONCURRENCY = 32
 # Size assumed for a file whose attributes are not cached (an ImageNet JPEG averages ~110 KB).
 AVERAGE_FILE_GUESS = 128 * 1024
-# Cached blocks re-ranked between two checkpoints.  A block costs ~2-4 us (a policy move
-# in each tier), so 512 keep one step near 1-2 ms, far below the 20 ms a FUSE request
-# may wait on the trio thread (docs/benchmarks.md, "Trio thread stalls").
-RERANK_STEP = 512
+# Cached blocks re-ranked between two checkpoints.  A block costs ~8 us of trio-thread
+# CPU (a policy move in each tier; 4 ms per 512 at the median, 2-core VM, 2026-11-30),
+# and on a shared VM the same work now and then takes 5-7 times as long (a fixed loop's
+# CPU time: p99 3.5 x its median, the worst 17 x): 512 made steps of 20-29 ms at 10^6
+# blocks, 128 keep the worst near 8 ms, below the 20 ms a FUSE request may wait on the
+# trio thread (docs/benchmarks.md, "Trio thread stalls"), for ~8,000 checkpoints more.
+RERANK_STEP = 128
 # Blocks gathered (a shard at a time) before their positions are computed in one worker
 # call: 64k tags take ~5 ms of numpy there, and a 10^6-block cache needs 16 calls.
 RERANK_BATCH = 65536
 # How long a new plan's window waits for the re-ranking before it fills beside it.  A cache
-# of up to ~10^5 blocks is re-ranked within it (~2-4 us a block), so the window then fills
-# with every block ranked, as if in sequence; a larger cache (10^6 blocks: ~14 s of
-# trio-thread CPU on the 2-core VM, more on a busy loop) would otherwise hold the window
+# of up to ~5 x 10^4 blocks is re-ranked within it (~8 us a block, RERANK_STEP), so the
+# window then fills with every block ranked, as if in sequence; a larger cache (10^6 blocks:
+# 33-44 s on the 2-core VM under benchmarks.trio_stalls' load) would otherwise hold the window
 # back that long while the loader reads unprefetched (docs/ai_prefetch.md, "Re-rank").
 RERANK_HEAD_START = 0.5
 # Plan positions indexed for matching opens per checkpoint of the plan's task (~5 us each
