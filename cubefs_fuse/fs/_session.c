@@ -581,6 +581,13 @@ static int serve_lent(Session *s, fuse_req_t req, fuse_ino_t ino, size_t size, o
                 ram_mask |= 1ULL << (i - first);
                 ram_bytes += to - from;
             } else if (pub->disk && pub->disk[i]) {
+                /* An NVMe entry is read and checked whole, so it serves a READ of its
+                 * whole block, or of any part of a one-block file (the entry is the file);
+                 * a part of a larger file's block goes to Python, whose read brings the
+                 * block into RAM, instead of a block's read and checksum per READ. */
+                uint64_t block_len = pub->size - i * bs < bs ? pub->size - i * bs : bs;
+                if (pub->nblocks > 1 && (from != 0 || to != block_len))
+                    goto out;
                 uint64_t length = 0;
                 unsigned char *payload = read_entry(pub->disk[i], &length);
                 if (!payload || length < to) {

@@ -142,7 +142,10 @@ class FileBlocks:
         held = sum(self.cache.contains(block_key(path, attr.version, i)) for i in range(blocks))
         return held / blocks
 
-    def prefetch_range(self, path: str, version: FileVersion, first: int, end: int) -> None:
-        """Start fetching blocks ``first`` up to ``end`` (exclusive, cut at the file's end)."""
+    def prefetch_range(self, path: str, version: FileVersion, first: int, end: int, *, from_nvme: bool = True) -> None:
+        """Start fetching blocks ``first`` up to ``end`` (exclusive, cut at the file's end)
+        into RAM; ``from_nvme`` False: only those no tier holds (one on NVMe stays there)."""
         for index in range(first, min(end, self.count(version.size))):
-            self.cache.prefetch(block_key(path, version, index), self.fetcher(path, version, index))
+            key = block_key(path, version, index)
+            if from_nvme or not self.cache.contains(key):
+                self.cache.prefetch(key, self.fetcher(path, version, index))

@@ -616,7 +616,7 @@ class Filesystem:
                     loans[index] = key
                     blocks.append(data)
                     continue
-                blocks.append(self._disk_place(key, n))
+                blocks.append(self._disk_place(key))
         if all(block is None for block in blocks):
             self._withdraw(inode)  # what an earlier publication lent has left the cache
             return False
@@ -633,11 +633,12 @@ class Filesystem:
                 self._lenders.setdefault(key, []).append((inode, index))
         return True
 
-    def _disk_place(self, key: bytes, n: int) -> LentBlock:
-        """A block's NVMe entry, lent by its place, only for a file of one block: the
-        borrower checks a whole entry per READ, which a file of many blocks would pay once
-        per READ of each block."""
-        place = self.cache.locate_on_disk(key) if n == 1 else None
+    def _disk_place(self, key: bytes) -> LentBlock:
+        """A block's NVMe entry, lent by its place (None if it has none).  The borrower
+        reads and checks an entry whole, so it serves from one only a READ of the whole
+        block, or of any part of a one-block file; a READ of part of a larger file's block
+        comes here, and the read path brings that block into RAM (lent then)."""
+        place = self.cache.locate_on_disk(key)
         return (os.fsencode(place[0]), place[1], place[2], key) if place else None
 
     def _lend_read(self, inode: int, first: int, last: int) -> None:
@@ -658,7 +659,7 @@ class Filesystem:
                 continue
             key = block_key(f.path, f.version, index)
             data = self.cache.lend(key)
-            block: LentBlock = data if data is not None else self._disk_place(key, n)
+            block: LentBlock = data if data is not None else self._disk_place(key)
             if block is None:
                 continue
             if not self.borrower.lend(inode, index, block):
@@ -697,7 +698,7 @@ class Filesystem:
 
     def _recall(self, key: bytes) -> None:
         """A lent RAM block left the tier: each inode lending it gets what is held now in
-        its place (a one-block file's NVMe entry, where the block was written) or nothing,
+        its place (its NVMe entry, where the block was written) or nothing,
         and the block is given back (the borrower no longer uses it)."""
         for inode, index in self._lenders.pop(key, []):
             loans = self._loans.get(inode)
@@ -705,8 +706,7 @@ class Filesystem:
                 continue
             if not loans:
                 del self._loans[inode]
-            n = self.blocks.count(self._request(inode).version.size) if self.borrower is not None else 0
-            place = self._disk_place(key, n)
+            place = self._disk_place(key)
             if self.borrower is not None:
                 self.borrower.lend(inode, index, place)
             if place is None:
@@ -745,7 +745,7 @@ class Filesystem:
                 if actual is Source.BACKEND:
                     f.waited = True
                     f.stall += stall
-        self._readahead(f, first, last)
+        self._readahead(f, first, last, from_nvme=False)
         if offset != 0:
             return None
         if self.observer is None:
@@ -814,13 +814,17 @@ class Filesystem:
         self._c.bytes_by_source[source.value] += served
         return data
 
-    def _readahead(self, f: FileRequest, first: int, last: int) -> None:
+    def _readahead(self, f: FileRequest, first: int, last: int, from_nvme: bool = True) -> None:
+        """After a sequential READ, fetch the next READAHEAD_BLOCKS blocks.  ``from_nvme``
+        False (a READ the borrower served): a block on NVMe is left there, where the
+        borrower serves READs of whole blocks (the next READs are its too, most likely);
+        a READ of part of it brings it here."""
         expected = self._next_block.get(f.inode, 0)
         sequential = first == expected or first == expected - 1
         self._next_block[f.inode] = last + 1
         if not sequential:
             return
-        self.blocks.prefetch_range(f.path, f.version, last + 1, last + 1 + READAHEAD_BLOCKS)
+        self.blocks.prefetch_range(f.path, f.version, last + 1, last + 1 + READAHEAD_BLOCKS, from_nvme=from_nvme)
 
     def statistics(self) -> FilesystemStatistics:
         c, i = self._c, self.inodes.statistics()

@@ -153,6 +153,38 @@ async def test_a_one_block_file_leaving_ram_stays_lent_with_its_nvme_entry(tmp_p
         await disk.close()
 
 
+async def test_a_large_files_blocks_on_nvme_are_lent_by_place_and_read_ahead_only_by_python(tmp_path: Path) -> None:
+    """Each block of a file of many blocks that is on NVMe only is lent by its place (the
+    borrower serves READs of whole blocks from it).  A READ the borrower served reads
+    ahead only the blocks no tier holds: one on NVMe stays there (no copy into RAM); a
+    READ served here reads ahead from NVMe too (the reader asked for part of a block)."""
+    backend = FakeBackend()
+    data = bytes(range(256)) * (6 * BLOCK // 256)  # six blocks
+    backend.write("big", data)
+    disk = await DiskTier.open(str(tmp_path), 1 << 22, 0.0)
+    try:
+        async with lent_stack(backend, disk) as (stack, borrower):
+            inode = (await stack.fs.lookup(ROOT_INODE, "big")).inode
+            assert bytes(await stack.fs.read(inode, 0, 0, 6 * BLOCK)) == data
+            await stack.cache.drain()
+        backend.operations.clear()
+        async with lent_stack(backend, disk) as (stack, borrower):  # a restart: RAM empty
+            fs = stack.fs
+            inode = (await fs.lookup(ROOT_INODE, "big")).inode
+            assert fs.publish(inode)
+            lent = borrower.table[inode]
+            assert len(lent) == 6 and all(isinstance(b, tuple) and b[0].endswith(b".seg") for b in lent)
+            assert fs.served(inode, 42, 0, 0, 0, 0, 2 * BLOCK, 0b11) is None  # blocks 0-1 from NVMe
+            await trio.testing.wait_all_tasks_blocked()
+            assert stack.cache.statistics().prefetch_issued == 0 and stack.cache.memory.statistics().blocks == 0
+            assert bytes(await fs.read(inode, 0, 2 * BLOCK + 10, 100)) == data[2 * BLOCK + 10:2 * BLOCK + 110]
+            await trio.testing.wait_all_tasks_blocked()
+            assert stack.cache.statistics().prefetch_issued == 2  # blocks 3 and 4, from NVMe
+            assert backend.operations["read"] == 0
+    finally:
+        await disk.close()
+
+
 async def test_a_change_or_dropped_attributes_leave_the_loans_and_a_forgotten_inode_is_withdrawn() -> None:
     backend = FakeBackend()
     backend.write("f", b"old")

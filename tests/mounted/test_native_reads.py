@@ -284,3 +284,46 @@ def test_a_one_block_file_on_nvme_is_read_through_the_session_and_a_damaged_entr
     assert all(m.path(n).read_bytes() == d for n, d in files.items())
     assert metric(m.scrape(), "cubefs_fuse_checksum_failures_total") >= len(files)
     m.umount()
+
+
+def test_a_large_file_on_nvme_is_read_by_the_session_whole_blocks_only_and_never_damaged(
+        make_mount: Callable[..., Mount]) -> None:
+    """After a restart the blocks of a file of many blocks are on NVMe only: the session
+    serves every READ of whole blocks from the entries' places (checked in C), nothing
+    copied into RAM and nothing from the source; a READ of part of a block (O_DIRECT,
+    4 KiB) is Python's, whose read brings that block into RAM; a damaged entry is never
+    served."""
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    data = os.urandom(16 * BS + 1000)  # 17 blocks, the last one short
+    (m.source / "shard.tar").write_bytes(data)
+    m.mount()
+    assert m.path("shard.tar").read_bytes() == data
+    nvme_written(m)
+    m.umount()
+    m.mount()
+    _drop_page_cache()
+    assert m.path("shard.tar").read_bytes() == data
+    after = m.scrape()
+    assert metric(after, "cubefs_fuse_native_reads_total") == metric(after, "cubefs_fuse_reads_total") >= 1
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="disk") == len(data)
+    assert metric(after, "cubefs_fuse_served_bytes_total", source="backend") == 0
+    assert metric(after, "cubefs_fuse_cache_blocks", tier="ram") == 0
+    fd = os.open(m.path("shard.tar"), os.O_RDONLY | os.O_DIRECT)
+    try:
+        assert os.pread(fd, 4096, 3 * BS + 4096) == data[3 * BS + 4096:3 * BS + 8192]
+    finally:
+        os.close(fd)
+    part = m.scrape()
+    assert metric(part, "cubefs_fuse_reads_total") == metric(after, "cubefs_fuse_reads_total") + 1
+    assert metric(part, "cubefs_fuse_native_reads_total") == metric(after, "cubefs_fuse_native_reads_total")
+    assert metric(part, "cubefs_fuse_cache_blocks", tier="ram") == 1  # the block it read part of
+    for segment in _segment_files(m):  # every payload damaged, a byte past each 40-byte header
+        raw = bytearray(segment.read_bytes())
+        for offset in range(0, len(raw), 4096):
+            if raw[offset:offset + 4] == b"CFSG":
+                raw[offset + 100] ^= 0xFF
+        segment.write_bytes(bytes(raw))
+    _drop_pages_only()
+    assert m.path("shard.tar").read_bytes() == data
+    assert metric(m.scrape(), "cubefs_fuse_checksum_failures_total") >= 1
+    m.umount()
