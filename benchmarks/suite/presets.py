@@ -10,8 +10,10 @@ from typing import Any
 # raw_io, training, cache: the foundation's (a)-(c); nvme and daemon_cpu: the fast path's NVMe regime
 # and the daemon's CPU per file (benchmarks/suite/daemon_cpu.py); samples: the processed-sample
 # cache on and off (benchmarks/sample_cache.py, a local redis-server, then the daemon store);
-# s3: an S3 bucket as the source (benchmarks/suite/s3.py), only when asked for (~5 minutes).
-WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu", "samples", "s3")
+# large_file: one 768 MiB file read whole through our mount against a direct read
+# (benchmarks/large_file.py, ~1 minute); s3: an S3 bucket as the source
+# (benchmarks/suite/s3.py), only when asked for (~5 minutes).
+WORKLOADS = ("raw_io", "training", "cache", "nvme", "daemon_cpu", "large_file", "samples", "s3")
 DEFAULT_WORKLOADS = tuple(w for w in WORKLOADS if w != "s3")
 ALL_SYSTEMS = ("local", "remote", "cubefs", "cubefs+ct", "cubefs+ct-nofp", "rclone", "juicefs")
 # cube_torch without its fast path runs only when asked for: it answers one question (does

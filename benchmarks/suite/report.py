@@ -85,6 +85,17 @@ _CPU_PASS_FIELDS: dict[str, tuple[type, ...]] = {
     "disk_hits": (int,), "misses": (int,),
 }
 CPU_KINDS = ("cold", "page_cache", "nvme", "ram")  # benchmarks/suite/daemon_cpu.py's passes, in order
+# The large-file workload (benchmarks/large_file.py's measure); results.json's ``large_file``,
+# absent or None when not measured.
+_LARGE_FILE_FIELDS: dict[str, tuple[type, ...]] = {
+    "mib": (int,), "read_bytes": (int,), "ram_tier_bytes": (int,), "rounds": (list,),
+    "nvme_ratio": (float, type(None)), "cold_ratio": (float, type(None)), "error": (str, type(None)),
+}
+_LARGE_FILE_ROUND_FIELDS: dict[str, tuple[type, ...]] = {
+    "round": (int,), "direct_mb_s": (list,), "cold_mb_s": (float,), "cold_ratio": (float,),
+    "cold_daemon_cpu_s": (float,), "nvme_mb_s": (float,), "nvme_ratio": (float,), "nvme_daemon_cpu_s": (float,),
+    "nvme_reads": (int,), "nvme_native_reads": (int,),
+}
 
 
 def _check(obj: Any, fields: dict[str, tuple[type, ...]], where: str) -> list[str]:
@@ -127,6 +138,12 @@ def validate(results: Any) -> list[str]:
                 if epoch["samples"] != results["dataset"].get("files"):
                     problems.append(f"{where}.epochs[{j}].samples: {epoch['samples']} != dataset files")
     problems += _validate_cpu(results["daemon_cpu"], results["dataset"])
+    large = results.get("large_file")
+    if large is not None:
+        problems += _check(large, _LARGE_FILE_FIELDS, "large_file")
+        if not problems:
+            for j, figures in enumerate(large["rounds"]):
+                problems += _check(figures, _LARGE_FILE_ROUND_FIELDS, f"large_file.rounds[{j}]")
     for key in ("sample_cache", "sample_cache_daemon"):
         samples = results.get(key)
         if samples is not None:
@@ -212,6 +229,27 @@ def _cpu_bars(cpu: dict[str, Any] | None) -> list[dict[str, Any]]:
         bars.append(_bar("28", _CPU_BAR_TEXT[kind], f["cpu_us_per_file"] <= limit,
                          f"{f['cpu_us_per_file']:,.0f} µs per file (± {f['resolution_us_per_file']:,.0f}: one clock "
                          f"tick over {f['files']:,} files), {f['files_per_s']:,.0f} files/s"))
+    return bars
+
+
+LARGE_FILE_BARS = {"nvme": 0.9, "cold": 0.6}  # × a direct read of the file (benchmarks/large_file.py)
+
+
+def _large_file_bars(figures: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """One large file read whole with 1 MiB reads, vs a direct read of the source: from the
+    NVMe tier ≥ 0.9 ×, cold ≥ 0.6 × (the medians over the workload's rounds)."""
+    bars = []
+    for kind, bar in LARGE_FILE_BARS.items():
+        where = "from the NVMe tier" if kind == "nvme" else "cold (local source)"
+        text = f"one large file read whole with 1 MiB reads, {where}: ≥ {bar} × a direct read"
+        ratio = figures.get(f"{kind}_ratio") if figures else None
+        if ratio is None:
+            why = f"not measured ({figures['error']})" if figures and figures.get("error") else "not measured"
+            bars.append(_bar("28", text, None, why))
+            continue
+        assert figures is not None  # a ratio came from it
+        per_round = ", ".join(f"{r[f'{kind}_ratio']:.2f}" for r in figures["rounds"])
+        bars.append(_bar("28", text, ratio >= bar, f"{ratio:.2f} × (median of {per_round}; {figures['mib']} MiB)"))
     return bars
 
 
@@ -372,7 +410,8 @@ def _versus_bars(runs: list[dict[str, Any]], systems_run: set[str]) -> list[dict
 def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None = None,
                   daemon_cpu: dict[str, Any] | None = None,
                   sample_cache: dict[str, Any] | None = None,
-                  sample_cache_daemon: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                  sample_cache_daemon: dict[str, Any] | None = None,
+                  large_file: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Where the run stands against each performance bars (passed None: not measured).
 
     The fast-path bars come first; of the foundation's, those it restates (training at 300 µs, raw
@@ -382,11 +421,12 @@ def evaluate_bars(runs: list[dict[str, Any]], ceiling_files_per_s: float | None 
     epoch-1 figures so that a bar the emulator itself prevents is recognisable.
     ``daemon_cpu``: results.json's daemon_cpu object (None: not measured); ``sample_cache``:
     its sample_cache object (a local Redis; None: not measured); ``sample_cache_daemon``: the
-    same with the daemon store.
+    same with the daemon store; ``large_file``: its large_file object (None: not measured).
     """
     systems_run = {r["system"] for r in runs}
     raw = _raw_bars(runs, ceiling_files_per_s)
-    return (_cpu_bars(daemon_cpu) + _training_bars(runs) + [_nvme_bar(runs), raw[0], _plain_training_bar(runs)]
+    return (_cpu_bars(daemon_cpu) + _large_file_bars(large_file) + _training_bars(runs)
+            + [_nvme_bar(runs), raw[0], _plain_training_bar(runs)]
             + _versus_bars(runs, systems_run) + raw[1:] + _cache_bars(runs)
             + _samples_bars(sample_cache, "local Redis") + _samples_bars(sample_cache_daemon, "daemon store"))
 
@@ -514,6 +554,10 @@ def markdown(results: dict[str, Any]) -> str:
     if results.get("daemon_cpu") is not None:
         out += ["", "## Daemon CPU per file (one reader, local source, no latency)", "",
                 cpu_table(results["daemon_cpu"])]
+    if results.get("large_file") is not None:
+        from benchmarks.large_file import table
+
+        out += ["", "## One large file (local source, no latency)", "", table(results["large_file"])]
     stores = [results[k] for k in ("sample_cache", "sample_cache_daemon") if results.get(k) is not None]
     if stores:
         out += ["", "## (e) processed-sample cache: the training loader with and without CachedDataset"]

@@ -112,7 +112,7 @@ class Suite:
             "load_average": {"start": list(os.getloadavg()), "end": []}, "dataset": {},
             "emulator": {"threads": EMULATOR_THREADS, "implementation": preset.emulator, "ceiling": None,
                          "presets": []},
-            "systems": {}, "skipped": {}, "daemon_cpu": None, "sample_cache": None, "sample_cache_daemon": None,
+            "systems": {}, "skipped": {}, "daemon_cpu": None, "large_file": None, "sample_cache": None, "sample_cache_daemon": None,
             "s3": None, "runs": [], "bars": [],
         }
 
@@ -153,6 +153,9 @@ class Suite:
 
         if "daemon_cpu" in preset.workloads and {"cubefs", "cubefs+ct"} & set(systems):
             self._daemon_cpu(dataset)
+
+        if "large_file" in preset.workloads and {"cubefs", "cubefs+ct"} & set(systems):
+            self._large_file()
 
         if "samples" in preset.workloads:
             self._sample_cache()
@@ -248,6 +251,29 @@ class Suite:
         self.results["daemon_cpu"] = figures
         self._write(partial=True)
 
+    def _large_file(self) -> None:
+        """One large file read whole through our mount, cold and from NVMe, against a direct
+        read of it (benchmarks/large_file.py, over a local source)."""
+        from benchmarks import large_file
+
+        console.print(f"one large file: {large_file.DEFAULT_MIB} MiB read whole with 1 MiB reads, direct and "
+                      "through our mount (cold, NVMe tier) ...")
+        workdir = self.workdir / "large-file"
+        workdir.mkdir()
+
+        def on_round(r: dict[str, Any]) -> None:
+            console.print(f"  round {r['round'] + 1}: direct {r['direct_mb_s'][0]:,.0f} / {r['direct_mb_s'][1]:,.0f} "
+                          f"MB/s, cold [bold]{r['cold_ratio']:.2f} ×[/], NVMe tier [bold]{r['nvme_ratio']:.2f} ×[/]")
+
+        try:
+            figures = large_file.measure(workdir, on_round=on_round)
+        finally:
+            remove_workdir(workdir, *workdir.glob("round-*/mnt"))  # never through a live mount
+        if figures["error"]:
+            console.print(f"[red]  large file failed:[/] {figures['error']}")
+        self.results["large_file"] = figures
+        self._write(partial=True)
+
     def _sample_cache(self) -> None:
         """The training loader with and without CachedDataset, with each store: a local
         redis-server, then the default store, a cubefs-fuse daemon mounted over the photos
@@ -297,7 +323,7 @@ class Suite:
         ceiling = self.results["emulator"].get("ceiling") or {}
         self.results["bars"] = report.evaluate_bars(self.results["runs"], ceiling.get("files_per_s"),
                                                     self.results["daemon_cpu"], self.results["sample_cache"],
-                                                    self.results["sample_cache_daemon"])
+                                                    self.results["sample_cache_daemon"], self.results["large_file"])
         self.out.mkdir(parents=True, exist_ok=True)
         tmp = self.out / "results.json.tmp"
         tmp.write_text(json.dumps(self.results, indent=1, ensure_ascii=False) + "\n")

@@ -5,6 +5,8 @@ end-to-end runs are in tests/torch/test_bench_suite.py."""
 
 from __future__ import annotations
 
+import statistics
+
 from typing import Any
 
 import pytest
@@ -205,8 +207,9 @@ def test_issue_5_bars_that_issue_12_does_not_restate_stay() -> None:
     assert _bar(bars, "cache = 0.5 × dataset: cube_torch ≥ 1.5")["passed"] is True  # 0.54 / 0.3 = 1.8 ×
     assert _bar(bars, "raw I/O, 8 workers, 2 ms: later epochs")["issues"] == "5"
     assert all(b["issues"] in ("5", "12", "5, 12", "15", "28") for b in bars)
-    # Every bar once: nothing superseded is left twice (18 with the fast-path row, and the sample cache's 2 per store).
-    assert len({b["bar"] for b in bars}) == len(bars) == 22
+    # Every bar once: nothing superseded is left twice (18 with the fast-path row, the large file's 2,
+    # and the sample cache's 2 per store).
+    assert len({b["bar"] for b in bars}) == len(bars) == 24
 
 
 def _results(cpu: dict[str, Any] | None) -> dict[str, Any]:
@@ -233,6 +236,33 @@ def test_schema_checks_the_daemon_cpu_figures() -> None:
     no_issue = _results(None)
     del no_issue["bars"][0]["issues"]
     assert any("bars[0]" in p and "issues" in p for p in report.validate(no_issue))
+
+
+def _large(nvme: list[float], cold: list[float], error: str | None = None) -> dict[str, Any]:
+    rounds = [{"round": i, "direct_mb_s": [1000.0, 1000.0], "cold_mb_s": 1000.0 * c, "cold_ratio": c,
+               "cold_daemon_cpu_s": 1.5, "nvme_mb_s": 1000.0 * n, "nvme_ratio": n, "nvme_daemon_cpu_s": 0.5,
+               "nvme_reads": 768, "nvme_native_reads": 768} for i, (n, c) in enumerate(zip(nvme, cold))]
+    return {"mib": 768, "read_bytes": 1 << 20, "ram_tier_bytes": 256 << 20, "rounds": rounds,
+            "nvme_ratio": statistics.median(nvme) if nvme else None,
+            "cold_ratio": statistics.median(cold) if cold else None, "error": error}
+
+
+def test_large_file_bars_take_the_median_round() -> None:
+    nvme_bar = "one large file read whole with 1 MiB reads, from the NVMe tier"
+    cold_bar = "one large file read whole with 1 MiB reads, cold"
+    bars = report.evaluate_bars([], None, None, None, None, _large([0.95, 0.85, 0.92], [0.5, 0.7, 0.65]))
+    assert _bar(bars, nvme_bar)["passed"] is True and "0.92 ×" in _bar(bars, nvme_bar)["measured"]
+    assert _bar(bars, cold_bar)["passed"] is True  # median 0.65
+    bars = report.evaluate_bars([], None, None, None, None, _large([0.89, 0.95], [0.59, 0.6]))
+    assert _bar(bars, nvme_bar)["passed"] is True and _bar(bars, cold_bar)["passed"] is False  # 0.92, 0.595
+    failed = report.evaluate_bars([], None, None, None, None, _large([], [], error="HarnessError: no root"))
+    assert _bar(failed, nvme_bar)["passed"] is None and "no root" in _bar(failed, nvme_bar)["measured"]
+    assert _bar(report.evaluate_bars([]), cold_bar)["passed"] is None
+    results = _results(None)
+    results["large_file"] = _large([0.9], [0.6])
+    assert report.validate(results) == []
+    results["large_file"]["rounds"][0]["nvme_reads"] = "all"
+    assert any("large_file.rounds[0].nvme_reads" in p for p in report.validate(results))
 
 
 def _samples(ratios: list[float], error: str | None = None) -> dict[str, Any]:
