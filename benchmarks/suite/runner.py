@@ -246,10 +246,7 @@ class Suite:
                                          seed=SEED, on_pass=on_pass)
         finally:
             remove_workdir(workdir, workdir / "mnt")  # never through a live mount
-        if figures["error"]:
-            console.print(f"[red]  daemon CPU per file failed:[/] {figures['error']}")
-        self.results["daemon_cpu"] = figures
-        self._write(partial=True)
+        self._record("daemon_cpu", "daemon CPU per file", figures)
 
     def _large_file(self) -> None:
         """One large file read whole through our mount, cold and from NVMe, against a direct
@@ -269,10 +266,7 @@ class Suite:
             figures = large_file.measure(workdir, on_round=on_round)
         finally:
             remove_workdir(workdir, *workdir.glob("round-*/mnt"))  # never through a live mount
-        if figures["error"]:
-            console.print(f"[red]  large file failed:[/] {figures['error']}")
-        self.results["large_file"] = figures
-        self._write(partial=True)
+        self._record("large_file", "large file", figures)
 
     def _sample_cache(self) -> None:
         """The training loader with and without CachedDataset, with each store: a local
@@ -299,10 +293,14 @@ class Suite:
                                                on_epoch=on_epoch)
             finally:
                 remove_workdir(workdir, workdir / "daemon" / "mnt")  # never through a live mount
-            if figures["error"]:
-                console.print(f"[red]  processed-sample cache ({title}) failed:[/] {figures['error']}")
-            self.results[key] = figures
-            self._write(partial=True)
+            self._record(key, f"processed-sample cache ({title})", figures)
+
+    def _record(self, key: str, title: str, figures: dict[str, Any]) -> None:
+        """Keep a workload's figures as results.json's ``key``, written at once; a failure said."""
+        if figures["error"]:
+            console.print(f"[red]  {title} failed:[/] {figures['error']}")
+        self.results[key] = figures
+        self._write(partial=True)
 
     def _s3(self, ctx: Context) -> None:
         """The S3 workload (benchmarks/suite/s3.py): its own runs, bars and section."""

@@ -77,13 +77,11 @@ def test_a_listed_name_is_looked_up_through_the_session_without_python(make_moun
     m.umount()
 
 
-def test_after_a_restart_a_small_file_is_read_from_nvme_by_the_session(make_mount: Callable[..., Mount]) -> None:
-    """A restarted daemon's first lookup of a file held on NVMe stats it and leaves the
-    block there: the session serves the READ from the NVMe entry (its checksum checked in
-    C), with no copy into the RAM tier and nothing from the source."""
-    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
-    files = {f"f{i}": os.urandom(5000 + i) for i in range(10)}
+def _restarted_on_nvme(m: Mount, files: dict[str, bytes]) -> None:
+    """Write ``files`` to the source, read each through a first daemon (to NVMe), then
+    mount a second on the same cache directory (RAM tier empty), the page cache dropped."""
     for name, data in files.items():
+        (m.source / name).parent.mkdir(parents=True, exist_ok=True)
         (m.source / name).write_bytes(data)
     m.mount()
     for name, data in files.items():
@@ -92,6 +90,15 @@ def test_after_a_restart_a_small_file_is_read_from_nvme_by_the_session(make_moun
     m.umount()
     m.mount()
     _drop_page_cache()
+
+
+def test_after_a_restart_a_small_file_is_read_from_nvme_by_the_session(make_mount: Callable[..., Mount]) -> None:
+    """A restarted daemon's first lookup of a file held on NVMe stats it and leaves the
+    block there: the session serves the READ from the NVMe entry (its checksum checked in
+    C), with no copy into the RAM tier and nothing from the source."""
+    m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
+    files = {f"f{i}": os.urandom(5000 + i) for i in range(10)}
+    _restarted_on_nvme(m, files)
     for name, data in files.items():
         assert m.path(name).read_bytes() == data
     after = m.scrape()
@@ -109,16 +116,7 @@ def test_after_a_restart_the_first_lookup_in_a_directory_publishes_its_names(mak
     session answers the lookups and READs of the others, and the bytes are the source's."""
     m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
     files = {f"d/f{i:02d}": os.urandom(3000 + i) for i in range(30)}
-    (m.source / "d").mkdir()
-    for name, data in files.items():
-        (m.source / name).write_bytes(data)
-    m.mount()
-    for name, data in files.items():
-        assert m.path(name).read_bytes() == data
-    nvme_written(m)
-    m.umount()
-    m.mount()
-    _drop_page_cache()
+    _restarted_on_nvme(m, files)
     names = sorted(files)
     random.Random(7).shuffle(names)
     assert m.path(names[0]).read_bytes() == files[names[0]]  # the first: Python's, and the listing
@@ -240,6 +238,16 @@ def _segment_files(m: Mount) -> list[Path]:
     return sorted((m.cache_dir / "segments").glob("*.seg"))
 
 
+def _damage_every_entry(m: Mount) -> None:
+    """Flip a byte of every NVMe entry's payload (past its 40-byte header)."""
+    for segment in _segment_files(m):
+        raw = bytearray(segment.read_bytes())
+        for offset in range(0, len(raw), 4096):
+            if raw[offset:offset + 4] == b"CFSG":
+                raw[offset + 100] ^= 0xFF
+        segment.write_bytes(bytes(raw))
+
+
 def _drop_pages_only() -> None:
     """Drop the page cache but not dentries and inodes: the kernel reads without a LOOKUP."""
     os.sync()
@@ -272,14 +280,9 @@ def test_a_one_block_file_on_nvme_is_read_through_the_session_and_a_damaged_entr
         - metric(before, "cubefs_fuse_served_bytes_total", source="disk") == len(files["f0"])
     assert metric(after, "cubefs_fuse_reads_total") - metric(before, "cubefs_fuse_reads_total") \
         == metric(after, "cubefs_fuse_native_reads_total") - metric(before, "cubefs_fuse_native_reads_total")
-    # Damage every payload on NVMe (a byte past each entry's 40-byte header): the session's
-    # check fails, Python's read finds the damage, frees the entry and fetches the source.
-    for segment in _segment_files(m):
-        raw = bytearray(segment.read_bytes())
-        for offset in range(0, len(raw), 4096):
-            if raw[offset:offset + 4] == b"CFSG":
-                raw[offset + 100] ^= 0xFF
-        segment.write_bytes(bytes(raw))
+    # Damage every payload on NVMe: the session's check fails, Python's read finds the
+    # damage, frees the entry and fetches the source.
+    _damage_every_entry(m)
     _drop_pages_only()
     assert all(m.path(n).read_bytes() == d for n, d in files.items())
     assert metric(m.scrape(), "cubefs_fuse_checksum_failures_total") >= len(files)
@@ -295,13 +298,7 @@ def test_a_large_file_on_nvme_is_read_by_the_session_whole_blocks_only_and_never
     served."""
     m = make_mount(blockSize="64KiB", memCacheSize="8MiB")
     data = os.urandom(16 * BS + 1000)  # 17 blocks, the last one short
-    (m.source / "shard.tar").write_bytes(data)
-    m.mount()
-    assert m.path("shard.tar").read_bytes() == data
-    nvme_written(m)
-    m.umount()
-    m.mount()
-    _drop_page_cache()
+    _restarted_on_nvme(m, {"shard.tar": data})
     assert m.path("shard.tar").read_bytes() == data
     after = m.scrape()
     assert metric(after, "cubefs_fuse_native_reads_total") == metric(after, "cubefs_fuse_reads_total") >= 1
@@ -317,12 +314,7 @@ def test_a_large_file_on_nvme_is_read_by_the_session_whole_blocks_only_and_never
     assert metric(part, "cubefs_fuse_reads_total") == metric(after, "cubefs_fuse_reads_total") + 1
     assert metric(part, "cubefs_fuse_native_reads_total") == metric(after, "cubefs_fuse_native_reads_total")
     assert metric(part, "cubefs_fuse_cache_blocks", tier="ram") == 1  # the block it read part of
-    for segment in _segment_files(m):  # every payload damaged, a byte past each 40-byte header
-        raw = bytearray(segment.read_bytes())
-        for offset in range(0, len(raw), 4096):
-            if raw[offset:offset + 4] == b"CFSG":
-                raw[offset + 100] ^= 0xFF
-        segment.write_bytes(bytes(raw))
+    _damage_every_entry(m)
     _drop_pages_only()
     assert m.path("shard.tar").read_bytes() == data
     assert metric(m.scrape(), "cubefs_fuse_checksum_failures_total") >= 1
