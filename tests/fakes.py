@@ -188,17 +188,20 @@ class FakeBackend:
         await self._enter("stat", path)
         return self._attr(self._lookup(path))
 
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
+    async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
         await self._enter("listdir", path)
         node = self._lookup(path)
         if not stat.S_ISDIR(node.mode):
             raise OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
         prefix = f"{path}/" if path else ""
-        return [
+        entries = [
             (name[len(prefix):], self._attr(child))
             for name, child in self._nodes.items()
             if name and name.startswith(prefix) and "/" not in name[len(prefix):]
         ]
+        if limit is not None and len(entries) > limit:
+            raise OSError(errno.E2BIG, f"more than {limit} entries", path)
+        return entries
 
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
         self.read_calls[(path, offset)] += 1

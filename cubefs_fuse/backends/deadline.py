@@ -147,8 +147,8 @@ class DeadlineBackend:
     async def stat(self, path: str) -> Attr:
         return await self._call("stat", path, lambda: self.inner.stat(path))
 
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
-        return await self._call("listdir", path, lambda: self.inner.listdir(path))
+    async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
+        return await self._call("listdir", path, lambda: self.inner.listdir(path, limit))
 
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:
         return await self._call("read", path, lambda: self.inner.read_block(path, version, offset, size))

@@ -360,9 +360,9 @@ class LocalDirBackend:
         )
         return Attr.from_stat(st)
 
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
-        """The directory's entries with their ``lstat`` attributes.  The names come from
-        one ``scandir``; a directory of more than ``LISTDIR_CHUNK`` entries has their
+    async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
+        """The directory's entries with their ``lstat`` attributes (Backend.listdir: past
+        ``limit`` names, E2BIG before any is stat'ed).  The names come from one ``scandir``; a directory of more than ``LISTDIR_CHUNK`` entries has their
         attributes read in chunks, ``LISTDIR_CONCURRENCY`` chunks at once: a remote's
         round trips then overlap, where one thread pays one per entry in series (1,024
         entries at 1 ms took 3.4 s through the mount).  Counted as one ``listdir``."""
@@ -381,14 +381,18 @@ class LocalDirBackend:
             fd = self._at_root(lambda root: open_beneath(root, rel, os.O_RDONLY | os.O_DIRECTORY))
             try:
                 with os.scandir(fd) as it:
-                    names = [entry.name for entry in it]
+                    names = []
+                    for entry in it:
+                        names.append(entry.name)
+                        if limit is not None and len(names) > limit:
+                            raise OSError(errno.E2BIG, f"more than {limit} entries", path)
                 if len(names) <= LISTDIR_CHUNK:
                     return lstat_all(fd, names), []
                 return [], names
             finally:
                 os.close(fd)
 
-        entries, names = await self._run("listdir", path, scan)
+        entries, names = await self._run("listdir", path, scan, expected=(errno.E2BIG,))
         if not names:
             return entries
         chunks = [names[i : i + LISTDIR_CHUNK] for i in range(0, len(names), LISTDIR_CHUNK)]

@@ -379,8 +379,9 @@ class S3Backend:
 
         return await self._ops.run("stat", path, head_or_prefix, expected=(errno.ENOENT,))
 
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
-        """The prefix's keys (files) and sub-prefixes (directories), page by page; a key
+    async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
+        """The prefix's keys (files) and sub-prefixes (directories), page by page (past
+        ``limit`` names, E2BIG without the next page asked for); a key
         equal to the prefix itself (a "directory marker" a console made) is left out, as
         are names no directory entry can carry.  A prefix without keys other than the
         root is no directory (ENOENT)."""
@@ -401,11 +402,13 @@ class S3Backend:
                     name = common["Prefix"][len(prefix):-1]
                     if _usable_name(name) and name not in entries:  # the key of that name wins
                         entries[name] = prefix_attr(common["Prefix"], self._started_ns)
+                if limit is not None and len(entries) > limit:
+                    raise OSError(errno.E2BIG, f"more than {limit} entries", path)
             if path and not seen_any:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
             return list(entries.items())
 
-        return await self._ops.run("listdir", path, scan)
+        return await self._ops.run("listdir", path, scan, expected=(errno.E2BIG,))
 
     def _get(self, path: str, version: FileVersion, start: int, end: int) -> bytes:
         """Bytes [start, end) of exactly ``version`` (worker thread), else StaleVersion."""

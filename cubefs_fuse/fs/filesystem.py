@@ -45,9 +45,15 @@ READAHEAD_BLOCKS = 2
 MAX_LENT_BLOCKS = 4096
 # The most names a directory may have for a lookup's miss to publish all of them (see
 # Filesystem._publish_listing): a dataset's class directory holds hundreds to a few
-# thousand files; a flat one of 10^5-10^6 would pin that many inodes and entries for one
-# lookup's sake, so its names are published one lookup at a time, as before.
-MAX_LISTED_NAMES = 65_536
+# thousand files (ImageNet's ~1,300); a flat one of 10^5-10^6 would cost a listing of all
+# (over S3 30-40 us of CPU per key) and pin that many inodes and entries for one lookup's
+# sake, so its listing stops past this many names, and its names are published one
+# lookup at a time, as before.
+MAX_LISTED_NAMES = 16_384
+# Directories found larger than that, remembered so that they are not listed again (a
+# set of paths, emptied when it reaches this many: each costs at most one listing of
+# MAX_LISTED_NAMES names per emptying).
+MAX_LARGE_DIRECTORIES = 4096
 # Names of such a listing published per trio step: each costs ~10-20 us (an inode, an
 # entry, its held blocks lent), so a step of 64 stays near a millisecond.
 LISTED_NAMES_PER_STEP = 64
@@ -213,6 +219,7 @@ class Filesystem:
         # were, with when (trio's clock) that listing stops being trusted: one listing per
         # directory per ``attrValid``, in flight or done, whatever it found.
         self._listed: OrderedDict[str, float] = OrderedDict()
+        self._too_large: set[str] = set()  # directories of more than MAX_LISTED_NAMES names
         # File requests the borrower served whose owner is still being resolved (a process
         # not seen before): each set once its request is counted (settle() waits on them).
         self._observing: set[trio.Event] = set()
@@ -279,17 +286,21 @@ class Filesystem:
             if listed[oldest] > now:
                 break
             del listed[oldest]
-        if parent in listed or not self.meta.attr_ttl:
+        if parent in listed or parent in self._too_large or not self.meta.attr_ttl:
             return
         listed[parent] = now + self.meta.attr_ttl
         self._nursery.start_soon(self._publish_listing, parent_inode, parent)
 
     async def _publish_listing(self, parent_inode: int, parent: str) -> None:
         try:
-            entries = await self.meta.listdir(parent)
-        except (OSError, FsError):
+            entries = await self.meta.listdir(parent, MAX_LISTED_NAMES)
+        except OSError as exc:
+            if exc.errno == errno.E2BIG:
+                if len(self._too_large) >= MAX_LARGE_DIRECTORIES:
+                    self._too_large.clear()
+                self._too_large.add(parent)
             return  # the lookups go on as before; not tried again before its time
-        if len(entries) > MAX_LISTED_NAMES:
+        except FsError:
             return
         for start in range(0, len(entries), LISTED_NAMES_PER_STEP):
             if self.inodes.current(parent) != parent_inode:

@@ -186,14 +186,18 @@ class MetadataCache:
         attr, _ = await self._from_backend(path, self._backend_stat)
         return attr
 
-    async def listdir(self, path: str) -> list[tuple[str, Attr]]:
+    async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
+        """The directory's entries, cached for ``attrValid`` with their attributes;
+        ``limit``: a directory of more names raises OSError(E2BIG) (``Backend.listdir``)."""
         now = trio.current_time()
         cached = self._listings.get(path)
         if cached is not None and cached[0] > now:
             self._listing_hits += 1
+            if limit is not None and len(cached[1]) > limit:
+                raise OSError(errno.E2BIG, f"more than {limit} entries", path)
             return cached[1]
         self._listing_misses += 1
-        entries = await self.backend.listdir(path)
+        entries = await self.backend.listdir(path, limit)
         expires = now + self.attr_ttl if self.attr_ttl else 0.0
         prefix = f"{path}/" if path else ""
         for name, attr in entries:

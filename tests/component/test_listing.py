@@ -5,8 +5,11 @@ remote)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
+
+import pytest
 
 from cubefs_fuse.attrs import Attr
 from cubefs_fuse.backends.localdir import LISTDIR_CHUNK, LocalDirBackend
@@ -35,5 +38,24 @@ async def test_a_listing_in_parallel_chunks_is_the_serial_listing(tmp_path: Path
         listed = dict(await backend.listdir("big"))
         assert listed["link"].is_symlink and listed["outside"].is_symlink and listed["sub"].is_dir
         assert backend.statistics().operations == {"listdir": 4}  # one operation per listing
+    finally:
+        backend.close()
+
+
+async def test_a_listing_past_its_limit_stops_before_any_attribute_is_read(tmp_path: Path) -> None:
+    """``limit``: a directory of more names raises E2BIG, counted as a listing but not as an
+    error, with no entry stat'ed; one within it is listed whole."""
+    root = tmp_path / "source"
+    (root / "d").mkdir(parents=True)
+    for i in range(5):
+        (root / "d" / f"f{i}").write_bytes(b"x")
+    backend = LocalDirBackend(str(root), 4)
+    try:
+        with pytest.raises(OSError) as raised:
+            await backend.listdir("d", limit=4)
+        assert raised.value.errno == errno.E2BIG
+        assert len(await backend.listdir("d", limit=5)) == 5
+        stats = backend.statistics()
+        assert stats.operations == {"listdir": 2} and not stats.errors
     finally:
         backend.close()

@@ -379,7 +379,8 @@ async def test_a_lookup_missing_on_a_held_file_publishes_its_directory_once_per_
     publishes every name with its held blocks, the kernel holding no lookup of them, so the
     borrower answers the next lookups and reads.  Once per directory per ``attrValid``
     however many lookups miss in it; a cold file's miss lists nothing, nor does a miss in
-    a directory of more than MAX_LISTED_NAMES names (it publishes nothing of it)."""
+    a directory of more than MAX_LISTED_NAMES names (it publishes nothing of it and is not
+    listed again)."""
     backend = FakeBackend()
     for i in range(5):
         backend.write(f"d/f{i}", bytes([i]) * 100)
@@ -419,7 +420,12 @@ async def test_a_lookup_missing_on_a_held_file_publishes_its_directory_once_per_
             patch.setattr("cubefs_fuse.fs.filesystem.MAX_LISTED_NAMES", 4)
             await fs.lookup(big, "f0")
             await trio.testing.wait_all_tasks_blocked()
-        assert backend.operations["listdir"] == 3 and (big, "f1") not in borrower.entries
+            assert backend.operations["listdir"] == 3 and (big, "f1") not in borrower.entries
+            autojump_clock.jump(31.0)
+            fs.meta.clear()
+            await fs.lookup(big, "f1")  # found too large: not listed again
+            await trio.testing.wait_all_tasks_blocked()
+            assert backend.operations["listdir"] == 3
 
 
 async def test_a_lookup_publishes_its_entry_which_keeps_the_inode_until_its_deadline_passes() -> None:

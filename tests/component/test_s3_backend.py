@@ -65,6 +65,18 @@ async def test_listing_pages_through_more_keys_than_a_page(s3_env: SeaweedS3, ma
     assert backend.statistics().operations["listdir"] == 2
 
 
+async def test_a_listing_past_its_limit_asks_for_no_further_page(s3_env: SeaweedS3, make_backend: Make) -> None:
+    bucket = s3_env.new_bucket()
+    put(s3_env, bucket, {f"d/f{i:03d}": b"x" for i in range(250)})
+    backend = make_backend(bucket, page_size=100)
+    with pytest.raises(OSError) as raised:
+        await backend.listdir("d", limit=150)  # past it after the second page
+    assert raised.value.errno == errno.E2BIG
+    assert len(await backend.listdir("d", limit=250)) == 250
+    stats = backend.statistics()
+    assert stats.operations["listdir"] == 2 and not stats.errors
+
+
 # Keys of the bounded-memory listing test, and its page size: 20 pages, so that holding
 # them all would cost ~20 times one page.
 MANY_KEYS, SMALL_PAGE = 2000, 100
