@@ -312,12 +312,15 @@ class Filesystem:
             await trio.lowlevel.checkpoint()
 
     def _listed_here(self, parent_inode: int, name: str, path: str, attr: Attr) -> None:
-        """A listed name published to the borrower (:meth:`entry`) and its held blocks lent,
-        the kernel holding no lookup of it: the publication's pin keeps the inode until
-        its deadline, and the borrower's answers count the kernel's lookups."""
+        """A listed name published to the borrower (:meth:`entry`), with its held block for
+        a file of one block, the kernel holding no lookup of it: the publication's pin
+        keeps the inode until its deadline, and the borrower's answers count the kernel's
+        lookups.  A larger file's blocks are lent at its first READ (one key per block to
+        compute: a step of 64 shards of 4,096 blocks would hold the trio thread for a
+        quarter of a million)."""
         entry = self.entry(parent_inode, name, path, attr)
         self.forget(entry.inode, 1)
-        if attr.is_file:
+        if attr.is_file and attr.size <= self.block_size:
             self.publish(entry.inode)
 
     def _looked_up_here(self, parent_inode: int, name: str, path: str, attr: Attr) -> Entry:

@@ -386,8 +386,11 @@ async def test_a_lookup_missing_on_a_held_file_publishes_its_directory_once_per_
         backend.write(f"d/f{i}", bytes([i]) * 100)
         backend.write(f"cold/f{i}", b"c" * 100)
         backend.write(f"big/f{i}", b"b" * 100)
+    backend.write("d/shard", b"s" * (3 * BLOCK))
     async with lent_stack(backend, attr_valid=30.0) as (stack, borrower):
         fs = stack.fs
+        for index in range(3):
+            stack.cache.admit(block_key("d/shard", backend.version("d/shard"), index), b"s" * BLOCK)
         for directory in ("d", "big"):
             for i in range(5):  # held, as a restarted daemon finds its NVMe tier
                 path = f"{directory}/f{i}"
@@ -407,6 +410,10 @@ async def test_a_lookup_missing_on_a_held_file_publishes_its_directory_once_per_
             node = fs.inodes.node(inode)
             assert node.pins == 1 and node.lookups == (1 if i < 2 else 0)  # the kernel holds what it looked up
         assert borrower.entries[(d, "f0")][0] == f0.inode
+        shard, _ = borrower.entries[(d, "shard")]
+        assert shard not in borrower.table  # a file of many blocks: lent at its first READ
+        assert bytes(await fs.read(shard, 0, BLOCK, BLOCK)) == b"s" * BLOCK
+        assert len(borrower.table[shard]) == 3 and all(borrower.table[shard])
         fs.meta.clear()
         await fs.lookup(d, "f2")  # within attrValid: not listed again
         await trio.testing.wait_all_tasks_blocked()
