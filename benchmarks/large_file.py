@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from cubefs_fuse.config import DEFAULT_BLOCK_SIZE
 from tools.harness import DaemonMount, HarnessError, drop_page_cache, machine, remove_workdir, sigterm_as_interrupt
 
 READ_BYTES = 1 << 20  # what WebDataset's tar reader and TFRecord readers ask for at a time, roughly
@@ -94,7 +95,7 @@ def measure(workdir: Path, *, mib: int = DEFAULT_MIB, rounds: int = DEFAULT_ROUN
                 cpu = mount.cpu_seconds()
                 cold = read_whole(mount.mount_point / shard.name)
                 cold_cpu = mount.cpu_seconds() - cpu
-                blocks = -(-size // (1 << 20))  # the default 1 MiB blocks
+                blocks = -(-size // DEFAULT_BLOCK_SIZE)  # the mount's blockSize is the default
                 if not mount.wait_for_disk_blocks(blocks, WRITE_BEHIND_TIMEOUT_S):
                     raise HarnessError(f"the file's {blocks} blocks did not reach NVMe in {WRITE_BEHIND_TIMEOUT_S:g} s")
                 mount.umount()

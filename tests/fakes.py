@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import trio
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
-from cubefs_fuse.backends.base import BackendStatistics
+from cubefs_fuse.backends.base import BackendStatistics, too_many_entries
 from cubefs_fuse.errors import StaleVersion
 from cubefs_fuse.stats import LatencyHistogram
 from cube_torch.samples.store import StoreError
@@ -200,7 +200,7 @@ class FakeBackend:
             if name and name.startswith(prefix) and "/" not in name[len(prefix):]
         ]
         if limit is not None and len(entries) > limit:
-            raise OSError(errno.E2BIG, f"more than {limit} entries", path)
+            raise too_many_entries(path, limit)
         return entries
 
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes:

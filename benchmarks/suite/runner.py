@@ -233,8 +233,7 @@ class Suite:
         """Our daemon's CPU per file over the local source (benchmarks/suite/daemon_cpu.py)."""
         console.print(f"daemon CPU per file: one reader, {len(dataset.files):,} files read through our mount of "
                       "the local source (no emulator, no latency) ...")
-        workdir = self.workdir / "daemon-cpu"
-        workdir.mkdir()
+        workdir = self._scratch("daemon-cpu")
 
         def on_pass(figure: dict[str, Any]) -> None:
             console.print(f"  {daemon_cpu.PASS_TITLES[figure['kind']]}: [bold]{figure['cpu_us_per_file']:,.0f} µs[/] "
@@ -255,8 +254,7 @@ class Suite:
 
         console.print(f"one large file: {large_file.DEFAULT_MIB} MiB read whole with 1 MiB reads, direct and "
                       "through our mount (cold, NVMe tier) ...")
-        workdir = self.workdir / "large-file"
-        workdir.mkdir()
+        workdir = self._scratch("large-file")
 
         def on_round(r: dict[str, Any]) -> None:
             console.print(f"  round {r['round'] + 1}: direct {r['direct_mb_s'][0]:,.0f} / {r['direct_mb_s'][1]:,.0f} "
@@ -280,8 +278,7 @@ class Suite:
                                   ("daemon", "sample_cache_daemon", "the daemon store")):
             console.print(f"processed-sample cache: a training loader with and without CachedDataset ({title}), "
                           f"{files} files ...")
-            workdir = self.workdir / f"sample-cache-{store}"
-            workdir.mkdir()
+            workdir = self._scratch(f"sample-cache-{store}")
 
             def on_epoch(r: Any) -> None:
                 console.print(f"  epoch {r.epoch}: {r.baseline:,.0f} samples/s without, {r.cached:,.0f} with the "
@@ -294,6 +291,12 @@ class Suite:
             finally:
                 remove_workdir(workdir, workdir / "daemon" / "mnt")  # never through a live mount
             self._record(key, f"processed-sample cache ({title})", figures)
+
+    def _scratch(self, name: str) -> Path:
+        """A workload's own directory in the run's scratch directory (new)."""
+        workdir = self.workdir / name
+        workdir.mkdir()
+        return workdir
 
     def _record(self, key: str, title: str, figures: dict[str, Any]) -> None:
         """Keep a workload's figures as results.json's ``key``, written at once; a failure said."""

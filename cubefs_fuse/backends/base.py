@@ -5,6 +5,8 @@ implementation runs every blocking call off the trio thread, and ``read_block`` 
 
 from __future__ import annotations
 
+import errno
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,7 +36,7 @@ class Backend(Protocol):
     async def stat(self, path: str) -> Attr: ...
     async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
         """The directory's entries with their attributes; a directory of more than
-        ``limit`` entries raises OSError(E2BIG) without their attributes read."""
+        ``limit`` entries raises :func:`too_many_entries` without their attributes read."""
         ...
     async def read_block(self, path: str, version: FileVersion, offset: int, size: int) -> bytes: ...
     async def stat_read(self, path: str, max_size: int, want: Callable[[Attr], bool]) -> tuple[Attr, bytes | None]:
@@ -59,3 +61,8 @@ class ProbedBackend(Backend, Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def too_many_entries(path: str, limit: int) -> OSError:
+    """What a listing past its ``limit`` raises (``Backend.listdir``)."""
+    return OSError(errno.E2BIG, f"more than {limit} entries", path)

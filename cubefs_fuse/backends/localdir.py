@@ -25,7 +25,7 @@ from typing import TypeVar
 import trio
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
-from cubefs_fuse.backends.base import BackendStatistics
+from cubefs_fuse.backends.base import BackendStatistics, too_many_entries
 from cubefs_fuse.backends.beneath import open_beneath, split_beneath
 from cubefs_fuse.backends.operations import Operations
 from cubefs_fuse.errors import StaleVersion
@@ -362,7 +362,8 @@ class LocalDirBackend:
 
     async def listdir(self, path: str, limit: int | None = None) -> list[tuple[str, Attr]]:
         """The directory's entries with their ``lstat`` attributes (Backend.listdir: past
-        ``limit`` names, E2BIG before any is stat'ed).  The names come from one ``scandir``; a directory of more than ``LISTDIR_CHUNK`` entries has their
+        ``limit`` names, E2BIG before any is stat'ed).  The names come from one
+        ``scandir``; a directory of more than ``LISTDIR_CHUNK`` entries has their
         attributes read in chunks, ``LISTDIR_CONCURRENCY`` chunks at once: a remote's
         round trips then overlap, where one thread pays one per entry in series (1,024
         entries at 1 ms took 3.4 s through the mount).  Counted as one ``listdir``."""
@@ -385,7 +386,7 @@ class LocalDirBackend:
                     for entry in it:
                         names.append(entry.name)
                         if limit is not None and len(names) > limit:
-                            raise OSError(errno.E2BIG, f"more than {limit} entries", path)
+                            raise too_many_entries(path, limit)
                 if len(names) <= LISTDIR_CHUNK:
                     return lstat_all(fd, names), []
                 return [], names

@@ -31,7 +31,7 @@ from obstore.exceptions import GenericError
 from obstore.exceptions import PermissionDeniedError, PreconditionError, UnauthenticatedError
 
 from cubefs_fuse.attrs import Attr, FileVersion, FsStats
-from cubefs_fuse.backends.base import BackendStatistics
+from cubefs_fuse.backends.base import BackendStatistics, too_many_entries
 from cubefs_fuse.backends.operations import Operations
 from cubefs_fuse.errors import StaleVersion, errno_of_http
 
@@ -403,7 +403,7 @@ class S3Backend:
                     if _usable_name(name) and name not in entries:  # the key of that name wins
                         entries[name] = prefix_attr(common["Prefix"], self._started_ns)
                 if limit is not None and len(entries) > limit:
-                    raise OSError(errno.E2BIG, f"more than {limit} entries", path)
+                    raise too_many_entries(path, limit)
             if path and not seen_any:
                 raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
             return list(entries.items())

@@ -382,38 +382,27 @@ class Filesystem:
             return parent.rpartition("/")[0]
         return child_path(parent, name)
 
-    async def _or_stale(self, path: str, op: str, answer: Awaitable[Attr]) -> Attr:
-        """``answer``, or where the source failed to give it while down, the last validated
-        attributes if stale-if-error allows them (fs/outage.py)."""
-        try:
-            return await answer
-        except OSError as exc:
-            stale = self.stale_if_error.attr(path, exc, op)
-            if stale is None:
-                raise
-            return stale
-
     async def _stat_fetching(self, path: str, op: str) -> tuple[Attr, bool]:
         """``path``'s attributes for the kernel (``op``: lookup, getattr), and whether they
         missed the metadata cache and brought no bytes.  Past the metadata cache's hit, a
         regular file of at most one block that no tier holds comes too
         (``FileBlocks.stat_bringing``): the open and read that usually follow are then
         served from RAM, and the process that waited counts the file as a miss, exactly as
-        if its read had fetched it."""
+        if its read had fetched it.  Where the source failed while down: the last validated
+        attributes if stale-if-error allows them (fs/outage.py)."""
         attr = self.meta.hit(path)  # a warm lookup or getattr: no coroutine, no fetch slot
         if attr is not None:
             return attr, False
-        brought = False
-
-        async def stat() -> Attr:
-            nonlocal brought
+        try:
             if not self.lookup_fetch:
-                return await self.meta.stat(path)
+                return await self.meta.stat(path), True
             attr, brought = await self.blocks.stat_bringing(path)
-            return attr
-
-        attr = await self._or_stale(path, op, stat())
-        return attr, not brought
+            return attr, not brought
+        except OSError as exc:
+            stale = self.stale_if_error.attr(path, exc, op)
+            if stale is None:
+                raise
+            return stale, True
 
     def _entry(self, path: str, attr: Attr) -> Entry:
         return Entry(self.inodes.remember(path, attr), attr, self._valid_for(path))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import trio
 
 from cubefs_fuse.attrs import Attr
-from cubefs_fuse.backends.base import Backend
+from cubefs_fuse.backends.base import Backend, too_many_entries
 from cubefs_fuse.errors import FsError
 
 
@@ -194,7 +194,7 @@ class MetadataCache:
         if cached is not None and cached[0] > now:
             self._listing_hits += 1
             if limit is not None and len(cached[1]) > limit:
-                raise OSError(errno.E2BIG, f"more than {limit} entries", path)
+                raise too_many_entries(path, limit)
             return cached[1]
         self._listing_misses += 1
         entries = await self.backend.listdir(path, limit)

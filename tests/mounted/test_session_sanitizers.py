@@ -106,8 +106,9 @@ def _readers(m: Mount, contents: dict[str, bytes]) -> None:
 
 def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers(
         tmp_path: Path, make_mount: Callable[..., Mount]) -> None:
-    # One-block files and a RAM tier holding a few of them: READs are served by the session
-    # from lent RAM blocks and from NVMe entries, and by Python (cold, and multi-block files).
+    # Files of one and two blocks and a RAM tier holding a few of them: READs are served by
+    # the session from lent RAM blocks and from NVMe entries (whole blocks of two-block files
+    # too), and by Python (cold, and parts of a two-block file's block).
     m = make_mount(blockSize="256KiB", memCacheSize="1MiB", diskCacheSize="64MiB")
     contents: dict[str, bytes] = {}
     rng = random.Random(7)
