@@ -1,9 +1,11 @@
 """The C extension's build; everything else about the package is in pyproject.toml.
 
 ``cubefs_fuse.fs._session`` (the daemon's FUSE session) compiles against libfuse 3 as
-pkg-config describes it and xxHash's header (libxxhash-dev; compiled in, no library), with every warning an error: native code is held to the bar of
+pkg-config describes it and xxHash's header (libxxhash-dev; compiled in, no library);
+``cubefs_fuse.cache._index`` (a cache tier's block index and eviction order) against
+xxHash's header alone.  Every warning is an error: native code is held to the bar of
 docs/architecture.md ("Never wrong bytes", "Never stuck").  ``CUBEFS_FUSE_SANITIZE=1``
-builds it with AddressSanitizer and UndefinedBehaviorSanitizer for the sanitizer test.
+builds both with AddressSanitizer and UndefinedBehaviorSanitizer for the sanitizer tests.
 """
 
 from __future__ import annotations
@@ -30,9 +32,17 @@ if os.environ.get("CUBEFS_FUSE_SANITIZE") == "1":
     cflags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-O1"]
     ldflags += ["-fsanitize=address,undefined"]
 
-setup(ext_modules=[Extension(
-    "cubefs_fuse.fs._session",
-    sources=["cubefs_fuse/fs/_session.c"],
-    extra_compile_args=pkg_config("--cflags") + cflags,
-    extra_link_args=pkg_config("--libs") + ldflags,
-)])
+setup(ext_modules=[
+    Extension(
+        "cubefs_fuse.fs._session",
+        sources=["cubefs_fuse/fs/_session.c"],
+        extra_compile_args=pkg_config("--cflags") + cflags,
+        extra_link_args=pkg_config("--libs") + ldflags,
+    ),
+    Extension(
+        "cubefs_fuse.cache._index",
+        sources=["cubefs_fuse/cache/_index.c"],
+        extra_compile_args=cflags,
+        extra_link_args=ldflags,
+    ),
+])

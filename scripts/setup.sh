@@ -83,10 +83,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     .venv/bin/python -m pip install -q -c scripts/constraints.txt -e '.[test]'
     echo "$want" > "$stamp"
 fi
-# The daemon's FUSE session is a C extension (cubefs_fuse/fs/_session.c, built by setup.py
-# against libfuse 3): built in place, and again whenever its source or build script is newer.
-so="$(ls cubefs_fuse/fs/_session.*.so 2>/dev/null | head -n1)"
-if [ -z "$so" ] || [ cubefs_fuse/fs/_session.c -nt "$so" ] || [ setup.py -nt "$so" ]; then
-    echo "setup: building the FUSE session (cubefs_fuse/fs/_session.c)" >&2
-    .venv/bin/python setup.py -q build_ext --inplace >/dev/null
-fi
+# The C extensions (the FUSE session, cubefs_fuse/fs/_session.c, against libfuse 3; the
+# tiers' block index, cubefs_fuse/cache/_index.c), built by setup.py in place, and again
+# whenever a source or the build script is newer than its module.
+for source in cubefs_fuse/fs/_session.c cubefs_fuse/cache/_index.c; do
+    so="$(ls "${source%.c}".*.so 2>/dev/null | head -n1)"
+    if [ -z "$so" ] || [ "$source" -nt "$so" ] || [ setup.py -nt "$so" ]; then
+        echo "setup: building the C extensions ($source changed)" >&2
+        .venv/bin/python setup.py -q build_ext --inplace >/dev/null
+        break
+    fi
+done

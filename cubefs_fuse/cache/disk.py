@@ -28,10 +28,10 @@ import xxhash
 from cubefs_fuse.cache import holes, segments
 from cubefs_fuse.cache.holes import ALLOCATION_UNIT
 from cubefs_fuse.cache.keys import KEY_BYTES
-from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
 from cubefs_fuse.cache.segments import DISK_THREADS, Budget, Fields, LiveCounts, Release
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
-from cubefs_fuse.cache.tier import Tier
+from cubefs_fuse.cache._index import BlockIndex
+from cubefs_fuse.cache.shards import SHARDS
+from cubefs_fuse.cache.tier import SCRATCH_FRACTION, Tier
 from cubefs_fuse.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,10 @@ class DiskTier(Tier[DiskStatistics]):
         self.free_ratio = free_ratio
         self._lock_fd = lock_fd
         self._segments_dir = os.path.join(directory, "segments")
-        # key -> packed location (LOCATION); sharded (cache/shards.py): no million-entry dict resize
-        self._entries: ShardedDict[bytes, int] = ShardedDict(first_byte)
-        # key -> path tag (absent: unknown, e.g. after a crash scan)
-        self.tags: ShardedDict[bytes, int] = ShardedDict(first_byte)
+        # key -> its packed location (LOCATION), allocated bytes and path tag (0: unknown,
+        # e.g. after a crash scan), in eviction order as in the RAM tier: unplanned LRU
+        # first, then furthest next use (cache/_index.c).
+        self.index = BlockIndex(limit_bytes // SCRATCH_FRACTION)
         # Per segment: blocks stored or being written there (at zero a sealed segment is
         # deleted; the active one is appended to, None: start one) and its slack (part of
         # used_bytes while the segment file may exist).
@@ -172,8 +172,6 @@ class DiskTier(Tier[DiskStatistics]):
         self._tail = 0  # the active segment's next free offset
         self._next_segment = 0
         self._dir_bytes = 0  # segments/ as last measured (directories only grow while they exist)
-        # Eviction order, as in the RAM tier: unplanned LRU first, then furthest next use.
-        self.policy = PlannedLru(limit_bytes // SCRATCH_FRACTION)
         self._writing: dict[bytes, int] = {}  # key -> bytes reserved for a write in progress
         # Allocated bytes of stored blocks, segment slack and the directory, plus the
         # reservations of writes and frees in progress (segments.Budget's rule).
@@ -206,13 +204,10 @@ class DiskTier(Tier[DiskStatistics]):
         live.update(dict.fromkeys(loaded.segments, 0))
         stored = 0
         for key, (location, tag) in entries.items():  # oldest first: the LRU order of the last run
-            tier._entries[key] = location
-            if tag:
-                tier.tags[key] = tag
             size = _size(location)
+            tier.index.add(key, size, value=location, tag=tag)
             stored += size
             live[_segment(location)] += 1
-            tier.policy.add(key, size)
         tier._seg_slack = dict(loaded.segments)
         tier._slack_total = sum(tier._seg_slack.values())
         tier._next_segment = loaded.next_segment
@@ -275,7 +270,7 @@ class DiskTier(Tier[DiskStatistics]):
 
     async def close(self) -> None:
         """Write the index for a fast restart and release the directory lock."""
-        entries = [(key, location, self.tags.get(key, 0)) for key, location in self._lru_order()]
+        entries = [(key, location, self.index.tag(key)) for key, location in self._lru_order()]
         try:
             await trio.to_thread.run_sync(_write_index, os.path.join(self.directory, "index.bin"), entries)
         except OSError as exc:
@@ -296,27 +291,36 @@ class DiskTier(Tier[DiskStatistics]):
         return self._limiter
 
     def __contains__(self, key: bytes) -> bool:
-        # The shard read inline (first_byte): every read asks, and a method call costs ~40 ns more.
-        return key in self._entries.shards[key[0]]
+        return key in self.index
+
+    def _location(self, key: bytes) -> int | None:
+        """The block's location word; None if not stored (any thread: one call of the index)."""
+        location: int | None = self.index.get(key)  # type: ignore[assignment]  # values are ints
+        return location
+
+    def _touch(self, key: bytes, tag: int) -> None:
+        """A hit: the block is the most recently used; ``tag`` restores a tag lost by a crash scan."""
+        index = self.index
+        index.touch(key)
+        if tag and not index.tag(key):
+            index.set_tag(key, tag)
 
     async def get(self, key: bytes, tag: int = 0) -> bytes | None:
         """The block, or None if absent or damaged (a damaged block is punched out).
 
         ``tag`` (the reader's path tag) restores a tag lost by a crash scan."""
-        location = self._entries.get(key)
+        location = self._location(key)
         if location is None:
             self._misses += 1
             return None
-        self.policy.touch(key)
-        if tag and key not in self.tags:
-            self.tags[key] = tag
+        self._touch(key, tag)
         path = self._segment_path(_segment(location))
         try:
             data = await trio.to_thread.run_sync(_read_entry, path, location, key, limiter=self._limiter)
         except FileNotFoundError:
             data = None  # evicted while we were reading
         except _Corrupt as exc:
-            if self._entries.get(key) == location:  # not a range punched by an eviction meanwhile
+            if self._location(key) == location:  # not a range punched by an eviction meanwhile
                 self._checksum_failures += 1
                 log.warning("disk cache block %s at %s is damaged (%s): discarded, will refetch",
                             key.hex(), path, exc)
@@ -327,7 +331,7 @@ class DiskTier(Tier[DiskStatistics]):
             log.warning("disk cache read of %s failed: %s", path, exc)
             data = None
         if data is None:
-            if self._entries.get(key) == location:
+            if self._location(key) == location:
                 await self._free([key])
             self._misses += 1
             return None
@@ -340,7 +344,7 @@ class DiskTier(Tier[DiskStatistics]):
         trio thread's :meth:`get` then deals with it).  Touches no accounting: the trio
         thread calls :meth:`count_hit` with the bytes.  An entry is never rewritten in
         place, so a concurrent eviction costs at most a None."""
-        location = self._entries.get(key)
+        location = self._location(key)
         if location is None:
             return None
         try:
@@ -353,7 +357,7 @@ class DiskTier(Tier[DiskStatistics]):
         checks and reads it itself; None if not stored.  Touches no accounting: the
         reader's hits are counted with :meth:`count_hit`.  An entry is never rewritten in
         place, so a reader that races an eviction finds zeros or no file, never other bytes."""
-        location = self._entries.get(key)
+        location = self._location(key)
         if location is None:
             return None
         segment, size, offset = LOCATION.unpack(location)
@@ -362,10 +366,7 @@ class DiskTier(Tier[DiskStatistics]):
     def count_hit(self, key: bytes, tag: int = 0) -> None:
         """Account a hit read by :meth:`read_in_thread` (on the trio thread)."""
         self._hits += 1
-        if key in self._entries:
-            self.policy.touch(key)
-            if tag and key not in self.tags:
-                self.tags[key] = tag
+        self._touch(key, tag)
 
     async def put(self, key: bytes, data: bytes, *, next_use: int | None = None, tag: int = 0) -> bool:
         """Store a block (``next_use``: the plan position that reads it), evicting by the
@@ -406,9 +407,9 @@ class DiskTier(Tier[DiskStatistics]):
     def _reserve(self, key: bytes, data: bytes, next_use: int | None) -> _Put | None:
         """Reserve a block's space, choose its victims and its place (None: already stored
         or being written, nothing to do)."""
-        if key in self._entries or key in self._writing:
+        if key in self.index or key in self._writing:
             if next_use is not None:
-                self.policy.plan(key, next_use)
+                self.index.plan(key, next_use)
             return None
         need = allocated_bytes(len(data))
         segs = self._segs
@@ -416,7 +417,7 @@ class DiskTier(Tier[DiskStatistics]):
         tail = 0 if new_segment else self._tail
         slack = segment_slack(tail + need) - segment_slack(tail)  # the segment's extent-tree bound grows
         limit = self.effective_limit_bytes
-        chosen = (self.policy.victims(need + slack, limit - self.used_bytes, next_use)
+        chosen = (self.index.victims(need + slack, limit - self.used_bytes, next_use)
                   if need + slack <= limit else None)
         ops = Release()
         freed = sum(self._drop_entry(victim, ops) for victim in chosen or [])
@@ -468,10 +469,7 @@ class DiskTier(Tier[DiskStatistics]):
             self._unclaim(write.segment)
             return False
         self._budget.settle(put.reserved, put.slack + put.need)
-        self._entries[key] = put.location
-        self.policy.add(key, put.need, next_use)
-        if tag:
-            self.tags[key] = tag
+        self.index.add(key, put.need, next_use, value=put.location, tag=tag)
         self._inserted_bytes += put.need
         self._inserts += 1
         return True
@@ -480,9 +478,7 @@ class DiskTier(Tier[DiskStatistics]):
         """Forget a stored block (its range is still allocated: the caller frees it with
         ``ops`` and keeps its bytes counted until then); the bytes freed, with its
         segment's slack if that segment goes too."""
-        location = self._entries.pop(key)
-        self.policy.remove(key)
-        self.tags.pop(key, None)
+        location: int = self.index.pop(key)  # type: ignore[assignment]  # the caller checked it is stored
         segment, size, offset = LOCATION.unpack(location)
         if self._segs.leave(segment, self._segment_path(segment), offset, size, ops):
             return size + self._drop_slack(segment)
@@ -516,7 +512,7 @@ class DiskTier(Tier[DiskStatistics]):
         """Drop ``keys`` (stored ones) and free their ranges; their bytes stay counted
         until a worker has punched them."""
         ops = Release()
-        freed = sum(self._drop_entry(key, ops) for key in keys if key in self._entries)
+        freed = sum(self._drop_entry(key, ops) for key in keys if key in self.index)
         await self._budget.free(ops, freed, self._limiter)
 
     @contextlib.asynccontextmanager
@@ -538,7 +534,8 @@ class DiskTier(Tier[DiskStatistics]):
 
     def _lru_order(self) -> list[tuple[bytes, int]]:
         """(key, location) in eviction order (for the index: the next run starts from it)."""
-        return [(key, self._entries[key]) for key in self.policy.order() if key in self._entries]
+        index = self.index
+        return [(key, index.get(key)) for key in index.order()]  # type: ignore[misc]  # values are ints
 
     async def clear(self) -> None:
         """Drop every stored block (writes in progress still land).
@@ -558,7 +555,7 @@ class DiskTier(Tier[DiskStatistics]):
             budget.reserve(0, freed)
         try:
             for shard in range(SHARDS):
-                keys = list(self._entries.shards[shard])
+                keys = self.index.shard_keys(shard)
                 dropped = sum(self._drop_entry(key, ops) for key in keys)
                 budget.reserve(0, dropped)  # counted until the space is freed
                 freed += dropped
@@ -580,11 +577,11 @@ class DiskTier(Tier[DiskStatistics]):
 
     @property
     def blocks(self) -> int:
-        return len(self._entries)
+        return len(self.index)
 
     def statistics(self) -> DiskStatistics:
         return DiskStatistics(
-            self.used_bytes, self.limit_bytes, self.effective_limit_bytes, len(self._entries),
+            self.used_bytes, self.limit_bytes, self.effective_limit_bytes, len(self.index),
             self._hits, self._misses, self._evictions, self._inserts, self._rejected,
             self._checksum_failures, self._write_errors, self._read_errors,
             self.startup_seconds, self.startup_source, self.startup_discarded,
@@ -620,7 +617,7 @@ class DiskTier(Tier[DiskStatistics]):
             return
         ops = Release()
         freed = 0
-        for victim in self.policy.victims(self.used_bytes - limit, 0, None) or list(self._entries):
+        for victim in self.index.victims(self.used_bytes - limit, 0, None) or self.index.order():
             if self.used_bytes - freed <= limit:
                 break
             freed += self._drop_entry(victim, ops)

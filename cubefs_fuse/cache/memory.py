@@ -1,15 +1,16 @@
-"""The RAM tier (a ``tier.Tier``): blocks in a sharded dict under a byte limit that holds
-after every call, evicted by ``policy.PlannedLru`` (plain LRU without plans; with plans,
-Belady by the position at which a plan reads each block)."""
+"""The RAM tier (a ``tier.Tier``): blocks under a byte limit that holds after every call,
+held and evicted by a ``BlockIndex`` (cache/_index.c: plain LRU without plans; with plans,
+Belady by the position at which a plan reads each block), which holds each block's bytes
+object, size and path tag in one 52-byte record."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
-from cubefs_fuse.cache.shards import SHARDS, ShardedDict, first_byte
-from cubefs_fuse.cache.tier import Tier
+from cubefs_fuse.cache._index import BlockIndex
+from cubefs_fuse.cache.shards import SHARDS
+from cubefs_fuse.cache.tier import SCRATCH_FRACTION, Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,10 +32,9 @@ class MemoryTier(Tier[TierStatistics]):
     def __init__(self, limit_bytes: int, *, scratch_bytes: int | None = None) -> None:
         self.limit_bytes = limit_bytes
         self.used_bytes = 0
-        # Sharded: a single dict of a million blocks would be resized in one 50-110 ms call.
-        self._blocks: ShardedDict[bytes, bytes] = ShardedDict(first_byte)
-        self.tags: ShardedDict[bytes, int] = ShardedDict(first_byte)  # key -> the file's path tag, for re-planning
-        self.policy = PlannedLru(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION)
+        # key -> the block's bytes, its size and its file's path tag (for re-planning).
+        self.index = BlockIndex(scratch_bytes if scratch_bytes is not None else limit_bytes // SCRATCH_FRACTION,
+                                objects=True)
         self.on_evict: Callable[[bytes], None] | None = None
         self._hits = self._misses = self._evictions = self._inserts = self._rejected = 0
         # Blocks lent to the FUSE session, which serves reads from them without asking
@@ -46,18 +46,15 @@ class MemoryTier(Tier[TierStatistics]):
         # Told when a lent block leaves the tier, so the borrower can be asked to let go.
         self.on_recall: Callable[[bytes], None] | None = None
 
-    # The lookups below read the block map's shard themselves (its shard function,
-    # first_byte, inlined): they are the read path's, and a method call costs ~40 ns more.
-
     def __contains__(self, key: bytes) -> bool:
-        return key in self._blocks.shards[key[0]]
+        return key in self.index
 
     def get(self, key: bytes) -> bytes | None:
-        data = self._blocks.shards[key[0]].get(key)
+        data: bytes | None = self.index.get(key)  # type: ignore[assignment]  # the index's values are bytes
         if data is None:
             self._misses += 1
             return None
-        self.policy.touch(key)
+        self.index.touch(key)
         self._hits += 1
         return data
 
@@ -65,7 +62,7 @@ class MemoryTier(Tier[TierStatistics]):
         """The block, lent until :meth:`give_back`; None if absent.  Neither touched nor
         counted: lending is no read (a listing lends every file it names), the borrower's
         reads are counted and touched by :meth:`count_hit`."""
-        data = self._blocks.shards[key[0]].get(key)
+        data: bytes | None = self.index.get(key)  # type: ignore[assignment]
         if data is not None:
             self._loans[key] = self._loans.get(key, 0) + 1
         return data
@@ -87,8 +84,7 @@ class MemoryTier(Tier[TierStatistics]):
     def count_hit(self, key: bytes) -> None:
         """A read of a lent block, served by the borrower (touched if still in the tier)."""
         self._hits += 1
-        if key in self._blocks.shards[key[0]]:
-            self.policy.touch(key)
+        self.index.touch(key)
 
     def _leave(self, key: bytes, size: int) -> None:
         """``key``'s block left the tier: its bytes stop counting unless they are lent."""
@@ -111,33 +107,26 @@ class MemoryTier(Tier[TierStatistics]):
         # Evict before inserting, so the limit holds at every instant, not just on average.
         # A lent victim frees nothing (its bytes stay counted until given back), so the
         # room is asked for again until it is there; each round evicts at least one block.
-        while victims := self.policy.victims(size, self.limit_bytes - self.used_bytes, next_use):
+        while victims := self.index.victims(size, self.limit_bytes - self.used_bytes, next_use):
             for victim in victims:
                 self._evict(victim)
         if victims is None:
             self._rejected += 1
             return False
-        self._blocks[key] = data
-        self.tags[key] = tag
-        self.policy.add(key, size, next_use)
+        self.index.add(key, size, next_use, value=data, tag=tag)
         self.used_bytes += size
         self._inserts += 1
         return True
 
     def _evict(self, key: bytes) -> None:
-        self.policy.remove(key)
-        self._leave(key, len(self._blocks.pop(key)))
-        self.tags.pop(key, None)
+        self._leave(key, self.index.remove(key))
         self._evictions += 1
         if self.on_evict is not None:
             self.on_evict(key)
 
     def discard(self, key: bytes) -> None:
-        data = self._blocks.pop(key, None)
-        if data is not None:
-            self.policy.remove(key)
-            self.tags.pop(key, None)
-            self._leave(key, len(data))
+        if key in self.index:
+            self._leave(key, self.index.remove(key))
 
     def clear(self) -> None:
         for shard in range(SHARDS):
@@ -147,10 +136,10 @@ class MemoryTier(Tier[TierStatistics]):
         """Drop the blocks of one shard of the block map (``shards.SHARDS``): a caller on
         the trio thread clears the tier a shard at a time, with a checkpoint between, so
         no step does work proportional to the whole tier."""
-        for key in list(self._blocks.shards[shard]):
+        for key in self.index.shard_keys(shard):
             self.discard(key)
 
     def statistics(self) -> TierStatistics:
-        return TierStatistics(self.used_bytes, self.limit_bytes, len(self._blocks), self._hits,
+        return TierStatistics(self.used_bytes, self.limit_bytes, len(self.index), self._hits,
                               self._misses, self._evictions, self._inserts, self._rejected,
-                              self.policy.planned_bytes)
+                              self.index.planned_bytes)

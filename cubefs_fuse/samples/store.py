@@ -3,7 +3,7 @@ what ``cube_torch.CachedDataset`` caches, shared by every rank and job of the no
 across restarts, in a RAM tier (promoted reads, and puts NVMe did not take) and an NVMe tier
 (files.py: one segment per put batch, written straight from the connection's ring) under
 node-wide budgets (``sampleCacheMemSize``, ``sampleCacheDiskSize``), evicted by
-``PlannedLru`` over every cache of the node, with names scoped by owner (``~UID/NAME``
+a ``BlockIndex`` (cache/_index.c) per tier over every cache of the node, with names scoped by owner (``~UID/NAME``
 another user's, readable only when shared or by an administrator). All state lives on the
 trio thread, file I/O runs in worker threads, and work proportional to a cache (a plan, a
 drop, the start-up merge) runs in chunks of :data:`CHUNK` with checkpoints
@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import trio
 
-from cubefs_fuse.cache.policy import SCRATCH_FRACTION, PlannedLru
+from cubefs_fuse.cache._index import BlockIndex
+from cubefs_fuse.cache.tier import SCRATCH_FRACTION
 from cubefs_fuse.cache.segments import DISK_THREADS, Budget, LiveCounts, Release
 from cubefs_fuse.cache.shards import SHARD, ShardedDict, low_byte
 from cubefs_fuse.errors import BadRequest, Forbidden, NoRoom, NotFound
@@ -35,8 +36,8 @@ from cubefs_fuse.samples.index import FIELD, charge_of, offset_of, segment_of, s
 log = logging.getLogger(__name__)
 
 # What one RAM entry costs beyond its bytes: the bytes object's header (33), its slots in
-# the index's two dicts and its location word (~120, index.py) and the eviction policy's
-# entries (~100).
+# the index's two dicts and its location word (~120, index.py) and the eviction order's
+# record (~60, cache/_index.c): ~215, rounded up.
 RAM_ENTRY_OVERHEAD = 256
 # Entries handled between two checkpoints of the trio thread (a plan's re-ranking, a
 # drop, the start-up merge): ~4 ms of Python each, so FUSE requests never wait longer.
@@ -49,7 +50,7 @@ RERANK_CHUNK = CHUNK // 4
 READ_SHARE = 16
 
 # (key, cache id): one policy key over every cache of the node.  The key comes first and
-# little-endian, so the policies' ShardedDicts (split by a key's first byte) spread one
+# little-endian, so the policies' hash tables (split by a key's first byte) spread one
 # cache's keys over all their shards; cache id first put a whole cache in one shard.
 _PK = struct.Struct("<qI")
 # A put's payload: bytes, or a view of the connection's ring (valid until the put returns).
@@ -204,8 +205,8 @@ class SampleStore:
         self._floor_warned = False  # the free-space floor was reached once (logged)
         self.shared = shared
         self.admins = admins if admins is not None else frozenset({0, os.geteuid()})
-        self.ram_policy = PlannedLru(mem_limit // SCRATCH_FRACTION)
-        self.disk_policy = PlannedLru(disk_limit // SCRATCH_FRACTION)
+        self.ram_policy = BlockIndex(mem_limit // SCRATCH_FRACTION, key_bytes=_PK.size)
+        self.disk_policy = BlockIndex(disk_limit // SCRATCH_FRACTION, key_bytes=_PK.size)
         self.ram_used = 0
         self._budget = Budget()  # allocated bytes on NVMe, including writes and frees in flight
         self.ram_entries = self.disk_entries = 0

@@ -218,7 +218,7 @@ async def test_a_later_epoch_of_a_resident_dataset_is_issued_without_a_task_per_
         plan = s.service.scheduler.plans[(JOB, 0, "0")]
         await eventually(lambda: plan.counters.issued >= len(paths) - 1)
         assert tasks == [gone]
-        ram = s.cache.memory.policy
+        ram = s.cache.memory.index
         for position in (0, 1, len(paths) - 1):
             path = paths[order[position]]
             key = block_key(path, s.fs.meta.peek(path).version, 0)  # type: ignore[union-attr]
@@ -619,7 +619,7 @@ async def test_a_later_loader_starts_at_the_clock_of_the_reads_so_far(
         plan_a, plan_b = scheduler.plans[(JOB, 0, "0")], scheduler.plans[(JOB, 0, "1")]
         assert plan_a.origin == 0 and plan_a.cursor == 100 and plan_b.origin == 100
         await eventually(lambda: plan_b.counters.issued > 10 and cached(s, b[0]))  # its first blocks landed
-        policy = s.cache.memory.policy
+        policy = s.cache.memory.index
         def next_use(path: str) -> int | None:
             attr = s.fs.meta.peek(path)
             assert attr is not None
@@ -674,7 +674,7 @@ async def test_a_long_re_ranking_runs_beside_the_window_and_protects_nothing_rea
             assert not plan.reranked.is_set(), "the re-ranking ended before the reads: nothing was tested"
             go_on.set()
             await plan.reranked.wait()
-            policy = s.cache.memory.policy
+            policy = s.cache.memory.index
             assert [p for p in read if policy.next_use(keys[p]) is not None] == []
             assert all(policy.next_use(keys[paths[i]]) == plan.origin + at for at, i in enumerate(order) if at >= len(read))
         finally:
@@ -732,7 +732,7 @@ async def test_a_dropped_loaders_window_stops_being_protected(autojump_clock: tr
     backend = FakeBackend(latency=LATENCY)
     a, b = two_domains(backend)
     async with open_system(backend, ram=LOADER_RAM) as s:
-        policy = s.cache.memory.policy
+        policy = s.cache.memory.index
 
         def next_use(path: str) -> int | None:
             attr = s.fs.meta.peek(path)

@@ -77,7 +77,7 @@ async def open_tier(kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     disk = await DiskTier.open(str(tmp_path), 1 << 20, 0.0)
     # Room for CAPACITY blocks beside what the empty tier counts (its directory).
     disk.limit_bytes = disk.used_bytes + CAPACITY * allocated_bytes(PAYLOAD)
-    disk.policy.scratch_bytes = 0  # as the RAM tier's: an unplanned block never displaces a planned one
+    disk.index.scratch_bytes = 0  # as the RAM tier's: an unplanned block never displaces a planned one
     try:
         yield Subject(disk)
     finally:

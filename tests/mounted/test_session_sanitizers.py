@@ -1,12 +1,15 @@
-"""The C FUSE session (fs/_session.c) under AddressSanitizer and UndefinedBehaviorSanitizer.
+"""The C extensions under AddressSanitizer and UndefinedBehaviorSanitizer: the FUSE session
+(fs/_session.c) and the tiers' block index (cache/_index.c).
 
-The extension is built a second time with ``CUBEFS_FUSE_SANITIZE=1`` into a copy of the
+The extensions are built a second time with ``CUBEFS_FUSE_SANITIZE=1`` into a copy of the
 package, and a real daemon runs it (the sanitizer runtimes preloaded, since the Python
 interpreter itself is not instrumented) while readers on several threads list, stat,
 read, readlink, statfs and try to write through the mount, with the kernel's caches
 dropped under them, and the mount's FORGETs, published entries, a handover to a second
 daemon (``cubefs-fuse upgrade``), a SIGKILL and the standby's recovery, and the unmount
-run their course.  Any report of either sanitizer fails the test.
+run their course; and the block index's unit tests (random churn against a reference
+model, table growth and deletion, values' references) run against the sanitized index.
+Any report of either sanitizer fails the test.
 """
 
 from __future__ import annotations
@@ -36,15 +39,24 @@ def _runtime(name: str) -> str:
 
 
 def _sanitized_package(tmp: Path) -> Path:
-    """A copy of the package whose FUSE session is built with ASan and UBSan."""
+    """A copy of the package whose extensions are built with ASan and UBSan."""
     pkg = tmp / "pkg"
     shutil.copytree(REPO / "cubefs_fuse", pkg / "cubefs_fuse",
                     ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(pkg),
                     "--build-temp", str(tmp / "build")], cwd=REPO, check=True, capture_output=True,
                    env={**os.environ, "CUBEFS_FUSE_SANITIZE": "1"})
-    assert list((pkg / "cubefs_fuse" / "fs").glob("_session.*.so")), "the sanitized build made no module"
+    assert list((pkg / "cubefs_fuse" / "fs").glob("_session.*.so")), "the sanitized build made no session"
+    assert list((pkg / "cubefs_fuse" / "cache").glob("_index.*.so")), "the sanitized build made no index"
     return pkg
+
+
+def _sanitized_env(pkg: Path, reports: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(pkg),
+            "LD_PRELOAD": f"{_runtime('libasan.so')}:{_runtime('libubsan.so')}",
+            # CPython frees not everything at exit: leaks are not what this test looks for.
+            "ASAN_OPTIONS": f"detect_leaks=0:log_path={reports}/asan",
+            "UBSAN_OPTIONS": f"print_stacktrace=1:halt_on_error=1:log_path={reports}/ubsan"}
 
 
 def _reports(folder: Path) -> str:
@@ -121,18 +133,15 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     pkg = _sanitized_package(tmp_path)
     reports = tmp_path / "reports"
     reports.mkdir()
-    env = {**os.environ, "PYTHONPATH": str(pkg),
-           "LD_PRELOAD": f"{_runtime('libasan.so')}:{_runtime('libubsan.so')}",
-           # CPython frees not everything at exit: leaks are not what this test looks for.
-           "ASAN_OPTIONS": f"detect_leaks=0:log_path={reports}/asan",
-           "UBSAN_OPTIONS": f"print_stacktrace=1:halt_on_error=1:log_path={reports}/ubsan"}
+    env = _sanitized_env(pkg, reports)
     m.config_path.write_text(json.dumps(m.config()))
     result = subprocess.run([sys.executable, "-m", "cubefs_fuse", "mount", "-c", str(m.config_path)],
                             capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     assert result.returncode == 0, f"mount failed: {result.stderr}\n{_reports(reports)}\n{m.log()}"
     m.mounted = True
     maps = Path(f"/proc/{m.pid()}/maps").read_text()
-    assert "libasan" in maps and str(pkg) in maps, "the daemon does not run the sanitized session"
+    assert "libasan" in maps and str(pkg / "cubefs_fuse" / "fs") in maps, "the daemon does not run the sanitized session"
+    assert str(pkg / "cubefs_fuse" / "cache") in maps, "the daemon does not run the sanitized block index"
     _readers(m, contents)
     # The kernel's entries dropped twice under one reader that looks every name up: the
     # second time, each LOOKUP is answered from the entry the first (or the readers) published.
@@ -164,3 +173,20 @@ def test_the_session_runs_clean_under_address_and_undefined_behaviour_sanitizers
     m.mounted = False
     assert not _reports(reports), _reports(reports)
     assert "runtime error" not in m.log() and "AddressSanitizer" not in m.log(), m.log()[-4000:]
+
+
+def test_the_block_index_runs_clean_under_address_and_undefined_behaviour_sanitizers(tmp_path: Path) -> None:
+    pkg = _sanitized_package(tmp_path)
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    env = _sanitized_env(pkg, reports)
+    env["PYTHONPATH"] = f"{pkg}{os.pathsep}{REPO}"  # the sanitized package first, the tests from the checkout
+    where = subprocess.run([sys.executable, "-c", "import cubefs_fuse.cache._index as i; print(i.__file__)"],
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60)
+    assert where.stdout.startswith(str(pkg)), f"not the sanitized index: {where.stdout} {where.stderr}"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             str(REPO / "tests" / "unit" / "test_block_index.py")],
+                            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}\n{_reports(reports)}"
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-500:]
+    assert not list(reports.iterdir()), _reports(reports)

@@ -480,12 +480,12 @@ async def test_a_new_value_that_finds_no_room_on_nvme_takes_the_old_file_with_it
 
 
 async def test_one_caches_policy_keys_spread_over_every_shard(tmp_path: Path) -> None:
-    """The policies' per-entry dicts are split by a key's first byte so that none is ever
+    """The policies' hash tables are split by a key's first byte so that none is ever
     rebuilt whole: one cache's consecutive keys must land in every shard, not one."""
     store = await open_store(tmp_path, 1 << 20, 4 << 20)
     assert await store.put_many(ME, "sweep", [(k, entry(k, 100)) for k in range(512)]) == 512
-    used = [shard for shard in store.disk_policy._size if shard]
-    assert len(used) == 256 and max(len(shard) for shard in used) == 2
+    used = [len(keys) for keys in map(store.disk_policy.shard_keys, range(256)) if keys]
+    assert len(used) == 256 and max(used) == 2
 
 
 async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path: Path) -> None:
@@ -504,9 +504,9 @@ async def test_many_entries_make_no_gc_tracked_object_and_no_large_dict(tmp_path
     assert len(gc.get_objects()) - before < count // 100  # a few containers, nothing per entry
     cache = store._caches[(ME, "big")]
     assert len(cache.entries) == len(cache.ram) == store.ram_entries == count
-    shards: list[Sized] = [*cache.entries.shards, *cache.ram.shards, *store.ram_policy._size,
-              *store.ram_policy._next, *store.ram_policy._prev]
+    shards: list[Sized] = [*cache.entries.shards, *cache.ram.shards]
     assert not any(gc.is_tracked(shard) for shard in shards)
+    assert len(store.ram_policy) == count and not gc.is_tracked(store.ram_policy)  # C records, no objects
     assert max(len(shard) for shard in shards) <= count // 100
     # Keys are int64: negative ones shard as well, and read back.
     assert await store.put_many(ME, "big", [(-1, entry(1)), (-(2**63), entry(2))]) == 2

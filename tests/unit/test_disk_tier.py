@@ -26,12 +26,13 @@ PAGE = 4096
 def entry_at(tier: DiskTier, directory: Path, k: bytes) -> tuple[Path, int, int]:
     """Where a block lives (the layout documented in cubefs_fuse/cache/disk.py): its
     segment file, offset and allocated size."""
-    segment, size, offset = LOCATION.unpack(tier._entries[k])
+    segment, size, offset = LOCATION.unpack(tier.index.get(k))  # type: ignore[arg-type]
     return directory / "segments" / f"{segment:08x}.seg", offset, size
 
 
 def stored_bytes(tier: DiskTier) -> int:
-    return sum(LOCATION.unpack(location)[1] for location in tier._entries.values())
+    locations: list[int] = [tier.index.get(key) for key in tier.index.order()]  # type: ignore[misc]  # values are ints
+    return sum(LOCATION.unpack(location)[1] for location in locations)
 
 
 def check_accounting(tier: DiskTier, directory: Path) -> int:

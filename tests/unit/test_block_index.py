@@ -1,34 +1,33 @@
-"""PlannedLru (cache/policy.py): LRU without plans, Belady with them.
+"""BlockIndex (cache/_index.c): a tier's blocks and their eviction order: LRU without
+plans, Belady with them.
 
-The randomized test drives PlannedLru and a deliberately naive reference model (lists
-and sorts, no linked lists) with the same operations and checks that they choose the
-same victims and the same eviction order, so the linked lists and the sorted next uses
-cannot drift from the rules.  PlannedLru keeps its per-block state out of the garbage
-collector's sight (docs/concurrency.md, "the trio thread does no work proportional to
-the cache"): the tests check that too.
+The randomized test drives BlockIndex and a deliberately naive reference model (lists and
+sorts, no heap, no linked lists) with the same operations and checks that they choose the
+same victims and the same eviction order, and that every internal invariant holds
+(``check()``), so the C heap, lists and hash tables cannot drift from the rules.
 """
 
 from __future__ import annotations
 
 import gc
 import random
-
-import pytest
 from dataclasses import dataclass, field
 
+import pytest
+
+from cubefs_fuse.cache._index import BlockIndex
 from cubefs_fuse.cache.memory import MemoryTier
-from cubefs_fuse.cache import policy
-from cubefs_fuse.cache.policy import USE_CHUNK, PlannedLru, _SortedInts
 
 SIZE = 10  # every block in these tests has the same size unless said otherwise
 
 
 def k(i: int) -> bytes:
-    return f"b{i}".encode()
+    """Key number ``i``: 16 bytes, ordered as ``i`` (equal next uses go in key order)."""
+    return i.to_bytes(16, "big")
 
 
-def admit(p: PlannedLru, key: bytes, size: int, free: int, next_use: int | None) -> list[bytes] | None:
-    """What MemoryTier.put does with the policy: evict the victims, then add."""
+def admit(p: BlockIndex, key: bytes, size: int, free: int, next_use: int | None) -> list[bytes] | None:
+    """What MemoryTier.put does with the index: evict the victims, then add."""
     victims = p.victims(size, free, next_use)
     if victims is not None:
         for v in victims:
@@ -38,7 +37,7 @@ def admit(p: PlannedLru, key: bytes, size: int, free: int, next_use: int | None)
 
 
 def test_without_plans_it_is_lru() -> None:
-    p = PlannedLru(scratch_bytes=0)
+    p = BlockIndex(scratch_bytes=0)
     for i in range(4):
         p.add(k(i), SIZE)
     p.touch(k(0))  # 0 becomes the most recently used: 1 is now the oldest
@@ -51,7 +50,7 @@ def test_without_plans_it_is_lru() -> None:
 
 
 def test_unplanned_blocks_go_before_planned_ones() -> None:
-    p = PlannedLru(scratch_bytes=0)
+    p = BlockIndex(scratch_bytes=0)
     p.add(k(0), SIZE, next_use=100)  # planned, far in the future
     p.add(k(1), SIZE)  # unplanned, more recent than 0
     p.add(k(2), SIZE, next_use=5)
@@ -61,7 +60,7 @@ def test_unplanned_blocks_go_before_planned_ones() -> None:
 
 
 def test_planned_blocks_go_furthest_next_use_first() -> None:
-    p = PlannedLru(scratch_bytes=0)
+    p = BlockIndex(scratch_bytes=0)
     for i, use in enumerate((40, 10, 30, 20)):
         p.add(k(i), SIZE, next_use=use)
     assert p.victims(SIZE, 0, next_use=0) == [k(0)]
@@ -74,7 +73,7 @@ def test_planned_blocks_go_furthest_next_use_first() -> None:
 
 
 def test_planned_newcomer_never_displaces_blocks_needed_sooner() -> None:
-    p = PlannedLru(scratch_bytes=1000)
+    p = BlockIndex(scratch_bytes=1000)
     for i, use in enumerate((10, 20, 30)):
         p.add(k(i), SIZE, next_use=use)
     assert p.victims(SIZE, 0, next_use=35) is None  # needed after everything resident
@@ -87,7 +86,7 @@ def test_planned_newcomer_never_displaces_blocks_needed_sooner() -> None:
 
 
 def test_unplanned_newcomer_limited_by_scratch() -> None:
-    p = PlannedLru(scratch_bytes=2 * SIZE)
+    p = BlockIndex(scratch_bytes=2 * SIZE)
     for i, use in enumerate((10, 20, 30)):
         p.add(k(i), SIZE, next_use=use)
     # Within the scratch room an unplanned block may take the furthest planned block.
@@ -101,7 +100,7 @@ def test_unplanned_newcomer_limited_by_scratch() -> None:
 
 
 def test_unplan_makes_a_block_the_most_recent_unplanned() -> None:
-    p = PlannedLru(scratch_bytes=0)
+    p = BlockIndex(scratch_bytes=0)
     p.add(k(0), SIZE)
     p.add(k(1), SIZE, next_use=3)
     p.add(k(2), SIZE)
@@ -109,7 +108,7 @@ def test_unplan_makes_a_block_the_most_recent_unplanned() -> None:
     assert p.next_use(k(1)) is None
     assert p.victims(3 * SIZE, 0, None) == [k(0), k(2), k(1)]
     p.add(k(3), SIZE, next_use=1)
-    p.unplan_all()
+    assert not p.unplan_some(100)
     assert p.planned_bytes == 0 and p.unplanned_bytes == 4 * SIZE
     assert p.victims(SIZE, 0, next_use=0) == [k(0)]
 
@@ -134,12 +133,11 @@ def test_memory_tier_keeps_its_limit_and_refuses_later_needed_blocks() -> None:
 
 @dataclass
 class Reference:
-    """The rules of policy.py written as plainly as possible."""
+    """The rules of cache/_index.c written as plainly as possible."""
 
     scratch: int
     unplanned: list[tuple[bytes, int]] = field(default_factory=list)  # oldest first
-    planned: dict[bytes, tuple[int, int, int]] = field(default_factory=dict)  # key -> (next_use, serial, size)
-    serial: int = 0
+    planned: dict[bytes, tuple[int, int]] = field(default_factory=dict)  # key -> (next_use, size)
 
     def remove(self, key: bytes) -> None:
         self.unplanned = [(u, s) for u, s in self.unplanned if u != key]
@@ -150,15 +148,14 @@ class Reference:
         if next_use is None:
             self.unplanned.append((key, size))
         else:
-            self.planned[key] = (next_use, self.serial, size)
-            self.serial += 1
+            self.planned[key] = (next_use, size)
 
     def size_of(self, key: bytes) -> int | None:
         for u, s in self.unplanned:
             if u == key:
                 return s
         entry = self.planned.get(key)
-        return entry[2] if entry else None
+        return entry[1] if entry else None
 
     def touch(self, key: bytes) -> None:
         size = self.size_of(key)
@@ -173,11 +170,11 @@ class Reference:
 
     def unplan(self, key: bytes) -> None:
         if key in self.planned:
-            self.add(key, self.planned[key][2], None)
+            self.add(key, self.planned[key][1], None)
 
     def eviction_order(self) -> list[bytes]:
-        """Planned keys: furthest next use first; among equals, the one planned first."""
-        return [key for key, _ in sorted(self.planned.items(), key=lambda e: (-e[1][0], e[1][1]))]
+        """Planned keys: furthest next use first; among equals, in key order."""
+        return sorted(self.planned, key=lambda key: (-self.planned[key][0], key))
 
     def order(self) -> list[bytes]:
         return [key for key, _ in self.unplanned] + self.eviction_order()
@@ -193,9 +190,9 @@ class Reference:
                 return out
         if next_use is None and need > self.scratch:
             return None
-        # Furthest next use first; among equals, the one planned first.
+        # Furthest next use first; among equals, in key order.
         for key in self.eviction_order():
-            use, _, size = self.planned[key]
+            use, size = self.planned[key]
             if next_use is not None and use <= next_use:
                 return None
             out.append(key)
@@ -205,31 +202,24 @@ class Reference:
         return None
 
 
-def check_consistent(p: PlannedLru, ref: Reference) -> None:
+def check_consistent(p: BlockIndex, ref: Reference) -> None:
     assert len(p) == len(ref.unplanned) + len(ref.planned)
     assert p.unplanned_bytes == sum(s for _, s in ref.unplanned)
-    assert p.planned_bytes == sum(e[2] for e in ref.planned.values())
-    for key, (use, _, _) in ref.planned.items():
+    assert p.planned_bytes == sum(e[1] for e in ref.planned.values())
+    for key, (use, _) in ref.planned.items():
         assert p.next_use(key) == use
     for key, _ in ref.unplanned:
         assert key in p and p.next_use(key) is None
     # The whole eviction order, not just the victims of one admission.
     assert p.order() == ref.order()
-    # White box: each distinct next use has exactly one list, and the lists hold every key once.
-    assert list(p._uses.descending()) == sorted({e[0] for e in ref.planned.values()}, reverse=True)
-    lists = sum(map(len, p._heads)) + (p._lru_head is not None)
-    assert sum(map(len, p._next)) == sum(map(len, p._prev)) == len(p) - lists
+    p.check()  # white box: lists, heap positions and order, tables, counts
 
 
-@pytest.mark.parametrize("chunk", [USE_CHUNK, 2])
-def test_randomized_churn_matches_the_reference_model(chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    # With chunks of 2 next uses, the ~20 distinct ones resident split and merge chunks
-    # all the time (the default size only does that past a thousand).
-    monkeypatch.setattr(policy, "USE_CHUNK", chunk)
+def test_randomized_churn_matches_the_reference_model() -> None:
     rng = random.Random(20240601)  # fixed seed: a failure reproduces
     limit = 400  # bytes of the simulated tier; blocks are 5..40 bytes, so ~20 resident
     scratch = 45
-    p, ref = PlannedLru(scratch), Reference(scratch)
+    p, ref = BlockIndex(scratch), Reference(scratch)
     used = 0
     decisions = {"admitted": 0, "refused": 0, "evicted": 0}
     for step in range(20_000):
@@ -277,7 +267,8 @@ def test_randomized_churn_matches_the_reference_model(chunk: int, monkeypatch: p
             for key2 in ref.eviction_order()[:count]:  # the furthest next use first
                 ref.unplan(key2)
         else:
-            p.unplan_all()
+            while p.unplan_some(5):
+                pass
             for key2 in ref.eviction_order():
                 ref.unplan(key2)
         if step % 97 == 0:
@@ -285,9 +276,6 @@ def test_randomized_churn_matches_the_reference_model(chunk: int, monkeypatch: p
     check_consistent(p, ref)
     # The run exercised every branch: admissions, refusals and evictions.
     assert min(decisions.values()) > 100, decisions
-    # Nothing left behind: the lists hold exactly the resident keys.
-    assert sum(map(len, p._heads)) == sum(map(len, p._tails)) == len(p._uses)
-    assert (p._lru_head is None) == (p._lru_tail is None) == (not ref.unplanned)
 
 
 def test_a_block_replanned_to_an_earlier_position_is_evicted_once() -> None:
@@ -300,52 +288,107 @@ def test_a_block_replanned_to_an_earlier_position_is_evicted_once() -> None:
     tier.plan(k(2), 5)
     tier.plan(k(2), 7)
     tier.plan(k(2), 12)
-    assert tier.policy.victims(2 * SIZE, 0, next_use=0) == [k(2), k(1)]
+    assert tier.index.victims(2 * SIZE, 0, next_use=0) == [k(2), k(1)]
     assert tier.put(k(8), b"x" * 2 * SIZE, next_use=0)
     assert k(0) in tier and k(8) in tier and tier.used_bytes == 3 * SIZE
 
 
-# -- the sorted next uses and the collector ------------------------------------------------
+# -- the records, the tables and the collector ---------------------------------------------
 
 
-def test_sorted_ints_matches_a_sorted_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    chunk = 8  # small chunks: many splits and merges
-    monkeypatch.setattr(policy, "USE_CHUNK", chunk)
-    rng = random.Random(7)
-    s, ref = _SortedInts(), set()
-    for step in range(5_000):
-        value = rng.randrange(-50, 300)
-        if value in ref:
-            s.remove(value)
-            ref.discard(value)
+def test_keys_values_and_tags_come_back_whole_through_growth_and_deletion() -> None:
+    # Random 16-byte keys over every shard: each table grows many times, and removals in
+    # a full table exercise the backward shift (an entry moved into the hole must still
+    # be found, one that must stay must not move).
+    rng = random.Random(5)
+    p = BlockIndex(0, objects=True)
+    model: dict[bytes, tuple[bytes, int]] = {}
+    for step in range(60_000):
+        if model and rng.random() < 0.35:
+            key = rng.choice(list(model)) if step % 50 == 0 else next(iter(model))
+            value, tag = model.pop(key)
+            assert p.get(key) is value and p.tag(key) == tag
+            assert p.remove(key) == len(value)
         else:
-            s.add(value)
-            ref.add(value)
-        if step % 50 == 0 or step > 4_900:
-            assert list(s.descending()) == sorted(ref, reverse=True), f"step {step}"
-            assert len(s) == len(ref)
-            assert all(s._chunks) and s._maxes == [c[-1] for c in s._chunks]
-            assert all(len(c) <= 2 * chunk for c in s._chunks)
-            # Merges keep every chunk but the last at least a quarter full, so the chunk
-            # list stays proportional to the values, not to their history.
-            assert all(len(c) >= chunk // 4 for c in s._chunks[:-1])
+            key = rng.randbytes(16)
+            value, tag = rng.randbytes(rng.randrange(1, 40)), rng.getrandbits(64)
+            model[key] = (value, tag)
+            p.add(key, len(value), rng.randrange(100) if rng.random() < 0.5 else None, value=value, tag=tag)
+        if step % 5_000 == 0:
+            p.check()
+    p.check()
+    assert len(p) == len(model)
+    assert all(p.get(key) is value and p.tag(key) == tag for key, (value, tag) in model.items())
+    assert all(rng.randbytes(16) not in p for _ in range(1000))
+    listed = [key for shard in range(256) for key in p.shard_keys(shard)]
+    assert sorted(listed) == sorted(model)
+    tagged = [p.tagged_shard(shard) for shard in range(256)]
+    assert {key: tag for keys, tags in tagged for key, tag in zip(keys, tags)} == \
+        {key: tag for key, (_, tag) in model.items() if tag}
+    assert all(key[0] == shard for shard in range(256) for key in p.shard_keys(shard))
 
 
-def test_per_block_state_is_invisible_to_the_garbage_collector() -> None:
-    # The point of the structure: a full collection must not visit a reference per
-    # block, so every per-block container must be one CPython does not track.
-    p = PlannedLru(scratch_bytes=0)
-    blocks = 20_000
+def test_values_are_held_until_removed_and_ints_keep_64_bits() -> None:
+    import sys
+    data = bytes(range(50)) * 3
+    before = sys.getrefcount(data)
+    p = BlockIndex(0, objects=True)
+    p.add(k(1), len(data), value=data)
+    p.add(k(2), len(data), 7, value=data)
+    assert sys.getrefcount(data) == before + 2
+    p.add(k(1), 1, value=b"x")  # replaced: the old value is let go
+    assert sys.getrefcount(data) == before + 1
+    popped = p.pop(k(2))
+    assert popped is data and k(2) not in p
+    del popped
+    assert sys.getrefcount(data) == before
+    assert p.pop(k(2), "gone") == "gone" and p.get(k(3)) is None
+    p.add(k(4), 1, value=data)
+    del p  # the index's end lets go of what it holds
+    assert sys.getrefcount(data) == before
+    words = BlockIndex(0)
+    words.add(k(1), 4096, value=2**64 - 1, tag=2**64 - 1)
+    assert words.get(k(1)) == 2**64 - 1 and words.tag(k(1)) == 2**64 - 1 and words.size_of(k(1)) == 4096
+    words.set_tag(k(1), 5)
+    assert words.tag(k(1)) == 5 and words.tag(k(2)) == 0
+
+
+def test_bad_keys_values_and_arguments_are_refused_with_the_index_unchanged() -> None:
+    p = BlockIndex(0, objects=True)
+    p.add(k(1), 5, value=b"12345")
+    with pytest.raises(ValueError, match="16 bytes, not 3"):
+        p.add(b"abc", 1, value=b"x")
+    with pytest.raises(TypeError, match="a key is bytes"):
+        p.touch("not bytes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a value of this index is bytes"):
+        p.add(k(2), 1, value=3)
+    with pytest.raises(TypeError, match="next_use is an int or None"):
+        p.add(k(2), 1, "soon", value=b"x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="larger than an index holds"):
+        p.add(k(2), 2**32, value=b"x")
+    with pytest.raises(ValueError, match="a shard is 0 to 255"):
+        p.shard_keys(256)
+    with pytest.raises(ValueError, match="key_bytes is 1 to 16"):
+        BlockIndex(0, key_bytes=17)
+    with pytest.raises(TypeError, match="a value of this index is an int"):
+        BlockIndex(0).add(k(1), 1, value=b"x")
+    assert len(p) == 1 and p.get(k(1)) == b"12345"
+    p.check()
+    short = BlockIndex(0, key_bytes=12)  # the sample store's (key, cache id) names
+    short.add(b"0123456789ab", 3)
+    assert short.order() == [b"0123456789ab"] and b"0123456789ab" in short
+
+
+def test_a_block_costs_the_index_at_most_64_bytes_and_nothing_the_collector_walks() -> None:
+    # The record is 52 bytes and the tables at most 4 / 0.375 per block; a per-block
+    # Python object anywhere would show in the collector's count.
+    p = BlockIndex(0, objects=True)
+    blocks = 200_000
+    one = b"x"
+    gc.collect()
+    objects = len(gc.get_objects())
     for i in range(blocks):
-        p.add(i.to_bytes(16, "little"), 4096, next_use=i // 4 if i % 3 else None)
-    for i in range(0, blocks, 7):
-        p.touch(i.to_bytes(16, "little"))
-        p.plan((i + 1).to_bytes(16, "little"), blocks + i)
-    for name in ("_size", "_use", "_next", "_prev", "_heads", "_tails"):
-        shards = getattr(p, name)
-        assert sum(map(len, shards)) > blocks // 10, name
-        assert not any(gc.is_tracked(shard) for shard in shards), name
-    # The sorted next uses: a few arrays (tracked, but they hold no references).
-    assert len(p._uses) > blocks // 4 and len(p._uses._chunks) <= 4 * len(p._uses) // USE_CHUNK + 1
-    assert all(not gc.get_referents(chunk) or gc.get_referents(chunk) == [type(chunk)]
-               for chunk in p._uses._chunks)
+        p.add(i.to_bytes(8, "little") + bytes(8), 1, next_use=i // 4 if i % 3 else None, value=one, tag=i)
+    assert len(gc.get_objects()) - objects < 10 and not gc.is_tracked(p)
+    assert p.memory() / blocks <= 64
+    p.check()
