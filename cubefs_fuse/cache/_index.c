@@ -200,6 +200,10 @@ static void leave(Index *x, uint32_t i)
         PyMem_Free(t->buckets);
         t->buckets = NULL;
         t->mask = 0;
+    } else if (t->mask + 1 > MIN_BUCKETS && (uint64_t)t->used * 8 < (uint64_t)t->mask + 1) {
+        /* Under 1/8 full: halved (then under 1/4, far from the 3/4 that doubles it), so a
+         * tier that shrank gives its buckets back; if memory is short it stays as it is. */
+        (void)resize(x, t, (t->mask + 1) / 2);
     }
 }
 

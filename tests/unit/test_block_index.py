@@ -392,3 +392,24 @@ def test_a_block_costs_the_index_at_most_64_bytes_and_nothing_the_collector_walk
     assert len(gc.get_objects()) - objects < 10 and not gc.is_tracked(p)
     assert p.memory() / blocks <= 64
     p.check()
+
+
+def test_tables_give_their_buckets_back_as_the_index_shrinks() -> None:
+    rng = random.Random(11)
+    p = BlockIndex(0)
+    keys = [rng.randbytes(16) for _ in range(100_000)]
+    for key in keys:
+        p.add(key, 1)
+    full = p.memory()
+    for key in keys[:95_000]:
+        assert p.remove(key) == 1
+    p.check()
+    # The records stay allocated for reuse; the tables shrank with the keys: at most 8
+    # buckets of 4 bytes per key left (a table is halved when under 1/8 full).
+    records = (100_000 + 4095) // 4096 * 4096 * 48
+    assert p.memory() - records <= 32 * len(p) < (full - records) / 4
+    assert all(key in p for key in keys[95_000:]) and not any(key in p for key in keys[:1000])
+    for key in keys[95_000:]:
+        p.remove(key)
+    assert len(p) == 0 and p.memory() == records
+    p.check()
