@@ -6,7 +6,6 @@ implementation runs every blocking call off the trio thread, and ``read_block`` 
 from __future__ import annotations
 
 import errno
-
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol

@@ -538,25 +538,31 @@ static PyObject *Index_remove(Index *x, PyObject *key)
     return PyLong_FromUnsignedLong(size);
 }
 
+/* What get() and pop() answer: the key's value, or the default (*i NONE: absent). */
+static PyObject *found(Index *x, PyObject *const *args, Py_ssize_t nargs, uint32_t *i)
+{
+    if (nargs < 1 || nargs > 2)
+        return PyErr_Format(PyExc_TypeError, "(key, default=None)");
+    if (lookup(x, args[0], i) < 0)
+        return NULL;
+    if (*i == NONE)
+        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    return value_of(x, *i);
+}
+
 /* get(key, default=None) -> its value. */
 static PyObject *Index_get(Index *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs < 1 || nargs > 2)
-        return PyErr_Format(PyExc_TypeError, "get(key, default=None)");
     uint32_t i;
-    if (lookup(x, args[0], &i) < 0)
-        return NULL;
-    if (i == NONE)
-        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
-    return value_of(x, i);
+    return found(x, args, nargs, &i);
 }
 
 /* pop(key, default=None) -> its value, removed. */
 static PyObject *Index_pop(Index *x, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *value = Index_get(x, args, nargs);
-    uint32_t i;
-    if (value && lookup(x, args[0], &i) == 0 && i != NONE)
+    uint32_t i = NONE;
+    PyObject *value = found(x, args, nargs, &i);
+    if (value && i != NONE)
         drop_record(x, i);
     return value;
 }
