@@ -1,6 +1,6 @@
-"""A delaying, faulting HTTP proxy in front of an S3 server (the tests' and the benchmark
-suite's SeaweedFS): it gives a loopback server the latency of a real object store, and
-lets a test make the bucket throttle.
+"""A delaying, faulting HTTP proxy in front of an S3 server (the tests' SeaweedFS): it
+gives a loopback server the latency of a real object store, and lets a test make the
+bucket throttle.
 
 Every request is forwarded as it came (method, path, headers with the Host the client
 signed, body) after ``delay`` seconds, except that the next ``fail_next(n)`` requests are
@@ -13,9 +13,11 @@ Cost, measured on the 2-core VM (2026-11-29, 110 KB GETs by obstore, one at a ti
 SeaweedFS answering in 2.2 ms median): the proxy adds 0.65 ms of latency and spends
 0.6-0.8 ms of CPU per request without a delay; with ``delay=0.01`` a GET took 14.4 ms
 median (the 10 ms, the proxy's 0.65 and ~1.5 ms of sleep overshoot on a loaded machine)
-and 0.9-1.4 ms of proxy CPU.  Each client connection has its own thread and its own
-upstream keep-alive connection (both S3 clients pool connections).
-``with S3Proxy(target_port, delay=0.01) as proxy:``."""
+and 0.9-1.4 ms of proxy CPU.  That CPU would be taken from what a benchmark measures on
+the same cores, so the benchmark suite's S3 rows use ``tools/s3_proxy_c`` (C, the same
+per-request delay, ~0.1 ms of CPU per GET, no faults and no record).  Each client
+connection has its own thread and its own upstream keep-alive connection (both S3
+clients pool connections).  ``with S3Proxy(target_port, delay=0.01) as proxy:``."""
 
 from __future__ import annotations
 
@@ -157,28 +159,3 @@ class S3Proxy:
         self.server.server_close()
         self._thread.join(10)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m tools.s3_proxy --target-port PORT --delay-ms 10``: serve until SIGTERM,
-    after printing the port it listens on (one line), so that a benchmark runs the proxy
-    as a process of its own whose CPU it can count apart from its own."""
-    import argparse
-    import signal
-
-    parser = argparse.ArgumentParser(prog="python -m tools.s3_proxy", description=__doc__.splitlines()[0])
-    parser.add_argument("--target-port", type=int, required=True, help="the S3 server's port on 127.0.0.1")
-    parser.add_argument("--delay-ms", type=float, default=0.0, help="milliseconds added to every request")
-    args = parser.parse_args(argv)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    with S3Proxy(args.target_port, delay=args.delay_ms / 1000) as proxy:
-        print(proxy.port, flush=True)
-        try:
-            stop.wait()
-        except KeyboardInterrupt:
-            pass
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """The S3 workload (``--workloads s3``, not in the default set: ~5 minutes on 2 cores):
 the suite's dataset in a bucket of a local SeaweedFS (tests/s3_servers.py), read through
-the delaying proxy (tools/s3_proxy.py, its own process) at :data:`DELAY_MS` per request,
-a remote object store's order of latency.
+the delaying proxy (tools/s3_proxy_c, built here, its own process) at :data:`DELAY_MS` per
+request, a remote object store's order of latency at ~0.1 ms of CPU per request.
 
 * **training** (ImageFolder, ``train_workers`` workers, the suite's loop): the local copy;
   our mount of ``s3://`` with and without cube_torch; ``rclone mount --vfs-cache-mode
@@ -23,7 +23,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -38,13 +37,13 @@ from benchmarks.suite.systems import (METADATA_TIMEOUT_S, Context, Local, Ours, 
                                       System, cache_budget, cpu_seconds, process_tree)
 from tools.harness import DaemonMount, HarnessError, free_port
 
-DELAY_MS = 10.0  # per request: a small GET from a cloud object store (10-50 ms)
+DELAY_MS = 10  # per request, whole ms (the proxy's unit): a small GET from a cloud object store (10-50 ms)
 BUCKET = "bench"
 PREFIX = "dataset"  # the dataset's keys: PREFIX/class/file.jpg, as under the local copy
 UPLOAD_THREADS = 8  # PUTs in flight while filling the bucket (SeaweedFS takes ~200/s on 2 cores)
 RAW_WORKERS = 8  # the raw I/O bar's worker count
-# Seconds the proxy may take to print its port (a Python start-up on a loaded machine).
-PROXY_START_S = 30.0
+PROXY_BUILD = Path(__file__).resolve().parents[2] / "tools" / "s3_proxy_c" / "build.sh"
+BUILD_TIMEOUT_S = 120.0  # a cold gcc -O2 of proxy.c takes about a second on 2 cores
 # The S3 bars (docs/benchmarks.md) and what they compare.
 BARS = (
     ("training, epoch 1: cubefs+ct / local", "training", "cubefs+ct", "local", "first", 0.9),
@@ -77,8 +76,23 @@ class Bucket:
                 cpu_seconds([self.proxy.pid]))
 
 
+def proxy_binary() -> Path:
+    """tools/s3_proxy_c built if needed (idempotent); HarnessError saying why if it cannot be."""
+    try:
+        done = subprocess.run([str(PROXY_BUILD)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HarnessError(f"cannot build tools/s3_proxy_c: {exc}") from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise HarnessError(f"cannot build tools/s3_proxy_c (scripts/setup.sh installs gcc): "
+                           f"{done.stderr.strip() or f'exit status {done.returncode}'}")
+    return Path(lines[-1])
+
+
 def start_bucket(ctx: Context, registry: Registry, log: Callable[[str], None]) -> Bucket:
     from tests.s3_servers import SeaweedS3
+
+    proxy_command = [str(proxy_binary())]
 
     server = SeaweedS3(ctx.workdir / "seaweedfs")
     release = registry.push("seaweedfs", server.stop)
@@ -95,9 +109,8 @@ def start_bucket(ctx: Context, registry: Registry, log: Callable[[str], None]) -
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, ctx.dataset.files))
     log(f"  bucket filled: {len(ctx.dataset.files):,} objects in {time.perf_counter() - started:.1f} s")
-    proxy = subprocess.Popen([sys.executable, "-m", "tools.s3_proxy", "--target-port", str(server.s3_port),
-                              "--delay-ms", str(DELAY_MS)], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                             cwd=Path(__file__).resolve().parents[2])
+    proxy = subprocess.Popen([*proxy_command, "--target-port", str(server.s3_port), "--delay-ms", str(DELAY_MS)],
+                             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     registry.push("s3 proxy", lambda: stop_process(proxy))
     assert proxy.stdout is not None
     line = proxy.stdout.readline().strip()  # the port, once it listens
