@@ -41,6 +41,7 @@ from tools.harness import (
     PassResult,
     Readers,
     cache_delta,
+    cpu_split,
     drop_page_cache,
     machine,
     make_dataset,
@@ -62,6 +63,7 @@ class Row:
     result: PassResult
     cpu_s: float | None = None  # daemon CPU seconds over the pass
     delta: CacheDelta | None = None
+    cpu_by_part: dict[str, float] | None = None  # those seconds by part (tools.harness.cpu_split)
 
 
 def filesystem_of(path: Path) -> str:
@@ -132,12 +134,13 @@ def mount_pass(readers: Readers, mount: DaemonMount, dataset: Dataset, name: str
     """
     dropped = drop_page_cache() if drop else False
     before = mount.scrape()
-    cpu_before = mount.cpu_seconds()
+    cpu_before = mount.cpu_snapshot()
     result = _checked(readers.read(mount.mount_point, dataset.files, seed=seed), dataset)
     if cold and not mount.wait_for_disk_blocks(dataset.blocks):
         print("warning: the NVMe write-behind did not finish within 60 s", file=sys.stderr)
-    cpu_after = mount.cpu_seconds()
-    return Row(name, dropped, result, cpu_after - cpu_before, cache_delta(before, mount.scrape()))
+    cpu_after = mount.cpu_snapshot()
+    return Row(name, dropped, result, cpu_after.total - cpu_before.total, cache_delta(before, mount.scrape()),
+               cpu_split(cpu_before, cpu_after))
 
 
 def _checked(result: PassResult, dataset: Dataset) -> PassResult:

@@ -53,6 +53,8 @@ JPEG_QUALITY = 90
 CLASS_SATURATION = 0.6
 CLASS_VALUE = 0.75
 CLASS_NOISE = 72
+# The parts of the daemon's CPU time (DaemonMount.cpu_snapshot), as its threads are named.
+CPU_PARTS = ("session", "trio", "workers", "other")
 # Files per task handed to a reader process: large enough that the IPC per task
 # (~100 µs) is small against 16 file reads, small enough to keep all readers busy.
 READ_CHUNK_FILES = 16
@@ -393,6 +395,27 @@ def count_disk_entries(cache_dir: Path) -> int:
     return count
 
 
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """A daemon's CPU seconds at one moment (:meth:`DaemonMount.cpu_snapshot`)."""
+
+    total: float  # all its threads, those that ended included
+    threads: dict[str, tuple[str, float]]  # per live thread id: its part and its seconds
+
+
+def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
+    """CPU seconds of each part (CPU_PARTS) between two snapshots of one daemon.  A thread
+    counts what it used in between (all of it if it started in between); what threads that
+    ended in between used, and the rounding of each thread's time to a clock tick, go to
+    ``other``: the parts add up to the total's difference, never a part below zero."""
+    parts = dict.fromkeys(CPU_PARTS, 0.0)
+    for tid, (part, seconds) in after.threads.items():
+        earlier = before.threads.get(tid)
+        parts[part] += max(0.0, seconds - (earlier[1] if earlier is not None and earlier[0] == part else 0.0))
+    parts["other"] += max(0.0, after.total - before.total - sum(parts.values()))
+    return parts
+
+
 class DaemonMount:
     """A cubefs-fuse daemon mounted with the real CLI; ``cleanup()`` never leaves it behind."""
 
@@ -503,6 +526,29 @@ class DaemonMount:
             fields = f.read().rsplit(")", 1)[1].split()
         # Fields 14 and 15 of proc(5) (utime, stime) in clock ticks; fields[0] is field 3.
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def cpu_snapshot(self) -> CpuSnapshot:
+        """The daemon's CPU seconds so far, in all and per thread with its part (CPU_PARTS):
+        ``session``, the C FUSE session's threads (named ``cfs-*``); ``trio``, the main
+        thread; ``workers``, trio's worker threads (``Trio thread N``: the backend's calls,
+        the NVMe reads and writes); ``other``, any other thread.  :func:`cpu_split` turns
+        two snapshots into the seconds of each part between them."""
+        total = self.cpu_seconds()
+        assert self.pid is not None  # cpu_seconds raised otherwise
+        tick = os.sysconf("SC_CLK_TCK")
+        threads: dict[str, tuple[str, float]] = {}
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            try:
+                with open(f"/proc/{self.pid}/task/{tid}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # ended meanwhile: its time is in the total
+            comm = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat.rsplit(")", 1)[1].split()
+            part = ("trio" if tid == str(self.pid) else "session" if comm.startswith("cfs-")
+                    else "workers" if comm.startswith("Trio thread") else "other")
+            threads[tid] = (part, (int(fields[11]) + int(fields[12])) / tick)
+        return CpuSnapshot(total, threads)
 
     def wait_for_disk_blocks(self, blocks: int, timeout: float = 60.0) -> bool:
         """Wait until ``blocks`` blocks are on NVMe (the write-behind has finished).

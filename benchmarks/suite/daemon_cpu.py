@@ -20,7 +20,10 @@ The RAM tier is ``ram_fraction`` of the dataset (smaller than the data, as the f
 NVMe-tier figure asks); the NVMe tier holds it all.  The daemon runs with
 ``"profile": "ai_prefetch"``, as in every other run of the suite.  Each figure is the
 daemon's utime + stime (all threads, ``/proc/<pid>/stat``) over the pass divided by the
-files read, so it is only as fine as one clock tick over those files (``resolution``).
+files read, so it is only as fine as one clock tick over those files (``resolution``),
+and the same by part (``cpu_us_per_file_by_part``: the C session's threads, the trio
+thread, trio's worker threads and the rest, ``tools.harness.cpu_split``), each part as
+fine as a tick per thread.
 The passes themselves are ``benchmarks.read_throughput.mount_pass``.
 """
 
@@ -34,7 +37,7 @@ from typing import Any
 from benchmarks.read_throughput import Row, mount_pass
 from benchmarks.suite.cleanup import Registry
 from benchmarks.suite.systems import cache_budget
-from tools.harness import DaemonMount, Dataset, HarnessError, Readers
+from tools.harness import CPU_PARTS, DaemonMount, Dataset, HarnessError, Readers
 
 # Repetitions of the page-cache pass: its ~100 µs per file is ~10 clock ticks (10 ms
 # each) over 1,000 files; five passes make one tick ~2 µs per file.
@@ -60,10 +63,12 @@ def pass_json(kind: str, rows: list[Row]) -> dict[str, Any]:
     seconds = sum(r.result.seconds for r in rows)
     cpu = sum(r.cpu_s or 0.0 for r in rows)
     deltas = [r.delta for r in rows if r.delta is not None]
+    by_part = {part: sum((r.cpu_by_part or {}).get(part, 0.0) for r in rows) / files * 1e6 for part in CPU_PARTS}
     return {
         "kind": kind, "passes": len(rows), "files": files, "bytes": sum(r.result.bytes for r in rows),
         "seconds": seconds, "files_per_s": files / seconds, "daemon_cpu_s": cpu,
-        "cpu_us_per_file": cpu / files * 1e6, "resolution_us_per_file": clock_tick_us() / files,
+        "cpu_us_per_file": cpu / files * 1e6, "cpu_us_per_file_by_part": by_part,
+        "resolution_us_per_file": clock_tick_us() / files,
         "page_cache_dropped": all(r.dropped for r in rows),
         "fuse_reads": sum(d.reads for d in deltas), "ram_hits": sum(d.ram_hits for d in deltas),
         "disk_hits": sum(d.disk_hits for d in deltas), "misses": sum(d.misses for d in deltas),

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tools.harness import CPU_PARTS
+
 # 2: the fast-path bars added the nvme workload (runs' ram_fraction), epochs' ram/disk block hits,
 # the daemon_cpu figures, each bar's issues and runs' stop_error.
 SCHEMA = "cubefs-fuse-bench/2"
@@ -81,7 +83,7 @@ _CPU_FIELDS: dict[str, tuple[type, ...]] = {
 _CPU_PASS_FIELDS: dict[str, tuple[type, ...]] = {
     "kind": (str,), "passes": (int,), "files": (int,), "bytes": (int,), "seconds": (float,),
     "files_per_s": (float,), "daemon_cpu_s": (float,), "cpu_us_per_file": (float,),
-    "resolution_us_per_file": (float,), "page_cache_dropped": (bool,), "fuse_reads": (int,), "ram_hits": (int,),
+    "cpu_us_per_file_by_part": (dict,), "resolution_us_per_file": (float,), "page_cache_dropped": (bool,), "fuse_reads": (int,), "ram_hits": (int,),
     "disk_hits": (int,), "misses": (int,),
 }
 CPU_KINDS = ("cold", "page_cache", "nvme", "ram")  # benchmarks/suite/daemon_cpu.py's passes, in order
@@ -176,6 +178,11 @@ def _validate_cpu(cpu: dict[str, Any] | None, dataset: dict[str, Any]) -> list[s
             problems.append(f"{where}: {figure['files']} files in {figure['passes']} passes over the dataset")
         if min(figure["seconds"], figure["daemon_cpu_s"], figure["cpu_us_per_file"]) < 0:
             problems.append(f"{where}: negative time")
+        parts = figure["cpu_us_per_file_by_part"]
+        if sorted(parts) != sorted(CPU_PARTS) or not all(
+                isinstance(v, float) and math.isfinite(v) and v >= 0 for v in parts.values()):
+            problems.append(f"{where}.cpu_us_per_file_by_part: {parts!r}, expected "
+                            f"non-negative seconds for each of {list(CPU_PARTS)}")
     return problems
 
 
@@ -622,7 +629,8 @@ def samples_table(figures: dict[str, Any]) -> str:
 def cpu_table(cpu: dict[str, Any]) -> str:
     """results.md's table of the daemon's CPU per file, with its clock-tick caveat."""
     header = ["pass", "page cache dropped", "passes × files", "files/s", "daemon CPU µs/file", "± µs/file (1 tick)",
-              "ceiling files/s (1 / CPU)", "FUSE reads/file", "RAM hits", "NVMe hits", "misses"]
+              "of which C session / trio / workers / other", "ceiling files/s (1 / CPU)", "FUSE reads/file",
+              "RAM hits", "NVMe hits", "misses"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     titles = {"cold": "cold (local source)", "page_cache": "kernel page-cache hit",
               "nvme": "NVMe-tier hit (remounted)", "ram": "RAM-tier hit (page cache dropped)"}
@@ -632,6 +640,7 @@ def cpu_table(cpu: dict[str, Any]) -> str:
             titles.get(f["kind"], f["kind"]), "yes" if f["page_cache_dropped"] else "no",
             f"{f['passes']} × {per_pass:,}", f"{f['files_per_s']:,.0f}", f"{f['cpu_us_per_file']:,.0f}",
             f"{f['resolution_us_per_file']:,.1f}",
+            " / ".join(f"{f['cpu_us_per_file_by_part'][part]:,.0f}" for part in CPU_PARTS),
             f"{1e6 / f['cpu_us_per_file']:,.0f}" if f["cpu_us_per_file"] > 0 else "—",
             f"{f['fuse_reads'] / f['files']:.2f}", f"{f['ram_hits']:,}",
             f"{f['disk_hits']:,}", f"{f['misses']:,}"]) + " |")
@@ -644,7 +653,10 @@ def cpu_table(cpu: dict[str, Any]) -> str:
              f"reports that time in clock ticks of {cpu.get('clock_tick_us', 0) / 1000:g} ms, so each figure is "
              "uncertain by about one tick over the files read (the ± column); the page-cache pass is repeated to "
              "shrink it. The cold pass includes waiting for the NVMe write-behind to finish. The ceiling is one "
-             "daemon core's files/s in that regime, whatever the node."]
+             "daemon core's files/s in that regime, whatever the node. By part, from each thread's "
+             "`/proc/<pid>/task/<tid>/stat`: the C session's threads (`cfs-*`: reader threads, flusher, "
+             "watchdog), the trio thread, trio's worker threads (the backend's calls, NVMe reads and "
+             "writes), and the rest (other threads and threads that ended meanwhile)."]
     if cpu.get("error"):
         notes.append(f"**Failed**: {cpu['error']}")
     return "\n".join(lines + notes)

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from cubefs_fuse.fs.session import READER_THREADS
 from tests.helpers import Mount, metric, nvme_written, wait_until
 
 BS = 64 * 1024
@@ -51,6 +52,19 @@ def test_a_file_held_in_ram_is_looked_up_and_read_through_the_session_without_py
     served = metric(after, "cubefs_fuse_served_bytes_total", source="ram") \
         - metric(before, "cubefs_fuse_served_bytes_total", source="ram")
     assert served >= len(small) + len(large)
+    m.umount()
+
+
+def test_the_sessions_threads_are_named_so_a_profile_tells_c_from_python(make_mount: Callable[..., Mount]) -> None:
+    """The C session's readers, flusher and (with a deadline) watchdog carry names of their
+    own (``cfs-*``), which is how the benchmarks split the daemon's CPU by part
+    (tools/harness.py ``cpu_split``)."""
+    m = make_mount(backendTimeout=5)
+    m.mount()
+    task = Path(f"/proc/{m.pid()}/task")
+    names = sorted((t / "comm").read_text().strip() for t in task.iterdir())
+    assert names.count("cfs-reader") == READER_THREADS, names
+    assert names.count("cfs-flusher") == 1 and names.count("cfs-watchdog") == 1, names
     m.umount()
 
 

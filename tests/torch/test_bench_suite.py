@@ -82,6 +82,12 @@ def test_results_schema_end_to_end(tmp_path: Path) -> None:
     assert figures["nvme"]["misses"] == 0 and figures["nvme"]["disk_hits"] >= 20
     assert figures["ram"]["misses"] == 0 and figures["ram"]["ram_hits"] >= 20 and figures["ram"]["page_cache_dropped"]
     assert all(f["files_per_s"] > 0 and f["cpu_us_per_file"] >= 0 for f in figures.values())
+    # By part (the C session's threads, trio, its workers, the rest): each thread's ticks, so
+    # about the whole (a few ticks apart at most: each thread is rounded on its own).
+    for f in figures.values():
+        assert set(f["cpu_us_per_file_by_part"]) == {"session", "trio", "workers", "other"}
+        tick_per_file = cpu["clock_tick_us"] / f["files"]
+        assert abs(sum(f["cpu_us_per_file_by_part"].values()) - f["cpu_us_per_file"]) <= 16 * tick_per_file, f
     bars = {b["bar"]: b for b in results["bars"]}
     assert all(b["passed"] is not None for text, b in bars.items() if text.startswith("daemon CPU per")), bars
     assert sum(text.startswith("daemon CPU per") for text in bars) == 4

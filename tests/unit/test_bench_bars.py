@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks.suite import report
+from tools.harness import CPU_PARTS, CpuSnapshot, cpu_split
 
 LOCAL_FILES_PER_S = 1000.0  # every synthetic local epoch: ratios are files/s / 1000
 FILES = 100
@@ -55,7 +56,10 @@ def _cpu(**us_per_file: float) -> dict[str, Any]:
             files = n * FILES
             passes.append({"kind": kind, "passes": n, "files": files, "bytes": files * 110_000, "seconds": 1.0,
                            "files_per_s": float(files), "daemon_cpu_s": us_per_file[kind] * files / 1e6,
-                           "cpu_us_per_file": float(us_per_file[kind]), "resolution_us_per_file": 10_000 / files,
+                           "cpu_us_per_file": float(us_per_file[kind]),
+                           "cpu_us_per_file_by_part": {"session": float(us_per_file[kind]) / 2, "trio": float(
+                               us_per_file[kind]) / 2, "workers": 0.0, "other": 0.0},
+                           "resolution_us_per_file": 10_000 / files,
                            "page_cache_dropped": kind != "page_cache", "fuse_reads": 0 if kind == "page_cache" else files,
                            "ram_hits": files if kind == "ram" else 0, "disk_hits": files if kind == "nvme" else 0,
                            "misses": files if kind == "cold" else 0})
@@ -252,6 +256,15 @@ def test_schema_checks_the_daemon_cpu_figures() -> None:
     problems = report.validate(_results(wrong))
     assert any("passes[1]" in p and "5 passes" in p for p in problems), problems
     assert any("passes[2].cpu_us_per_file" in p for p in problems), problems
+    parts = _cpu(cold=200, page_cache=50, nvme=250, ram=40)
+    del parts["passes"][0]["cpu_us_per_file_by_part"]["workers"]  # a part missing
+    parts["passes"][3]["cpu_us_per_file_by_part"]["trio"] = -5.0  # a part below zero
+    problems = report.validate(_results(parts))
+    assert any("passes[0].cpu_us_per_file_by_part" in p for p in problems), problems
+    assert any("passes[3].cpu_us_per_file_by_part" in p for p in problems), problems
+    table = report.cpu_table(_cpu(cold=200, page_cache=50, nvme=250, ram=40))
+    assert "| of which C session / trio / workers / other |" in table.splitlines()[0]
+    assert "| 125 / 125 / 0 / 0 |" in table  # the NVMe pass's parts, per file
     no_issue = _results(None)
     del no_issue["bars"][0]["issues"]
     assert any("bars[0]" in p and "issues" in p for p in report.validate(no_issue))
@@ -354,3 +367,20 @@ def test_the_s3_workloads_bars() -> None:
     }
     out["bars"] = s3.bars(out)
     assert "| raw I/O 8 workers, epoch 1: cubefs+ct / raw bucket (obstore) | 3.96 × | ≥ 4 × | **no** |" in s3.markdown(out)
+
+
+def test_the_daemons_cpu_is_split_by_part_and_adds_up_to_the_total() -> None:
+    """cpu_split: a thread counts what it used between the snapshots (all of it if it
+    started in between); what a thread that ended in between used goes to ``other``, so the
+    parts add up to the total's difference."""
+    before = CpuSnapshot(10.0, {"1": ("trio", 4.0), "2": ("session", 1.0), "3": ("workers", 2.0),
+                                "4": ("workers", 3.0)})
+    # Thread 4 ended (0.5 s of the pass were its), thread 5 started (0.25 s).
+    after = CpuSnapshot(12.5, {"1": ("trio", 5.0), "2": ("session", 1.5), "3": ("workers", 2.25),
+                               "5": ("workers", 0.25)})
+    parts = cpu_split(before, after)
+    assert parts == {"session": 0.5, "trio": 1.0, "workers": 0.5, "other": 0.5}
+    assert sum(parts.values()) == after.total - before.total
+    assert list(parts) == list(CPU_PARTS)
+    # Each thread's time rounded on its own may exceed the total: no part below zero.
+    assert cpu_split(CpuSnapshot(1.0, {"1": ("trio", 1.0)}), CpuSnapshot(1.0, {"1": ("trio", 1.01)}))["other"] == 0.0
