@@ -500,7 +500,9 @@ async def test_write_behind_gathers_blocks_missed_one_at_a_time(tmp_path: Path) 
             for i in range(n):  # sequential misses, each well within the linger of the last
                 assert await blocks.get(cache, "f", i) == (blocks.expected("f", i), Source.BACKEND)
             await cache.drain()
-            assert cache._disk_batches <= 2, cache._disk_batches  # not one hop per block
+            # Not one hop per block: ~10 per hop on a quiet machine, fewer when a loaded one
+            # spaces the misses past the linger (3 hops seen), never one each.
+            assert cache._disk_batches <= n // 4, cache._disk_batches
             stats = cache.statistics()
             assert stats.disk is not None and stats.disk.inserts == n and stats.pending_disk_bytes == 0
             for i in range(n):
