@@ -406,8 +406,9 @@ class CpuSnapshot:
 def cpu_split(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
     """CPU seconds of each part (CPU_PARTS) between two snapshots of one daemon.  A thread
     counts what it used in between (all of it if it started in between); what threads that
-    ended in between used, and the rounding of each thread's time to a clock tick, go to
-    ``other``: the parts add up to the total's difference, never a part below zero."""
+    ended in between used goes to ``other``: the parts add up to the total's difference (a
+    few ticks more where each thread's own rounding to a clock tick exceeds the total's),
+    never a part below zero."""
     parts = dict.fromkeys(CPU_PARTS, 0.0)
     for tid, (part, seconds) in after.threads.items():
         earlier = before.threads.get(tid)
