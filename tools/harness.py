@@ -70,6 +70,23 @@ class HarnessError(Exception):
     """A failure the demo or benchmark reports as one line before exiting non-zero."""
 
 
+# Seconds a C tool's build may take: a cold gcc -O2 of one of them takes ~1-2 s on 2 cores.
+BUILD_TIMEOUT_S = 120.0
+
+
+def build_tool(script: Path) -> Path:
+    """Run a C tool's ``build.sh`` (tools/build_c.sh: idempotent) and return the binary it
+    prints; HarnessError with the reason (the script's stderr) if it cannot be built."""
+    try:
+        done = subprocess.run([str(script)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise HarnessError(str(exc)) from None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
+        return Path(lines[-1])
+    raise HarnessError(done.stderr.strip() or f"exit status {done.returncode}")
+
+
 # -- datasets --------------------------------------------------------------------------
 
 

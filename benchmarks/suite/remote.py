@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.suite.cleanup import Registry
-from tools.harness import Readers
+from tools.harness import HarnessError, Readers, build_tool
 from tools.slowfs import REPO, SlowFSProcess
 
 # Remote operations in progress at once.  Our daemon uses up to 32 backend threads,
@@ -38,24 +37,17 @@ CEILING_READERS = 8
 EMULATORS = ("c", "python")  # tools/slowfs_c (the default) and tools/slowfs.py
 EMULATOR_TITLES = {"c": "tools/slowfs_c (C, libfuse3)", "python": "tools/slowfs.py (Python)"}
 SLOWFS_C_BUILD = REPO / "tools" / "slowfs_c" / "build.sh"
-BUILD_TIMEOUT_S = 120.0  # a cold gcc -O2 of slowfs.c takes ~1-2 s on 2 cores
 
 
 @functools.cache
 def slowfs_c_binary() -> Path | None:
     """Build tools/slowfs_c if needed (idempotent); None, with a warning printed, if it cannot."""
     try:
-        done = subprocess.run([str(SLOWFS_C_BUILD)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        reason = str(exc)
-    else:
-        lines = done.stdout.strip().splitlines()
-        if done.returncode == 0 and lines and os.access(lines[-1], os.X_OK):
-            return Path(lines[-1])
-        reason = done.stderr.strip() or f"exit status {done.returncode}"
-    print(f"warning: cannot build the C emulated remote ({reason}); falling back to tools/slowfs.py, "
-          "whose own ceiling (~350-400 files/s on 2 cores) caps first epochs", file=sys.stderr)
-    return None
+        return build_tool(SLOWFS_C_BUILD)
+    except HarnessError as exc:
+        print(f"warning: cannot build the C emulated remote ({exc}); falling back to tools/slowfs.py, "
+              "whose own ceiling (~350-400 files/s on 2 cores) caps first epochs", file=sys.stderr)
+        return None
 
 
 class SlowFSCProcess(SlowFSProcess):

@@ -35,7 +35,7 @@ import numpy as np
 from benchmarks.suite.cleanup import Registry, stop_process
 from benchmarks.suite.systems import (METADATA_TIMEOUT_S, Context, Local, Ours, OursCubeTorch, Rclone, RunSpec,
                                       System, cache_budget, cpu_seconds, process_tree)
-from tools.harness import DaemonMount, HarnessError, free_port
+from tools.harness import DaemonMount, HarnessError, build_tool, free_port
 
 DELAY_MS = 10  # per request, whole ms (the proxy's unit): a small GET from a cloud object store (10-50 ms)
 BUCKET = "bench"
@@ -43,7 +43,6 @@ PREFIX = "dataset"  # the dataset's keys: PREFIX/class/file.jpg, as under the lo
 UPLOAD_THREADS = 8  # PUTs in flight while filling the bucket (SeaweedFS takes ~200/s on 2 cores)
 RAW_WORKERS = 8  # the raw I/O bar's worker count
 PROXY_BUILD = Path(__file__).resolve().parents[2] / "tools" / "s3_proxy_c" / "build.sh"
-BUILD_TIMEOUT_S = 120.0  # a cold gcc -O2 of proxy.c takes about a second on 2 cores
 # The S3 bars (docs/benchmarks.md) and what they compare.
 BARS = (
     ("training, epoch 1: cubefs+ct / local", "training", "cubefs+ct", "local", "first", 0.9),
@@ -76,23 +75,13 @@ class Bucket:
                 cpu_seconds([self.proxy.pid]))
 
 
-def proxy_binary() -> Path:
-    """tools/s3_proxy_c built if needed (idempotent); HarnessError saying why if it cannot be."""
-    try:
-        done = subprocess.run([str(PROXY_BUILD)], capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise HarnessError(f"cannot build tools/s3_proxy_c: {exc}") from None
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        raise HarnessError(f"cannot build tools/s3_proxy_c (scripts/setup.sh installs gcc): "
-                           f"{done.stderr.strip() or f'exit status {done.returncode}'}")
-    return Path(lines[-1])
-
-
 def start_bucket(ctx: Context, registry: Registry, log: Callable[[str], None]) -> Bucket:
     from tests.s3_servers import SeaweedS3
 
-    proxy_command = [str(proxy_binary())]
+    try:
+        proxy_path = build_tool(PROXY_BUILD)  # before the server: a missing compiler fails at once
+    except HarnessError as exc:
+        raise HarnessError(f"cannot build tools/s3_proxy_c: {exc}") from None
 
     server = SeaweedS3(ctx.workdir / "seaweedfs")
     release = registry.push("seaweedfs", server.stop)
@@ -109,7 +98,7 @@ def start_bucket(ctx: Context, registry: Registry, log: Callable[[str], None]) -
     with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
         list(pool.map(put, ctx.dataset.files))
     log(f"  bucket filled: {len(ctx.dataset.files):,} objects in {time.perf_counter() - started:.1f} s")
-    proxy = subprocess.Popen([*proxy_command, "--target-port", str(server.s3_port), "--delay-ms", str(DELAY_MS)],
+    proxy = subprocess.Popen([str(proxy_path), "--target-port", str(server.s3_port), "--delay-ms", str(DELAY_MS)],
                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
     registry.push("s3 proxy", lambda: stop_process(proxy))
     assert proxy.stdout is not None

@@ -1252,14 +1252,9 @@ static PyObject *new_session(PyTypeObject *type, const char *mountpoint, const c
     return (PyObject *)s;
 }
 
-/* The session's threads are named (their comm, as /proc and top show it) so that a
- * profile of the daemon tells C's share from the interpreter's; a name that does not
+/* The session's threads are named (cfs-*: their comm, as /proc and top show it) so that
+ * a profile of the daemon tells C's share from the interpreter's; a name that does not
  * take changes nothing else. */
-static void name_thread(pthread_t thread, const char *name)
-{
-    (void)pthread_setname_np(thread, name);
-}
-
 static PyObject *Session_start(Session *s, PyObject *unused)
 {
     (void)unused;
@@ -1273,19 +1268,19 @@ static PyObject *Session_start(Session *s, PyObject *unused)
             s->started = i > 0;
             return raise_errno(err, "pthread_create");
         }
-        name_thread(s->threads[i], "cfs-reader");
+        (void)pthread_setname_np(s->threads[i], "cfs-reader");
     }
     s->started = 1;
     int err = pthread_create(&s->flusher, NULL, flusher, s);
     if (err)
         return raise_errno(err, "pthread_create");
-    name_thread(s->flusher, "cfs-flusher");
+    (void)pthread_setname_np(s->flusher, "cfs-flusher");
     s->flushing = 1;
     if (s->deadline_ns) {
         err = pthread_create(&s->watchdog, NULL, watchdog, s);
         if (err)
             return raise_errno(err, "pthread_create");
-        name_thread(s->watchdog, "cfs-watchdog");
+        (void)pthread_setname_np(s->watchdog, "cfs-watchdog");
         s->watching = 1;
     }
     Py_RETURN_NONE;

@@ -17,8 +17,9 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from benchmarks.suite.s3 import proxy_binary
+from benchmarks.suite.s3 import PROXY_BUILD
 from tests.s3_servers import ACCESS_KEY, REGION, SECRET_KEY, SeaweedS3, s3_env, s3_server  # noqa: F401 -- the fixtures
+from tools.harness import build_tool
 
 DELAY_MS = 100  # far above a loopback GET (~2 ms): a request that was not delayed shows
 
@@ -26,7 +27,7 @@ DELAY_MS = 100  # far above a loopback GET (~2 ms): a request that was not delay
 @pytest.fixture(scope="module")
 def binary() -> Path:
     """The built proxy.  A missing compiler fails (scripts/setup.sh installs it)."""
-    path = proxy_binary()
+    path = build_tool(PROXY_BUILD)
     assert os.access(path, os.X_OK), path
     return path
 

@@ -77,50 +77,49 @@ static void finish(struct conn *c, int from, int to)
     }
 }
 
-/* Client to upstream: each request held for the delay (see the header comment). */
-static void *to_upstream(void *arg)
+/* Copy what one side sends to the other until either ends.  Client to upstream (the
+ * requests): each request held for the delay (see the header comment).  Upstream to
+ * client (the answers): each read counted, which is how the requests' direction tells a
+ * new request from more of the last one. */
+static void relay(struct conn *c, int requests)
 {
-    struct conn *c = arg;
+    int from = requests ? c->client : c->upstream, to = requests ? c->upstream : c->client;
     char *buf = malloc(CHUNK);
     unsigned seen = 0;
     int first = 1;
     while (buf) {
-        ssize_t n = recv(c->client, buf, CHUNK, 0);
+        ssize_t n = recv(from, buf, CHUNK, 0);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
             break;
-        unsigned answers = atomic_load(&c->answers);
-        if (delay_on && (first || answers != seen)) {
-            while (clock_nanosleep(CLOCK_MONOTONIC, 0, &delay, NULL) == EINTR) {
+        if (requests) {
+            unsigned answers = atomic_load(&c->answers);
+            if (delay_on && (first || answers != seen)) {
+                while (clock_nanosleep(CLOCK_MONOTONIC, 0, &delay, NULL) == EINTR) {
+                }
             }
+            first = 0;
+            seen = answers;
+        } else {
+            atomic_fetch_add(&c->answers, 1);
         }
-        first = 0;
-        seen = answers;
-        if (write_all(c->upstream, buf, (size_t)n) != 0)
+        if (write_all(to, buf, (size_t)n) != 0)
             break;
     }
     free(buf);
-    finish(c, c->client, c->upstream);
+    finish(c, from, to);
+}
+
+static void *to_upstream(void *arg)
+{
+    relay(arg, 1);
     return NULL;
 }
 
 static void *to_client(void *arg)
 {
-    struct conn *c = arg;
-    char *buf = malloc(CHUNK);
-    while (buf) {
-        ssize_t n = recv(c->upstream, buf, CHUNK, 0);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            break;
-        atomic_fetch_add(&c->answers, 1);
-        if (write_all(c->client, buf, (size_t)n) != 0)
-            break;
-    }
-    free(buf);
-    finish(c, c->upstream, c->client);
+    relay(arg, 0);
     return NULL;
 }
 
