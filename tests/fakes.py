@@ -231,6 +231,9 @@ class FakeBackend:
         failure = self._failures.get(path)
         if failure is not None and "read" in failure[1]:
             return attr, None
+        # The read part counts as read_block's does: when it starts (a gated one hangs after).
+        self.read_calls[(path, 0)] += 1
+        self.read_log.append((path, 0))
         gate = self._gates.get(path)
         if gate is not None:
             await gate.wait()
@@ -238,8 +241,6 @@ class FakeBackend:
         if node is None or self._attr(node).version != attr.version:
             return attr, None
         self.stat_reads += 1
-        self.read_calls[(path, 0)] += 1
-        self.read_log.append((path, 0))
         self.bytes_read += len(node.data)
         return attr, node.data
 

@@ -377,6 +377,23 @@ class BlockCache:
         back with :meth:`release_fetch_slot`."""
         return self.slots.try_acquire()
 
+    def new_fetch_slot(self, *, foreground: bool) -> object:
+        """A fetch slot for a fetch made outside a flight (:meth:`admit_prefetched`'s
+        reads), to wait for at foreground or prefetch priority as a flight's would be
+        (:meth:`acquire_fetch_slot`), promoted while it waits as a flight's is
+        (:meth:`promote_fetch_slot`), given back with :meth:`release_fetch_slot`."""
+        return _Waiter(foreground)
+
+    async def acquire_fetch_slot(self, slot: object) -> None:
+        assert isinstance(slot, _Waiter)
+        await self.slots.acquire(slot)
+
+    def promote_fetch_slot(self, slot: object) -> None:
+        """A reader is about to ask for what ``slot`` is to fetch: it waits as a foreground
+        fetch from now on (:meth:`promote`)."""
+        assert isinstance(slot, _Waiter)
+        self.slots.promote(slot)
+
     def release_fetch_slot(self, slot: object) -> None:
         assert isinstance(slot, _Waiter)
         self.slots.release(slot)
@@ -421,6 +438,39 @@ class BlockCache:
             self._write_behind(key, data, None, tag)
         if self.memory.put(key, data, tag=tag):
             self._admitted_unread[key] = _FROM_DISK if from_disk else stall
+
+    def admit_prefetched(self, key: bytes, data: bytes, *, next_use: int | None, tag: int = 0) -> None:
+        """A block a plan's prefetch read outside a flight (a small file that came with its
+        stat, ``FileBlocks.prefetch_file``): into RAM ranked at ``next_use`` (and, in the
+        background, to NVMe) as a prefetch flight would have put it, and counted as one,
+        issued and completed: used at its first read, wasted if evicted unread.  A block
+        already in RAM or in flight is left alone."""
+        if key in self.memory or key in self._flights:
+            return
+        self._prefetch_issued += 1
+        self._write_behind(key, data, next_use, tag)
+        self._prefetch_landed(key, self.memory.put(key, data, next_use=next_use, tag=tag), joined=False)
+
+    def join_prefetched(self, key: bytes, stall: float) -> None:
+        """A reader waited ``stall`` seconds for the prefetch that brought ``key`` outside a
+        flight (:meth:`admit_prefetched`), as a read joins a prefetch flight, and is counted
+        as that read is (:meth:`read`): the prefetch used, the reader's first read of the
+        block the miss it waited for."""
+        if key in self.memory and key not in self._admitted_unread:
+            self._joined += 1
+            if self._unused_prefetched.pop(key, None) is not None:
+                self._prefetch_used += 1
+            self._admitted_unread[key] = stall
+
+    def _prefetch_landed(self, key: bytes, stored: bool, *, joined: bool) -> None:
+        """A prefetched block came (``stored``: the RAM tier took it); a read waited for it
+        (``joined``): neither used nor wasted then."""
+        self._prefetch_completed += 1
+        if not joined:
+            if stored:
+                self._unused_prefetched[key] = True
+            else:
+                self._prefetch_wasted += 1
 
     def prefetch(self, key: bytes, fetch: Fetcher, *, next_use: int | None = None, tag: int = 0,
                  urgent: bool = False) -> bool:
@@ -562,12 +612,7 @@ class BlockCache:
             stored = self.memory.put(key, data, next_use=flight.next_use, tag=flight.tag)
             flight.data = data
             if prefetch:
-                self._prefetch_completed += 1
-                if not flight.joined:
-                    if stored:
-                        self._unused_prefetched[key] = True
-                    else:
-                        self._prefetch_wasted += 1
+                self._prefetch_landed(key, stored, joined=flight.joined)
         except BaseException as exc:
             self._fetch_errors += 1
             if prefetch:

@@ -8,11 +8,24 @@ from __future__ import annotations
 
 import time
 
+import trio
+
 from cubefs_fuse.attrs import Attr, FileVersion
 from cubefs_fuse.backends.base import Backend
 from cubefs_fuse.cache.blockcache import BlockCache, Fetcher
 from cubefs_fuse.cache.keys import block_key, path_tag
 from cubefs_fuse.fs.metadata import MetadataCache
+
+
+class _Bring:
+    """A prefetch stat'ing a file with its bytes (``FileBlocks.prefetch_file``): the fetch
+    slot it waits for or holds, and ``done`` once it has ended, however it ended."""
+
+    __slots__ = ("slot", "done")
+
+    def __init__(self, slot: object) -> None:
+        self.slot = slot
+        self.done = trio.Event()
 
 
 class FileBlocks:
@@ -21,6 +34,9 @@ class FileBlocks:
         self.cache = cache
         self.backend = backend
         self.block_size = block_size
+        # Files a prefetch is stat'ing with their bytes (prefetch_file): a reader's lookup
+        # waits for it as a read joins a flight, and promotes it as promote_file does.
+        self._bringing: dict[str, _Bring] = {}
 
     def fetcher(self, path: str, version: FileVersion, index: int) -> Fetcher:
         bs = self.block_size
@@ -46,23 +62,39 @@ class FileBlocks:
         cache, meta = self.cache, self.meta
         if meta.peek(path) is not None:
             return await meta.stat(path), False
+        bring = self._bringing.get(path)
+        if bring is not None:  # a prefetch is bringing it: wait for it as a read joins a flight
+            start = time.perf_counter()
+            cache.promote_fetch_slot(bring.slot)
+            await bring.done.wait()
+            attr = await meta.stat(path)
+            if attr.is_file and attr.size <= self.block_size:
+                cache.join_prefetched(block_key(path, attr.version, 0), time.perf_counter() - start)
+            return attr, False
         slot = cache.try_fetch_slot()
         if slot is None:
             return await meta.stat(path), False
+        start = time.perf_counter()
+        attr, data = await self._stat_read(path, slot)
+        if data is None:
+            return attr, False
+        cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path), stall=time.perf_counter() - start)
+        return attr, True
+
+    async def _stat_read(self, path: str, slot: object) -> tuple[Attr, bytes | None]:
+        """``MetadataCache.stat_read`` of ``path`` holding the fetch slot ``slot`` (given
+        back however it ends): its attributes, and the bytes of a file of at most one block
+        that no tier and no flight holds when the worker thread has its stat."""
+        cache = self.cache
 
         def want(attr: Attr) -> bool:
             # Runs in the backend's worker thread, between the stat and the source read.
             return cache.wanted(block_key(path, attr.version, 0))
 
-        start = time.perf_counter()
         try:
-            attr, data = await meta.stat_read(path, self.block_size, want)
+            return await self.meta.stat_read(path, self.block_size, want)
         finally:
             cache.release_fetch_slot(slot)
-        if data is None:
-            return attr, False
-        cache.admit(block_key(path, attr.version, 0), data, tag=path_tag(path), stall=time.perf_counter() - start)
-        return attr, True
 
     def count(self, size: int) -> int:
         return -(-size // self.block_size)
@@ -71,8 +103,29 @@ class FileBlocks:
         """Start bringing every block of ``path`` into RAM; its size (0 if not a file).
 
         ``next_use``: the plan position that will read it (protects it from eviction).
-        ``urgent``: a reader is about to ask for it (``BlockCache.prefetch``)."""
-        attr = await self.meta.stat(path)
+        ``urgent``: a reader is about to ask for it (``BlockCache.prefetch``).
+
+        A file whose attributes are not cached is stat'ed under a fetch slot (at the
+        priority its flights would have), and if it is a file of at most one block that no
+        tier holds, its bytes come in the same backend call (``Backend.stat_read``) and
+        land as a prefetch (``BlockCache.admit_prefetched``): one backend call per cold
+        small file instead of a stat and a read (over a directory one thread hop, over S3
+        one ranged GET instead of a HEAD and a GET)."""
+        if self.meta.peek(path) is None and path not in self._bringing:
+            cache = self.cache
+            bring = self._bringing[path] = _Bring(cache.new_fetch_slot(foreground=urgent))
+            try:
+                await cache.acquire_fetch_slot(bring.slot)
+                attr, data = await self._stat_read(path, bring.slot)
+                if data is not None:
+                    cache.admit_prefetched(block_key(path, attr.version, 0), data, next_use=next_use,
+                                           tag=path_tag(path))
+                    return attr.size
+            finally:
+                del self._bringing[path]
+                bring.done.set()
+        else:
+            attr = await self.meta.stat(path)
         if not attr.is_file:
             return 0
         version, tag = attr.version, path_tag(path)
@@ -102,7 +155,12 @@ class FileBlocks:
     def promote_file(self, path: str) -> None:
         """A reader is about to ask for ``path``: its blocks' prefetches, if still waiting
         behind the prefetch slots, wait as foreground fetches (``BlockCache.promote``).
-        Only for a file whose attributes are cached (one its prefetch has stat'ed)."""
+        A file whose prefetch still waits for a fetch slot to stat it and bring its bytes
+        (``prefetch_file``) has that slot promoted."""
+        bring = self._bringing.get(path)
+        if bring is not None:
+            self.cache.promote_fetch_slot(bring.slot)
+            return
         attr = self.meta.peek(path)
         if attr is None or not attr.is_file:
             return
@@ -112,6 +170,9 @@ class FileBlocks:
     async def settled(self, path: str) -> None:
         """Wait until no block of ``path`` (at its cached version) is in flight any more:
         a prefetch issued for it has landed or failed.  Not a read: nothing is counted."""
+        bring = self._bringing.get(path)
+        if bring is not None:
+            await bring.done.wait()
         attr = self.meta.peek(path)
         if attr is None or not attr.is_file:
             return

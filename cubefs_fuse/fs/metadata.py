@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import errno
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import trio
@@ -98,32 +98,6 @@ class MetadataCache:
             done.set()
         self._remember(path, result[0], now + self.attr_ttl if self.attr_ttl else 0.0)
         return result
-
-    async def warm(self, paths: Iterable[str], concurrency: int) -> int:
-        """Bring the attributes of those ``paths`` that are not cached, ``concurrency``
-        backend stats at a time (in parallel: a remote's round trips overlap, where a
-        listing pays one per entry in series).  A failure is left for the file's own
-        lookup to report (a missing name is remembered as absent).  The stats made."""
-        now = trio.current_time()
-        missing = [p for p in dict.fromkeys(paths) if (c := self._attrs.get(p)) is None or c[0] <= now]
-        if not missing:  # a later epoch's window: all cached, no tasks to start
-            await trio.lowlevel.checkpoint_if_cancelled()
-            return 0
-        wanted = iter(missing)
-
-        async def worker() -> None:
-            for path in wanted:  # the workers share one iterator: each path is taken once
-                try:
-                    await self.stat(path)
-                except (OSError, FsError):
-                    pass
-                counted[0] += 1
-
-        counted = [0]
-        async with trio.open_nursery() as nursery:
-            for _ in range(max(1, min(concurrency, len(missing)))):
-                nursery.start_soon(worker)
-        return counted[0]
 
     def hit(self, path: str) -> Attr | None:
         """As :meth:`stat` when it would answer from the cache (counted as a hit), else None

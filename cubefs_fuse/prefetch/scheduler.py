@@ -38,7 +38,9 @@ MAX_WINDOW_FILES = 4096
 MATCH_AHEAD = 4 * MAX_WINDOW_FILES
 # Concurrent files being stat'ed and issued by one plan's window task.
 ISSUE_CONCURRENCY = 32
-# Size assumed for a file whose attributes are not cached (an ImageNet JPEG averages ~110 KB).
+# Size assumed for a file whose attributes are not cached before the plan's issues have
+# stat'ed any (an ImageNet JPEG averages ~110 KB); after that, the mean of those it has: a
+# dataset's files are alike, and the window's bytes overshoot their bound by one guess.
 AVERAGE_FILE_GUESS = 128 * 1024
 # Cached blocks re-ranked between two checkpoints.  A block costs ~8 us of trio-thread
 # CPU (a policy move in each tier; 4 ms per 512 at the median, 2-core VM, 2026-11-30),
@@ -63,22 +65,10 @@ INDEX_STEP = 256
 OPEN_INDEX_STEP = 16
 # Planned blocks made unplanned per checkpoint once the last plan is gone (~2 us each).
 UNPLAN_STEP = 1024
-# Positions whose files the window stats together, in parallel, before it hands their
-# blocks to the cache in plan order (nearest first) with their real sizes counted.  Small,
-# so the data of one chunk is issued after a few round trips, while the previous chunk's
-# fetches are still running.
-META_CHUNK = 32
 # Positions issued from RAM (no task; 25-45 us each on the 2-core VM, a few dict lookups and
 # a key per block) between two checkpoints: 64 keep a step near 2-3 ms, far below the 20 ms
 # a FUSE request may wait on the trio thread.
 RESIDENT_STEP = 64
-# Backend stats in flight while a chunk is stat'ed: with the prefetch's 16 fetch slots,
-# 8 of the default 32 backend threads stay free for foreground reads.  At 1 ms per round
-# trip that is ~8,000 stats/s, far above the cold files/s the daemon's CPU can fetch.
-META_CONCURRENCY = 8
-# The same for a plan's first positions: the loader waits for them and no prefetch is in
-# flight yet, so twice as many.
-FIRST_META_CONCURRENCY = 16
 # A plan none of whose files was opened for this long takes no share of the window
 # budget (its loader stopped early, or was dropped mid-epoch): the others' windows grow
 # back.  A DataLoader's workers open files many times a second; a minute without one is
@@ -112,13 +102,14 @@ class Plan:
     last_open: float = 0.0  # trio clock: the last open matched to this plan (or its submission)
     cursor: int = 0  # first position not yet consumed
     issued_upto: int = 0  # positions below this have been issued (or consumed)
-    warmed_upto: int = 0  # positions below this have had their files stat'ed
     resident_run: int = 0  # positions issued from RAM without a task (a checkpoint every RESIDENT_STEP)
     indexed_upto: int = 0  # positions below this are in ``index``
     consumed: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     index: dict[str, list[int]] = field(default_factory=dict)
     window_bytes: int = 0
     bytes_at: dict[int, int] = field(default_factory=dict)  # position -> bytes issued for it
+    files_sized: int = 0  # files its positions' issues have stat'ed ...
+    bytes_sized: int = 0  # ... and their bytes: the mean is the guess for a file not stat'ed yet
     wake: trio.Event = field(default_factory=trio.Event)
     first_end: int = 0  # positions below this are brought in before anything else (``wait_first``)
     depth: int = 0  # positions past the cursor fetched as foreground reads (``Scheduler.depth``)
@@ -366,10 +357,9 @@ class Scheduler:
         with plan.scope:
             try:
                 async with trio.open_nursery() as nursery:
-                    try:
-                        await self._issue_first(plan)
-                    finally:
-                        nursery.start_soon(self._signal_first, plan)
+                    taken = trio.Event()
+                    nursery.start_soon(self._issue_first, plan, nursery, taken)
+                    await taken.wait()
                     nursery.start_soon(self._rerank_then, plan)
                     with trio.move_on_after(RERANK_HEAD_START):
                         await plan.reranked.wait()
@@ -479,13 +469,9 @@ class Scheduler:
                 await self._index_ahead(plan)
                 issued_any = False
                 # Take positions nearest first while the window has files and bytes to
-                # spare: each chunk's files stat'ed in parallel, then issued in order.
+                # spare, each issued in a task of its own (ISSUE_CONCURRENCY at once).
                 while (plan.issued_upto < plan.length and plan.issued_upto - plan.cursor < MAX_WINDOW_FILES
                        and plan.window_bytes < self.share()):
-                    if plan.warmed_upto <= plan.issued_upto:
-                        end = min(plan.length, plan.issued_upto + META_CHUNK)
-                        await self._warm_metadata(plan, plan.issued_upto, end, META_CONCURRENCY)
-                        continue  # the reader may have moved meanwhile
                     position = plan.issued_upto
                     plan.issued_upto += 1
                     if plan.consumed[position] or position < plan.cursor:
@@ -497,19 +483,23 @@ class Scheduler:
                 plan.wake = trio.Event()
                 await plan.wake.wait()
 
-    async def _issue_first(self, plan: Plan) -> None:
+    async def _issue_first(self, plan: Plan, plan_nursery: trio.Nursery, taken: trio.Event) -> None:
         """Issue the first positions before the re-ranking and the window (the loader's
-        workers are about to open them): their files stat'ed all at once, then their
-        blocks handed to the cache."""
-        if not plan.first_end:
-            return
-        await self._warm_metadata(plan, 0, plan.first_end, FIRST_META_CONCURRENCY)
-        slots = trio.Semaphore(ISSUE_CONCURRENCY)
-        async with trio.open_nursery() as nursery:
-            while plan.issued_upto < plan.first_end and plan.window_bytes < self.share():
-                position = plan.issued_upto
-                plan.issued_upto += 1
-                await self._start_issue(nursery, plan, position, slots)
+        workers are about to open them): ``taken`` is set once each is taken (the window
+        then fills beside their issues, which may wait on the source: a small file's
+        issue brings its bytes), and ``_signal_first`` starts once they are all issued."""
+        try:
+            if plan.first_end:
+                slots = trio.Semaphore(ISSUE_CONCURRENCY)
+                async with trio.open_nursery() as nursery:
+                    while plan.issued_upto < plan.first_end and plan.window_bytes < self.share():
+                        position = plan.issued_upto
+                        plan.issued_upto += 1
+                        await self._start_issue(nursery, plan, position, slots)
+                    taken.set()
+        finally:
+            taken.set()
+            plan_nursery.start_soon(self._signal_first, plan)
 
     async def _signal_first(self, plan: Plan) -> None:
         """Set ``first_ready`` once the first positions' blocks have landed (or failed),
@@ -553,33 +543,28 @@ class Scheduler:
         plan.window_bytes += size
         return True
 
-    async def _warm_metadata(self, plan: Plan, start: int, end: int, concurrency: int) -> None:
-        """Stat the files of positions ``start`` to ``end`` that are not cached, in parallel
-        (``MetadataCache.warm``)."""
-        paths: dict[str, None] = {}
-        for position in range(start, end):
-            for path in plan.dataset.sample_paths(int(plan.order[position])):
-                paths[path] = None
-        await self.fs.meta.warm(paths, concurrency)
-        plan.warmed_upto = max(plan.warmed_upto, end)
-
     def _estimate(self, plan: Plan, position: int) -> int:
         """Bytes of a sample's files from cached metadata (a guess for files not stat'ed yet)."""
+        guess = plan.bytes_sized // plan.files_sized if plan.files_sized else AVERAGE_FILE_GUESS
         total = 0
         for path in plan.dataset.sample_paths(int(plan.order[position])):
             attr = self.fs.meta.peek(path)
-            total += attr.size if attr is not None else AVERAGE_FILE_GUESS
+            total += attr.size if attr is not None else guess
         return total
 
     async def _issue(self, plan: Plan, position: int, slots: trio.Semaphore) -> None:
-        """Hand the position's blocks to the cache (its files' attributes are cached, else
-        stat'ed here); the window's byte count gets their real sizes."""
+        """Hand the position's blocks to the cache (a file whose attributes are not cached
+        is stat'ed here, a small one's bytes coming with its stat: ``FileBlocks.prefetch_file``);
+        the window's byte count gets their real sizes."""
         try:
             size = 0
             for path in plan.dataset.sample_paths(int(plan.order[position])):
                 # Within the depth when issued: a read on the loader's behalf (module doc).
                 urgent = position < plan.cursor + self.depth(plan)
-                size += await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position, urgent=urgent)
+                file_size = await self.fs.blocks.prefetch_file(path, next_use=plan.origin + position, urgent=urgent)
+                plan.files_sized += 1
+                plan.bytes_sized += file_size
+                size += file_size
             plan.counters.issued += 1
             estimate = plan.bytes_at.get(position)
             if estimate is not None:  # not consumed meanwhile

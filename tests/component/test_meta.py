@@ -193,25 +193,6 @@ async def test_fresh_stat_and_invalidate(autojump_clock: trio.testing.MockClock)
     assert backend.operations["stat"] == 3
 
 
-async def test_warm_stats_in_parallel_each_uncached_path_once(autojump_clock: trio.testing.MockClock) -> None:
-    backend = FakeBackend(latency=0.001)  # 1 ms per stat
-    for i in range(100):
-        backend.write(f"d/f{i:03d}", b"x" * i)
-    meta = make(backend)
-    await meta.stat("d/f000")  # already cached: not stat'ed again
-    start = trio.current_time()
-    paths = [f"d/f{i:03d}" for i in range(100)] + ["d/f001", "d/missing"]  # a duplicate, a missing name
-    assert await meta.warm(paths, 10) == 100  # 99 files and the missing name
-    # Ten at a time: ten rounds of 1 ms, where one after the other took 100.
-    assert trio.current_time() - start == pytest.approx(0.010)
-    assert backend.operations["stat"] == 101 and backend.operations["listdir"] == 0
-    assert all(meta.peek(f"d/f{i:03d}") is not None for i in range(100))
-    with pytest.raises(FsError):  # remembered as absent: no second stat
-        await meta.stat("d/missing")
-    assert backend.operations["stat"] == 101
-    assert await meta.warm(paths, 10) == 0  # everything cached now
-
-
 async def test_concurrent_stats_of_one_path_make_one_backend_call(autojump_clock: trio.testing.MockClock) -> None:
     """Single flight: a window's stat and readers' lookups of the same file while its stat
     is in flight wait for that one (one HEAD over S3, one hop over a directory); a

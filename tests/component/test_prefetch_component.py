@@ -30,7 +30,7 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.limits import MAX_LOADERS
 from cubefs_fuse.prefetch.datasets import Dataset
-from cubefs_fuse.prefetch.scheduler import META_CHUNK, META_CONCURRENCY, PLAN_IDLE
+from cubefs_fuse.prefetch.scheduler import ISSUE_CONCURRENCY, PLAN_IDLE
 from cubefs_fuse.prefetch.service import FIRST_WAIT
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, Stack, open_stack, stack_config
@@ -100,8 +100,8 @@ async def eventually(predicate: Callable[[], bool], timeout: float = 60.0) -> No
 
 
 async def taken_in(s: System, rank: int = 0) -> None:
-    """Wait until the daemon has re-ranked the cache for the newest plan and stat'ed the
-    first chunk of its window (the virtual clock advances by that stat's round trip at most).
+    """Wait until the daemon has re-ranked the cache for the newest plan and issued the
+    first position of its window (the virtual clock advances by that stat's round trip at most).
 
     With a real clock that takes a worker thread ~1 ms after the plan arrives, before the
     epoch's first batch is read.  Under autojump_clock the reader's 2 ms misses cost no
@@ -133,10 +133,11 @@ def _count_worker_threads(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 async def window_started(plan: Any) -> None:
-    """Wait until ``plan``'s window has stat'ed its first chunk, right after re-ranking."""
+    """Wait until the cache is re-ranked for ``plan`` (its window fills from then on) and
+    a first position is issued (its files stat'ed, a small one's bytes with its stat)."""
     real_deadline = time.monotonic() + 60  # a hung worker thread fails the test, not CI's clock
     with trio.fail_after(1):  # virtual time: passes only while the window stats its first chunk
-        while not plan.warmed_upto:
+        while not (plan.reranked.is_set() and plan.counters.issued):
             if time.monotonic() > real_deadline:
                 raise trio.TooSlowError("a worker thread ran for a minute")
             # While a worker thread computes, a bare checkpoint (this task stays runnable,
@@ -192,6 +193,38 @@ async def test_plan_read_in_order_hits_after_the_first_files(autojump_clock: tri
         directories = len(paths) // 50
         assert backend.operations["listdir"] == 0
         assert backend.operations["stat"] <= len(paths) + directories + 10
+        # Each file came with its stat: one backend call per file, no separate read.
+        assert backend.operations["read"] == 0 and backend.stat_reads == len(paths)
+
+
+async def test_a_lookup_while_the_prefetch_brings_the_file_waits_for_it(
+        autojump_clock: trio.testing.MockClock) -> None:
+    """A reader that looks a file up while the plan's prefetch is stat'ing it with its bytes
+    waits for that call, as a read joins a flight: one backend call for the file, and the
+    reader's read counts as the miss it waited for (the prefetch used, not wasted)."""
+    backend = FakeBackend(latency=LATENCY)
+    paths = make_dataset(backend, 100)
+    gate = backend.gate(paths[40])  # the prefetch's read of it starts, then hangs
+    async with open_system(backend, ram=64 << 20) as s:
+        dataset = await register(s, paths)
+        await submit(s, dataset, list(range(len(paths))), epoch=0)
+        await taken_in(s)
+        await eventually(lambda: backend.read_calls[(paths[40], 0)] == 1)
+        used = s.cache.statistics().prefetch_used
+        async with trio.open_nursery() as nursery:
+            outcome: list[bool] = []
+
+            async def reader() -> None:
+                outcome.append(await read_file(s.fs, paths[40]))
+
+            nursery.start_soon(reader)
+            await trio.sleep(10 * LATENCY)
+            assert not outcome  # the reader waits on the prefetch's call ...
+            gate.set()
+        assert outcome == [False]  # ... and counts the miss it waited for
+        assert backend.read_calls[(paths[40], 0)] == 1 and backend.operations["read"] == 0
+        stats = s.cache.statistics()
+        assert stats.prefetch_used == used + 1 and stats.prefetch_wasted == 0
 
 
 async def test_a_later_epoch_of_a_resident_dataset_is_issued_without_a_task_per_file(
@@ -320,11 +353,12 @@ async def test_half_size_nvme_tier_keeps_a_stable_subset(tmp_path: Any) -> None:
 
 async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         autojump_clock: trio.testing.MockClock) -> None:
-    # A stat takes 1 s, so the old plan issues one chunk of META_CHUNK positions (stat'ed
-    # META_CONCURRENCY at a time) every `per_chunk` seconds.
-    per_chunk = META_CHUNK / META_CONCURRENCY
+    # A stat takes 1 s, so the old plan takes ISSUE_CONCURRENCY positions at once and
+    # finishes at most as many per second (fewer: the prefetch's fetch slots): it has
+    # taken some and not all of them after `per_chunk` seconds.
+    per_chunk = 4.0
     backend = FakeBackend(latency=LATENCY, op_latency={"stat": 1.0})
-    old_paths = make_dataset(backend, 8 * META_CHUNK, per_dir=10)
+    old_paths = make_dataset(backend, 8 * ISSUE_CONCURRENCY, per_dir=10)
     new_paths = [f"other/img{i}.jpg" for i in range(20)]
     for path in new_paths:
         backend.write(path, b"n" * BLOCK)
@@ -334,22 +368,23 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         await submit(s, old, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk)  # the first chunk is issued, the second is being stat'ed
         old_plan = s.service.scheduler.plans[(JOB, 0, "0")]
-        assert META_CHUNK <= old_plan.issued_upto < len(old_paths)
-        issued_before = old_plan.issued_upto
+        assert ISSUE_CONCURRENCY <= old_plan.issued_upto < len(old_paths)
         await submit(s, new, list(range(len(new_paths))), epoch=1)
         new_plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert new_plan is not old_plan
         await eventually(lambda: new_plan.counters.issued == len(new_paths)
                          and all((p, 0) in backend.read_calls for p in new_paths))
+        issued_before = old_plan.issued_upto  # replaced: its task was cancelled
         await trio.sleep(10 * per_chunk)  # longer than the old plan needed to issue everything
-        # Nothing past the old plan's issued positions was issued or read.
+        # Nothing past the old plan's issued positions was issued or read (a position taken
+        # but still in its stat when the plan was replaced was not read either).
         assert old_plan.issued_upto == issued_before
         read_old = {p for p, _ in backend.read_calls if p in set(old_paths)}
-        assert read_old == set(old_paths[:issued_before])
+        assert read_old <= set(old_paths[:issued_before]) and read_old
         assert old_plan.scope.cancelled_caught  # its task ended by cancellation
     # Control: without a new plan, the old one goes on to issue everything in that time.
     async with open_system(FakeBackend(latency=LATENCY, op_latency={"stat": 1.0}), ram=64 << 20) as s2:
-        make_dataset(s2.backend, 8 * META_CHUNK, per_dir=10)
+        make_dataset(s2.backend, 8 * ISSUE_CONCURRENCY, per_dir=10)
         old2 = await register(s2, old_paths)
         await submit(s2, old2, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk + 10 * per_chunk)
@@ -367,8 +402,11 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
         await submit(s, dataset, list(range(len(paths))), epoch=0)
         await trio.sleep(1)  # long enough for prefetch to take every slot it may
         slots = s.cache.statistics().slots
-        assert slots.busy_background == 3 and slots.waiting_background > 100
-        assert backend.read_log == [(p, 0) for p in paths[:3]]  # nearest first
+        # The window's issues in flight wait behind the three prefetch slots.
+        assert slots.busy_background == 3 and slots.waiting_background == ISSUE_CONCURRENCY - 3
+        # Nearest first: the first three positions (their issue tasks start in plan order
+        # and take the slots as trio runs them, so in any order among themselves).
+        assert sorted(backend.read_log) == [(p, 0) for p in paths[:3]], backend.read_log
 
         # 1. Prefetch never holds the last slot: a foreground miss goes straight through.
         start = trio.current_time()
@@ -390,8 +428,8 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
             reads = len(backend.read_log)
             gates[paths[0]].set()  # a prefetch ends and frees its slot ...
             await trio.sleep(LATENCY / 2)
-            # ... which goes to the waiting application read, not to one of the >100
-            # queued prefetches.
+            # ... which goes to the waiting application read, not to one of the queued
+            # prefetches.
             assert backend.read_log[reads:] == [("unplanned2.bin", 0)]
             for gate in gates.values():
                 gate.set()
@@ -744,7 +782,8 @@ async def test_a_dropped_loaders_window_stops_being_protected(autojump_clock: tr
         for path in a[:50]:
             await read_file(s.fs, path)
         plan_a = s.service.scheduler.plans[(JOB, 0, "0")]
-        await eventually(lambda: plan_a.issued_upto > 60 and next_use(a[60]) is not None)
+        await eventually(lambda: plan_a.issued_upto > 60 and s.fs.meta.peek(a[60]) is not None
+                         and next_use(a[60]) is not None)
         # Another loader starts while the first is still read: its window stays protected.
         await submit_for(s, db, list(range(LOADER_FILES)), loader="1")
         await eventually(lambda: s.service.scheduler.plans[(JOB, 0, "1")].counters.issued > 0)
