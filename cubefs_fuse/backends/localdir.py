@@ -43,8 +43,8 @@ DIR_FD_CACHE = 1024
 WANTED_FD_LIMIT = 65536
 
 # A listing reads its entries' attributes in chunks of this many (one worker-thread call
-# each, in series within it), LISTDIR_CONCURRENCY chunks at once: a quarter of the
-# default backendThreads (32), so a large listing never takes every thread from reads.
+# each, in series within it), LISTDIR_CONCURRENCY chunks at once: an eighth of the
+# default backendThreads (64), so a large listing never takes every thread from reads.
 LISTDIR_CHUNK = 16
 LISTDIR_CONCURRENCY = 8
 # Errors of the root descriptor that mean "this descriptor is dead, the path may be fine":

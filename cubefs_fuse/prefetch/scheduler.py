@@ -36,8 +36,6 @@ MAX_WINDOW_FILES = 4096
 # than the window so that a reader that runs ahead of the prefetch is still recognised
 # and the window jumps forward to it instead of prefetching what was already read.
 MATCH_AHEAD = 4 * MAX_WINDOW_FILES
-# Concurrent files being stat'ed and issued by one plan's window task.
-ISSUE_CONCURRENCY = 32
 # Size assumed for a file whose attributes are not cached before the plan's issues have
 # stat'ed any (an ImageNet JPEG averages ~110 KB); after that, the mean of those it has: a
 # dataset's files are alike, and the window's bytes overshoot their bound by one guess.
@@ -463,13 +461,13 @@ class Scheduler:
             keys, tags = [], []
 
     async def _fill(self, plan: Plan) -> None:
-        slots = trio.Semaphore(ISSUE_CONCURRENCY)
+        slots = self._issue_slots()
         async with trio.open_nursery() as nursery:
             while True:
                 await self._index_ahead(plan)
                 issued_any = False
                 # Take positions nearest first while the window has files and bytes to
-                # spare, each issued in a task of its own (ISSUE_CONCURRENCY at once).
+                # spare, each issued in a task of its own (_issue_slots).
                 while (plan.issued_upto < plan.length and plan.issued_upto - plan.cursor < MAX_WINDOW_FILES
                        and plan.window_bytes < self.share()):
                     position = plan.issued_upto
@@ -483,6 +481,13 @@ class Scheduler:
                 plan.wake = trio.Event()
                 await plan.wake.wait()
 
+    def _issue_slots(self) -> trio.Semaphore:
+        """How many positions of one plan are being issued at once: as many as the cache
+        has fetch slots.  A small file's issue is its fetch (``FileBlocks.prefetch_file``),
+        so the slots bound the fetches; fewer would leave prefetch slots idle while a
+        high-latency remote answers (files/s = fetches in flight / latency per file)."""
+        return trio.Semaphore(self.fs.cache.slots.total)
+
     async def _issue_first(self, plan: Plan, plan_nursery: trio.Nursery, taken: trio.Event) -> None:
         """Issue the first positions before the re-ranking and the window (the loader's
         workers are about to open them): ``taken`` is set once each is taken (the window
@@ -490,7 +495,7 @@ class Scheduler:
         issue brings its bytes), and ``_signal_first`` starts once they are all issued."""
         try:
             if plan.first_end:
-                slots = trio.Semaphore(ISSUE_CONCURRENCY)
+                slots = self._issue_slots()
                 async with trio.open_nursery() as nursery:
                     while plan.issued_upto < plan.first_end and plan.window_bytes < self.share():
                         position = plan.issued_upto

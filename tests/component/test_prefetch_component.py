@@ -30,7 +30,7 @@ from cubefs_fuse.fs.filesystem import Filesystem
 from cubefs_fuse.fs.inodes import ROOT_INODE
 from cubefs_fuse.limits import MAX_LOADERS
 from cubefs_fuse.prefetch.datasets import Dataset
-from cubefs_fuse.prefetch.scheduler import ISSUE_CONCURRENCY, PLAN_IDLE
+from cubefs_fuse.prefetch.scheduler import PLAN_IDLE
 from cubefs_fuse.prefetch.service import FIRST_WAIT
 from tests.fakes import FakeBackend
 from tests.stack import BLOCK, Stack, open_stack, stack_config
@@ -353,12 +353,12 @@ async def test_half_size_nvme_tier_keeps_a_stable_subset(tmp_path: Any) -> None:
 
 async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         autojump_clock: trio.testing.MockClock) -> None:
-    # A stat takes 1 s, so the old plan takes ISSUE_CONCURRENCY positions at once and
-    # finishes at most as many per second (fewer: the prefetch's fetch slots): it has
-    # taken some and not all of them after `per_chunk` seconds.
+    # A stat takes 1 s, so the old plan takes as many positions at once as the cache has
+    # fetch slots and finishes fewer per second (the prefetch's share of the slots): it
+    # has taken some and not all of them after `per_chunk` seconds.
     per_chunk = 4.0
     backend = FakeBackend(latency=LATENCY, op_latency={"stat": 1.0})
-    old_paths = make_dataset(backend, 8 * ISSUE_CONCURRENCY, per_dir=10)
+    old_paths = make_dataset(backend, 8 * 32, per_dir=10)
     new_paths = [f"other/img{i}.jpg" for i in range(20)]
     for path in new_paths:
         backend.write(path, b"n" * BLOCK)
@@ -368,7 +368,7 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         await submit(s, old, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk)  # the first chunk is issued, the second is being stat'ed
         old_plan = s.service.scheduler.plans[(JOB, 0, "0")]
-        assert ISSUE_CONCURRENCY <= old_plan.issued_upto < len(old_paths)
+        assert 0 < old_plan.issued_upto < len(old_paths)
         await submit(s, new, list(range(len(new_paths))), epoch=1)
         new_plan = s.service.scheduler.plans[(JOB, 0, "0")]
         assert new_plan is not old_plan
@@ -384,7 +384,7 @@ async def test_new_plan_for_the_same_rank_cancels_the_old_ones_issuing(
         assert old_plan.scope.cancelled_caught  # its task ended by cancellation
     # Control: without a new plan, the old one goes on to issue everything in that time.
     async with open_system(FakeBackend(latency=LATENCY, op_latency={"stat": 1.0}), ram=64 << 20) as s2:
-        make_dataset(s2.backend, 8 * ISSUE_CONCURRENCY, per_dir=10)
+        make_dataset(s2.backend, 8 * 32, per_dir=10)
         old2 = await register(s2, old_paths)
         await submit(s2, old2, list(range(len(old_paths))), epoch=0)
         await trio.sleep(1.5 * per_chunk + 10 * per_chunk)
@@ -402,8 +402,9 @@ async def test_foreground_reads_go_before_saturating_prefetch(autojump_clock: tr
         await submit(s, dataset, list(range(len(paths))), epoch=0)
         await trio.sleep(1)  # long enough for prefetch to take every slot it may
         slots = s.cache.statistics().slots
-        # The window's issues in flight wait behind the three prefetch slots.
-        assert slots.busy_background == 3 and slots.waiting_background == ISSUE_CONCURRENCY - 3
+        # The window issues as many positions at once as there are fetch slots (4): three
+        # hold the prefetch slots, the fourth waits behind them.
+        assert slots.busy_background == 3 and slots.waiting_background == 1
         # Nearest first: the first three positions (their issue tasks start in plan order
         # and take the slots as trio runs them, so in any order among themselves).
         assert sorted(backend.read_log) == [(p, 0) for p in paths[:3]], backend.read_log
