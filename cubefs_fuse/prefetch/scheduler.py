@@ -2,9 +2,11 @@
 read cursor. A plan is one DataLoader's epoch order (at most ``MAX_LOADERS`` per rank); its
 cursor advances as the job's opens match its paths; a task per plan keeps the files from the
 cursor up to its share of the byte budget (and ``MAX_WINDOW_FILES``) in flight or cached,
-stat'ing each chunk of positions in parallel, never by listing a directory, and handing
-their blocks to ``BlockCache.prefetch`` at background priority, except the loader's next
-files (the plan's ``first``), which are fetched as foreground reads. Positions of all plans
+issuing positions in plan order, as many at once as the cache has fetch slots: each file
+is stat'ed by its own backend call (never by listing a directory), a small one's bytes
+coming with it (``FileBlocks.prefetch_file``), a larger one's blocks handed to
+``BlockCache.prefetch``, at background priority, except the loader's next files (the
+plan's ``first``), which are fetched as foreground reads. Positions of all plans
 are on one clock (``origin + i``, ``Scheduler.now``) so that eviction compares loaders
 fairly, a new plan for the same loader cancels the old one's task, and nothing here does
 work proportional to the cache or the plan in one step (docs/concurrency.md; details in
