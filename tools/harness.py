@@ -412,6 +412,13 @@ def count_disk_entries(cache_dir: Path) -> int:
     return count
 
 
+def _stat_cpu_seconds(stat: str) -> float:
+    """User + system seconds in a process's or thread's ``/proc/.../stat`` line."""
+    fields = stat.rsplit(")", 1)[1].split()
+    # Fields 14 and 15 of proc(5) (utime, stime) in clock ticks; fields[0] is field 3.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True)
 class CpuSnapshot:
     """A daemon's CPU seconds at one moment (:meth:`DaemonMount.cpu_snapshot`)."""
@@ -541,9 +548,7 @@ class DaemonMount:
         if self.pid is None:
             raise HarnessError("the daemon is not mounted")
         with open(f"/proc/{self.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        # Fields 14 and 15 of proc(5) (utime, stime) in clock ticks; fields[0] is field 3.
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+            return _stat_cpu_seconds(f.read())
 
     def cpu_snapshot(self) -> CpuSnapshot:
         """The daemon's CPU seconds so far, in all and per thread with its part (CPU_PARTS):
@@ -553,7 +558,6 @@ class DaemonMount:
         two snapshots into the seconds of each part between them."""
         total = self.cpu_seconds()
         assert self.pid is not None  # cpu_seconds raised otherwise
-        tick = os.sysconf("SC_CLK_TCK")
         threads: dict[str, tuple[str, float]] = {}
         for tid in os.listdir(f"/proc/{self.pid}/task"):
             try:
@@ -562,10 +566,9 @@ class DaemonMount:
             except OSError:
                 continue  # ended meanwhile: its time is in the total
             comm = stat[stat.index("(") + 1:stat.rindex(")")]
-            fields = stat.rsplit(")", 1)[1].split()
             part = ("trio" if tid == str(self.pid) else "session" if comm.startswith("cfs-")
                     else "workers" if comm.startswith("Trio thread") else "other")
-            threads[tid] = (part, (int(fields[11]) + int(fields[12])) / tick)
+            threads[tid] = (part, _stat_cpu_seconds(stat))
         return CpuSnapshot(total, threads)
 
     def wait_for_disk_blocks(self, blocks: int, timeout: float = 60.0) -> bool:

@@ -113,7 +113,7 @@ STATS_INODE = ROOT_INODE + 1
 INODE_SHIFT = STATS_INODE
 FOREIGN_INODES = 1 << 62
 # Worker threads, i.e. remote operations in progress at once.  64 covers a DataLoader with
-# dozens of workers plus cubefs-fuse's backend threads (32 by default) without queueing;
+# dozens of workers, or cubefs-fuse's backend threads (64 by default), without queueing;
 # a sleeping thread costs only its stack.
 DEFAULT_THREADS = 64
 # Weight of a new sample in the running mean of time.sleep's overshoot: 1/32 averages

@@ -28,7 +28,7 @@ from benchmarks.suite.cleanup import Registry
 from tools.harness import HarnessError, Readers, build_tool
 from tools.slowfs import REPO, SlowFSProcess
 
-# Remote operations in progress at once.  Our daemon uses up to 32 backend threads,
+# Remote operations in progress at once.  Our daemon uses up to 64 backend threads,
 # JuiceFS up to 200 downloads, a DataLoader up to 8 workers: 128 keeps every system's
 # concurrency real without queueing in the emulator.
 EMULATOR_THREADS = 128
